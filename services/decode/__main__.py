@@ -1,0 +1,33 @@
+"""`python -m services.decode`: one decode worker (or, with --colocated, a colocated worker)."""
+
+import asyncio
+import sys
+from contextlib import AsyncExitStack
+
+from services.decode.settings import DecodeSettings
+from services.decode.worker import DecodeWorker
+from shared.lifecycle import stop_on_signals
+from shared.settings import load_settings, setup_logging
+from shared.transport.bus import NatsBus
+from shared.transport.kv import UcxDataPlane
+from shared.worker.runtime import load_runtime
+
+
+async def run(settings: DecodeSettings) -> None:
+    stop = stop_on_signals()
+    runtime = await asyncio.to_thread(load_runtime, settings, settings.role)
+    async with AsyncExitStack() as stack:
+        bus = await stack.enter_async_context(NatsBus(settings.nats_url, runtime.worker_id))
+        plane = await stack.enter_async_context(UcxDataPlane(settings.ucx_net_devices, settings.ucx_tls))
+        await DecodeWorker(settings, runtime, bus, plane).serve(stop)
+
+
+def main(argv=None) -> int:
+    settings = load_settings(DecodeSettings, argv, prog="python -m services.decode")
+    setup_logging(settings.log_level, settings.role)
+    asyncio.run(run(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

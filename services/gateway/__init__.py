@@ -1,0 +1,1 @@
+"""The gateway: the gRPC API in front of the cluster."""

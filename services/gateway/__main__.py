@@ -1,0 +1,69 @@
+"""`python -m services.gateway`: the gRPC API of a Tandem cluster."""
+
+import asyncio
+import logging
+import sys
+from contextlib import AsyncExitStack
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+
+from services.gateway.health import ReadinessProbe
+from services.gateway.servicer import TandemServicer
+from services.gateway.settings import GatewaySettings
+from services.gateway.streams import StreamRouter
+from services.gateway.validation import Limits
+from shared import model_store
+from shared.api import tandem_pb2_grpc as pb_grpc
+from shared.lifecycle import stop_on_signals
+from shared.settings import load_settings, setup_logging
+from shared.subjects import Subjects
+from shared.transport.bus import NatsBus
+
+log = logging.getLogger("gateway")
+
+
+def load_tokenizer(settings: GatewaySettings):
+    return model_store.load_tokenizer(model_store.prepare(settings.model, settings.model_cache))
+
+
+def limits_of(settings: GatewaySettings, tokenizer) -> Limits:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tokenizer.name_or_path)
+    model_limit = int(getattr(config, "max_position_embeddings", 2048))
+    return Limits(max_model_len=min(settings.max_model_len or model_limit, model_limit),
+                  default_max_tokens=settings.default_max_tokens,
+                  max_tokens_limit=settings.max_tokens_limit, max_stop_strings=settings.max_stop_strings)
+
+
+async def run(settings: GatewaySettings) -> None:
+    stop = stop_on_signals()
+    tokenizer = await asyncio.to_thread(load_tokenizer, settings)
+    subjects = Subjects(settings.cluster)
+    async with AsyncExitStack() as stack:
+        bus = await stack.enter_async_context(NatsBus(settings.nats_url, settings.gateway_id))
+        streams = await stack.enter_async_context(StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id)))
+        server = grpc.aio.server()
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        pb_grpc.add_TandemServicer_to_server(
+            TandemServicer(settings, bus, streams, tokenizer, limits_of(settings, tokenizer)), server)
+        port = server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
+        await server.start()
+        log.info("%s listening on %s:%d (cluster %r)", settings.gateway_id, settings.grpc_host, port, settings.cluster)
+        async with ReadinessProbe(bus, subjects, health_servicer):
+            await stop.wait()
+            log.info("stopping: draining streams for up to 5s")
+        await server.stop(grace=5)
+
+
+def main(argv=None) -> int:
+    settings = load_settings(GatewaySettings, argv, prog="python -m services.gateway")
+    setup_logging(settings.log_level, "gateway")
+    asyncio.run(run(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""TandemServicer: the gRPC API. Requests go to the scheduler over NATS; token chunks come back."""
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from services.gateway.settings import GatewaySettings
+from services.gateway.streams import StreamRouter
+from services.gateway.validation import InvalidRequest, Limits, validate
+from shared.api import tandem_pb2 as pb
+from shared.api import tandem_pb2_grpc as pb_grpc
+from shared.messages import (CancelRequest, GenerateTask, StatusReply, StatusRequest, SubmitReply,
+                             TokenChunk)
+from shared.subjects import Subjects
+from shared.transport.bus import MessageBus, NoResponders, RequestTimeout
+
+log = logging.getLogger(__name__)
+
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+          "cancelled": pb.FINISH_REASON_CANCELLED}
+
+
+def status_code(name: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+
+
+class TandemServicer(pb_grpc.TandemServicer):
+    def __init__(self, settings: GatewaySettings, bus: MessageBus, streams: StreamRouter, tokenizer,
+                 limits: Limits):
+        self.settings = settings
+        self.bus = bus
+        self.streams = streams
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.subjects = Subjects(settings.cluster)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrival = time.time()
+        try:
+            valid = await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if valid.request_id in self.streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {valid.request_id} is in flight")
+        remaining = context.time_remaining()
+        task = GenerateTask(request_id=valid.request_id, prompt_token_ids=valid.prompt_token_ids,
+                            sampling=valid.sampling, reply_subject=self.streams.subject,
+                            arrival_time=arrival, deadline=arrival + remaining if remaining else 0.0)
+        chunks = self.streams.open(valid.request_id)
+        ended = False
+        try:
+            await self._submit(task, context)
+            first_at = None
+            expected = 0
+            while not ended:
+                chunk = await self._next_chunk(chunks, expected, context)
+                expected += 1
+                if first_at is None and chunk.token_ids:
+                    first_at = time.time()
+                ended = bool(chunk.finish_reason)
+                yield self._response(chunk, arrival, first_at)
+        finally:
+            self.streams.close(valid.request_id)
+            if not ended:  # client gone, deadline passed or a failure: free what the workers hold
+                await self.bus.publish(self.subjects.cancel, CancelRequest(valid.request_id, "cancelled"))
+
+    async def _submit(self, task: GenerateTask, context) -> None:
+        try:
+            reply = await self.bus.request(self.subjects.submit, task, self.settings.submit_timeout_s, SubmitReply)
+        except NoResponders:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler is running")
+        except RequestTimeout:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not place the request in time")
+        if not reply.ok:
+            await context.abort(status_code(reply.code), reply.message)
+        log.info("request %s: %d prompt tokens -> prefill %s, decode %s", task.request_id,
+                 len(task.prompt_token_ids), reply.prefill_worker or "(local)", reply.decode_worker)
+
+    async def _next_chunk(self, chunks: asyncio.Queue, expected: int, context) -> TokenChunk:
+        try:
+            chunk = await asyncio.wait_for(chunks.get(), self.settings.stream_idle_timeout_s)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s")
+        if chunk.code:
+            await context.abort(status_code(chunk.code), chunk.message)
+        if chunk.index != expected:
+            await context.abort(grpc.StatusCode.INTERNAL, f"token stream lost chunk {expected}")
+        return chunk
+
+    def _response(self, chunk: TokenChunk, arrival: float, first_at: float | None) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(request_id=chunk.request_id, text=chunk.text, token_ids=chunk.token_ids)
+        if chunk.finish_reason:
+            now = time.time()
+            response.finish_reason = FINISH.get(chunk.finish_reason, pb.FINISH_REASON_STOP)
+            response.usage.prompt_tokens = chunk.prompt_tokens
+            response.usage.completion_tokens = chunk.completion_tokens
+            t = chunk.timing
+            if t is not None:
+                response.timing.CopyFrom(pb.Timing(
+                    queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, kv_transfer_ms=t.kv_transfer_ms,
+                    prefill_worker=t.prefill_worker, decode_worker=t.decode_worker))
+            response.timing.ttft_ms = ((first_at or now) - arrival) * 1000
+            response.timing.total_ms = (now - arrival) * 1000
+        return response
+
+    async def ClusterStatus(self, request: pb.ClusterStatusRequest, context) -> pb.ClusterStatusResponse:
+        try:
+            reply = await self.bus.request(self.subjects.status, StatusRequest(), 2.0, StatusReply)
+        except (NoResponders, RequestTimeout):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler answered")
+        return pb.ClusterStatusResponse(mode=reply.mode, workers=[pb.WorkerStatus(
+            id=w.worker_id, role=w.role, host=w.host, pid=w.pid, running=w.running, queued=w.queued,
+            kv_blocks_used=w.kv_blocks_used, kv_blocks_total=w.kv_blocks_total,
+            requests_served=w.requests_served, kv_bytes_sent=w.kv_bytes_sent,
+            kv_bytes_received=w.kv_bytes_received) for w in reply.workers])

@@ -1,0 +1,30 @@
+import uuid
+from dataclasses import dataclass, field
+
+from shared.settings import CommonSettings
+
+
+@dataclass
+class GatewaySettings(CommonSettings):
+    """Settings of the gateway (flags or TANDEM_* variables)."""
+
+    grpc_host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC API listens on (0.0.0.0 only when configured)"})
+    grpc_port: int = field(default=50051, metadata={"help": "gRPC port; 0 = any free port"})
+    model: str = field(default="", metadata={"help": "the model the workers serve (its tokenizer and chat template are used here)"})
+    model_cache: str = field(default="~/.cache/tandem/models", metadata={"help": "where converted GGUF models are cached"})
+    max_model_len: int = field(default=0, metadata={"help": "longest prompt + output; 0 = the model's own limit"})
+    default_max_tokens: int = field(default=256, metadata={"help": "max_tokens when a request leaves it unset"})
+    max_tokens_limit: int = field(default=4096, metadata={"help": "the largest max_tokens a request may ask for"})
+    max_stop_strings: int = field(default=16, metadata={"help": "how many stop strings a request may give"})
+    submit_timeout_s: float = field(default=10.0, metadata={"help": "how long the scheduler may take to place a request"})
+    stream_idle_timeout_s: float = field(default=300.0, metadata={"help": "a stream silent this long fails with UNAVAILABLE"})
+    gateway_id: str = field(default="", metadata={"help": "unique id; empty = random"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError("grpc_port must be 0..65535")
+        if not 0 < self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
+        if not self.gateway_id:
+            self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,94 @@
+"""Turns a GenerateRequest into token ids and SamplingParams, or a clear INVALID_ARGUMENT message."""
+
+import math
+import re
+import secrets
+import uuid
+from dataclasses import dataclass
+
+from shared.api import tandem_pb2 as pb
+from shared.messages import SamplingParams
+
+ROLES = ("system", "user", "assistant")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_STOP_CHARS = 256
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass
+class Limits:
+    max_model_len: int
+    default_max_tokens: int
+    max_tokens_limit: int
+    max_stop_strings: int
+
+
+@dataclass
+class ValidRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+def request_id_of(request: pb.GenerateRequest) -> str:
+    if not request.request_id:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.match(request.request_id):
+        raise InvalidRequest("request_id must be 1-128 characters of letters, digits and . _ : -")
+    return request.request_id
+
+
+def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
+    s = request.sampling
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else limits.default_max_tokens
+    if max_tokens == 0:
+        raise InvalidRequest("max_tokens must be at least 1")
+    if max_tokens > limits.max_tokens_limit:
+        raise InvalidRequest(f"max_tokens {max_tokens} is above the limit of {limits.max_tokens_limit}")
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidRequest("temperature must be a finite number >= 0")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidRequest("top_p must lie in (0, 1]")
+    if len(s.stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"at most {limits.max_stop_strings} stop strings")
+    if any(not stop or len(stop) > MAX_STOP_CHARS for stop in s.stop):
+        raise InvalidRequest(f"stop strings must be 1-{MAX_STOP_CHARS} characters")
+    seed = s.seed if s.HasField("seed") else secrets.randbits(63)
+    return SamplingParams(max_tokens=max_tokens, temperature=float(s.temperature), top_p=float(top_p),
+                          top_k=int(s.top_k), seed=seed & ((1 << 63) - 1), stop=list(s.stop),
+                          ignore_eos=s.ignore_eos)
+
+
+def prompt_ids_of(request: pb.GenerateRequest, tokenizer) -> list[int]:
+    """Tokenizes the raw prompt, or renders the messages with the model's chat template."""
+    if request.prompt and request.messages:
+        raise InvalidRequest("give either prompt or messages, not both")
+    if request.messages:
+        for m in request.messages:
+            if m.role not in ROLES:
+                raise InvalidRequest(f"unknown role {m.role!r}: use one of {', '.join(ROLES)}")
+        chat = [{"role": m.role, "content": m.content} for m in request.messages]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # some tokenizers answer with a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    if not request.prompt:
+        raise InvalidRequest("prompt is empty: give a prompt or messages")
+    ids = tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+    if not ids:
+        raise InvalidRequest("the prompt has no tokens")
+    return list(ids)
+
+
+def validate(request: pb.GenerateRequest, tokenizer, limits: Limits) -> ValidRequest:
+    request_id = request_id_of(request)
+    sampling = sampling_of(request, limits)
+    ids = prompt_ids_of(request, tokenizer)
+    if len(ids) + sampling.max_tokens > limits.max_model_len:
+        raise InvalidRequest(f"prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_tokens}) "
+                             f"exceeds the model's context of {limits.max_model_len} tokens")
+    return ValidRequest(request_id, ids, sampling)

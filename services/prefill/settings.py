@@ -1,0 +1,8 @@
+from dataclasses import dataclass
+
+from shared.worker.settings import WorkerSettings
+
+
+@dataclass
+class PrefillSettings(WorkerSettings):
+    """Settings of a prefill worker (flags or TANDEM_* variables)."""

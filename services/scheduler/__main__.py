@@ -1,0 +1,27 @@
+"""`python -m services.scheduler`: the scheduler."""
+
+import asyncio
+import sys
+
+from services.scheduler.service import SchedulerService
+from services.scheduler.settings import SchedulerSettings
+from shared.lifecycle import stop_on_signals
+from shared.settings import load_settings, setup_logging
+from shared.transport.bus import NatsBus
+
+
+async def run(settings: SchedulerSettings) -> None:
+    stop = stop_on_signals()
+    async with NatsBus(settings.nats_url, "scheduler") as bus:
+        await SchedulerService(settings, bus).serve(stop)
+
+
+def main(argv=None) -> int:
+    settings = load_settings(SchedulerSettings, argv, prog="python -m services.scheduler")
+    setup_logging(settings.log_level, "scheduler")
+    asyncio.run(run(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tandem's shared library: settings, wire messages, transports, model loading and the engine."""

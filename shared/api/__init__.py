@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of proto/tandem/v1/tandem.proto (see codegen.py)."""

@@ -1,0 +1,1 @@
+"""The `tandem` command line: launch an embedded stack, generate, show status."""

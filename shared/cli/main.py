@@ -1,0 +1,45 @@
+"""`tandem`: up | generate | status."""
+
+import argparse
+import sys
+
+from shared.cli import client, launcher
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start an embedded stack: NATS, scheduler, prefill, decode, gateway")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers (default 1)")
+    up.add_argument("--grpc-port", type=int, default=50051, help="gateway port (default 50051)")
+    up.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
+    up.add_argument("--model", default="", help="HF model directory or .gguf file (default SmolLM2-135M-Instruct)")
+    up.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
+    up.add_argument("--cluster", default="default", help="cluster name (NATS subject namespace)")
+    up.add_argument("--log-dir", default="", help="service logs go here (default: a new temporary directory)")
+    up.add_argument("--no-demo", action="store_true", help="skip the demo request")
+    up.set_defaults(run=launcher.up_command)
+
+    gen = sub.add_parser("generate", help="stream an answer from the gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    gen.add_argument("--address", default="127.0.0.1:50051")
+    gen.set_defaults(run=client.generate_command)
+
+    status = sub.add_parser("status", help="the workers the scheduler knows")
+    status.add_argument("--address", default="127.0.0.1:50051")
+    status.set_defaults(run=client.status_command)
+    return top
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

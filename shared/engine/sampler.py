@@ -1,0 +1,35 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, seeded.
+
+The random draw for output position i uses a generator seeded from (seed, i) alone, so a
+seeded request gives the same tokens whether its first token was sampled on a prefill worker
+and the rest on a decode worker, or all of them in one colocated worker.
+"""
+
+import torch
+
+from shared.messages import SamplingParams
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK63 = (1 << 63) - 1
+
+
+def step_seed(seed: int, position: int) -> int:
+    return (seed * _GOLDEN + position * 0xBF58476D1CE4E5B9 + 1) & _MASK63
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The token at output `position` (0 = first) from the last-position logits [vocab]."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    scores = logits.float() / params.temperature
+    if 0 < params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=True)
+        cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(ordered, dim=-1) >= params.top_p  # keeps at least one
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    generator = torch.Generator(device=probs.device).manual_seed(step_seed(params.seed, position))
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,261 @@
+"""Every control-plane message, and the one place they are encoded to and decoded from msgpack.
+
+Messages carry descriptors and token ids, never tensors: KV bytes travel over UCX.
+A message is a map with its type name under "type"; unknown types, missing or mistyped
+fields and oversized payloads are rejected with MessageError.
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar
+
+import msgpack
+
+# NATS refuses payloads over its max_payload (1 MiB by default). Stay far below it so a
+# message that grows with its input fails here, loudly, instead of as a timeout there.
+MAX_MESSAGE_BYTES = 256 * 1024
+
+M = TypeVar("M")
+
+
+class MessageError(ValueError):
+    """A payload that is not a valid Tandem message."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerateTask:
+    """One request as it travels gateway -> scheduler -> decode worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_subject: str          # where the TokenChunks go
+    arrival_time: float         # unix time the gateway accepted it
+    deadline: float = 0.0       # unix time after which nobody should work on it; 0 = none
+
+
+@dataclass
+class SubmitReply:
+    ok: bool
+    code: str = ""              # a gRPC status code name when not ok
+    message: str = ""
+    prefill_worker: str = ""
+    decode_worker: str = ""
+
+
+@dataclass
+class DecodeAssignment:
+    """Scheduler -> decode worker. An empty prefill_worker means prefill locally."""
+
+    task: GenerateTask
+    prefill_worker: str = ""
+
+
+@dataclass
+class TaskAck:
+    ok: bool
+    code: str = ""
+    message: str = ""
+
+
+@dataclass
+class KVLayout:
+    """What both ends of a KV transfer must agree on before any byte moves."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class PrefillTask:
+    """Decode worker -> prefill worker: compute this prompt and send its KV to me."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    layout: KVLayout
+    transfer_tag: int           # the UCX tag the KV bytes are sent with
+    decode_worker: str
+    decode_ucx_address: bytes   # the decode worker's UCX worker address
+    arrival_time: float
+    deadline: float = 0.0
+
+
+@dataclass
+class PrefillResult:
+    """Prefill worker -> decode worker: the KV is on the wire (or the prefill failed)."""
+
+    request_id: str
+    transfer_tag: int
+    ok: bool
+    code: str = ""
+    message: str = ""
+    first_token: int = -1
+    kv_bytes: int = 0
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    prefill_worker: str = ""
+
+
+@dataclass
+class Timing:
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    kv_transfer_ms: float = 0.0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+
+
+@dataclass
+class TokenChunk:
+    """Worker -> gateway: new tokens of one request; the last one has finish_reason or an error code."""
+
+    request_id: str
+    index: int                  # 0, 1, 2, ... per request, so the gateway can spot a gap
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""     # "", "stop", "length" or "cancelled"
+    code: str = ""              # a gRPC status code name when the request failed
+    message: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timing: Optional[Timing] = None
+
+
+@dataclass
+class CancelRequest:
+    request_id: str
+    reason: str = "cancelled"
+
+
+@dataclass
+class WorkerHeartbeat:
+    worker_id: str
+    role: str                   # prefill, decode or colocated
+    host: str
+    pid: int
+    ucx_address: bytes
+    layout: KVLayout
+    max_model_len: int
+    running: int = 0
+    queued: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    block_size: int = 16
+    requests_served: int = 0
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    stopping: bool = False      # draining: take no new work
+
+
+@dataclass
+class Discover:
+    scheduler_id: str
+
+
+@dataclass
+class StatusRequest:
+    pass
+
+
+@dataclass
+class StatusReply:
+    mode: str
+    ready: bool
+    workers: list[WorkerHeartbeat] = field(default_factory=list)
+
+
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
+    GenerateTask, SubmitReply, DecodeAssignment, TaskAck, PrefillTask, PrefillResult,
+    TokenChunk, CancelRequest, WorkerHeartbeat, Discover, StatusRequest, StatusReply)}
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def encode(message: Any) -> bytes:
+    """The only way a message becomes bytes."""
+    name = type(message).__name__
+    if MESSAGE_TYPES.get(name) is not type(message):
+        raise MessageError(f"not a wire message: {name}")
+    body = _to_plain(message)
+    body["type"] = name
+    data = msgpack.packb(body, use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"{name} is {len(data)} bytes, over the {MAX_MESSAGE_BYTES}-byte limit")
+    return data
+
+
+def _check(kind: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(kind):
+            return None
+        inner = [a for a in typing.get_args(kind) if a is not type(None)][0]
+        return _check(inner, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise MessageError(f"{where}: expected a list")
+        (item,) = typing.get_args(kind)
+        return [_check(item, v, f"{where}[]") for v in value]
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise MessageError(f"{where}: expected a map")
+        return _build(kind, value, where)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, bool):
+        raise MessageError(f"{where}: expected int, got bool")
+    if not isinstance(value, kind):
+        raise MessageError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls: type, body: dict, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in body:
+            values[f.name] = _check(hints[f.name], body[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise MessageError(f"{where}: missing field {f.name!r}")
+    return cls(**values)
+
+
+def decode(data: bytes, expected: type[M] | None = None) -> M:
+    """The only way bytes become a message; `expected` narrows which type is acceptable."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"payload of {len(data)} bytes is over the limit")
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MessageError(f"not msgpack: {exc}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("type"), str):
+        raise MessageError("not a typed message")
+    cls = MESSAGE_TYPES.get(body.pop("type"))
+    if cls is None:
+        raise MessageError("unknown message type")
+    if expected is not None and cls is not expected:
+        raise MessageError(f"expected {expected.__name__}, got {cls.__name__}")
+    return _build(cls, body, cls.__name__)

@@ -1,0 +1,96 @@
+"""Settings: one dataclass per service, read once in main() from flags and TANDEM_* variables.
+
+Precedence: command-line flag > TANDEM_<FIELD> environment variable > the dataclass default.
+Each field's help text lives in its metadata: `field(default=..., metadata={"help": "..."})`.
+"""
+
+import argparse
+import logging
+import os
+import re
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Mapping, Sequence, TypeVar
+
+T = TypeVar("T")
+_CLUSTER_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class CommonSettings:
+    """Settings every service shares."""
+
+    nats_url: str = field(default="nats://127.0.0.1:4222", metadata=_help("NATS server URL"))
+    cluster: str = field(default="default", metadata=_help(
+        "cluster name: NATS subjects are namespaced by it, so stacks can share one NATS server"))
+    log_level: str = field(default="INFO", metadata=_help("log level: DEBUG, INFO, WARNING, ERROR"))
+
+    def __post_init__(self) -> None:
+        if not _CLUSTER_RE.match(self.cluster):
+            raise ValueError(f"cluster must match {_CLUSTER_RE.pattern}, got {self.cluster!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"unknown log level {self.log_level!r}")
+
+
+def env_name(name: str) -> str:
+    return "TANDEM_" + name.upper()
+
+
+def _convert(kind: type, text: str, name: str):
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{name}: expected a boolean, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected {kind.__name__}, got {text!r}") from None
+
+
+def load_settings(cls: type[T], argv: Sequence[str] | None = None,
+                  env: Mapping[str, str] | None = None, prog: str | None = None) -> T:
+    """Builds `cls` from flags (`--field-name`) and TANDEM_FIELD_NAME variables; exits 2 on bad input."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
+    for f in fields(cls):
+        kind = hints[f.name]
+        default = f.default if f.default is not MISSING else "(computed)"
+        text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}, default {default!r}]"
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            parser.add_argument(flag, type=str, default=None, help=text, metavar=kind.__name__.upper())
+    args = parser.parse_args(argv)
+    values = {}
+    try:
+        for f in fields(cls):
+            given = getattr(args, f.name)
+            if given is None and env_name(f.name) in env:
+                given = env[env_name(f.name)]
+            if given is None:
+                continue
+            kind = hints[f.name]
+            values[f.name] = given if isinstance(given, bool) else _convert(kind, given, f.name)
+        return cls(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def setup_logging(level: str, service: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
+    )
+    # Third-party chatter at INFO drowns our own lines.
+    for noisy in ("nats", "ucxx", "httpx", "transformers"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))

@@ -1,0 +1,49 @@
+"""Every NATS subject Tandem uses, namespaced by the cluster name."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subjects:
+    cluster: str
+
+    @property
+    def _root(self) -> str:
+        return f"tandem.{self.cluster}"
+
+    @property
+    def heartbeat(self) -> str:
+        """Workers announce themselves and their load here."""
+        return f"{self._root}.workers.heartbeat"
+
+    @property
+    def discover(self) -> str:
+        """A scheduler asks every worker to announce itself now."""
+        return f"{self._root}.workers.discover"
+
+    @property
+    def submit(self) -> str:
+        """Gateway -> scheduler: a new request (queue group: any scheduler may take it)."""
+        return f"{self._root}.scheduler.submit"
+
+    @property
+    def status(self) -> str:
+        """Gateway -> scheduler: which workers are alive."""
+        return f"{self._root}.scheduler.status"
+
+    @property
+    def cancel(self) -> str:
+        """Gateway -> every worker: stop a request and free what it holds."""
+        return f"{self._root}.requests.cancel"
+
+    def worker_tasks(self, worker_id: str) -> str:
+        """Work addressed to one worker (decode assignments, prefill tasks)."""
+        return f"{self._root}.worker.{worker_id}.tasks"
+
+    def prefill_results(self, worker_id: str) -> str:
+        """Prefill worker -> decode worker: the prefill of a request is done and its KV is on the wire."""
+        return f"{self._root}.worker.{worker_id}.prefill_results"
+
+    def gateway_tokens(self, gateway_id: str) -> str:
+        """Workers -> one gateway: the token stream chunks of the requests it holds."""
+        return f"{self._root}.gateway.{gateway_id}.tokens"

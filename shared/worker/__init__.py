@@ -1,0 +1,1 @@
+"""What prefill, decode and colocated workers share: settings, start-up and announcements."""

@@ -1,0 +1,49 @@
+"""Workers announce themselves and their load on NATS: every interval, and at once when a scheduler asks."""
+
+import asyncio
+import logging
+from typing import Callable
+
+from shared.messages import Discover, WorkerHeartbeat
+from shared.subjects import Subjects
+from shared.transport.bus import MessageBus
+
+log = logging.getLogger(__name__)
+
+
+class Announcer:
+    def __init__(self, bus: MessageBus, subjects: Subjects, snapshot: Callable[[], WorkerHeartbeat],
+                 interval_s: float):
+        self._bus = bus
+        self._subjects = subjects
+        self._snapshot = snapshot
+        self._interval = interval_s
+        self._task: asyncio.Task | None = None
+        self._sub = None
+
+    async def __aenter__(self) -> "Announcer":
+        self._sub = await self._bus.subscribe(self._subjects.discover, self._on_discover)
+        await self.announce()
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        await self._sub.unsubscribe()
+        final = self._snapshot()
+        final.stopping = True  # the scheduler drops us at once instead of after a timeout
+        await self._bus.publish(self._subjects.heartbeat, final)
+
+    async def announce(self) -> None:
+        await self._bus.publish(self._subjects.heartbeat, self._snapshot())
+
+    async def _on_discover(self, message: Discover, respond) -> None:
+        await self.announce()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.announce()
+            except Exception as err:  # NATS reconnecting: the next beat will do
+                log.warning("heartbeat not sent: %s", err)

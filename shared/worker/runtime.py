@@ -1,0 +1,57 @@
+"""Start-up of a model worker: the model, tokenizer, KV block budget and identity, loaded once."""
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from shared import model_store
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_cache import bytes_per_token
+from shared.engine.model_runner import ModelRunner
+from shared.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerRuntime:
+    worker_id: str
+    role: str
+    host: str
+    runner: ModelRunner
+    tokenizer: object
+    blocks: BlockManager
+    max_model_len: int
+    eos_token_ids: set[int]
+
+
+def pick_device(setting: str) -> str:
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
+
+
+def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    device = pick_device(settings.device)
+    model_dir = model_store.prepare(settings.model, settings.model_cache)
+    model = model_store.load_model(model_dir, device, settings.dtype)
+    tokenizer = model_store.load_tokenizer(model_dir)
+    runner = ModelRunner(model, model_store.model_name(settings.model), device)
+    model_limit = int(getattr(model.config, "max_position_embeddings", 2048))
+    max_len = min(settings.max_model_len or model_limit, model_limit)
+    block_bytes = settings.block_size * bytes_per_token(runner.layout)
+    blocks = BlockManager(max(1, settings.kv_cache_mb * 2**20 // block_bytes), settings.block_size)
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    runtime = WorkerRuntime(settings.resolved_worker_id(role), role, settings.resolved_host(), runner,
+                            tokenizer, blocks, max_len, eos_ids)
+    log.info("%s %s (pid %d) ready: model %s on %s/%s, %d threads, %d KV blocks of %d tokens, max_model_len %d",
+             role, runtime.worker_id, os.getpid(), runner.layout.model, device, settings.dtype,
+             torch.get_num_threads(), blocks.num_blocks, blocks.block_size, max_len)
+    return runtime

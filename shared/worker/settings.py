@@ -1,0 +1,45 @@
+"""Settings common to every model worker (prefill, decode, colocated)."""
+
+import os
+import uuid
+from dataclasses import dataclass, field
+
+from shared.settings import CommonSettings
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass
+class WorkerSettings(CommonSettings):
+    model: str = field(default="", metadata={"help": "HF model directory or .gguf file; empty = SmolLM2-135M-Instruct"})
+    model_cache: str = field(default="~/.cache/tandem/models", metadata={"help": "where converted GGUF models are cached"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda when present), cpu, cuda or cuda:N"})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    torch_threads: int = field(default=0, metadata={"help": "torch intra-op threads; 0 = torch's default"})
+    kv_cache_mb: int = field(default=1024, metadata={"help": "KV cache budget of this worker in MiB"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    max_model_len: int = field(default=0, metadata={"help": "longest prompt + output; 0 = the model's own limit"})
+    max_queue: int = field(default=64, metadata={"help": "requests waiting beyond which new ones are refused"})
+    worker_id: str = field(default="", metadata={"help": "unique id; empty = role plus a random suffix"})
+    host_label: str = field(default="", metadata={"help": "host name announced to the scheduler; empty = this host's"})
+    ucx_net_devices: str = field(default="lo", metadata={"help": "UCX_NET_DEVICES for the KV data plane (lo = loopback only; 'all' in containers)"})
+    ucx_tls: str = field(default="", metadata={"help": "UCX_TLS for the KV data plane; empty = UCX's choice"})
+    heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between load reports"})
+    prefill_timeout_s: float = field(default=300.0, metadata={"help": "how long a decode worker waits for a remote prefill"})
+    kv_transfer_timeout_s: float = field(default=60.0, metadata={"help": "how long one KV transfer may take"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("kv_cache_mb", "block_size", "max_queue"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat_interval_s must be positive")
+
+    def resolved_worker_id(self, role: str) -> str:
+        return self.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+
+    def resolved_host(self) -> str:
+        return self.host_label or os.uname().nodename

@@ -1,0 +1,101 @@
+"""Real stacks for integration tests: nats-server and each service as its own process."""
+
+import json
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.api import tandem_pb2 as pb
+from shared.api import tandem_pb2_grpc as pb_grpc
+from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
+import sys
+
+
+@dataclass
+class NatsServer:
+    url: str
+    monitor_port: int
+
+    def varz(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/varz", timeout=5) as r:
+            return json.load(r)
+
+
+def start_nats(group: ProcessGroup) -> NatsServer:
+    port, monitor = free_port(), free_port()
+    group.spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
+                child_env({}))
+    assert wait_for_port("127.0.0.1", port, 15), group.log_tail("nats")
+    return NatsServer(f"nats://127.0.0.1:{port}", monitor)
+
+
+@dataclass
+class Stack:
+    cluster: str
+    address: str
+    group: ProcessGroup
+    mode: str
+    names: list[str] = field(default_factory=list)
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def stub(self) -> pb_grpc.TandemStub:
+        return pb_grpc.TandemStub(self.channel())
+
+    def status(self) -> pb.ClusterStatusResponse:
+        return self.stub().ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+
+    def wait_idle(self, timeout: float = 30) -> pb.ClusterStatusResponse:
+        """Until every worker reports nothing running, nothing queued and no KV blocks held."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if all(w.running == 0 and w.queued == 0 and w.kv_blocks_used == 0 for w in status.workers):
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers not idle: {status}")
+            time.sleep(0.2)
+
+
+def wait_serving(address: str, group: ProcessGroup, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            assert not group.dead(), [(n, c, group.log_tail(n)) for n, c in group.dead()]
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+    raise TimeoutError("gateway not SERVING")
+
+
+def start_stack(group: ProcessGroup, nats: NatsServer, cluster: str, mode: str = "disaggregated",
+                prefill: int = 1, decode: int = 1, wait: bool = True, extra_env: dict | None = None) -> Stack:
+    port = free_port()
+    common = {"TANDEM_NATS_URL": nats.url, "TANDEM_CLUSTER": cluster, "TANDEM_LOG_LEVEL": "INFO",
+              **(extra_env or {})}
+    worker = {**common, "TANDEM_TORCH_THREADS": "1"}
+    py = [sys.executable, "-m"]
+    names = [f"{cluster}-scheduler"]
+    group.spawn(names[-1], py + ["services.scheduler"], child_env({**common, "TANDEM_MODE": mode}))
+    for i in range(prefill if mode == "disaggregated" else 0):
+        names.append(f"{cluster}-prefill-{i}")
+        group.spawn(names[-1], py + ["services.prefill"], child_env(worker))
+    for i in range(decode):
+        names.append(f"{cluster}-decode-{i}")
+        group.spawn(names[-1], py + ["services.decode"],
+                    child_env({**worker, "TANDEM_COLOCATED": "1" if mode == "colocated" else "0"}))
+    names.append(f"{cluster}-gateway")
+    group.spawn(names[-1], py + ["services.gateway"], child_env({**common, "TANDEM_GRPC_PORT": str(port)}))
+    address = f"127.0.0.1:{port}"
+    if wait:
+        wait_serving(address, group)
+    return Stack(cluster, address, group, mode, names)

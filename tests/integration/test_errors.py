@@ -1,0 +1,101 @@
+"""Bad input, deadlines, cancellation and missing workers: a clear status, nothing leaked, nothing down."""
+
+import time
+
+import grpc
+import pytest
+
+from shared.api import tandem_pb2 as pb
+from tests.integration.helpers import chat_request, collect
+from tests.integration.stack import start_stack
+
+pytestmark = pytest.mark.slow
+
+
+def _sampling(**kw) -> pb.SamplingParams:
+    return pb.SamplingParams(**kw)
+
+
+BAD_REQUESTS = {
+    "no prompt and no messages": pb.GenerateRequest(sampling=_sampling(max_tokens=4)),
+    "both prompt and messages": pb.GenerateRequest(
+        prompt="hi", messages=[pb.ChatMessage(role="user", content="hi")], sampling=_sampling(max_tokens=4)),
+    "empty prompt": pb.GenerateRequest(prompt="", sampling=_sampling(max_tokens=4)),
+    "max_tokens 0": pb.GenerateRequest(prompt="hi", sampling=_sampling(max_tokens=0)),
+    "max_tokens above the limit": pb.GenerateRequest(prompt="hi", sampling=_sampling(max_tokens=100_000)),
+    "longer than the context": pb.GenerateRequest(prompt="word " * 8000, sampling=_sampling(max_tokens=4000)),
+    "negative temperature": pb.GenerateRequest(prompt="hi", sampling=_sampling(temperature=-0.5)),
+    "top_p 0": pb.GenerateRequest(prompt="hi", sampling=_sampling(top_p=0.0)),
+    "top_p above 1": pb.GenerateRequest(prompt="hi", sampling=_sampling(top_p=1.5)),
+    "unknown role": pb.GenerateRequest(messages=[pb.ChatMessage(role="wizard", content="hi")]),
+    "bad request id": pb.GenerateRequest(request_id="a b/c", prompt="hi"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument(disagg, case):
+    with pytest.raises(grpc.RpcError) as err:
+        collect(disagg.stub(), BAD_REQUESTS[case], timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details()
+
+
+def test_services_survive_bad_input(disagg):
+    for request in BAD_REQUESTS.values():
+        with pytest.raises(grpc.RpcError):
+            collect(disagg.stub(), request, timeout=30)
+    assert not disagg.group.dead()
+    _, ids, _ = collect(disagg.stub(), chat_request("Say hello.", 8))
+    assert ids
+
+
+def test_deadline_exceeded_frees_the_kv(disagg):
+    request = chat_request("Write a very long story.", 2000, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(disagg.stub(), request, timeout=1.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    disagg.wait_idle()
+
+
+def test_client_cancel_frees_the_kv(disagg):
+    stream = disagg.stub().Generate(chat_request("Write a very long story.", 2000, ignore_eos=True), timeout=60)
+    received = [next(stream) for _ in range(3)]
+    assert all(c.token_ids for c in received)
+    deadline = time.monotonic() + 5  # the status reflects heartbeats, sent every 0.5 s
+    while not any(w.kv_blocks_used > 0 for w in disagg.status().workers if w.role == "decode"):
+        assert time.monotonic() < deadline, "the decode worker never reported the blocks it holds"
+        time.sleep(0.1)
+    stream.cancel()
+    disagg.wait_idle()
+
+
+def test_no_workers_is_unavailable_quickly(processes, nats):
+    empty = start_stack(processes, nats, "it-empty", prefill=0, decode=0, wait=False)
+    deadline = time.monotonic() + 60
+    while True:  # until the gateway is up and the scheduler answers
+        try:
+            collect(empty.stub(), chat_request("hi", 4), timeout=10)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAVAILABLE and "no live" in err.details():
+                break
+            assert time.monotonic() < deadline, err
+            time.sleep(0.5)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        collect(empty.stub(), chat_request("hi", 4), timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - started < 5
+
+
+def test_no_scheduler_is_unavailable(processes, nats):
+    lonely = start_stack(processes, nats, "it-lonely", prefill=0, decode=0, wait=False)
+    processes.children[[n for n, _ in processes.children].index("it-lonely-scheduler")][1].terminate()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            collect(lonely.stub(), chat_request("hi", 4), timeout=10)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAVAILABLE and "scheduler" in err.details():
+                return
+            assert time.monotonic() < deadline, err
+            time.sleep(0.5)

@@ -67,7 +67,8 @@ class DecodeWorker:
                 await self.bus.subscribe(self.subjects.prefill_results(self.rt.worker_id), self.on_prefill_result),
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
         try:
-            async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s):
+            async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s,
+                                 self.settings.alive_file):
                 await self.engine.run(stop)
                 for seq in self.engine.seqs.values():
                     seq.error = seq.error or ("UNAVAILABLE", "the decode worker is shutting down")

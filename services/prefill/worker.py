@@ -53,7 +53,8 @@ class PrefillWorker:
         subs = [await self.bus.subscribe(self.subjects.worker_tasks(self.rt.worker_id), self.on_task),
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
         try:
-            async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s):
+            async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s,
+                                 self.settings.alive_file):
                 while not stop.is_set():
                     task = await wait_or_stop(self.queue.get(), stop)
                     if task is not None:

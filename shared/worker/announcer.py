@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Callable
 
 from shared.messages import Discover, WorkerHeartbeat
@@ -13,11 +14,12 @@ log = logging.getLogger(__name__)
 
 class Announcer:
     def __init__(self, bus: MessageBus, subjects: Subjects, snapshot: Callable[[], WorkerHeartbeat],
-                 interval_s: float):
+                 interval_s: float, alive_file: str = ""):
         self._bus = bus
         self._subjects = subjects
         self._snapshot = snapshot
         self._interval = interval_s
+        self._alive = Path(alive_file) if alive_file else None
         self._task: asyncio.Task | None = None
         self._sub = None
 
@@ -36,6 +38,8 @@ class Announcer:
 
     async def announce(self) -> None:
         await self._bus.publish(self._subjects.heartbeat, self._snapshot())
+        if self._alive is not None:
+            self._alive.touch()
 
     async def _on_discover(self, message: Discover, respond) -> None:
         await self.announce()

@@ -24,6 +24,7 @@ class WorkerSettings(CommonSettings):
     host_label: str = field(default="", metadata={"help": "host name announced to the scheduler; empty = this host's"})
     ucx_net_devices: str = field(default="lo", metadata={"help": "UCX_NET_DEVICES for the KV data plane (lo = loopback only; 'all' in containers)"})
     ucx_tls: str = field(default="", metadata={"help": "UCX_TLS for the KV data plane; empty = UCX's choice"})
+    alive_file: str = field(default="", metadata={"help": "touched on every heartbeat, for container health checks; empty = none"})
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between load reports"})
     prefill_timeout_s: float = field(default=300.0, metadata={"help": "how long a decode worker waits for a remote prefill"})
     kv_transfer_timeout_s: float = field(default=60.0, metadata={"help": "how long one KV transfer may take"})

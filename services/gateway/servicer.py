@@ -1,6 +1,7 @@
 """TandemServicer: the gRPC API. Requests go to the scheduler over NATS; token chunks come back."""
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 
@@ -35,11 +36,14 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.tokenizer = tokenizer
         self.limits = limits
         self.subjects = Subjects(settings.cluster)
+        # One thread: HF tokenizers are not safe to call from several threads at once.
+        self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.time()
         try:
-            valid = await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
+            valid = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize, validate, request, self.tokenizer, self.limits)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if valid.request_id in self.streams:
@@ -64,7 +68,13 @@ class TandemServicer(pb_grpc.TandemServicer):
         finally:
             self.streams.close(valid.request_id)
             if not ended:  # client gone, deadline passed or a failure: free what the workers hold
-                await self.bus.publish(self.subjects.cancel, CancelRequest(valid.request_id, "cancelled"))
+                await self._cancel(valid.request_id)
+
+    async def _cancel(self, request_id: str) -> None:
+        try:
+            await self.bus.publish(self.subjects.cancel, CancelRequest(request_id, "cancelled"))
+        except Exception as err:  # NATS down: the workers' own timeouts free the request
+            log.warning("could not broadcast the cancel of %s: %s", request_id, err)
 
     async def _submit(self, task: GenerateTask, context) -> None:
         try:

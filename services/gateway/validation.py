@@ -10,7 +10,7 @@ from shared.api import tandem_pb2 as pb
 from shared.messages import SamplingParams
 
 ROLES = ("system", "user", "assistant")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOP_CHARS = 256
 
 
@@ -36,7 +36,7 @@ class ValidRequest:
 def request_id_of(request: pb.GenerateRequest) -> str:
     if not request.request_id:
         return uuid.uuid4().hex
-    if not _REQUEST_ID.match(request.request_id):
+    if not _REQUEST_ID.fullmatch(request.request_id):
         raise InvalidRequest("request_id must be 1-128 characters of letters, digits and . _ : -")
     return request.request_id
 
@@ -59,7 +59,7 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         raise InvalidRequest(f"stop strings must be 1-{MAX_STOP_CHARS} characters")
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
     return SamplingParams(max_tokens=max_tokens, temperature=float(s.temperature), top_p=float(top_p),
-                          top_k=int(s.top_k), seed=seed & ((1 << 63) - 1), stop=list(s.stop),
+                          top_k=int(s.top_k), seed=seed, stop=list(s.stop),
                           ignore_eos=s.ignore_eos)
 
 

@@ -18,5 +18,5 @@ class SchedulerSettings(CommonSettings):
         super().__post_init__()
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.worker_timeout_s <= 0 or self.dispatch_timeout_s <= 0:
+        if not (self.worker_timeout_s > 0 and self.dispatch_timeout_s > 0):  # NaN too
             raise ValueError("timeouts must be positive")

@@ -25,6 +25,8 @@ class BlockManager:
         return self.num_blocks - self._used
 
     def blocks_for(self, num_tokens: int) -> int:
+        if num_tokens < 0:
+            raise ValueError("num_tokens must not be negative")
         return math.ceil(num_tokens / self.block_size)
 
     def can_allocate(self, num_tokens: int) -> bool:

@@ -46,6 +46,7 @@ class NatsBus:
         self._url = url
         self._name = name
         self._nc: nats.NATS | None = None
+        self._closing = False
 
     async def __aenter__(self) -> "NatsBus":
         self._nc = await nats.connect(
@@ -56,6 +57,7 @@ class NatsBus:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        self._closing = True
         if self._nc is not None and not self._nc.is_closed:
             try:
                 await asyncio.wait_for(self._nc.drain(), timeout=5)
@@ -67,7 +69,8 @@ class NatsBus:
         log.warning("NATS error: %s", err)
 
     async def _on_disconnect(self) -> None:
-        log.warning("disconnected from NATS at %s", self._url)
+        if not self._closing:
+                log.warning("disconnected from NATS at %s", self._url)
 
     async def _on_reconnect(self) -> None:
         log.info("reconnected to NATS at %s", self._url)
@@ -142,7 +145,14 @@ class InMemoryBus:
         data = encode(message)
         self.published.append((subject, decode(data)))
         for handler in self._targets(subject):
-            await handler(decode(data), None)
+            await self._call(handler, decode(data), None)
+
+    @staticmethod
+    async def _call(handler: Handler, message: Any, respond: Optional[Respond]) -> None:
+        try:
+            await handler(message, respond)
+        except Exception:  # as NatsBus: a failing handler is logged, the sender never sees it
+            log.exception("handler failed")
 
     async def request(self, subject: str, message: Any, timeout: float, expected: type) -> Any:
         targets = self._targets(subject)
@@ -154,8 +164,9 @@ class InMemoryBus:
             if not answer.done():
                 answer.set_result(encode(reply))
 
-        await targets[0](decode(encode(message)), respond)
+        handling = asyncio.create_task(self._call(targets[0], decode(encode(message)), respond))
         try:
             return decode(await asyncio.wait_for(answer, timeout), expected)
         except asyncio.TimeoutError:
+            handling.cancel()
             raise RequestTimeout(f"no answer on {subject} within {timeout:.1f}s") from None

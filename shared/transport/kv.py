@@ -157,6 +157,7 @@ class InProcessDataPlane:
         finally:
             self._arrived.pop(tag, None)
         if data.shape != buffer.shape or data.dtype != buffer.dtype:
+            self.counters.transfers_failed += 1
             raise KVTransferError("KV size mismatch")
         buffer.copy_(data)
         self.counters.bytes_received += buffer.numel() * buffer.element_size()

@@ -1,12 +1,14 @@
 """Settings common to every model worker (prefill, decode, colocated)."""
 
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 
 from shared.settings import CommonSettings
 
 ROLES = ("prefill", "decode", "colocated")
+_WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass
@@ -36,8 +38,11 @@ class WorkerSettings(CommonSettings):
         for name in ("kv_cache_mb", "block_size", "max_queue"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError("heartbeat_interval_s must be positive")
+        for name in ("heartbeat_interval_s", "prefill_timeout_s", "kv_transfer_timeout_s"):
+            if not getattr(self, name) > 0:  # NaN too
+                raise ValueError(f"{name} must be positive")
+        if self.worker_id and not _WORKER_ID.fullmatch(self.worker_id):
+            raise ValueError("worker_id must be 1-64 of A-Z a-z 0-9 _ - (it becomes a NATS subject token)")
 
     def resolved_worker_id(self, role: str) -> str:
         return self.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,99 @@
+"""Detokenizer with the real SmolLM2 tokenizer: valid UTF-8 pieces, stop strings cut exactly."""
+
+import pytest
+
+from shared.engine.detokenizer import REPLACEMENT, Detokenizer
+
+TEXTS = ["Hello, world! How are you today?", "héllo 日本語 🙂", "x 🇯🇵 ẞ ǅ 𝔘𝔫𝔦 ok", "a  b\n\n c\t😀😀😀"]
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stream(tokenizer, ids: list[int], stop: list[str]) -> tuple[list[str], str, Detokenizer]:
+    d = Detokenizer(tokenizer, stop)
+    pieces = [d.add(i) for i in ids]
+    return pieces, d.flush(), d
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("stop", [[], ["never appears in the text"]])
+def test_pieces_concatenate_to_decode(tokenizer, text, stop):
+    ids = ids_of(tokenizer, text)
+    pieces, tail, d = stream(tokenizer, ids, stop)
+    assert "".join(pieces) + tail == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert not d.stopped
+
+
+@pytest.mark.parametrize("text", TEXTS[1:])
+def test_no_piece_has_a_replacement_character(tokenizer, text):
+    ids = ids_of(tokenizer, text)
+    assert any(REPLACEMENT in tokenizer.decode(ids[:n]) for n in range(1, len(ids)))  # the case is exercised
+    pieces, tail, _ = stream(tokenizer, ids, [])
+    assert all(REPLACEMENT not in p for p in pieces + [tail])
+
+
+def test_special_tokens_are_not_shown(tokenizer):
+    ids = ids_of(tokenizer, "Hi there") + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    pieces, tail, _ = stream(tokenizer, ids, [])
+    assert "".join(pieces) + tail == "Hi there"
+
+
+@pytest.mark.parametrize("text, stop, shown", [
+    ("The answer is 42. END of the story", ["END"], "The answer is 42. "),
+    ("one two three four", ["o thr"], "one tw"),                    # stop spans tokens
+    ("héllo 日本語 🙂 more", ["本語"], "héllo 日"),                   # stop inside multi-byte chars
+    ("abc\n\nUser: hi", ["\n\nUser:", "zzz"], "abc"),
+    ("first stop then second", ["second", "stop"], "first "),       # earliest occurrence wins
+    ("STOP at the start", ["STOP"], ""),
+])
+def test_stop_string_cuts_exactly(tokenizer, text, stop, shown):
+    ids = ids_of(tokenizer, text)
+    pieces, tail, d = stream(tokenizer, ids, stop)
+    assert "".join(pieces) + tail == shown
+    assert d.stopped and tail == ""
+
+
+def test_stop_split_across_tokens_is_detected_on_its_last_token(tokenizer):
+    ids = ids_of(tokenizer, "we say goodbye now")
+    stop = "odbye n"
+    # Some prefix of the token stream ends partway through the stop string.
+    assert any(tokenizer.decode(ids[:n]).endswith(stop[:k]) for n in range(len(ids)) for k in range(2, len(stop)))
+    d = Detokenizer(tokenizer, [stop])
+    shown = ""
+    for n, token in enumerate(ids, 1):
+        shown += d.add(token)
+        assert "od" not in shown   # no part of the stop ever leaks
+        if stop in tokenizer.decode(ids[:n]):
+            assert d.stopped
+            break
+        assert not d.stopped
+    assert shown == "we say go"
+
+
+def test_nothing_after_a_stop_is_emitted(tokenizer):
+    ids = ids_of(tokenizer, "alpha STOP beta gamma delta")
+    d = Detokenizer(tokenizer, ["STOP"])
+    out = [d.add(i) for i in ids]
+    assert d.stopped
+    assert "".join(out) == "alpha "
+    assert "beta" not in "".join(out) and d.flush() == ""
+    assert d.add(ids[-1]) == ""
+
+
+def test_flush_returns_held_text(tokenizer):
+    ids = ids_of(tokenizer, "hold the end of this")
+    d = Detokenizer(tokenizer, ["a long stop string"])   # holds back len-1 characters
+    shown = "".join(d.add(i) for i in ids)
+    assert shown == "hold the end of this"[:len(shown)] and len(shown) < len("hold the end of this")
+    held = d.flush()
+    assert held and shown + held == "hold the end of this"
+    assert d.flush() == ""
+
+
+def test_flush_drops_an_incomplete_character(tokenizer):
+    ids = ids_of(tokenizer, "héllo 日本語")
+    cut = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith(REPLACEMENT))
+    pieces, tail, _ = stream(tokenizer, ids[:cut], [])
+    assert REPLACEMENT not in "".join(pieces) + tail

@@ -1,0 +1,130 @@
+"""The wire format: every message survives a round trip; anything malformed is a MessageError."""
+
+import msgpack
+import pytest
+
+from shared.messages import (MAX_MESSAGE_BYTES, MESSAGE_TYPES, CancelRequest, DecodeAssignment, Discover,
+                             GenerateTask, KVLayout, MessageError, PrefillResult, PrefillTask,
+                             SamplingParams, StatusReply, StatusRequest, SubmitReply, TaskAck, Timing,
+                             TokenChunk, WorkerHeartbeat, decode, encode)
+
+SAMPLING = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=2**63 - 1,
+                          stop=["\n\n", "日本"], ignore_eos=True)
+LAYOUT = KVLayout(model="m", dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64)
+TASK = GenerateTask(request_id="r1", prompt_token_ids=[1, 2, 49151], sampling=SAMPLING,
+                    reply_subject="tandem.c.gateway.g.tokens", arrival_time=1.5, deadline=9.25)
+
+
+def beat(worker_id: str, **kw) -> WorkerHeartbeat:
+    return WorkerHeartbeat(worker_id=worker_id, role="decode", host="h", pid=7, ucx_address=b"\x00\xffaddr",
+                           layout=LAYOUT, max_model_len=8192, **kw)
+
+
+SAMPLES = [
+    TASK,
+    SubmitReply(ok=False, code="UNAVAILABLE", message="m", prefill_worker="p", decode_worker="d"),
+    DecodeAssignment(task=TASK, prefill_worker="prefill-1"),
+    TaskAck(ok=True),
+    PrefillTask(request_id="r1", prompt_token_ids=[5, 6], sampling=SAMPLING, layout=LAYOUT, transfer_tag=2**64 - 1,
+                decode_worker="d", decode_ucx_address=bytes(range(256)), arrival_time=2.0),
+    PrefillResult(request_id="r1", transfer_tag=3, ok=True, first_token=42, kv_bytes=1024, queue_ms=0.5),
+    TokenChunk(request_id="r1", index=3, token_ids=[9], text="é🙂", finish_reason="stop",
+               timing=Timing(queue_ms=1.0, prefill_ms=2.0, kv_transfer_ms=3.0, prefill_worker="p", decode_worker="d")),
+    CancelRequest(request_id="r1"),
+    beat("w1", running=2, kv_blocks_used=3, kv_blocks_total=10, stopping=True),
+    Discover(scheduler_id="s"),
+    StatusRequest(),
+    StatusReply(mode="disaggregated", ready=True, workers=[beat("w1"), beat("w2", queued=4)]),
+]
+
+
+def test_samples_cover_every_message_type():
+    assert {type(m).__name__ for m in SAMPLES} == set(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    back = decode(encode(message), type(message))
+    assert back == message
+    assert type(back) is type(message)
+
+
+def test_round_trip_keeps_nested_types():
+    chunk = decode(encode(TokenChunk(request_id="r", index=0)), TokenChunk)
+    assert chunk.timing is None
+    reply = decode(encode(SAMPLES[-1]), StatusReply)
+    assert isinstance(reply.workers[0], WorkerHeartbeat) and isinstance(reply.workers[0].layout, KVLayout)
+    assert isinstance(reply.workers[0].ucx_address, bytes)
+    task = decode(encode(TASK), GenerateTask)
+    assert isinstance(task.sampling, SamplingParams)
+
+
+def raw(**body) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.mark.parametrize("data", [
+    b"\xc1",                                               # never-used msgpack byte
+    b"",
+    raw(type="NoSuchMessage"),
+    msgpack.packb([1, 2, 3]),                              # not a map
+    raw(ok=True),                                          # no type
+    raw(type="TaskAck"),                                   # missing required field
+    raw(type="TaskAck", ok="yes"),                         # str for bool
+    raw(type="TokenChunk", request_id="r", index="1"),     # str for int
+    raw(type="TokenChunk", request_id="r", index=True),    # bool for int
+    raw(type="TokenChunk", request_id="r", index=1.0),     # float for int
+    raw(type="TokenChunk", request_id="r", index=0, token_ids=[1, True]),
+    raw(type="TokenChunk", request_id="r", index=0, token_ids=5),
+    raw(type="TokenChunk", request_id="r", index=0, timing=5),
+    raw(type="TokenChunk", request_id="r", index=0, timing={"queue_ms": "x"}),
+    raw(type="CancelRequest", request_id=None),
+    raw(type="StatusReply", mode="m", ready=True, workers=[{"worker_id": "w"}]),
+    raw(type="DecodeAssignment", task={"request_id": "r"}),
+])
+def test_rejects_malformed(data):
+    with pytest.raises(MessageError):
+        decode(data)
+
+
+def test_rejects_str_for_bytes():
+    body = msgpack.unpackb(encode(SAMPLES[4]), raw=False)
+    body["decode_ucx_address"] = "text"
+    with pytest.raises(MessageError):
+        decode(msgpack.packb(body, use_bin_type=True))
+
+
+def test_float_field_accepts_int():
+    chunk = decode(raw(type="PrefillResult", request_id="r", transfer_tag=1, ok=True, queue_ms=3), PrefillResult)
+    assert chunk.queue_ms == 3.0 and isinstance(chunk.queue_ms, float)
+
+
+def test_expected_type_mismatch():
+    with pytest.raises(MessageError, match="expected TaskAck"):
+        decode(encode(SubmitReply(ok=True)), TaskAck)
+
+
+def test_encode_rejects_non_messages():
+    with pytest.raises(MessageError):
+        encode(SamplingParams())
+    with pytest.raises(MessageError):
+        encode({"type": "TaskAck", "ok": True})
+
+
+def test_oversized_payloads():
+    big = TokenChunk(request_id="r", index=0, text="x" * MAX_MESSAGE_BYTES)
+    with pytest.raises(MessageError, match="limit"):
+        encode(big)
+    with pytest.raises(MessageError):
+        decode(raw(type="TokenChunk", request_id="r", index=0, text="x" * MAX_MESSAGE_BYTES))
+
+
+def test_largest_generate_task_fits():
+    sampling = SamplingParams(max_tokens=1, stop=["s" * 255 + str(i % 10) for i in range(16)])
+    ids = [49151 - (i % 1000) for i in range(8192)]
+    task = GenerateTask(request_id="r" * 128, prompt_token_ids=ids, sampling=sampling,
+                        reply_subject="tandem." + "c" * 64 + ".gateway.g.tokens", arrival_time=1.0)
+    data = encode(task)
+    assert len(data) < MAX_MESSAGE_BYTES < 1024 * 1024
+    assert len(data) < 64 * 1024  # ~3 bytes per id + stops: far from the limit
+    assert decode(data, GenerateTask) == task

@@ -1,0 +1,91 @@
+"""load_settings: flag > TANDEM_* variable > default; bad input exits 2 like any argparse error."""
+
+import pytest
+
+from services.decode.settings import DecodeSettings
+from services.gateway.settings import GatewaySettings
+from services.scheduler.settings import SchedulerSettings
+from shared.settings import load_settings
+
+
+def test_defaults_with_no_flags_and_no_env():
+    s = load_settings(SchedulerSettings, [], env={})
+    assert (s.mode, s.worker_timeout_s, s.cluster, s.nats_url) == ("disaggregated", 3.0, "default", "nats://127.0.0.1:4222")
+
+
+def test_env_beats_default_and_flag_beats_env():
+    env = {"TANDEM_MODE": "colocated", "TANDEM_WORKER_TIMEOUT_S": "7.5", "TANDEM_CLUSTER": "from-env"}
+    s = load_settings(SchedulerSettings, ["--cluster", "from_flag"], env=env)
+    assert s.mode == "colocated"
+    assert s.worker_timeout_s == 7.5
+    assert s.cluster == "from_flag"
+
+
+def test_int_fields_are_converted():
+    s = load_settings(GatewaySettings, ["--grpc-port", "6000"], env={"TANDEM_MAX_TOKENS_LIMIT": "100",
+                                                                     "TANDEM_DEFAULT_MAX_TOKENS": "50"})
+    assert (s.grpc_port, s.max_tokens_limit, s.default_max_tokens) == (6000, 100, 50)
+    assert s.gateway_id.startswith("gateway-")
+
+
+def test_unrelated_env_is_ignored():
+    s = load_settings(SchedulerSettings, [], env={"MODE": "colocated", "tandem_mode": "colocated"})
+    assert s.mode == "disaggregated"
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    ([], {}, False),
+    (["--colocated"], {}, True),
+    ([], {"TANDEM_COLOCATED": "1"}, True),
+    ([], {"TANDEM_COLOCATED": "true"}, True),
+    ([], {"TANDEM_COLOCATED": "false"}, False),
+    ([], {"TANDEM_COLOCATED": "0"}, False),
+    (["--no-colocated"], {"TANDEM_COLOCATED": "1"}, False),
+    (["--colocated"], {"TANDEM_COLOCATED": "false"}, True),
+])
+def test_bool_flags_and_env(argv, env, expected):
+    s = load_settings(DecodeSettings, argv, env=env)
+    assert s.colocated is expected
+    assert s.role == ("colocated" if expected else "decode")
+
+
+@pytest.mark.parametrize("cls, argv, env", [
+    (SchedulerSettings, [], {"TANDEM_WORKER_TIMEOUT_S": "soon"}),
+    (GatewaySettings, [], {"TANDEM_GRPC_PORT": "eighty"}),
+    (GatewaySettings, [], {"TANDEM_GRPC_PORT": "1.5"}),
+    (GatewaySettings, ["--grpc-port", "x"], {}),
+    (GatewaySettings, ["--grpc-port", "70000"], {}),
+    (DecodeSettings, [], {"TANDEM_COLOCATED": "maybe"}),
+    (DecodeSettings, [], {"TANDEM_BLOCK_SIZE": "0"}),
+    (SchedulerSettings, ["--mode", "sideways"], {}),
+    (SchedulerSettings, ["--no-such-flag"], {}),
+])
+def test_bad_input_exits_2(cls, argv, env, capsys):
+    with pytest.raises(SystemExit) as exc:
+        load_settings(cls, argv, env=env, prog="test")
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cluster", ["prod", "a_b-C9", "x" * 64])
+def test_valid_cluster_names(cluster):
+    assert load_settings(SchedulerSettings, [], env={"TANDEM_CLUSTER": cluster}).cluster == cluster
+
+
+@pytest.mark.parametrize("cluster", ["", "a.b", "a b", "a*", ">", "x" * 65, "é"])
+def test_invalid_cluster_names(cluster):
+    with pytest.raises(SystemExit) as exc:
+        load_settings(SchedulerSettings, ["--cluster", cluster], env={})
+    assert exc.value.code == 2
+    with pytest.raises(ValueError):
+        SchedulerSettings(cluster=cluster)
+
+
+def test_cluster_name_with_trailing_newline_is_rejected():
+    with pytest.raises(ValueError):
+        SchedulerSettings(cluster="prod\n")
+
+
+def test_nan_timeout_is_rejected():
+    with pytest.raises(SystemExit):
+        load_settings(SchedulerSettings, [], env={"TANDEM_WORKER_TIMEOUT_S": "nan"})

@@ -1,0 +1,161 @@
+"""The in-process fakes keep the contracts of NATS and UCX that the services rely on."""
+
+import asyncio
+
+import pytest
+import torch
+
+from shared.messages import CancelRequest, Discover, TaskAck
+from shared.transport.bus import InMemoryBus, NoResponders, RequestTimeout
+from shared.transport.kv import InProcessDataPlane, KVTransferError, LoopbackNetwork
+
+
+async def test_publish_reaches_every_plain_subscriber_decoded():
+    bus, got = InMemoryBus(), []
+
+    async def handler(msg, respond):
+        got.append((msg, respond))
+
+    await bus.subscribe("s", handler)
+    await bus.subscribe("s", handler)
+    await bus.subscribe("other", handler)
+    await bus.publish("s", CancelRequest(request_id="r1"))
+    assert [m for m, _ in got] == [CancelRequest(request_id="r1")] * 2
+    assert all(r is None for _, r in got)          # a publish has nobody to answer
+    assert got[0][0] is not got[1][0]              # each subscriber decodes its own copy
+    assert bus.published == [("s", CancelRequest(request_id="r1"))]
+
+
+async def test_unsubscribe_stops_delivery():
+    bus, got = InMemoryBus(), []
+
+    async def handler(msg, respond):
+        got.append(msg)
+
+    sub = await bus.subscribe("s", handler)
+    await sub.unsubscribe()
+    await bus.publish("s", Discover(scheduler_id="x"))
+    assert got == []
+
+
+async def test_request_respond():
+    bus = InMemoryBus()
+
+    async def handler(msg, respond):
+        await respond(TaskAck(ok=False, code="X", message=msg.request_id))
+
+    await bus.subscribe("s", handler)
+    ack = await bus.request("s", CancelRequest(request_id="r9"), timeout=1.0, expected=TaskAck)
+    assert ack == TaskAck(ok=False, code="X", message="r9")
+
+
+async def test_queue_group_delivers_to_one_member_round_robin():
+    bus, got = InMemoryBus(), []
+
+    def member(name):
+        async def handler(msg, respond):
+            got.append(name)
+        return handler
+
+    for name in ("a", "b", "c"):
+        await bus.subscribe("s", member(name), queue="q")
+    await bus.subscribe("s", member("plain"))
+    for _ in range(6):
+        await bus.publish("s", Discover(scheduler_id="x"))
+    assert got.count("plain") == 6
+    assert [g for g in got if g != "plain"] == ["a", "b", "c", "a", "b", "c"]
+
+
+async def test_no_responders():
+    bus = InMemoryBus()
+    await bus.subscribe("elsewhere", lambda m, r: asyncio.sleep(0))
+    with pytest.raises(NoResponders):
+        await bus.request("s", Discover(scheduler_id="x"), timeout=1.0, expected=TaskAck)
+
+
+async def test_request_timeout_when_nobody_answers():
+    bus = InMemoryBus()
+
+    async def silent(msg, respond):
+        pass
+
+    await bus.subscribe("s", silent)
+    with pytest.raises(RequestTimeout):
+        await bus.request("s", Discover(scheduler_id="x"), timeout=0.05, expected=TaskAck)
+
+
+async def test_request_timeout_applies_to_slow_handlers():
+    bus = InMemoryBus()
+
+    async def slow(msg, respond):
+        await asyncio.sleep(5)
+        await respond(TaskAck(ok=True))
+
+    await bus.subscribe("s", slow)
+    with pytest.raises(RequestTimeout):  # NATS gives up after `timeout`, however long the responder takes
+        await asyncio.wait_for(bus.request("s", Discover(scheduler_id="x"), timeout=0.05, expected=TaskAck), 0.5)
+
+
+async def test_a_failing_handler_does_not_fail_the_publisher():
+    bus, got = InMemoryBus(), []
+
+    async def broken(msg, respond):
+        raise RuntimeError("boom")
+
+    async def fine(msg, respond):
+        got.append(msg)
+
+    await bus.subscribe("s", broken)
+    await bus.subscribe("s", fine)
+    await bus.publish("s", Discover(scheduler_id="x"))
+    assert got == [Discover(scheduler_id="x")]
+
+
+# --- data plane -------------------------------------------------------------------------------
+
+
+async def test_send_then_receive_copies_bytes_and_counts():
+    net = LoopbackNetwork()
+    prefill, decode = InProcessDataPlane(net, "prefill"), InProcessDataPlane(net, "decode")
+    sent = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    await prefill.send(decode.address, tag=7, buffer=sent, timeout=1.0)
+    sent.zero_()                                  # the sender may reuse its buffer at once
+    received = torch.empty(2, 3, 4)
+    await decode.receive(tag=7, buffer=received, timeout=1.0)
+    assert torch.equal(received, torch.arange(24, dtype=torch.float32).reshape(2, 3, 4))
+    assert prefill.counters.bytes_sent == decode.counters.bytes_received == 24 * 4
+    assert prefill.counters.transfers_failed == decode.counters.transfers_failed == 0
+
+
+async def test_receive_posted_before_send_and_tags_do_not_mix():
+    net = LoopbackNetwork()
+    a, b = InProcessDataPlane(net, "a"), InProcessDataPlane(net, "b")
+    one, two = torch.empty(4), torch.empty(4)
+    waiting = asyncio.gather(b.receive(1, one, 1.0), b.receive(2, two, 1.0))
+    await asyncio.sleep(0)
+    await a.send(b"b", 2, torch.full((4,), 2.0), 1.0)
+    await a.send(b"b", 1, torch.full((4,), 1.0), 1.0)
+    await waiting
+    assert one.tolist() == [1.0] * 4 and two.tolist() == [2.0] * 4
+
+
+async def test_receive_timeout_raises():
+    plane = InProcessDataPlane(LoopbackNetwork(), "d")
+    with pytest.raises(KVTransferError):
+        await plane.receive(3, torch.empty(4), timeout=0.02)
+    assert plane.counters.transfers_failed == 1 and plane.counters.bytes_received == 0
+
+
+async def test_unknown_peer_raises():
+    plane = InProcessDataPlane(LoopbackNetwork(), "p")
+    with pytest.raises(KVTransferError):
+        await plane.send(b"nobody", 1, torch.ones(4), timeout=1.0)
+    assert plane.counters.transfers_failed == 1 and plane.counters.bytes_sent == 0
+
+
+async def test_size_mismatch_raises():
+    net = LoopbackNetwork()
+    a, b = InProcessDataPlane(net, "a"), InProcessDataPlane(net, "b")
+    await a.send(b"b", 5, torch.ones(8), 1.0)
+    with pytest.raises(KVTransferError):
+        await b.receive(5, torch.empty(4), 1.0)

@@ -1,0 +1,101 @@
+"""Gateway request validation with the real tokenizer: every bad request is INVALID_ARGUMENT."""
+
+import math
+
+import pytest
+
+from services.gateway.validation import InvalidRequest, Limits, validate
+from shared.api import tandem_pb2 as pb
+
+LIMITS = Limits(max_model_len=8192, default_max_tokens=256, max_tokens_limit=4096, max_stop_strings=16)
+
+
+def request(prompt: str = "Hello there", messages=(), request_id: str = "", **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, prompt=prompt,
+                              messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
+                              sampling=pb.SamplingParams(**sampling))
+
+
+@pytest.mark.parametrize("bad", [
+    request(prompt=""),                                              # no prompt, no messages
+    request(prompt="hi", messages=[("user", "hi")]),                 # both
+    request(prompt="", messages=[("robot", "hi")]),                  # unknown role
+    request(max_tokens=0),                                           # explicitly 0
+    request(max_tokens=4097),                                        # above the limit
+    request(temperature=-0.1),
+    request(temperature=math.nan),
+    request(temperature=math.inf),
+    request(top_p=0.0),
+    request(top_p=1.5),
+    request(top_p=math.nan),
+    request(stop=["s"] * 17),                                        # too many stop strings
+    request(stop=[""]),
+    request(stop=["x" * 257]),
+    request(request_id="has space"),
+    request(request_id="x" * 129),
+    request(request_id="semi;colon"),
+    request(request_id="tab\there"),
+], ids=lambda r: str(r).replace("\n", " ")[:60])
+def test_invalid_requests_are_rejected(tokenizer, bad):
+    with pytest.raises(InvalidRequest):
+        validate(bad, tokenizer, LIMITS)
+
+
+def test_prompt_plus_max_tokens_must_fit_the_context(tokenizer):
+    prompt = "word " * 500
+    n = len(tokenizer(prompt)["input_ids"])
+    limits = Limits(max_model_len=n + 10, default_max_tokens=256, max_tokens_limit=4096, max_stop_strings=16)
+    assert len(validate(request(prompt, max_tokens=10), tokenizer, limits).prompt_token_ids) == n   # exactly full
+    with pytest.raises(InvalidRequest, match="context"):
+        validate(request(prompt, max_tokens=11), tokenizer, limits)
+    with pytest.raises(InvalidRequest, match="context"):
+        validate(request(prompt), tokenizer, limits)                  # the default max_tokens counts too
+    with pytest.raises(InvalidRequest, match="context"):
+        validate(request("word " * 8192, max_tokens=1), tokenizer, LIMITS)
+
+
+def test_raw_prompt_is_tokenized(tokenizer):
+    valid = validate(request("The capital of France is"), tokenizer, LIMITS)
+    assert valid.prompt_token_ids == tokenizer("The capital of France is")["input_ids"]
+
+
+def test_chat_messages_render_the_chat_template(tokenizer):
+    chat = [("system", "Be brief."), ("user", "Hi!"), ("assistant", "Hello."), ("user", "2+2?")]
+    valid = validate(request(prompt="", messages=chat), tokenizer, LIMITS)
+    expected = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in chat],
+                                             add_generation_prompt=True, tokenize=True)
+    if not isinstance(expected, list):
+        expected = expected["input_ids"]
+    assert valid.prompt_token_ids == list(expected)
+    assert tokenizer.decode(valid.prompt_token_ids).endswith("<|im_start|>assistant\n")
+
+
+def test_defaults_for_unset_fields(tokenizer):
+    valid = validate(request(), tokenizer, LIMITS)
+    s = valid.sampling
+    assert (s.max_tokens, s.top_p, s.temperature, s.top_k, s.stop, s.ignore_eos) == (256, 1.0, 0.0, 0, [], False)
+    assert 0 <= s.seed < 2**63
+    seeds = {validate(request(), tokenizer, LIMITS).sampling.seed for _ in range(5)}
+    assert len(seeds) > 1                                             # random, not a constant
+    assert len(valid.request_id) == 32                                # a generated uuid hex
+
+
+def test_explicit_values_are_kept(tokenizer):
+    valid = validate(request(request_id="req-1.a:b_c", max_tokens=4096 - 3, temperature=0.5, top_p=0.25,
+                             top_k=7, seed=12345, stop=["\n\n", "x" * 256], ignore_eos=True), tokenizer, LIMITS)
+    s = valid.sampling
+    assert valid.request_id == "req-1.a:b_c"
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.ignore_eos) == (4093, 0.5, 0.25, 7, 12345, True)
+    assert s.stop == ["\n\n", "x" * 256]
+    assert validate(request(seed=0), tokenizer, LIMITS).sampling.seed == 0
+    assert validate(request(seed=2**63 - 1), tokenizer, LIMITS).sampling.seed == 2**63 - 1
+    assert validate(request(top_p=1.0, stop=["s"] * 16), tokenizer, LIMITS).sampling.top_p == 1.0
+
+
+def test_request_id_with_trailing_newline_is_rejected(tokenizer):
+    with pytest.raises(InvalidRequest):
+        validate(request(request_id="abc\n"), tokenizer, LIMITS)
+
+
+def test_seeds_above_63_bits_are_kept_not_folded(tokenizer):
+    assert validate(request(seed=2**64 - 1), tokenizer, LIMITS).sampling.seed == 2**64 - 1

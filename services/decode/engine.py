@@ -5,6 +5,7 @@ thread); message handlers only set flags and wake the loop.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Awaitable, Callable
@@ -38,16 +39,37 @@ class DecodeEngine:
         return sum(1 for s in self.seqs.values() if s.status in statuses)
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Steps until `stop` is set."""
         while not stop.is_set():
-            await self._reap()
-            prefills, ready, running = self._schedule()
-            if not (prefills or ready or running):
+            if not await self._iterate():
                 self.wakeup.clear()
                 await wait_or_stop(self.wakeup.wait(), stop)
-                continue
-            for seq, out in await self.executor.run(self._step, prefills, ready, running):
-                if not seq.cancel_reason and seq.error is None:
-                    await self.publish(seq, out)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Keeps stepping the sequences already held until they finish or `timeout_s` passes."""
+        deadline = time.monotonic() + timeout_s
+        while self.seqs and time.monotonic() < deadline:
+            if not await self._iterate():
+                self.wakeup.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.wakeup.wait(), max(0.01, deadline - time.monotonic()))
+
+    async def _iterate(self) -> bool:
+        """drain inputs -> schedule -> run -> publish; False when there was nothing to run."""
+        await self._reap()
+        prefills, ready, running = self._schedule()
+        if not (prefills or ready or running):
+            return False
+        for seq, out in await self.executor.run(self._step, prefills, ready, running):
+            if not seq.cancel_reason and seq.error is None:
+                await self.publish(seq, out)
+        return True
+
+    async def abort_all(self, code: str, message: str) -> None:
+        """Ends every sequence still held (shutdown): each gets its error, each frees its blocks."""
+        for seq in self.seqs.values():
+            seq.error = seq.error or (code, message)
+        await self._reap()
 
     async def _reap(self) -> None:
         """Ends sequences that finished, failed, were cancelled or ran past their deadline."""

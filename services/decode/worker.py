@@ -49,6 +49,7 @@ class DecodeWorker:
         self.fetches: dict[str, asyncio.Task] = {}     # request id -> its remote-prefill task
         self.drains: set[asyncio.Task] = set()
         self.served = 0
+        self.stopping = False
 
     def snapshot(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
@@ -60,7 +61,7 @@ class DecodeWorker:
             kv_blocks_used=self.rt.blocks.used, kv_blocks_total=self.rt.blocks.num_blocks,
             block_size=self.rt.blocks.block_size,
             requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
-            kv_bytes_received=self.plane.counters.bytes_received)
+            kv_bytes_received=self.plane.counters.bytes_received, stopping=self.stopping)
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_tasks(self.rt.worker_id), self.on_assignment),
@@ -68,11 +69,13 @@ class DecodeWorker:
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
         try:
             async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s,
-                                 self.settings.alive_file):
+                                 self.settings.alive_file) as announcer:
                 await self.engine.run(stop)
-                for seq in self.engine.seqs.values():
-                    seq.error = seq.error or ("UNAVAILABLE", "the decode worker is shutting down")
-                await self.engine._reap()
+                self.stopping = True  # no new work; the scheduler drops this worker now
+                await announcer.announce()
+                log.info("draining %d request(s) for up to %.0fs", len(self.engine.seqs), self.settings.drain_timeout_s)
+                await self.engine.drain(self.settings.drain_timeout_s)
+                await self.engine.abort_all("UNAVAILABLE", "the decode worker shut down before the request finished")
         finally:
             for task in [*self.fetches.values(), *self.drains]:
                 task.cancel()
@@ -86,8 +89,7 @@ class DecodeWorker:
         task = assignment.task
         refusal = self._refusal(assignment)
         if refusal is None:
-            budget = len(task.prompt_token_ids) + task.sampling.max_tokens
-            self.rt.blocks.allocate(task.request_id, min(budget, self.rt.max_model_len))
+            self.rt.blocks.allocate(task.request_id, len(task.prompt_token_ids) + task.sampling.max_tokens)
             seq = Sequence(task, Detokenizer(self.rt.tokenizer, task.sampling.stop),
                            self.rt.eos_token_ids, self.rt.max_model_len)
             if assignment.prefill_worker:
@@ -101,6 +103,8 @@ class DecodeWorker:
 
     def _refusal(self, assignment: DecodeAssignment) -> tuple[str, str] | None:
         task = assignment.task
+        if self.stopping:
+            return ("UNAVAILABLE", f"decode worker {self.rt.worker_id} is shutting down")
         if task.request_id in self.engine.seqs:
             return ("ALREADY_EXISTS", f"request {task.request_id} is already running")
         if len(task.prompt_token_ids) + task.sampling.max_tokens > self.rt.max_model_len:

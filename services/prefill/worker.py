@@ -36,6 +36,7 @@ class PrefillWorker:
         self.queued_ids: set[str] = set()
         self.running = 0
         self.sends: set[asyncio.Task] = set()
+        self.stopping = False
         self.served = 0
         self.executor = EngineExecutor()
 
@@ -47,25 +48,36 @@ class PrefillWorker:
             kv_blocks_used=self.rt.blocks.used, kv_blocks_total=self.rt.blocks.num_blocks,
             block_size=self.rt.blocks.block_size,
             requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
-            kv_bytes_received=self.plane.counters.bytes_received)
+            kv_bytes_received=self.plane.counters.bytes_received, stopping=self.stopping)
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_tasks(self.rt.worker_id), self.on_task),
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
         try:
             async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s,
-                                 self.settings.alive_file):
+                                 self.settings.alive_file) as announcer:
                 while not stop.is_set():
                     task = await wait_or_stop(self.queue.get(), stop)
                     if task is not None:
                         self.queued_ids.discard(task.request_id)
                         await self.handle(task)
+                self.stopping = True
+                await announcer.announce()
+                await self._refuse_queued()
         finally:
             for sub in subs:
                 await sub.unsubscribe()
             if self.sends:  # let transfers in flight finish (each is bounded by its timeout)
                 await asyncio.gather(*self.sends, return_exceptions=True)
             self.executor.close()
+
+    async def _refuse_queued(self) -> None:
+        """Shutting down: tell each waiting decode worker now, instead of letting it time out."""
+        while not self.queue.empty():
+            task = self.queue.get_nowait()
+            await self.bus.publish(self.subjects.prefill_results(task.decode_worker), PrefillResult(
+                request_id=task.request_id, transfer_tag=task.transfer_tag, ok=False, code="UNAVAILABLE",
+                message=f"prefill worker {self.rt.worker_id} shut down", prefill_worker=self.rt.worker_id))
 
     async def on_task(self, task: PrefillTask, respond) -> None:
         refusal = self._refusal(task)
@@ -77,6 +89,8 @@ class PrefillWorker:
                                   message="" if refusal is None else refusal[1]))
 
     def _refusal(self, task: PrefillTask) -> tuple[str, str] | None:
+        if self.stopping:
+            return ("UNAVAILABLE", f"prefill worker {self.rt.worker_id} is shutting down")
         if task.layout != self.rt.runner.layout:
             return ("FAILED_PRECONDITION",
                     f"KV layout mismatch: decode has {asdict(task.layout)}, "

@@ -62,12 +62,14 @@ class Stack:
             time.sleep(0.2)
 
 
-def wait_serving(address: str, group: ProcessGroup, timeout: float = 240) -> None:
+def wait_serving(address: str, group: ProcessGroup, timeout: float = 240, names: list[str] | None = None) -> None:
+    """Until the gateway is SERVING; fails early if one of `names` (default: any process) died."""
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
-            assert not group.dead(), [(n, c, group.log_tail(n)) for n, c in group.dead()]
+            dead = [(n, c) for n, c in group.dead() if names is None or n in names]
+            assert not dead, [(n, c, group.log_tail(n)) for n, c in dead]
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                     return
@@ -97,5 +99,5 @@ def start_stack(group: ProcessGroup, nats: NatsServer, cluster: str, mode: str =
     group.spawn(names[-1], py + ["services.gateway"], child_env({**common, "TANDEM_GRPC_PORT": str(port)}))
     address = f"127.0.0.1:{port}"
     if wait:
-        wait_serving(address, group)
+        wait_serving(address, group, names=names)
     return Stack(cluster, address, group, mode, names)

@@ -7,6 +7,8 @@ from contextlib import AsyncExitStack
 from services.decode.settings import DecodeSettings
 from services.decode.worker import DecodeWorker
 from shared.lifecycle import stop_on_signals
+from shared.liveness import Liveness
+from shared.subjects import Subjects
 from shared.settings import load_settings, setup_logging
 from shared.transport.bus import NatsBus
 from shared.transport.kv import UcxDataPlane
@@ -19,7 +21,8 @@ async def run(settings: DecodeSettings) -> None:
     async with AsyncExitStack() as stack:
         bus = await stack.enter_async_context(NatsBus(settings.nats_url, runtime.worker_id))
         plane = await stack.enter_async_context(UcxDataPlane(settings.ucx_net_devices, settings.ucx_tls))
-        await DecodeWorker(settings, runtime, bus, plane).serve(stop)
+        liveness = await stack.enter_async_context(Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s))
+        await DecodeWorker(settings, runtime, bus, plane, liveness).serve(stop)
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,7 @@ from shared.engine.model_runner import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 from shared.messages import (CancelRequest, DecodeAssignment, PrefillResult, PrefillTask, TaskAck,
                              Timing, TokenChunk, WorkerHeartbeat)
+from shared.liveness import Liveness
 from shared.subjects import Subjects
 from shared.transport.bus import BusError, MessageBus
 from shared.transport.kv import DataPlane, KVTransferError
@@ -37,11 +38,13 @@ class _Failed(Exception):
 
 
 class DecodeWorker:
-    def __init__(self, settings: WorkerSettings, runtime: WorkerRuntime, bus: MessageBus, plane: DataPlane):
+    def __init__(self, settings: WorkerSettings, runtime: WorkerRuntime, bus: MessageBus, plane: DataPlane,
+                 liveness: Liveness):
         self.settings = settings
         self.rt = runtime
         self.bus = bus
         self.plane = plane
+        self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
         self.executor = EngineExecutor()
         self.engine = DecodeEngine(runtime, self.executor, self._publish, self._finish)
@@ -149,10 +152,26 @@ class DecodeWorker:
         ack = await self.bus.request(self.subjects.worker_tasks(prefill_worker), task, 5.0, TaskAck)
         if not ack.ok:
             raise _Failed(ack.code or "UNAVAILABLE", ack.message)
-        result = await asyncio.wait_for(self.results[tag], self.settings.prefill_timeout_s)
+        result = await self._while_alive(self.results[tag], prefill_worker, self.settings.prefill_timeout_s)
         if not result.ok:
             raise _Failed(result.code or "UNAVAILABLE", result.message)
         return result
+
+    async def _while_alive(self, awaitable, worker_id: str, timeout_s: float):
+        """Awaits, but gives up as soon as `worker_id` stops sending heartbeats."""
+        task = asyncio.ensure_future(awaitable)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+                if done:
+                    return task.result()
+                if not self.liveness.alive(worker_id):
+                    raise _Failed("UNAVAILABLE", f"prefill worker {worker_id} stopped responding")
+                if time.monotonic() >= deadline:
+                    raise asyncio.TimeoutError
+        finally:
+            task.cancel()
 
     async def _receive(self, seq: Sequence, tag: int, result: PrefillResult) -> torch.Tensor:
         buffer = self.rt.runner.empty_kv(seq.prompt_len)
@@ -161,8 +180,9 @@ class DecodeWorker:
         failure = self.results[tag] = asyncio.get_running_loop().create_future()
         started = time.time()
         receive = asyncio.create_task(self.plane.receive(tag, buffer, self.settings.kv_transfer_timeout_s))
+        either = asyncio.wait({receive, failure}, return_when=asyncio.FIRST_COMPLETED)
         try:
-            await asyncio.wait({receive, failure}, return_when=asyncio.FIRST_COMPLETED)
+            await self._while_alive(either, result.prefill_worker, self.settings.kv_transfer_timeout_s)
             if not receive.done():  # the prefill worker reported that its send failed
                 raise _Failed(failure.result().code or "UNAVAILABLE", failure.result().message)
             receive.result()

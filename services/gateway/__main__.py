@@ -16,6 +16,7 @@ from services.gateway.validation import Limits
 from shared import model_store
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.lifecycle import stop_on_signals
+from shared.liveness import Liveness
 from shared.settings import load_settings, setup_logging
 from shared.subjects import Subjects
 from shared.transport.bus import NatsBus
@@ -44,11 +45,12 @@ async def run(settings: GatewaySettings) -> None:
     async with AsyncExitStack() as stack:
         bus = await stack.enter_async_context(NatsBus(settings.nats_url, settings.gateway_id))
         streams = await stack.enter_async_context(StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id)))
+        liveness = await stack.enter_async_context(Liveness(bus, subjects, settings.worker_timeout_s))
         server = grpc.aio.server()
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         pb_grpc.add_TandemServicer_to_server(
-            TandemServicer(settings, bus, streams, tokenizer, limits_of(settings, tokenizer)), server)
+            TandemServicer(settings, bus, streams, tokenizer, limits_of(settings, tokenizer), liveness), server)
         port = server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
         await server.start()
         log.info("%s listening on %s:%d (cluster %r)", settings.gateway_id, settings.grpc_host, port, settings.cluster)

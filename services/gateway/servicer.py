@@ -14,6 +14,7 @@ from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.messages import (CancelRequest, GenerateTask, StatusReply, StatusRequest, SubmitReply,
                              TokenChunk)
+from shared.liveness import Liveness
 from shared.subjects import Subjects
 from shared.transport.bus import MessageBus, NoResponders, RequestTimeout
 
@@ -29,12 +30,13 @@ def status_code(name: str) -> grpc.StatusCode:
 
 class TandemServicer(pb_grpc.TandemServicer):
     def __init__(self, settings: GatewaySettings, bus: MessageBus, streams: StreamRouter, tokenizer,
-                 limits: Limits):
+                 limits: Limits, liveness: Liveness):
         self.settings = settings
         self.bus = bus
         self.streams = streams
         self.tokenizer = tokenizer
         self.limits = limits
+        self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
         # One thread: HF tokenizers are not safe to call from several threads at once.
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -55,11 +57,11 @@ class TandemServicer(pb_grpc.TandemServicer):
         chunks = self.streams.open(valid.request_id)
         ended = False
         try:
-            await self._submit(task, context)
+            decode_worker = await self._submit(task, context)
             first_at = None
             expected = 0
             while not ended:
-                chunk = await self._next_chunk(chunks, expected, context)
+                chunk = await self._next_chunk(chunks, expected, decode_worker, context)
                 expected += 1
                 if first_at is None and chunk.token_ids:
                     first_at = time.time()
@@ -76,7 +78,8 @@ class TandemServicer(pb_grpc.TandemServicer):
         except Exception as err:  # NATS down: the workers' own timeouts free the request
             log.warning("could not broadcast the cancel of %s: %s", request_id, err)
 
-    async def _submit(self, task: GenerateTask, context) -> None:
+    async def _submit(self, task: GenerateTask, context) -> str:
+        """Places the request; returns the decode worker that holds it."""
         try:
             reply = await self.bus.request(self.subjects.submit, task, self.settings.submit_timeout_s, SubmitReply)
         except NoResponders:
@@ -87,13 +90,20 @@ class TandemServicer(pb_grpc.TandemServicer):
             await context.abort(status_code(reply.code), reply.message)
         log.info("request %s: %d prompt tokens -> prefill %s, decode %s", task.request_id,
                  len(task.prompt_token_ids), reply.prefill_worker or "(local)", reply.decode_worker)
+        return reply.decode_worker
 
-    async def _next_chunk(self, chunks: asyncio.Queue, expected: int, context) -> TokenChunk:
-        try:
-            chunk = await asyncio.wait_for(chunks.get(), self.settings.stream_idle_timeout_s)
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s")
+    async def _next_chunk(self, chunks: asyncio.Queue, expected: int, decode_worker: str, context) -> TokenChunk:
+        idle_since = time.monotonic()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.get(), 0.5)
+                break
+            except asyncio.TimeoutError:
+                if not self.liveness.alive(decode_worker):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode_worker} stopped responding")
+                if time.monotonic() - idle_since > self.settings.stream_idle_timeout_s:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s")
         if chunk.code:
             await context.abort(status_code(chunk.code), chunk.message)
         if chunk.index != expected:

@@ -18,6 +18,7 @@ class GatewaySettings(CommonSettings):
     max_stop_strings: int = field(default=16, metadata={"help": "how many stop strings a request may give"})
     submit_timeout_s: float = field(default=10.0, metadata={"help": "how long the scheduler may take to place a request"})
     stream_idle_timeout_s: float = field(default=300.0, metadata={"help": "a stream silent this long fails with UNAVAILABLE"})
+    worker_timeout_s: float = field(default=3.0, metadata={"help": "a stream whose decode worker is silent this long fails with UNAVAILABLE"})
     gateway_id: str = field(default="", metadata={"help": "unique id; empty = random"})
 
     def __post_init__(self) -> None:

@@ -106,6 +106,9 @@ class UcxDataPlane:
     async def receive(self, tag: int, buffer: torch.Tensor, timeout: float) -> None:
         try:
             await asyncio.wait_for(self._ucxx.recv(_ucx_view(buffer), tag=tag), timeout)
+        except asyncio.CancelledError:
+            self._abandoned.append(buffer)  # the posted receive may still write into it
+            raise
         except Exception as err:
             self.counters.transfers_failed += 1
             self._abandoned.append(buffer)

@@ -26,6 +26,7 @@ class WorkerSettings(CommonSettings):
     host_label: str = field(default="", metadata={"help": "host name announced to the scheduler; empty = this host's"})
     ucx_net_devices: str = field(default="lo", metadata={"help": "UCX_NET_DEVICES for the KV data plane (lo = loopback only; 'all' in containers)"})
     ucx_tls: str = field(default="", metadata={"help": "UCX_TLS for the KV data plane; empty = UCX's choice"})
+    worker_timeout_s: float = field(default=3.0, metadata={"help": "a peer worker silent this long is taken for dead"})
     drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM, how long running requests may take to finish"})
     alive_file: str = field(default="", metadata={"help": "touched on every heartbeat, for container health checks; empty = none"})
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between load reports"})
@@ -39,7 +40,8 @@ class WorkerSettings(CommonSettings):
         for name in ("kv_cache_mb", "block_size", "max_queue"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        for name in ("heartbeat_interval_s", "prefill_timeout_s", "kv_transfer_timeout_s", "drain_timeout_s"):
+        for name in ("heartbeat_interval_s", "prefill_timeout_s", "kv_transfer_timeout_s", "drain_timeout_s",
+                     "worker_timeout_s"):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be positive")
         if self.worker_id and not _WORKER_ID.fullmatch(self.worker_id):

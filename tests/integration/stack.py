@@ -47,6 +47,10 @@ class Stack:
     def stub(self) -> pb_grpc.TandemStub:
         return pb_grpc.TandemStub(self.channel())
 
+    def dead(self) -> list[tuple[str, int]]:
+        """This stack's processes that exited (others in the same group are not its concern)."""
+        return [(n, c) for n, c in self.group.dead() if n in self.names]
+
     def status(self) -> pb.ClusterStatusResponse:
         return self.stub().ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
 

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from shared.api import tandem_pb2 as pb
-from tests.integration.helpers import chat_request, collect
+from tests.integration.helpers import chat_request, collect, long_document
 from tests.integration.stack import start_stack
 
 pytestmark = pytest.mark.slow
@@ -31,3 +31,33 @@ def test_sigterm_drains_running_streams(processes, nats):
         if err.value.code() == grpc.StatusCode.UNAVAILABLE:
             break
         assert time.monotonic() < deadline
+
+
+def test_a_dead_worker_fails_its_requests_fast(processes, nats):
+    stack = start_stack(processes, nats, "it-crash")
+    workers = dict(processes.children)
+    prefill, decode = workers["it-crash-prefill-0"], workers["it-crash-decode-0"]
+
+    # The prefill worker dies while it computes a long prompt: UNAVAILABLE, and decode frees the blocks.
+    stream = stack.stub().Generate(chat_request(long_document(3000), 8), timeout=120)
+    time.sleep(1.0)
+    prefill.kill()
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    assert time.monotonic() - started < 15
+    stack.wait_idle()
+
+    # The decode worker dies mid-stream: the client hears UNAVAILABLE within seconds, not never.
+    colocated = start_stack(processes, nats, "it-crash2", mode="colocated")
+    worker = dict(processes.children)["it-crash2-decode-0"]
+    stream = colocated.stub().Generate(chat_request("Tell me a long story.", 2000, ignore_eos=True), timeout=120)
+    next(stream)
+    worker.kill()
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    assert "stopped responding" in err.value.details()
+    assert time.monotonic() - started < 10

@@ -161,6 +161,7 @@ class WorkerHeartbeat:
     requests_served: int = 0
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
+    kv_transfers_failed: int = 0
     stopping: bool = False      # draining: take no new work
 
 

@@ -21,6 +21,7 @@ from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 from shared.messages import (CancelRequest, DecodeAssignment, PrefillResult, PrefillTask, TaskAck,
                              Timing, TokenChunk, WorkerHeartbeat)
 from shared.liveness import Liveness
+from shared.recent import RecentIds
 from shared.subjects import Subjects
 from shared.transport.bus import BusError, MessageBus
 from shared.transport.kv import DataPlane, KVTransferError
@@ -48,9 +49,11 @@ class DecodeWorker:
         self.subjects = Subjects(settings.cluster)
         self.executor = EngineExecutor()
         self.engine = DecodeEngine(runtime, self.executor, self._publish, self._finish)
-        self.results: dict[int, asyncio.Future] = {}   # transfer tag -> the PrefillResult awaited
+        self.results: dict[int, asyncio.Queue] = {}    # transfer tag -> the PrefillResults that came
         self.fetches: dict[str, asyncio.Task] = {}     # request id -> its remote-prefill task
         self.drains: set[asyncio.Task] = set()
+        # A cancel can overtake its assignment (the gateway gave up while the scheduler placed it).
+        self.cancelled = RecentIds(ttl_s=120)
         self.served = 0
         self.stopping = False
 
@@ -64,7 +67,8 @@ class DecodeWorker:
             kv_blocks_used=self.rt.blocks.used, kv_blocks_total=self.rt.blocks.num_blocks,
             block_size=self.rt.blocks.block_size,
             requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
-            kv_bytes_received=self.plane.counters.bytes_received, stopping=self.stopping)
+            kv_bytes_received=self.plane.counters.bytes_received,
+            kv_transfers_failed=self.plane.counters.transfers_failed, stopping=self.stopping)
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_tasks(self.rt.worker_id), self.on_assignment),
@@ -108,6 +112,8 @@ class DecodeWorker:
         task = assignment.task
         if self.stopping:
             return ("UNAVAILABLE", f"decode worker {self.rt.worker_id} is shutting down")
+        if task.request_id in self.cancelled:
+            return ("CANCELLED", f"request {task.request_id} was cancelled before it started")
         if task.request_id in self.engine.seqs:
             return ("ALREADY_EXISTS", f"request {task.request_id} is already running")
         if len(task.prompt_token_ids) + task.sampling.max_tokens > self.rt.max_model_len:
@@ -122,7 +128,7 @@ class DecodeWorker:
 
     async def _fetch_kv(self, seq: Sequence, prefill_worker: str) -> None:
         tag = secrets.randbits(63) | 1
-        self.results[tag] = asyncio.get_running_loop().create_future()
+        self.results[tag] = asyncio.Queue()
         try:
             result = await self._request_prefill(seq, prefill_worker, tag)
             seq.kv_buffer = await self._receive(seq, tag, result)
@@ -152,7 +158,7 @@ class DecodeWorker:
         ack = await self.bus.request(self.subjects.worker_tasks(prefill_worker), task, 5.0, TaskAck)
         if not ack.ok:
             raise _Failed(ack.code or "UNAVAILABLE", ack.message)
-        result = await self._while_alive(self.results[tag], prefill_worker, self.settings.prefill_timeout_s)
+        result = await self._while_alive(self.results[tag].get(), prefill_worker, self.settings.prefill_timeout_s)
         if not result.ok:
             raise _Failed(result.code or "UNAVAILABLE", result.message)
         return result
@@ -177,7 +183,7 @@ class DecodeWorker:
         buffer = self.rt.runner.empty_kv(seq.prompt_len)
         if result.kv_bytes != buffer.numel() * buffer.element_size():
             raise _Failed("FAILED_PRECONDITION", "the prefill worker's KV size does not match this worker's layout")
-        failure = self.results[tag] = asyncio.get_running_loop().create_future()
+        failure = asyncio.ensure_future(self.results[tag].get())  # a later "my send failed"
         started = time.time()
         receive = asyncio.create_task(self.plane.receive(tag, buffer, self.settings.kv_transfer_timeout_s))
         either = asyncio.wait({receive, failure}, return_when=asyncio.FIRST_COMPLETED)
@@ -187,21 +193,29 @@ class DecodeWorker:
                 raise _Failed(failure.result().code or "UNAVAILABLE", failure.result().message)
             receive.result()
         finally:
-            receive.cancel()
+            failure.cancel()
+            if not receive.done():
+                # ucxx cannot withdraw a posted receive: let it finish (or time out) on its own,
+                # so its buffer is released instead of abandoned.
+                self._track(receive)
         seq.kv_transfer_ms = (time.time() - started) * 1000
         return buffer
 
     async def on_prefill_result(self, result: PrefillResult, respond) -> None:
         waiting = self.results.get(result.transfer_tag)
-        if waiting is not None and not waiting.done():
-            waiting.set_result(result)
-        elif result.ok and waiting is None:
+        if waiting is not None:
+            waiting.put_nowait(result)
+        elif result.ok:
             # Its request is gone (cancelled, timed out): take the bytes off the wire and drop them.
             limit = self.rt.max_model_len * bytes_per_token(self.rt.runner.layout)
             if 0 < result.kv_bytes <= limit:
-                drain = asyncio.create_task(self._drain(result))
-                self.drains.add(drain)
-                drain.add_done_callback(self.drains.discard)
+                self._track(asyncio.create_task(self._drain(result)))
+
+    def _track(self, task: asyncio.Task) -> None:
+        """Keeps a background receive alive until it ends; its outcome only matters to the log."""
+        self.drains.add(task)
+        task.add_done_callback(self.drains.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _drain(self, result: PrefillResult) -> None:
         scratch = torch.empty(result.kv_bytes, dtype=torch.uint8)
@@ -213,6 +227,7 @@ class DecodeWorker:
     async def on_cancel(self, message: CancelRequest, respond) -> None:
         seq = self.engine.seqs.get(message.request_id)
         if seq is None:
+            self.cancelled.add(message.request_id)
             return
         seq.cancel_reason = message.reason or "cancelled"
         fetch = self.fetches.get(seq.request_id)

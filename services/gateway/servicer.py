@@ -4,6 +4,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+import uuid
 
 import grpc
 
@@ -48,13 +49,14 @@ class TandemServicer(pb_grpc.TandemServicer):
                 self._tokenize, validate, request, self.tokenizer, self.limits)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if valid.request_id in self.streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {valid.request_id} is in flight")
+        # Inside the cluster each attempt has its own id: a client cannot cancel another's
+        # stream by reusing its id, and a retry never collides with the attempt it replaces.
+        attempt_id = f"{valid.request_id}.{uuid.uuid4().hex[:12]}"
         remaining = context.time_remaining()
-        task = GenerateTask(request_id=valid.request_id, prompt_token_ids=valid.prompt_token_ids,
+        task = GenerateTask(request_id=attempt_id, prompt_token_ids=valid.prompt_token_ids,
                             sampling=valid.sampling, reply_subject=self.streams.subject,
                             arrival_time=arrival, deadline=arrival + remaining if remaining else 0.0)
-        chunks = self.streams.open(valid.request_id)
+        chunks = self.streams.open(attempt_id)
         ended = False
         try:
             decode_worker = await self._submit(task, context)
@@ -66,11 +68,11 @@ class TandemServicer(pb_grpc.TandemServicer):
                 if first_at is None and chunk.token_ids:
                     first_at = time.time()
                 ended = bool(chunk.finish_reason)
-                yield self._response(chunk, arrival, first_at)
+                yield self._response(valid.request_id, chunk, arrival, first_at)
         finally:
-            self.streams.close(valid.request_id)
+            self.streams.close(attempt_id)
             if not ended:  # client gone, deadline passed or a failure: free what the workers hold
-                await self._cancel(valid.request_id)
+                await self._cancel(attempt_id)
 
     async def _cancel(self, request_id: str) -> None:
         try:
@@ -110,8 +112,8 @@ class TandemServicer(pb_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"token stream lost chunk {expected}")
         return chunk
 
-    def _response(self, chunk: TokenChunk, arrival: float, first_at: float | None) -> pb.GenerateResponse:
-        response = pb.GenerateResponse(request_id=chunk.request_id, text=chunk.text, token_ids=chunk.token_ids)
+    def _response(self, request_id: str, chunk: TokenChunk, arrival: float, first_at: float | None) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids)
         if chunk.finish_reason:
             now = time.time()
             response.finish_reason = FINISH.get(chunk.finish_reason, pb.FINISH_REASON_STOP)
@@ -135,4 +137,5 @@ class TandemServicer(pb_grpc.TandemServicer):
             id=w.worker_id, role=w.role, host=w.host, pid=w.pid, running=w.running, queued=w.queued,
             kv_blocks_used=w.kv_blocks_used, kv_blocks_total=w.kv_blocks_total,
             requests_served=w.requests_served, kv_bytes_sent=w.kv_bytes_sent,
-            kv_bytes_received=w.kv_bytes_received) for w in reply.workers])
+            kv_bytes_received=w.kv_bytes_received, kv_transfers_failed=w.kv_transfers_failed)
+            for w in reply.workers])

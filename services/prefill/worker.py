@@ -9,6 +9,8 @@ import os
 import time
 from dataclasses import asdict
 
+import torch
+
 from shared.engine.sampler import sample
 from shared.lifecycle import wait_or_stop
 from shared.messages import CancelRequest, PrefillResult, PrefillTask, TaskAck, WorkerHeartbeat
@@ -48,7 +50,8 @@ class PrefillWorker:
             kv_blocks_used=self.rt.blocks.used, kv_blocks_total=self.rt.blocks.num_blocks,
             block_size=self.rt.blocks.block_size,
             requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
-            kv_bytes_received=self.plane.counters.bytes_received, stopping=self.stopping)
+            kv_bytes_received=self.plane.counters.bytes_received,
+            kv_transfers_failed=self.plane.counters.transfers_failed, stopping=self.stopping)
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_tasks(self.rt.worker_id), self.on_task),
@@ -137,7 +140,11 @@ class PrefillWorker:
         result.ok, result.first_token = True, first_token
         result.kv_bytes = buffer.numel() * buffer.element_size()
         # Announce first: the decode worker posts its receive for this tag when it reads this.
-        await self.bus.publish(target, result)
+        try:
+            await self.bus.publish(target, result)
+        except Exception:
+            self.rt.blocks.deallocate(task.request_id)
+            raise
         send = asyncio.create_task(self._send(task, buffer, target))
         self.sends.add(send)
         send.add_done_callback(self.sends.discard)
@@ -159,4 +166,7 @@ class PrefillWorker:
     def _compute(self, task: PrefillTask):
         cache, logits = self.rt.runner.prefill(task.prompt_token_ids)
         first_token = sample(logits, task.sampling, 0)
-        return self.rt.runner.pack(cache), first_token
+        buffer = self.rt.runner.pack(cache)
+        if buffer.is_cuda:  # UCX reads it on its own streams: the copies must have landed
+            torch.cuda.current_stream().synchronize()
+        return buffer, first_token

@@ -9,6 +9,14 @@ from services.scheduler.registry import WorkerRegistry
 class NoWorker(Exception):
     """No live worker of a needed role can take the request."""
 
+    code = "UNAVAILABLE"
+
+
+class NoRoom(NoWorker):
+    """Workers are alive, but none has room for the request now."""
+
+    code = "RESOURCE_EXHAUSTED"
+
 
 @dataclass
 class Route:
@@ -39,7 +47,7 @@ def route(registry: WorkerRegistry, mode: str, task: GenerateTask, exclude: set[
         raise NoWorker(f"no live {decode_role} worker")
     fitting = [w for w in decoders if _fits(w, task)]
     if not fitting:
-        raise NoWorker(f"no {decode_role} worker has room for {len(task.prompt_token_ids)} prompt "
+        raise NoRoom(f"no {decode_role} worker has room for {len(task.prompt_token_ids)} prompt "
                        f"+ {task.sampling.max_tokens} new tokens")
     decode = min(fitting, key=_decode_load)
     if mode == "colocated":

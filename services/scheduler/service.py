@@ -3,14 +3,15 @@
 import asyncio
 import logging
 import uuid
+from pathlib import Path
 
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoWorker, route
 from services.scheduler.settings import SchedulerSettings
-from shared.messages import (DecodeAssignment, Discover, GenerateTask, StatusReply, StatusRequest,
+from shared.messages import (CancelRequest, DecodeAssignment, Discover, GenerateTask, StatusReply, StatusRequest,
                              SubmitReply, TaskAck, WorkerHeartbeat)
 from shared.subjects import Subjects
-from shared.transport.bus import BusError, MessageBus
+from shared.transport.bus import MessageBus, NoResponders, RequestTimeout
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,23 @@ class SchedulerService:
                 await self.bus.subscribe(self.subjects.status, self.on_status, queue="schedulers")]
         await self.bus.publish(self.subjects.discover, Discover(scheduler_id=self.scheduler_id))
         log.info("%s up in %s mode on cluster %r", self.scheduler_id, self.settings.mode, self.settings.cluster)
+        alive = asyncio.create_task(self._keep_alive()) if self.settings.alive_file else None
         try:
             await stop.wait()
         finally:
+            if alive is not None:
+                alive.cancel()
             for sub in subs:
                 await sub.unsubscribe()
             if self._inflight:
                 await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    async def _keep_alive(self) -> None:
+        """Touches the alive file while the event loop runs (the container health check reads it)."""
+        path = Path(self.settings.alive_file)
+        while True:
+            path.touch()
+            await asyncio.sleep(1.0)
 
     def ready(self) -> bool:
         roles = ("colocated",) if self.settings.mode == "colocated" else ("prefill", "decode")
@@ -70,18 +81,24 @@ class SchedulerService:
             try:
                 chosen = route(self.registry, self.settings.mode, task, tried)
             except NoWorker as err:
-                code = "RESOURCE_EXHAUSTED" if tried and last.code == "RESOURCE_EXHAUSTED" else "UNAVAILABLE"
-                return SubmitReply(ok=False, code=code, message=str(err) if not tried else last.message)
+                if tried and last.code == "RESOURCE_EXHAUSTED":
+                    return last
+                return SubmitReply(ok=False, code=err.code, message=str(err))
             prefill_id = chosen.prefill.worker_id if chosen.prefill else ""
             assignment = DecodeAssignment(task=task, prefill_worker=prefill_id)
             try:
                 ack = await self.bus.request(self.subjects.worker_tasks(chosen.decode.worker_id), assignment,
                                              self.settings.dispatch_timeout_s, TaskAck)
-            except BusError as err:
-                log.warning("decode worker %s did not take %s: %s", chosen.decode.worker_id, task.request_id, err)
+            except NoResponders:  # gone since its last heartbeat: it holds nothing, try another
                 self.registry.drop(chosen.decode.worker_id)
                 tried.add(chosen.decode.worker_id)
                 continue
+            except RequestTimeout:
+                # It may have taken the request after all: trying another could run it twice.
+                log.warning("decode worker %s did not confirm %s in time", chosen.decode.worker_id, task.request_id)
+                await self.bus.publish(self.subjects.cancel, CancelRequest(task.request_id, "dispatch timed out"))
+                return SubmitReply(ok=False, code="UNAVAILABLE",
+                                   message=f"decode worker {chosen.decode.worker_id} did not answer in time")
             if ack.ok:
                 return SubmitReply(ok=True, prefill_worker=prefill_id, decode_worker=chosen.decode.worker_id)
             last = SubmitReply(ok=False, code=ack.code or "UNAVAILABLE", message=ack.message)

@@ -12,6 +12,7 @@ class SchedulerSettings(CommonSettings):
     mode: str = field(default="disaggregated", metadata={"help": "disaggregated (prefill and decode pools) or colocated"})
     worker_timeout_s: float = field(default=3.0, metadata={"help": "a worker silent this long is dropped"})
     dispatch_timeout_s: float = field(default=5.0, metadata={"help": "how long a worker may take to accept an assignment"})
+    alive_file: str = field(default="", metadata={"help": "touched every second, for container health checks; empty = none"})
     scheduler_id: str = field(default="", metadata={"help": "unique id; empty = random"})
 
     def __post_init__(self) -> None:

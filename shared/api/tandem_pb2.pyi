@@ -103,7 +103,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "role", "host", "pid", "running", "queued", "kv_blocks_used", "kv_blocks_total", "requests_served", "kv_bytes_sent", "kv_bytes_received")
+    __slots__ = ("id", "role", "host", "pid", "running", "queued", "kv_blocks_used", "kv_blocks_total", "requests_served", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_failed")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class WorkerStatus(_message.Message):
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     host: str
@@ -126,7 +127,8 @@ class WorkerStatus(_message.Message):
     requests_served: int
     kv_bytes_sent: int
     kv_bytes_received: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., requests_served: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ...) -> None: ...
+    kv_transfers_failed: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., requests_served: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("workers", "mode")

@@ -48,11 +48,11 @@ def generate_command(args) -> int:
 
 
 def status_table(response: pb.ClusterStatusResponse) -> str:
-    rows = [("WORKER", "ROLE", "HOST", "PID", "RUNNING", "QUEUED", "KV BLOCKS", "SERVED", "KV SENT", "KV RECEIVED")]
+    rows = [("WORKER", "ROLE", "HOST", "PID", "RUNNING", "QUEUED", "KV BLOCKS", "SERVED", "KV SENT", "KV RECEIVED", "KV FAILED")]
     for w in response.workers:
         rows.append((w.id, w.role, w.host, str(w.pid), str(w.running), str(w.queued),
                      f"{w.kv_blocks_used}/{w.kv_blocks_total}", str(w.requests_served),
-                     _bytes(w.kv_bytes_sent), _bytes(w.kv_bytes_received)))
+                     _bytes(w.kv_bytes_sent), _bytes(w.kv_bytes_received), str(w.kv_transfers_failed)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     return f"mode: {response.mode}\n" + "\n".join(lines)

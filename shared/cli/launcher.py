@@ -47,7 +47,8 @@ def start_stack(args, group: ProcessGroup) -> str:
             raise RuntimeError("nats-server did not start:\n" + group.log_tail("nats"))
         nats_url = f"nats://127.0.0.1:{port}"
     workers = args.prefill + args.decode if args.mode == "disaggregated" else args.decode
-    common = {"TANDEM_NATS_URL": nats_url, "TANDEM_CLUSTER": args.cluster, "TANDEM_MODEL": args.model}
+    common = {"TANDEM_NATS_URL": nats_url, "TANDEM_CLUSTER": args.cluster, "TANDEM_MODEL": args.model,
+              "TANDEM_MODEL_CACHE": args.model_cache}
     worker_env = dict(common)
     if "TANDEM_TORCH_THREADS" not in os.environ:  # workers share this machine's cores
         worker_env["TANDEM_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
@@ -70,35 +71,53 @@ def up_command(args) -> int:
         return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    stopping = []
+    stopping: list[int] = []
+    started = [False]
+
+    def on_signal(signum, frame) -> None:
+        first = not stopping
+        stopping.append(signum)
+        if first and not started[0]:
+            raise KeyboardInterrupt  # still starting: unwind, and the ProcessGroup stops what runs
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.append(True))
-    print("preparing the model (the first run converts the GGUF once) ...", flush=True)
-    model_store.prepare(args.model, os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"))
-    with ProcessGroup(log_dir) as group:
+        signal.signal(sig, on_signal)
+    try:
+        print("preparing the model (the first run converts the GGUF once) ...", flush=True)
+        model_store.prepare(args.model, args.model_cache)
+        with ProcessGroup(log_dir) as group:
+            return _serve(args, group, log_dir, stopping, started)
+    except KeyboardInterrupt:
+        print("interrupted; every process stopped.", flush=True)
+        return 130
+
+
+def _serve(args, group: ProcessGroup, log_dir: Path, stopping: list, started: list) -> int:
+    try:
+        address = start_stack(args, group)
+        print(f"starting {args.mode} stack, logs in {log_dir} ...", flush=True)
+        wait_until_serving(address, group, READY_TIMEOUT_S)
+    except (RuntimeError, TimeoutError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    pools = (f"{args.prefill} prefill, {args.decode} decode" if args.mode == "disaggregated"
+             else f"{args.decode} colocated")
+    print(f"tandem is ready: gRPC API on {address} ({args.mode}; {pools}). Ctrl-C stops it.", flush=True)
+    if not args.no_demo:
+        print(f"demo> {DEMO_PROMPT}", flush=True)
         try:
-            address = start_stack(args, group)
-            print(f"starting {args.mode} stack, logs in {log_dir} ...", flush=True)
-            wait_until_serving(address, group, READY_TIMEOUT_S)
-        except (RuntimeError, TimeoutError) as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(summary(stream_generate(address, DEMO_PROMPT, 64, 0.0)), flush=True)
+        except grpc.RpcError as err:
+            print(f"demo request failed: {err.code().name}: {err.details()}", file=sys.stderr)
+    started[0] = True
+    while not stopping:
+        if group.dead():
+            name, code = group.dead()[0]
+            print(f"error: {name} exited with code {code}; stopping the stack:\n{group.log_tail(name)}",
+                  file=sys.stderr)
             return 1
-        print(f"tandem is ready: gRPC API on {address} ({args.mode}; "
-              f"{args.prefill if args.mode == 'disaggregated' else 0} prefill, {args.decode} "
-              f"{'decode' if args.mode == 'disaggregated' else 'colocated'}). Ctrl-C stops it.", flush=True)
-        if not args.no_demo:
-            print(f"demo> {DEMO_PROMPT}", flush=True)
-            try:
-                print(summary(stream_generate(address, DEMO_PROMPT, 64, 0.0)), flush=True)
-            except grpc.RpcError as err:
-                print(f"demo request failed: {err.code().name}: {err.details()}", file=sys.stderr)
-        while not stopping:
-            if group.dead():
-                name, code = group.dead()[0]
-                print(f"error: {name} exited with code {code}; stopping the stack:\n{group.log_tail(name)}",
-                      file=sys.stderr)
-                return 1
-            time.sleep(0.3)
-        print("stopping ...", flush=True)
+        time.sleep(0.3)
+    print("stopping ...", flush=True)
+    group.stop()
     print("stopped.", flush=True)
     return 0

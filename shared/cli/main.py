@@ -1,6 +1,7 @@
 """`tandem`: up | generate | status."""
 
 import argparse
+import os
 import sys
 
 from shared.cli import client, launcher
@@ -18,6 +19,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default="", help="HF model directory or .gguf file (default SmolLM2-135M-Instruct)")
     up.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     up.add_argument("--cluster", default="default", help="cluster name (NATS subject namespace)")
+    up.add_argument("--model-cache", default=os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"),
+                    help="where converted GGUF models are cached (env TANDEM_MODEL_CACHE)")
     up.add_argument("--log-dir", default="", help="service logs go here (default: a new temporary directory)")
     up.add_argument("--no-demo", action="store_true", help="skip the demo request")
     up.set_defaults(run=launcher.up_command)

@@ -56,8 +56,11 @@ class ProcessGroup:
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the services
+        # in order (gateway first, NATS last) instead of all at once.
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                start_new_session=True)
         log.close()
         self.children.append((name, proc))
         return proc

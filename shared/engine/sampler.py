@@ -11,6 +11,7 @@ from shared.messages import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
+MIN_TEMPERATURE = 1e-5
 
 
 def step_seed(seed: int, position: int) -> int:
@@ -19,7 +20,7 @@ def step_seed(seed: int, position: int) -> int:
 
 def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     """The token at output `position` (0 = first) from the last-position logits [vocab]."""
-    if params.temperature == 0.0:
+    if params.temperature < MIN_TEMPERATURE:  # below it, exp() overflows: greedy is the limit anyway
         return int(torch.argmax(logits))
     scores = logits.float() / params.temperature
     if 0 < params.top_k < scores.numel():

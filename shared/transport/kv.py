@@ -25,6 +25,7 @@ class TransferCounters:
     bytes_sent: int = 0
     bytes_received: int = 0
     transfers_failed: int = 0
+    buffers_abandoned: int = 0
 
 
 class DataPlane(Protocol):
@@ -40,7 +41,8 @@ def _ucx_view(tensor: torch.Tensor):
     """What ucxx accepts: host memory through the array interface, CUDA memory through its own."""
     if not tensor.is_contiguous():
         raise ValueError("KV buffers must be contiguous")
-    return tensor if tensor.is_cuda else tensor.numpy()
+    # Bytes, not elements: numpy has no bfloat16.
+    return tensor if tensor.is_cuda else tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 class UcxDataPlane:
@@ -52,7 +54,9 @@ class UcxDataPlane:
             self._options["TLS"] = tls
         self._endpoints: dict[bytes, object] = {}
         self._connecting: dict[bytes, asyncio.Lock] = {}
-        # Receives that timed out stay posted inside UCX; their buffers must outlive them.
+        # ucxx cannot cancel one posted request: a receive whose sender died stays posted, and a
+        # send that timed out may still be read; their buffers must outlive them. Only failures
+        # land here (a cancelled receive is left to complete, see DecodeWorker._receive).
         self._abandoned: list[torch.Tensor] = []
         self.counters = TransferCounters()
         self.address = b""
@@ -78,6 +82,10 @@ class UcxDataPlane:
         if self._abandoned:
             log.warning("%d abandoned KV receive buffer(s) at shutdown", len(self._abandoned))
 
+    def _abandon(self, buffer: torch.Tensor) -> None:
+        self._abandoned.append(buffer)
+        self.counters.buffers_abandoned = len(self._abandoned)
+
     async def _endpoint(self, peer_address: bytes):
         ep = self._endpoints.get(peer_address)
         if ep is not None and not ep.closed:
@@ -99,6 +107,7 @@ class UcxDataPlane:
             await asyncio.wait_for(ep.send(_ucx_view(buffer), tag=tag, force_tag=True), timeout)
         except Exception as err:
             self.counters.transfers_failed += 1
+            self._abandon(buffer)  # UCX may still be reading it
             self._endpoints.pop(peer_address, None)  # reopened on the next transfer
             raise KVTransferError(f"KV send (tag {tag:#x}) failed: {err!r}") from err
         self.counters.bytes_sent += buffer.numel() * buffer.element_size()
@@ -106,12 +115,11 @@ class UcxDataPlane:
     async def receive(self, tag: int, buffer: torch.Tensor, timeout: float) -> None:
         try:
             await asyncio.wait_for(self._ucxx.recv(_ucx_view(buffer), tag=tag), timeout)
-        except asyncio.CancelledError:
-            self._abandoned.append(buffer)  # the posted receive may still write into it
-            raise
-        except Exception as err:
+        except BaseException as err:  # cancelled too: the posted receive may still write into it
             self.counters.transfers_failed += 1
-            self._abandoned.append(buffer)
+            self._abandon(buffer)
+            if isinstance(err, asyncio.CancelledError):
+                raise
             raise KVTransferError(f"KV receive (tag {tag:#x}) failed: {err!r}") from err
         self.counters.bytes_received += buffer.numel() * buffer.element_size()
 

@@ -51,6 +51,17 @@ class Stack:
         """This stack's processes that exited (others in the same group are not its concern)."""
         return [(n, c) for n, c in self.group.dead() if n in self.names]
 
+    def stop(self) -> None:
+        """Stops this stack's processes now, so they do not load the machine for later tests."""
+        procs = [p for n, p in self.group.children if n in self.names and p.poll() is None]
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except Exception:
+                proc.kill()
+
     def status(self) -> pb.ClusterStatusResponse:
         return self.stub().ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
 

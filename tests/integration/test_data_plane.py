@@ -1,5 +1,7 @@
 """The KV cache moves over UCX, worker to worker, and never touches NATS."""
 
+import time
+
 import pytest
 
 from shared.engine.kv_cache import bytes_per_token
@@ -13,16 +15,21 @@ def test_kv_bytes_never_cross_nats(disagg, nats, hf_model):
     before_nats = nats.varz()
     before = {w.id: w for w in disagg.status().workers}
     chunks, ids, _ = collect(disagg.stub(), chat_request(long_document(1500), 8), timeout=300)
-    after = {w.id: w for w in disagg.status().workers}
-    after_nats = nats.varz()
 
     config = hf_model.config
     layout = KVLayout("m", "float32", config.num_hidden_layers, config.num_key_value_heads,
                       config.hidden_size // config.num_attention_heads)
     kv_bytes = chunks[-1].usage.prompt_tokens * bytes_per_token(layout)
     decode_id, prefill_id = chunks[-1].timing.decode_worker, chunks[-1].timing.prefill_worker
-    received = after[decode_id].kv_bytes_received - before[decode_id].kv_bytes_received
-    sent = after[prefill_id].kv_bytes_sent - before[prefill_id].kv_bytes_sent
+    deadline = time.monotonic() + 5
+    while True:  # the counters travel in heartbeats, every 0.5 s
+        after = {w.id: w for w in disagg.status().workers}
+        received = after[decode_id].kv_bytes_received - before[decode_id].kv_bytes_received
+        sent = after[prefill_id].kv_bytes_sent - before[prefill_id].kv_bytes_sent
+        if (received, sent) == (kv_bytes, kv_bytes) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    after_nats = nats.varz()
     assert received == sent == kv_bytes  # ~66 MiB for this prompt, all over UCX
 
     # Everything NATS carried in that time (all clusters, heartbeats included) is a sliver of it.

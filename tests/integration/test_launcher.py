@@ -16,37 +16,60 @@ pytestmark = pytest.mark.slow
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
-        return f.read().split()[2] != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+def _launch(tmp_path, port: int) -> subprocess.Popen:
+    # Its own session, like a shell's foreground job: Ctrl-C is SIGINT to that process group.
+    env = {**os.environ, "TANDEM_TORCH_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "shared.cli.main", "up", "--grpc-port", str(port), "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+
+def _read_until(proc: subprocess.Popen, done, timeout: float) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while not done(lines):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        lines.append(proc.stdout.readline())
+    return lines
 
 
 def test_tandem_up_serves_and_stops_cleanly(tmp_path):
     port = free_port()
-    env = {**os.environ, "TANDEM_TORCH_THREADS": "1"}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli.main", "up", "--grpc-port", str(port), "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
+    launcher = _launch(tmp_path, port)
+    children = []
     try:
-        deadline = time.monotonic() + 300
-        while not any(line.startswith("[") and "generated tokens" in line for line in lines):
-            assert time.monotonic() < deadline and launcher.poll() is None, "".join(lines)
-            lines.append(launcher.stdout.readline())
+        lines = _read_until(launcher, lambda ls: any(l.startswith("[") and "generated tokens" in l for l in ls), 300)
         output = "".join(lines)
         assert "ready" in output
         answer = lines[lines.index(next(l for l in lines if l.startswith("demo>"))) + 1]
         assert answer.strip(), output
         status = Stack("default", f"127.0.0.1:{port}", None, "disaggregated").status()
-        pids = [w.pid for w in status.workers]
         assert sorted(w.role for w in status.workers) == ["decode", "prefill"]
-        children = [int(p) for p in open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split()]
-        assert set(pids) <= set(children) and len(children) == 5  # nats, scheduler, prefill, decode, gateway
+        children = _children(launcher.pid)
+        assert {w.pid for w in status.workers} <= set(children) and len(children) == 5  # + nats, scheduler, gateway
     finally:
-        launcher.send_signal(signal.SIGINT)
+        os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         rest, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == 0, rest
     assert "stopped." in rest
+    assert not [pid for pid in children if _alive(pid)]
+
+
+def test_ctrl_c_while_starting_stops_everything(tmp_path):
+    launcher = _launch(tmp_path, free_port())
+    _read_until(launcher, lambda ls: any("starting" in l for l in ls), 120)
+    children = _children(launcher.pid)
+    assert children
+    os.killpg(launcher.pid, signal.SIGINT)
+    rest, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130, rest
     assert not [pid for pid in children if _alive(pid)]

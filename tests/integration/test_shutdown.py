@@ -31,6 +31,7 @@ def test_sigterm_drains_running_streams(processes, nats):
         if err.value.code() == grpc.StatusCode.UNAVAILABLE:
             break
         assert time.monotonic() < deadline
+    stack.stop()
 
 
 def test_a_dead_worker_fails_its_requests_fast(processes, nats):
@@ -48,6 +49,7 @@ def test_a_dead_worker_fails_its_requests_fast(processes, nats):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     assert time.monotonic() - started < 15
     stack.wait_idle()
+    stack.stop()
 
     # The decode worker dies mid-stream: the client hears UNAVAILABLE within seconds, not never.
     colocated = start_stack(processes, nats, "it-crash2", mode="colocated")
@@ -61,3 +63,4 @@ def test_a_dead_worker_fails_its_requests_fast(processes, nats):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     assert "stopped responding" in err.value.details()
     assert time.monotonic() - started < 10
+    colocated.stop()

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from services.decode.engine import DecodeEngine
+from services.decode.engine import DecodeLoop
 from shared.engine.detokenizer import Detokenizer
-from shared.engine.kv_cache import bytes_per_token
+from shared.engine.kv_cache import bytes_per_token, empty_buffer
 from shared.engine.model_runner import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 from shared.messages import (CancelRequest, DecodeAssignment, PrefillResult, PrefillTask, TaskAck,
@@ -48,7 +48,7 @@ class DecodeWorker:
         self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
         self.executor = EngineExecutor()
-        self.engine = DecodeEngine(runtime, self.executor, self._publish, self._finish)
+        self.loop = DecodeLoop(runtime.engine, self.executor, self._publish, self._finish)
         self.results: dict[int, asyncio.Queue] = {}    # transfer tag -> the PrefillResults that came
         self.fetches: dict[str, asyncio.Task] = {}     # request id -> its remote-prefill task
         self.drains: set[asyncio.Task] = set()
@@ -62,8 +62,8 @@ class DecodeWorker:
             worker_id=self.rt.worker_id, role=self.rt.role, host=self.rt.host, pid=os.getpid(),
             ucx_address=self.plane.address, layout=self.rt.runner.layout,
             max_model_len=self.rt.max_model_len,
-            running=self.engine.count(SeqStatus.RUNNING, SeqStatus.KV_READY),
-            queued=self.engine.count(SeqStatus.WAITING_KV, SeqStatus.WAITING_PREFILL),
+            running=self.loop.count(SeqStatus.RUNNING, SeqStatus.KV_READY),
+            queued=self.loop.count(SeqStatus.WAITING_KV, SeqStatus.WAITING),
             kv_blocks_used=self.rt.blocks.used, kv_blocks_total=self.rt.blocks.num_blocks,
             block_size=self.rt.blocks.block_size,
             requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
@@ -77,12 +77,12 @@ class DecodeWorker:
         try:
             async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s,
                                  self.settings.alive_file) as announcer:
-                await self.engine.run(stop)
+                await self.loop.run(stop)
                 self.stopping = True  # no new work; the scheduler drops this worker now
                 await announcer.announce()
-                log.info("draining %d request(s) for up to %.0fs", len(self.engine.seqs), self.settings.drain_timeout_s)
-                await self.engine.drain(self.settings.drain_timeout_s)
-                await self.engine.abort_all("UNAVAILABLE", "the decode worker shut down before the request finished")
+                log.info("draining %d request(s) for up to %.0fs", len(self.loop.seqs), self.settings.drain_timeout_s)
+                await self.loop.drain(self.settings.drain_timeout_s)
+                await self.loop.abort_all("UNAVAILABLE", "the decode worker shut down before the request finished")
         finally:
             for task in [*self.fetches.values(), *self.drains]:
                 task.cancel()
@@ -96,14 +96,17 @@ class DecodeWorker:
         task = assignment.task
         refusal = self._refusal(assignment)
         if refusal is None:
-            self.rt.blocks.allocate(task.request_id, len(task.prompt_token_ids) + task.sampling.max_tokens)
             seq = Sequence(task, Detokenizer(self.rt.tokenizer, task.sampling.stop),
                            self.rt.eos_token_ids, self.rt.max_model_len)
-            if assignment.prefill_worker:
+            if not assignment.prefill_worker:
+                seq.prefill_worker = self.rt.worker_id
+                self.loop.add(seq, local_prefill=True)
+            elif self.rt.engine.admit(seq):  # the prompt's blocks, reserved before its KV comes
                 seq.status = SeqStatus.WAITING_KV
-                self.fetches[seq.request_id] = asyncio.create_task(
-                    self._fetch_kv(seq, assignment.prefill_worker))
-            self.engine.add(seq)
+                self.loop.add(seq, local_prefill=False)
+                self.fetches[seq.request_id] = asyncio.create_task(self._fetch_kv(seq, assignment.prefill_worker))
+            else:
+                refusal = ("RESOURCE_EXHAUSTED", f"decode worker {self.rt.worker_id} has no KV blocks free")
         if respond is not None:
             code, message = refusal or ("", "")
             await respond(TaskAck(ok=refusal is None, code=code, message=message))
@@ -114,14 +117,14 @@ class DecodeWorker:
             return ("UNAVAILABLE", f"decode worker {self.rt.worker_id} is shutting down")
         if task.request_id in self.cancelled:
             return ("CANCELLED", f"request {task.request_id} was cancelled before it started")
-        if task.request_id in self.engine.seqs:
+        if task.request_id in self.loop.seqs:
             return ("ALREADY_EXISTS", f"request {task.request_id} is already running")
         if len(task.prompt_token_ids) + task.sampling.max_tokens > self.rt.max_model_len:
             return ("INVALID_ARGUMENT", f"prompt plus max_tokens exceeds {self.rt.max_model_len} tokens")
-        if len(self.engine.seqs) >= self.settings.max_queue:
+        if len(self.loop.seqs) >= self.settings.max_queue:
             return ("RESOURCE_EXHAUSTED", f"decode worker {self.rt.worker_id} is full")
-        if not self.rt.blocks.can_allocate(len(task.prompt_token_ids) + task.sampling.max_tokens):
-            return ("RESOURCE_EXHAUSTED", f"decode worker {self.rt.worker_id} has no KV blocks free")
+        if self.rt.blocks.blocks_for(len(task.prompt_token_ids) + task.sampling.max_tokens) > self.rt.blocks.num_blocks:
+            return ("RESOURCE_EXHAUSTED", f"the request needs more KV than decode worker {self.rt.worker_id} has")
         return None
 
     # -- remote prefill --------------------------------------------------------------------
@@ -134,7 +137,7 @@ class DecodeWorker:
             seq.kv_buffer = await self._receive(seq, tag, result)
             seq.first_token, seq.prefill_worker = result.first_token, result.prefill_worker
             seq.queue_ms, seq.prefill_ms = result.queue_ms, result.prefill_ms
-            seq.status = SeqStatus.KV_READY
+            self.rt.engine.kv_arrived(seq)
         except _Failed as failure:
             seq.error = (failure.code, failure.message)
         except BusError:
@@ -147,7 +150,7 @@ class DecodeWorker:
         finally:
             self.results.pop(tag, None)
             self.fetches.pop(seq.request_id, None)
-            self.engine.wakeup.set()
+            self.loop.wakeup.set()
 
     async def _request_prefill(self, seq: Sequence, prefill_worker: str, tag: int) -> PrefillResult:
         task = PrefillTask(
@@ -180,7 +183,7 @@ class DecodeWorker:
             task.cancel()
 
     async def _receive(self, seq: Sequence, tag: int, result: PrefillResult) -> torch.Tensor:
-        buffer = self.rt.runner.empty_kv(seq.prompt_len)
+        buffer = empty_buffer(self.rt.runner.layout, seq.prompt_len, self.rt.runner.device)
         if result.kv_bytes != buffer.numel() * buffer.element_size():
             raise _Failed("FAILED_PRECONDITION", "the prefill worker's KV size does not match this worker's layout")
         failure = asyncio.ensure_future(self.results[tag].get())  # a later "my send failed"
@@ -225,7 +228,7 @@ class DecodeWorker:
             log.warning("could not drain the KV of %s: %s", result.request_id, err)
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
-        seq = self.engine.seqs.get(message.request_id)
+        seq = self.loop.seqs.get(message.request_id)
         if seq is None:
             self.cancelled.add(message.request_id)
             return
@@ -233,7 +236,7 @@ class DecodeWorker:
         fetch = self.fetches.get(seq.request_id)
         if fetch is not None:
             fetch.cancel()
-        self.engine.wakeup.set()
+        self.loop.wakeup.set()
 
     # -- output ----------------------------------------------------------------------------
 
@@ -253,8 +256,7 @@ class DecodeWorker:
         await self.bus.publish(seq.task.reply_subject, chunk)
 
     async def _finish(self, seq: Sequence) -> None:
-        """Frees what the sequence holds and tells the gateway how it ended, on every path."""
-        self.rt.blocks.deallocate(seq.request_id)
+        """Tells the gateway how the sequence ended (the loop freed its blocks), on every path."""
         fetch = self.fetches.get(seq.request_id)
         if fetch is not None:
             fetch.cancel()

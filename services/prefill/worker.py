@@ -1,6 +1,8 @@
-"""PrefillWorker: takes PrefillTasks from decode workers, runs the prompt, pushes the KV over UCX.
+"""PrefillWorker: batches the prompts decode workers send it, then pushes each prompt's KV over UCX.
 
-The loop reads: take a task -> prefill (off the event loop) -> announce the result -> send the KV.
+The loop reads: drain inputs -> step the engine (prompt chunks of many requests in one batch)
+-> for each finished prompt: announce the result, then send its KV in the background while the
+next prompts compute. A prompt's blocks stay held until its KV has left.
 """
 
 import asyncio
@@ -11,10 +13,11 @@ from dataclasses import asdict
 
 import torch
 
-from shared.engine.sampler import sample
-from shared.lifecycle import wait_or_stop
-from shared.messages import CancelRequest, PrefillResult, PrefillTask, TaskAck, WorkerHeartbeat
 from shared.engine.model_runner import EngineExecutor
+from shared.engine.sequence import SeqStatus, Sequence
+from shared.lifecycle import wait_or_stop
+from shared.messages import (CancelRequest, GenerateTask, PrefillResult, PrefillTask, TaskAck,
+                             WorkerHeartbeat)
 from shared.subjects import Subjects
 from shared.transport.bus import MessageBus
 from shared.transport.kv import DataPlane, KVTransferError
@@ -26,27 +29,26 @@ log = logging.getLogger(__name__)
 
 
 class PrefillWorker:
-    def __init__(self, settings: WorkerSettings, runtime: WorkerRuntime, bus: MessageBus,
-                 plane: DataPlane):
+    def __init__(self, settings: WorkerSettings, runtime: WorkerRuntime, bus: MessageBus, plane: DataPlane):
         self.settings = settings
         self.rt = runtime
+        self.engine = runtime.engine
         self.bus = bus
         self.plane = plane
         self.subjects = Subjects(settings.cluster)
-        self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
-        self.cancelled: set[str] = set()
-        self.queued_ids: set[str] = set()
-        self.running = 0
-        self.sends: set[asyncio.Task] = set()
-        self.stopping = False
-        self.served = 0
         self.executor = EngineExecutor()
+        self.held: dict[str, tuple[PrefillTask, Sequence]] = {}   # request id -> its task, until its KV left
+        self.sends: set[asyncio.Task] = set()
+        self.wakeup = asyncio.Event()
+        self.served = 0
+        self.stopping = False
 
     def snapshot(self) -> WorkerHeartbeat:
+        queued = sum(1 for _, s in self.held.values() if s.status is SeqStatus.WAITING and not s.num_computed_tokens)
         return WorkerHeartbeat(
             worker_id=self.rt.worker_id, role="prefill", host=self.rt.host, pid=os.getpid(),
             ucx_address=self.plane.address, layout=self.rt.runner.layout,
-            max_model_len=self.rt.max_model_len, running=self.running, queued=self.queue.qsize(),
+            max_model_len=self.rt.max_model_len, running=len(self.held) - queued, queued=queued,
             kv_blocks_used=self.rt.blocks.used, kv_blocks_total=self.rt.blocks.num_blocks,
             block_size=self.rt.blocks.block_size,
             requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
@@ -60,13 +62,14 @@ class PrefillWorker:
             async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s,
                                  self.settings.alive_file) as announcer:
                 while not stop.is_set():
-                    task = await wait_or_stop(self.queue.get(), stop)
-                    if task is not None:
-                        self.queued_ids.discard(task.request_id)
-                        await self.handle(task)
+                    if not await self._iterate():
+                        self.wakeup.clear()
+                        await wait_or_stop(self.wakeup.wait(), stop)
                 self.stopping = True
                 await announcer.announce()
-                await self._refuse_queued()
+                for task, seq in list(self.held.values()):
+                    if seq.status is not SeqStatus.FINISHED:  # not computed yet: tell its decode worker now
+                        await self._fail(task, seq, "UNAVAILABLE", f"prefill worker {self.rt.worker_id} shut down")
         finally:
             for sub in subs:
                 await sub.unsubscribe()
@@ -74,22 +77,21 @@ class PrefillWorker:
                 await asyncio.gather(*self.sends, return_exceptions=True)
             self.executor.close()
 
-    async def _refuse_queued(self) -> None:
-        """Shutting down: tell each waiting decode worker now, instead of letting it time out."""
-        while not self.queue.empty():
-            task = self.queue.get_nowait()
-            await self.bus.publish(self.subjects.prefill_results(task.decode_worker), PrefillResult(
-                request_id=task.request_id, transfer_tag=task.transfer_tag, ok=False, code="UNAVAILABLE",
-                message=f"prefill worker {self.rt.worker_id} shut down", prefill_worker=self.rt.worker_id))
+    # -- inputs ---------------------------------------------------------------------------------
 
     async def on_task(self, task: PrefillTask, respond) -> None:
         refusal = self._refusal(task)
         if refusal is None:
-            self.queue.put_nowait(task)
-            self.queued_ids.add(task.request_id)
+            request = GenerateTask(request_id=task.request_id, prompt_token_ids=task.prompt_token_ids,
+                                   sampling=task.sampling, reply_subject="", arrival_time=task.arrival_time,
+                                   deadline=task.deadline)
+            seq = Sequence(request, None, set(), self.rt.max_model_len, prefill_only=True)
+            self.held[task.request_id] = (task, seq)
+            self.engine.add(seq)
+            self.wakeup.set()
         if respond is not None:
-            await respond(TaskAck(ok=refusal is None, code="" if refusal is None else refusal[0],
-                                  message="" if refusal is None else refusal[1]))
+            code, message = refusal or ("", "")
+            await respond(TaskAck(ok=refusal is None, code=code, message=message))
 
     def _refusal(self, task: PrefillTask) -> tuple[str, str] | None:
         if self.stopping:
@@ -98,75 +100,88 @@ class PrefillWorker:
             return ("FAILED_PRECONDITION",
                     f"KV layout mismatch: decode has {asdict(task.layout)}, "
                     f"prefill {self.rt.worker_id} has {asdict(self.rt.runner.layout)}")
-        if self.queue.qsize() >= self.settings.max_queue:
+        if task.request_id in self.held:
+            return ("ALREADY_EXISTS", f"request {task.request_id} is already here")
+        if len(self.held) >= self.settings.max_queue:
             return ("RESOURCE_EXHAUSTED", f"prefill worker {self.rt.worker_id} queue is full")
         if self.rt.blocks.blocks_for(len(task.prompt_token_ids)) > self.rt.blocks.num_blocks:
             return ("RESOURCE_EXHAUSTED", "prompt is larger than the prefill worker's KV budget")
         return None
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
-        # Cancels are broadcast; remember only those of tasks still waiting here. A prefill
-        # already computing finishes, and the decode worker drops its KV.
-        if message.request_id in self.queued_ids:
-            self.cancelled.add(message.request_id)
+        held = self.held.get(message.request_id)
+        if held is not None and held[1].status is not SeqStatus.FINISHED:
+            held[1].cancel_reason = message.reason or "cancelled"
+            self.wakeup.set()
 
-    async def handle(self, task: PrefillTask) -> None:
-        """Prefill one task; its KV goes out in the background while the next prompt computes."""
-        result = PrefillResult(request_id=task.request_id, transfer_tag=task.transfer_tag, ok=False,
-                               prefill_worker=self.rt.worker_id)
-        target = self.subjects.prefill_results(task.decode_worker)
-        if task.request_id in self.cancelled or (task.deadline and time.time() > task.deadline):
-            self.cancelled.discard(task.request_id)
-            result.code, result.message = "CANCELLED", "cancelled before prefill"
-            await self.bus.publish(target, result)
-            return
-        while not self.rt.blocks.can_allocate(len(task.prompt_token_ids)):
-            await asyncio.sleep(0.01)  # blocks still held by transfers in flight
-        self.rt.blocks.allocate(task.request_id, len(task.prompt_token_ids))
-        started = time.time()
-        result.queue_ms = (started - task.arrival_time) * 1000
-        self.running += 1
+    # -- the loop -------------------------------------------------------------------------------
+
+    async def _iterate(self) -> bool:
+        for task, seq in list(self.held.values()):
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            if seq.cancel_reason:
+                await self._fail(task, seq, "CANCELLED", "cancelled before its prefill finished")
+            elif seq.expired:
+                await self._fail(task, seq, "DEADLINE_EXCEEDED", "the request's deadline passed")
+        if not self.engine.has_work():
+            return False
         try:
-            buffer, first_token = await self.executor.run(self._compute, task)
+            outputs = await self.executor.run(self.engine.step)
         except Exception as err:
-            log.exception("prefill of %s failed", task.request_id)
-            self.rt.blocks.deallocate(task.request_id)
-            result.code, result.message = "INTERNAL", f"prefill failed: {type(err).__name__}"
-            await self.bus.publish(target, result)
-            return
-        finally:
-            self.running -= 1
-        result.prefill_ms = (time.time() - started) * 1000
-        result.ok, result.first_token = True, first_token
-        result.kv_bytes = buffer.numel() * buffer.element_size()
-        # Announce first: the decode worker posts its receive for this tag when it reads this.
+            log.exception("prefill step failed")
+            for task, seq in list(self.held.values()):
+                if seq.status is not SeqStatus.FINISHED:
+                    await self._fail(task, seq, "INTERNAL", f"prefill failed: {type(err).__name__}")
+            return True
+        if outputs is None:
+            return False
+        for seq, out in outputs:
+            await self._ship(self.held[seq.request_id][0], seq, out.token_ids[0])
+        return True
+
+    async def _fail(self, task: PrefillTask, seq: Sequence, code: str, message: str) -> None:
+        self.held.pop(task.request_id, None)
+        self.engine.release(seq)
+        await self.bus.publish(self.subjects.prefill_results(task.decode_worker), PrefillResult(
+            request_id=task.request_id, transfer_tag=task.transfer_tag, ok=False, code=code, message=message,
+            prefill_worker=self.rt.worker_id))
+
+    async def _ship(self, task: PrefillTask, seq: Sequence, first_token: int) -> None:
+        """Announces the finished prompt, then sends its KV in the background."""
         try:
-            await self.bus.publish(target, result)
+            buffer = await self.executor.run(self._export, seq)
+            result = PrefillResult(
+                request_id=task.request_id, transfer_tag=task.transfer_tag, ok=True, first_token=first_token,
+                kv_bytes=buffer.numel() * buffer.element_size(), queue_ms=seq.queue_ms, prefill_ms=seq.prefill_ms,
+                prefill_worker=self.rt.worker_id)
+            # Announce first: the decode worker posts its receive for this tag when it reads this.
+            await self.bus.publish(self.subjects.prefill_results(task.decode_worker), result)
         except Exception:
-            self.rt.blocks.deallocate(task.request_id)
+            self.held.pop(task.request_id, None)
+            self.engine.release(seq)
             raise
-        send = asyncio.create_task(self._send(task, buffer, target))
+        send = asyncio.create_task(self._send(task, seq, buffer))
         self.sends.add(send)
         send.add_done_callback(self.sends.discard)
 
-    async def _send(self, task: PrefillTask, buffer, target: str) -> None:
+    def _export(self, seq: Sequence) -> torch.Tensor:
+        pool = self.rt.runner.pool
+        buffer = pool.export(pool.slots(seq.block_table, 0, seq.prompt_len))
+        if buffer.is_cuda:  # UCX reads it on its own streams: the copy must have landed
+            torch.cuda.current_stream().synchronize()
+        return buffer
+
+    async def _send(self, task: PrefillTask, seq: Sequence, buffer: torch.Tensor) -> None:
         try:
             await self.plane.send(task.decode_ucx_address, task.transfer_tag, buffer,
                                   self.settings.kv_transfer_timeout_s)
             self.served += 1
         except KVTransferError as err:
             log.error("KV of %s to %s not sent: %s", task.request_id, task.decode_worker, err)
-            await self.bus.publish(target, PrefillResult(
+            await self.bus.publish(self.subjects.prefill_results(task.decode_worker), PrefillResult(
                 request_id=task.request_id, transfer_tag=task.transfer_tag, ok=False,
                 code="UNAVAILABLE", message="KV transfer failed", prefill_worker=self.rt.worker_id))
         finally:
-            self.rt.blocks.deallocate(task.request_id)
-            self.cancelled.discard(task.request_id)
-
-    def _compute(self, task: PrefillTask):
-        cache, logits = self.rt.runner.prefill(task.prompt_token_ids)
-        first_token = sample(logits, task.sampling, 0)
-        buffer = self.rt.runner.pack(cache)
-        if buffer.is_cuda:  # UCX reads it on its own streams: the copies must have landed
-            torch.cuda.current_stream().synchronize()
-        return buffer, first_token
+            self.held.pop(task.request_id, None)
+            self.engine.release(seq)

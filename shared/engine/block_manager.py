@@ -1,49 +1,158 @@
-"""KV cache capacity in fixed-size blocks: what a worker can hold, who holds what, freed on every path.
+"""BlockManager: the paged KV cache's blocks — free list, reference counts, prefix hashing, LRU eviction.
 
-Pure bookkeeping, no tensors. A sequence reserves the blocks for its whole budget (prompt plus
-max_tokens) when it is admitted, so it can never run out of KV mid-generation.
+Pure bookkeeping, no tensors: a sequence owns a block table (block ids); the KVPool holds the
+bytes. Every full block is content-hashed, chained over the prefix, so a new prompt that starts
+like a cached one reuses its blocks. A block whose last holder leaves stays cached (reference
+count 0) until it is evicted, least recently freed first, to make room.
+
+Prefix hits are used in whole `cache_granularity`-token units (a multiple of the block size):
+the engine computes prompts in fixed chunks of that size, so a sequence that reuses cached
+blocks computes exactly what it would have computed without them (bit-identical outputs).
 """
 
-import math
+import hashlib
+from collections import OrderedDict
+from typing import Protocol
+
+
+class Paged(Protocol):
+    """What the BlockManager needs of a sequence."""
+
+    block_table: list[int]
+    num_cached_tokens: int
+    num_hashed_blocks: int   # leading blocks whose hash is known (registered or reused)
+    last_block_hash: bytes   # the chained hash of the last of those
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return digest.digest()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, cache_granularity: int | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._held: dict[str, int] = {}
-        self._used = 0
+        self.granularity = cache_granularity or block_size
+        if self.granularity % block_size:
+            raise ValueError("cache_granularity must be a multiple of block_size")
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        # Blocks no sequence holds, least recently freed first. Cached ones keep their hash.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hits = 0       # tokens served from the prefix cache
+        self.lookups = 0    # prompt tokens looked up
 
-    @property
-    def used(self) -> int:
-        return self._used
+    # -- capacity ----------------------------------------------------------------------------
 
     @property
     def free(self) -> int:
-        return self.num_blocks - self._used
+        return len(self.free_blocks)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def cached(self) -> int:
+        """Free blocks that still hold a reusable prefix."""
+        return sum(1 for b in self.free_blocks if self.block_hash[b] is not None)
 
     def blocks_for(self, num_tokens: int) -> int:
         if num_tokens < 0:
             raise ValueError("num_tokens must not be negative")
-        return math.ceil(num_tokens / self.block_size)
+        return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.free
+    # -- allocate / deallocate ---------------------------------------------------------------
 
-    def allocate(self, seq_id: str, num_tokens: int) -> None:
-        if seq_id in self._held:
-            raise ValueError(f"{seq_id} already holds blocks")
-        need = self.blocks_for(num_tokens)
-        if need > self.free:
-            raise MemoryError(f"{seq_id} needs {need} KV blocks, {self.free} free")
-        self._held[seq_id] = need
-        self._used += need
+    def _prefix_hits(self, tokens: list[int]) -> list[int]:
+        """Cached blocks that hold the longest usable prefix of `tokens` (whole granules only;
+        the last token is never taken from cache, so there is always something to compute)."""
+        hits, parent = [], b""
+        usable = ((len(tokens) - 1) // self.granularity) * self.granularity
+        for start in range(0, usable, self.block_size):
+            parent = chain_hash(parent, tokens[start:start + self.block_size])
+            block = self.hash_to_block.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        per_granule = self.granularity // self.block_size
+        return hits[:len(hits) // per_granule * per_granule]
 
-    def deallocate(self, seq_id: str) -> None:
-        """Frees what seq_id holds; freeing twice is harmless."""
-        self._used -= self._held.pop(seq_id, 0)
+    def can_allocate(self, seq: Paged) -> bool:
+        hits = self._prefix_hits(seq.token_ids)
+        reclaimed = sum(1 for b in hits if self.ref_count[b] == 0)  # hits that are free now
+        return self.blocks_for(seq.num_tokens) - len(hits) <= self.free - reclaimed
 
-    def holds(self, seq_id: str) -> bool:
-        return seq_id in self._held
+    def allocate(self, seq: Paged) -> None:
+        """A block table for all of seq's tokens, reusing cached prefix blocks."""
+        if seq.block_table:
+            raise ValueError("sequence already holds blocks")
+        if not self.can_allocate(seq):
+            raise MemoryError(f"{self.blocks_for(seq.num_tokens)} blocks needed, {self.free} free")
+        hits = self._prefix_hits(seq.token_ids)
+        for block in hits:
+            self._take(block)
+        seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        seq.last_block_hash = self.block_hash[hits[-1]] if hits else b""
+        self.hits += seq.num_cached_tokens
+        self.lookups += seq.num_tokens
+
+    def deallocate(self, seq: Paged) -> None:
+        """Releases seq's blocks; freeing twice is harmless. Full blocks stay cached."""
+        for block in reversed(seq.block_table):
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free_blocks[block] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+        seq.num_hashed_blocks = 0
+        seq.last_block_hash = b""
+
+    def can_append(self, seq: Paged) -> bool:
+        """Room for seq's tokens as they are now (one more block when a block boundary is crossed)."""
+        return self.blocks_for(seq.num_tokens) - len(seq.block_table) <= self.free
+
+    def may_append(self, seq: Paged) -> None:
+        while len(seq.block_table) < self.blocks_for(seq.num_tokens):
+            seq.block_table.append(self._take_free())
+
+    def commit(self, seq: Paged, num_computed_tokens: int) -> None:
+        """Registers the hashes of seq's blocks that are full and computed, for later reuse."""
+        for index in range(seq.num_hashed_blocks, num_computed_tokens // self.block_size):
+            start = index * self.block_size
+            seq.last_block_hash = chain_hash(seq.last_block_hash, seq.token_ids[start:start + self.block_size])
+            seq.num_hashed_blocks = index + 1
+            block = seq.block_table[index]
+            if self.block_hash[block] is None and seq.last_block_hash not in self.hash_to_block:
+                self.block_hash[block] = seq.last_block_hash
+                self.hash_to_block[seq.last_block_hash] = block
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _take(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            del self.free_blocks[block]
+        self.ref_count[block] += 1
+
+    def _take_free(self) -> int:
+        if not self.free_blocks:
+            raise MemoryError("no free KV block")
+        block, _ = self.free_blocks.popitem(last=False)  # least recently freed: evict its prefix
+        if self.block_hash[block] is not None:
+            del self.hash_to_block[self.block_hash[block]]
+            self.block_hash[block] = None
+        self.ref_count[block] = 1
+        return block

@@ -1,11 +1,11 @@
-"""The KV cache as it crosses the data plane: one contiguous [layers, 2, kv_heads, tokens, head_dim] tensor.
+"""The paged KV pool, and the KV layout as it crosses the data plane.
 
-The prefill side packs its per-layer keys and values into that buffer (one copy); the decode
-side receives straight into a buffer of the same shape and unpacks it into views (no copy).
+The pool is one tensor [layers, 2, slots, kv_heads, head_dim], slot = block * block_size + offset.
+A transfer carries a sequence's KV as [layers, 2, tokens, kv_heads, head_dim]: the prefill side
+gathers it from its blocks (one copy), the decode side scatters it into its own (one copy).
 """
 
 import torch
-from transformers import DynamicCache
 
 from shared.messages import KVLayout
 
@@ -23,23 +23,35 @@ def bytes_per_token(layout: KVLayout) -> int:
 
 
 def empty_buffer(layout: KVLayout, num_tokens: int, device: str) -> torch.Tensor:
-    shape = (layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim)
+    shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
     return torch.empty(shape, dtype=getattr(torch, layout.dtype), device=device)
 
 
-def pack(cache: DynamicCache, layout: KVLayout, device: str) -> torch.Tensor:
-    """Copies a single-sequence cache into one contiguous buffer."""
-    num_tokens = cache.get_seq_length()
-    buffer = empty_buffer(layout, num_tokens, device)
-    for i, layer in enumerate(cache.layers):
-        buffer[i, 0].copy_(layer.keys[0])
-        buffer[i, 1].copy_(layer.values[0])
-    return buffer
+class KVPool:
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: str):
+        self.layout = layout
+        self.block_size = block_size
+        self.device = device
+        shape = (layout.num_layers, 2, num_blocks * block_size, layout.num_kv_heads, layout.head_dim)
+        self.kv = torch.zeros(shape, dtype=getattr(torch, layout.dtype), device=device)
 
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Slot indices of token positions [start, end) of a sequence with this block table."""
+        positions = torch.arange(start, end)
+        blocks = torch.tensor(block_table, dtype=torch.long)[positions // self.block_size]
+        return (blocks * self.block_size + positions % self.block_size).to(self.device)
 
-def unpack(buffer: torch.Tensor, config) -> DynamicCache:
-    """A cache whose layers start as views of the received buffer."""
-    cache = DynamicCache(config=config)
-    for i in range(buffer.shape[0]):
-        cache.update(buffer[i, 0].unsqueeze(0), buffer[i, 1].unsqueeze(0), i)
-    return cache
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.kv[layer, 0].index_copy_(0, slots, keys)
+        self.kv[layer, 1].index_copy_(0, slots, values)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer, 0].index_select(0, slots), self.kv[layer, 1].index_select(0, slots)
+
+    def export(self, slots: torch.Tensor) -> torch.Tensor:
+        """A sequence's KV as one contiguous transfer buffer [layers, 2, tokens, heads, dim]."""
+        return self.kv.index_select(2, slots)
+
+    def load(self, slots: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Writes a received transfer buffer into the given slots."""
+        self.kv.index_copy_(2, slots, buffer)

@@ -1,51 +1,149 @@
-"""Runs the model: a prompt forward pass that builds the KV cache, and one-token decode steps.
+"""ModelRunner: one forward pass over a batch of sequences, reading and writing the paged KV pool.
 
-Blocking torch code: callers run it off the event loop (see EngineExecutor).
+It runs the Hugging Face Llama modules (weights, norms, MLPs, rotary embedding) with its own
+attention over the pool, so prefill chunks of several prompts and the decode tokens of every
+running sequence go through the projections and MLPs as one batch of rows.
+
+Determinism: a sequence's tokens are computed the same way whatever else is in the batch, so a
+greedy request gives the same tokens alone or among many. Projections are row-independent once
+a GEMM has enough rows (see `padded_rows`); attention runs per sequence, prompts in fixed
+`chunk`-token pieces aligned to absolute positions, decode tokens one at a time.
 """
 
 import asyncio
 import concurrent.futures
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
-from transformers import DynamicCache
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from shared.engine import kv_cache
+from shared.engine.kv_cache import KVPool
 from shared.messages import KVLayout
 
 R = TypeVar("R")
 
 
+def padded_rows(rows: int) -> int:
+    """Row count at which MKL's sgemm gives each row the same bits as in any larger batch.
+
+    Measured on the x86 MKL build torch ships: 4, 8 and >= 12 rows are row-invariant; 1-3,
+    5-7 and 9-11 rows take other kernels. tests/unit/test_model_runner.py re-checks it.
+    """
+    if rows >= 12 or rows in (4, 8):
+        return rows
+    return 4 if rows < 4 else 8 if rows < 8 else 12
+
+
+@dataclass
+class Segment:
+    """Positions [start, end) of one sequence computed in this pass."""
+
+    block_table: list[int]
+    token_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass
+class _Attention:
+    """Query rows [row_start, row_end) attend to keys [ctx_start, ctx_end) of the layer's gather."""
+
+    row_start: int
+    row_end: int
+    ctx_start: int
+    ctx_end: int
+    mask: torch.Tensor | None  # causal within the piece; None for a single query row
+
+
 class ModelRunner:
-    def __init__(self, model, model_name: str, device: str):
+    def __init__(self, model, model_name: str, device: str, pool_blocks: int, block_size: int,
+                 chunk: int, batch_invariant: bool = True):
         self.model = model
         self.device = device
         self.config = model.config
         self.layout: KVLayout = kv_cache.layout_of(model.config, model_name, model.dtype)
+        self.pool = KVPool(self.layout, pool_blocks, block_size, device)
+        self.chunk = chunk
+        self.batch_invariant = batch_invariant
+        inner = model.model
+        self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.num_heads = model.config.num_attention_heads
+        self.head_dim = self.layout.head_dim
+
+    def _plan(self, segments: list[Segment]):
+        """Token ids, positions and pool slots of every row; the attention pieces; each segment's last row.
+
+        All the keys any piece reads are gathered once per layer (`context` slots): a
+        sequence's context appears once, and its pieces read prefixes of it.
+        """
+        ids, positions, slots, context, attention, last_rows = [], [], [], [], [], []
+        row = ctx = 0
+        for seg in segments:
+            ids.extend(seg.token_ids[seg.start:seg.end])
+            positions.append(torch.arange(seg.start, seg.end))
+            slots.append(self.pool.slots(seg.block_table, seg.start, seg.end))
+            context.append(self.pool.slots(seg.block_table, 0, seg.end))
+            piece = seg.start
+            while piece < seg.end:
+                stop = seg.end if seg.end - seg.start == 1 else min(seg.end, (piece // self.chunk + 1) * self.chunk)
+                n = stop - piece
+                mask = None if n == 1 else torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(stop - n)
+                attention.append(_Attention(row + piece - seg.start, row + stop - seg.start, ctx, ctx + stop, mask))
+                piece = stop
+            row += seg.end - seg.start
+            ctx += seg.end
+            last_rows.append(row - 1)
+        return (torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.cat(positions).to(self.device), torch.cat(slots), torch.cat(context), attention,
+                torch.tensor(last_rows, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
-        """The prompt's KV cache and the logits [vocab] at its last position."""
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        cache = DynamicCache(config=self.config)
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return cache, out.logits[0, -1].float()
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """Computes the segments; returns logits [len(segments), vocab] at each segment's last row."""
+        ids, positions, slots, context, attention, last_rows = self._plan(segments)
+        rows = ids.numel()
+        hidden = self.embed(ids)
+        total = padded_rows(rows) if self.batch_invariant else rows
+        if total > rows:
+            hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
+        cos, sin = self.rotary(hidden, torch.cat([positions, positions.new_zeros(total - rows)])[None])
+        cos, sin = cos[0], sin[0]
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            hidden = self._attend(index, layer.self_attn, layer.input_layernorm(hidden), cos, sin, slots, context,
+                                  attention, rows)
+            hidden = residual + hidden
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self._logits(hidden.index_select(0, last_rows))
 
-    @torch.inference_mode()
-    def decode(self, cache: DynamicCache, token_id: int) -> torch.Tensor:
-        """Appends token_id to the cache; returns the logits [vocab] for the next position."""
-        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=cache, use_cache=True)
-        return out.logits[0, -1].float()
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.shape[0]
+        total = padded_rows(rows) if self.batch_invariant else rows
+        if total > rows:
+            hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
+        return self.lm_head(self.norm(hidden))[:rows].float()
 
-    def pack(self, cache: DynamicCache) -> torch.Tensor:
-        return kv_cache.pack(cache, self.layout, self.device)
-
-    def unpack(self, buffer: torch.Tensor) -> DynamicCache:
-        return kv_cache.unpack(buffer, self.config)
-
-    def empty_kv(self, num_tokens: int) -> torch.Tensor:
-        return kv_cache.empty_buffer(self.layout, num_tokens, self.device)
+    def _attend(self, index: int, attn, x: torch.Tensor, cos, sin, slots, context, attention: list[_Attention],
+                rows: int):
+        total = x.shape[0]
+        q = attn.q_proj(x).view(total, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(total, self.layout.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(total, self.layout.num_kv_heads, self.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        self.pool.write(index, slots, k[:rows], v[:rows])
+        keys, values = self.pool.read(index, context)                     # [ctx, kv_heads, dim]
+        keys, values, q = keys.transpose(0, 1), values.transpose(0, 1), q.transpose(0, 1)
+        out = q.new_zeros(self.num_heads, total, self.head_dim)
+        for a in attention:
+            out[:, a.row_start:a.row_end] = F.scaled_dot_product_attention(
+                q[None, :, a.row_start:a.row_end], keys[None, :, a.ctx_start:a.ctx_end],
+                values[None, :, a.ctx_start:a.ctx_end], attn_mask=a.mask, enable_gqa=True)[0]
+        out = out.transpose(0, 1)
+        return attn.o_proj(out.reshape(total, -1))
 
 
 class EngineExecutor:

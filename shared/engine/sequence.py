@@ -10,8 +10,8 @@ from shared.messages import GenerateTask
 
 class SeqStatus(enum.Enum):
     WAITING_KV = "waiting_kv"            # remote prefill running; KV not here yet
-    WAITING_PREFILL = "waiting_prefill"  # to be prefilled by this worker
-    KV_READY = "kv_ready"                # remote KV arrived; its first token not yet emitted
+    WAITING = "waiting"                  # prompt (or part of it) still to compute here
+    KV_READY = "kv_ready"                # remote KV arrived; to be written into the pool
     RUNNING = "running"                  # decoding
     FINISHED = "finished"
 
@@ -24,32 +24,48 @@ class StepOutput:
 
 
 class Sequence:
-    def __init__(self, task: GenerateTask, detokenizer: Detokenizer, eos_token_ids: set[int],
-                 max_model_len: int):
+    def __init__(self, task: GenerateTask, detokenizer: Detokenizer | None, eos_token_ids: set[int],
+                 max_model_len: int, prefill_only: bool = False):
         self.task = task
         self.request_id = task.request_id
         self.sampling = task.sampling
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.status = SeqStatus.WAITING_PREFILL
+        self.prefill_only = prefill_only      # stop after the first token; keep the KV for transfer
+        self.status = SeqStatus.WAITING
+        self.prompt_token_ids = task.prompt_token_ids
         self.output_ids: list[int] = []
-        self.cache = None
-        self.kv_buffer = None                       # the received KV, until unpacked
-        self.first_token = -1                       # sampled by the remote prefill
-        self.cancel_reason = ""
+        # Paged KV state (see BlockManager and KVPool).
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0            # served from the prefix cache at allocation
+        self.num_computed_tokens = 0          # tokens whose K/V are in the pool
+        self.num_hashed_blocks = 0
+        self.last_block_hash = b""
+        self.kv_buffer = None                 # the received KV, until written into the pool
+        self.first_token = -1                 # sampled by the remote prefill
         self.finish_reason = ""
+        self.cancel_reason = ""
         self.error: tuple[str, str] | None = None   # (gRPC code name, message)
         self.chunk_index = 0
         self.queue_ms = 0.0
         self.prefill_ms = 0.0
         self.kv_transfer_ms = 0.0
         self.prefill_worker = ""
+        self.prefill_started = 0.0
         self.admitted_at = time.time()
 
     @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_ids)
+
+    @property
     def prompt_len(self) -> int:
-        return len(self.task.prompt_token_ids)
+        return len(self.prompt_token_ids)
 
     @property
     def last_token(self) -> int:
@@ -62,17 +78,19 @@ class Sequence:
     def append(self, token_id: int) -> StepOutput:
         """Records a sampled token; decides whether the sequence is done."""
         self.output_ids.append(token_id)
-        text = self.detokenizer.add(token_id)
+        text = self.detokenizer.add(token_id) if self.detokenizer else ""
         reason = ""
-        if self.detokenizer.stopped:
+        if self.prefill_only:
+            reason = "length"
+        elif self.detokenizer is not None and self.detokenizer.stopped:
             reason = "stop"
         elif token_id in self.eos_token_ids and not self.sampling.ignore_eos:
             reason = "stop"
-        elif (len(self.output_ids) >= self.sampling.max_tokens
-              or self.prompt_len + len(self.output_ids) >= self.max_model_len):
+        elif len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len:
             reason = "length"
         if reason:
-            text += self.detokenizer.flush()
+            if self.detokenizer is not None:
+                text += self.detokenizer.flush()
             self.finish_reason = reason
             self.status = SeqStatus.FINISHED
         return StepOutput([token_id], text, reason)

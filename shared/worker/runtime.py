@@ -8,7 +8,8 @@ import torch
 
 from shared import model_store
 from shared.engine.block_manager import BlockManager
-from shared.engine.kv_cache import bytes_per_token
+from shared.engine.engine import Engine
+from shared.engine.kv_cache import bytes_per_token, layout_of
 from shared.engine.model_runner import ModelRunner
 from shared.worker.settings import WorkerSettings
 
@@ -23,6 +24,7 @@ class WorkerRuntime:
     runner: ModelRunner
     tokenizer: object
     blocks: BlockManager
+    engine: Engine
     max_model_len: int
     eos_token_ids: set[int]
 
@@ -40,17 +42,20 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     model_dir = model_store.prepare(settings.model, settings.model_cache)
     model = model_store.load_model(model_dir, device, settings.dtype)
     tokenizer = model_store.load_tokenizer(model_dir)
-    runner = ModelRunner(model, model_store.model_name(settings.model), device)
+    layout = layout_of(model.config, model_store.model_name(settings.model), model.dtype)
+    num_blocks = max(1, settings.kv_cache_mb * 2**20 // (settings.block_size * bytes_per_token(layout)))
+    runner = ModelRunner(model, layout.model, device, num_blocks, settings.block_size,
+                         settings.prefill_chunk_tokens, settings.batch_invariant)
     model_limit = int(getattr(model.config, "max_position_embeddings", 2048))
     max_len = min(settings.max_model_len or model_limit, model_limit)
-    block_bytes = settings.block_size * bytes_per_token(runner.layout)
-    blocks = BlockManager(max(1, settings.kv_cache_mb * 2**20 // block_bytes), settings.block_size)
+    blocks = BlockManager(num_blocks, settings.block_size, cache_granularity=settings.prefill_chunk_tokens)
+    engine = Engine(runner, blocks, settings.max_num_seqs, settings.max_batch_tokens)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     runtime = WorkerRuntime(settings.resolved_worker_id(role), role, settings.resolved_host(), runner,
-                            tokenizer, blocks, max_len, eos_ids)
+                            tokenizer, blocks, engine, max_len, eos_ids)
     log.info("%s %s (pid %d) ready: model %s on %s/%s, %d threads, %d KV blocks of %d tokens, max_model_len %d",
              role, runtime.worker_id, os.getpid(), runner.layout.model, device, settings.dtype,
              torch.get_num_threads(), blocks.num_blocks, blocks.block_size, max_len)

@@ -20,8 +20,12 @@ class WorkerSettings(CommonSettings):
     torch_threads: int = field(default=0, metadata={"help": "torch intra-op threads; 0 = torch's default"})
     kv_cache_mb: int = field(default=1024, metadata={"help": "KV cache budget of this worker in MiB"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences in the running batch at most"})
+    max_batch_tokens: int = field(default=512, metadata={"help": "rows per forward step: decode tokens plus prompt chunks"})
+    prefill_chunk_tokens: int = field(default=128, metadata={"help": "prompts are computed in chunks of this many tokens (a multiple of block_size)"})
+    batch_invariant: bool = field(default=True, metadata={"help": "same bits alone or in a batch (pads tiny GEMMs; off = faster batch-1 decode)"})
     max_model_len: int = field(default=0, metadata={"help": "longest prompt + output; 0 = the model's own limit"})
-    max_queue: int = field(default=64, metadata={"help": "requests waiting beyond which new ones are refused"})
+    max_queue: int = field(default=256, metadata={"help": "requests held (running and waiting) beyond which new ones are refused"})
     worker_id: str = field(default="", metadata={"help": "unique id; empty = role plus a random suffix"})
     host_label: str = field(default="", metadata={"help": "host name announced to the scheduler; empty = this host's"})
     ucx_net_devices: str = field(default="lo", metadata={"help": "UCX_NET_DEVICES for the KV data plane (lo = loopback only; 'all' in containers)"})
@@ -37,9 +41,14 @@ class WorkerSettings(CommonSettings):
         super().__post_init__()
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("kv_cache_mb", "block_size", "max_queue"):
+        for name in ("kv_cache_mb", "block_size", "max_queue", "max_num_seqs", "max_batch_tokens",
+                     "prefill_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.prefill_chunk_tokens % self.block_size:
+            raise ValueError("prefill_chunk_tokens must be a multiple of block_size")
+        if self.max_batch_tokens < self.prefill_chunk_tokens:
+            raise ValueError("max_batch_tokens must be at least prefill_chunk_tokens")
         for name in ("heartbeat_interval_s", "prefill_timeout_s", "kv_transfer_timeout_s", "drain_timeout_s",
                      "worker_timeout_s"):
             if not getattr(self, name) > 0:  # NaN too

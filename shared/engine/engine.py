@@ -1,0 +1,185 @@
+"""Engine: continuous batching over the paged KV pool. One step reads schedule -> run -> postprocess.
+
+Every step runs, as one batch of rows through the model: one token for each running sequence,
+whole prompt chunks of waiting sequences up to a token budget (chunked prefill), and the KV of
+sequences whose prompt was computed on another worker is written into the pool. New sequences
+join at step boundaries; finished ones leave at once and their blocks go back to the pool. When
+the pool runs dry, the newest running sequence is preempted: its blocks are freed and it is
+recomputed from its tokens later, never dropped.
+
+`step()` runs in the engine thread; `admit`, `add`, `kv_arrived` and `release` are called from
+the event loop between or beside steps, so the block bookkeeping sits behind one lock (the
+forward pass itself runs outside it).
+"""
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.model_runner import ModelRunner, Segment
+from shared.engine.sampler import sample
+from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+
+
+@dataclass
+class _Work:
+    seq: Sequence
+    start: int
+    end: int
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, max_num_seqs: int = 64,
+                 max_batch_tokens: int = 512):
+        if max_batch_tokens < runner.chunk:
+            raise ValueError("max_batch_tokens must be at least one prefill chunk")
+        self.runner = runner
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.lock = threading.Lock()
+        self.waiting: deque[Sequence] = deque()   # prompt (or recompute) to run here, first come first
+        self.loading: list[Sequence] = []         # remote KV arrived, to be written into the pool
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    # -- from the event loop -------------------------------------------------------------------
+
+    def admit(self, seq: Sequence) -> bool:
+        """Reserves the blocks of seq's prompt now (its KV will arrive from a prefill worker)."""
+        with self.lock:
+            if not self.blocks.can_allocate(seq):
+                return False
+            self.blocks.allocate(seq)
+            return True
+
+    def add(self, seq: Sequence) -> None:
+        """Queues seq to be prefilled here."""
+        with self.lock:
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
+
+    def kv_arrived(self, seq: Sequence) -> None:
+        """seq.kv_buffer and seq.first_token are set: it joins the batch at the next step."""
+        with self.lock:
+            seq.status = SeqStatus.KV_READY
+            self.loading.append(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Takes seq out of the engine and frees its blocks (finished, cancelled or failed)."""
+        with self.lock:
+            for queue in (self.waiting, self.loading, self.running):
+                if seq in queue:
+                    queue.remove(seq)
+            self.blocks.deallocate(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.loading or self.running)
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Sequence, StepOutput]] | None:
+        """What this step produced; None when nothing could be scheduled (wait for news)."""
+        with self.lock:
+            loads, work = self._schedule()
+        if not loads and not work:
+            return None
+        outputs = [(seq, self._load(seq)) for seq in loads]
+        if work:
+            logits = self.runner.forward([Segment(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work])
+            with self.lock:
+                outputs += self._postprocess(work, logits)
+        return outputs
+
+    def _schedule(self) -> tuple[list[Sequence], list[_Work]]:
+        loads, self.loading = self.loading, []
+        work = [_Work(seq, seq.num_tokens - 1, seq.num_tokens) for seq in self._decodable()]
+        budget = self.max_batch_tokens - len(work)
+        for seq in list(self.waiting):
+            if seq.status is not SeqStatus.WAITING or budget <= 0:
+                continue
+            if not seq.block_table:
+                if len(self.running) + len(loads) + len(work) >= self.max_num_seqs or not self.blocks.can_allocate(seq):
+                    break  # first come, first served: later prompts wait behind this one
+                self.blocks.allocate(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens
+                seq.prefill_started = seq.prefill_started or time.time()
+            end = self._chunk_end(seq, budget, first=not work)
+            if end > seq.num_computed_tokens:
+                work.append(_Work(seq, seq.num_computed_tokens, end))
+                budget -= end - seq.num_computed_tokens
+        return loads, work
+
+    def _decodable(self) -> list[Sequence]:
+        """Running sequences with a block for their next token; preempts the newest when the pool is dry."""
+        ready = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below to make room for an older one
+            while not self.blocks.can_append(seq) and self.running[-1] is not seq:
+                self._preempt(self.running[-1])
+            if not self.blocks.can_append(seq):
+                self._preempt(seq)
+                continue
+            self.blocks.may_append(seq)
+            ready.append(seq)
+        return ready
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.deallocate(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _chunk_end(self, seq: Sequence, budget: int, first: bool) -> int:
+        """Whole chunks (aligned to absolute positions) that fit the budget; one at least when first."""
+        chunk, start, end = self.runner.chunk, seq.num_computed_tokens, seq.num_computed_tokens
+        while end < seq.num_tokens:
+            nxt = min(seq.num_tokens, (end // chunk + 1) * chunk)
+            if nxt - start > budget and not (first and end == start):
+                break
+            end = nxt
+        return end
+
+    def _load(self, seq: Sequence) -> StepOutput:
+        """Writes a remotely computed prompt KV into seq's blocks (all but the prefix already cached)."""
+        start = seq.num_cached_tokens
+        slots = self.runner.pool.slots(seq.block_table, start, seq.prompt_len)
+        self.runner.pool.load(slots, seq.kv_buffer[:, :, start:seq.prompt_len])
+        seq.kv_buffer = None
+        with self.lock:
+            seq.num_computed_tokens = seq.prompt_len
+            self.blocks.commit(seq, seq.prompt_len)
+            return self._emit(seq, seq.first_token)
+
+    def _postprocess(self, work: list[_Work], logits) -> list[tuple[Sequence, StepOutput]]:
+        outputs = []
+        for row, w in enumerate(work):
+            seq = w.seq
+            seq.num_computed_tokens = w.end
+            self.blocks.commit(seq, w.end)
+            if w.end < seq.num_tokens:
+                continue  # more prompt chunks to go
+            if seq.status is SeqStatus.WAITING:
+                self.waiting.remove(seq)
+                seq.prefill_ms = seq.prefill_ms or (time.time() - seq.prefill_started) * 1000
+                seq.queue_ms = seq.queue_ms or (seq.prefill_started - seq.task.arrival_time) * 1000
+            outputs.append((seq, self._emit(seq, sample(logits[row], seq.sampling, len(seq.output_ids)))))
+        return outputs
+
+    def _emit(self, seq: Sequence, token: int) -> StepOutput:
+        out = seq.append(token)
+        if seq.status is SeqStatus.FINISHED:
+            if seq in self.running:
+                self.running.remove(seq)
+            if not seq.prefill_only:  # a prefill keeps its blocks until its KV is sent
+                self.blocks.deallocate(seq)
+        else:
+            seq.status = SeqStatus.RUNNING
+            if seq not in self.running:
+                self.running.append(seq)
+        return out

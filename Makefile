@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install up test test-fast proto clean
+.PHONY: install up test test-fast proto bench-engine clean
 
 install: $(STAMP)
 
@@ -26,8 +26,15 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# The engine benchmark. llama.cpp (llama-cpp-python, compiled on install) lives in its own
+# venv, .venv-bench: it is a peer to measure against, never a dependency of the project.
+bench-engine: install
+	$(PY) -m pip install --quiet -e '.[bench]'
+	test -x .venv-bench/bin/python || ($(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet llama-cpp-python)
+	$(PY) bench/engine.py
+
 proto: install
 	$(PY) -m shared.api.codegen
 
 clean:
-	rm -rf $(VENV) .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-bench .pytest_cache *.egg-info

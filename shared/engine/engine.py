@@ -7,9 +7,14 @@ join at step boundaries; finished ones leave at once and their blocks go back to
 the pool runs dry, the newest running sequence is preempted: its blocks are freed and it is
 recomputed from its tokens later, never dropped.
 
-`step()` runs in the engine thread; `admit`, `add`, `kv_arrived` and `release` are called from
-the event loop between or beside steps, so the block bookkeeping sits behind one lock (the
-forward pass itself runs outside it).
+`step()` runs in the engine thread; `admit`, `add` and `kv_arrived` may be called from the event
+loop while a step runs, so the block bookkeeping sits behind one lock (the forward pass itself
+runs outside it). `release` must be called between steps: a sequence in the running step's batch
+is still being written.
+
+Only blocks computed by a prompt pass (here or on a prefill worker) enter the prefix cache:
+a token decoded alone gets slightly different bits than the same token inside a prompt chunk,
+so caching decode-filled blocks would make a cache hit differ from a cold run.
 """
 
 import threading
@@ -94,15 +99,20 @@ class Engine:
         return outputs
 
     def _schedule(self) -> tuple[list[Sequence], list[_Work]]:
-        loads, self.loading = self.loading, []
         work = [_Work(seq, seq.num_tokens - 1, seq.num_tokens) for seq in self._decodable()]
+        room = max(0, self.max_num_seqs - len(work))
+        loads, self.loading = self.loading[:room], self.loading[room:]
         budget = self.max_batch_tokens - len(work)
+        admitting = True
         for seq in list(self.waiting):
-            if seq.status is not SeqStatus.WAITING or budget <= 0:
-                continue
+            if budget <= 0:
+                break
             if not seq.block_table:
-                if len(self.running) + len(loads) + len(work) >= self.max_num_seqs or not self.blocks.can_allocate(seq):
-                    break  # first come, first served: later prompts wait behind this one
+                # First come, first served: once one cannot start, later ones wait behind it;
+                # those already started (holding their blocks) still go on.
+                admitting = admitting and len(loads) + len(work) < self.max_num_seqs and self.blocks.can_allocate(seq)
+                if not admitting:
+                    continue
                 self.blocks.allocate(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens
                 seq.prefill_started = seq.prefill_started or time.time()
@@ -160,8 +170,9 @@ class Engine:
         outputs = []
         for row, w in enumerate(work):
             seq = w.seq
+            if seq.status is SeqStatus.WAITING:  # a prompt pass: its full blocks may be shared
+                self.blocks.commit(seq, w.end)
             seq.num_computed_tokens = w.end
-            self.blocks.commit(seq, w.end)
             if w.end < seq.num_tokens:
                 continue  # more prompt chunks to go
             if seq.status is SeqStatus.WAITING:

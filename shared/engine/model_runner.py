@@ -136,13 +136,13 @@ class ModelRunner:
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
         self.pool.write(index, slots, k[:rows], v[:rows])
         keys, values = self.pool.read(index, context)                     # [ctx, kv_heads, dim]
-        keys, values, q = keys.transpose(0, 1), values.transpose(0, 1), q.transpose(0, 1)
-        out = q.new_zeros(self.num_heads, total, self.head_dim)
-        for a in attention:
-            out[:, a.row_start:a.row_end] = F.scaled_dot_product_attention(
-                q[None, :, a.row_start:a.row_end], keys[None, :, a.ctx_start:a.ctx_end],
-                values[None, :, a.ctx_start:a.ctx_end], attn_mask=a.mask, enable_gqa=True)[0]
-        out = out.transpose(0, 1)
+        keys, values, q = keys.transpose(0, 1)[None], values.transpose(0, 1)[None], q.transpose(0, 1)[None]
+        pieces = [F.scaled_dot_product_attention(  # pieces cover the real rows in order
+            q[:, :, a.row_start:a.row_end], keys[:, :, a.ctx_start:a.ctx_end], values[:, :, a.ctx_start:a.ctx_end],
+            attn_mask=a.mask, enable_gqa=True) for a in attention]
+        if total > rows:
+            pieces.append(q.new_zeros(1, self.num_heads, total - rows, self.head_dim))
+        out = torch.cat(pieces, dim=2)[0].transpose(0, 1)
         return attn.o_proj(out.reshape(total, -1))
 
 

@@ -40,7 +40,7 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
         torch.set_num_threads(settings.torch_threads)
     device = pick_device(settings.device)
     model_dir = model_store.prepare(settings.model, settings.model_cache)
-    model = model_store.load_model(model_dir, device, settings.dtype)
+    model = model_store.load_model(model_dir, device, settings.dtype, settings.weights)
     tokenizer = model_store.load_tokenizer(model_dir)
     layout = layout_of(model.config, model_store.model_name(settings.model), model.dtype)
     num_blocks = max(1, settings.kv_cache_mb * 2**20 // (settings.block_size * bytes_per_token(layout)))

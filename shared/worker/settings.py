@@ -17,6 +17,7 @@ class WorkerSettings(CommonSettings):
     model_cache: str = field(default="~/.cache/tandem/models", metadata={"help": "where converted GGUF models are cached"})
     device: str = field(default="auto", metadata={"help": "auto (cuda when present), cpu, cuda or cuda:N"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    weights: str = field(default="native", metadata={"help": "native (the dtype setting) or int8 (dynamically quantized linear layers, CPU; faster, not bit-exact)"})
     torch_threads: int = field(default=0, metadata={"help": "torch intra-op threads; 0 = torch's default"})
     kv_cache_mb: int = field(default=1024, metadata={"help": "KV cache budget of this worker in MiB"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
@@ -39,6 +40,8 @@ class WorkerSettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.weights not in ("native", "int8"):
+            raise ValueError(f"weights must be native or int8, got {self.weights!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("kv_cache_mb", "block_size", "max_queue", "max_num_seqs", "max_batch_tokens",

@@ -79,13 +79,28 @@ def test_stop_string_ends_the_answer(disagg):
     assert text == full[:full.index(stop)]
 
 
-def test_concurrent_requests_are_each_correct(disagg):
-    requests = [chat_request(f"Give one fact about the number {n}.", 20) for n in range(4)]
-    alone = [collect(disagg.stub(), r)[1] for r in requests]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda r: collect(disagg.stub(), r)[1], requests))
-    assert together == alone
-    disagg.wait_idle()
+@pytest.mark.parametrize("stack_name", ["disagg", "colocated"])
+def test_greedy_is_the_same_alone_and_in_a_batch_of_16(stack_name, request):
+    stack = request.getfixturevalue(stack_name)
+    requests = [chat_request(f"Give one fact about the number {n}.", 24) for n in range(16)]
+    alone = [collect(stack.stub(), r)[1] for r in requests[:4]]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda r: collect(stack.stub(), r)[1], requests))
+    assert together[:4] == alone
+    stack.wait_idle()
+
+
+def test_32_concurrent_streams_complete_correctly_and_free_the_pool(disagg):
+    before = {w.id: w.kv_blocks_used for w in disagg.wait_idle().workers}
+    prompts = [chat_request(f"Describe the colour number {n} in one sentence.", 32, ignore_eos=True) for n in range(8)]
+    alone = [collect(disagg.stub(), r)[1] for r in prompts]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda i: collect(disagg.stub(), prompts[i % 8], timeout=300), range(32)))
+    for i, (chunks, ids, text) in enumerate(results):
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH and len(ids) == 32
+        assert ids == alone[i % 8]
+    after = {w.id: w.kv_blocks_used for w in disagg.wait_idle().workers}
+    assert after == before
 
 
 def test_cluster_status_lists_the_workers(disagg):

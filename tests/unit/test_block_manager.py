@@ -1,71 +1,302 @@
-"""BlockManager: reserve a sequence's whole budget up front, free it on every path."""
+"""BlockManager: paged blocks, reference counts, chained prefix hashing, LRU eviction."""
 
 import pytest
 
 from shared.engine.block_manager import BlockManager
 
 
+class FakeSeq:
+    """The Paged protocol, nothing more."""
+
+    def __init__(self, tokens):
+        self.token_ids = list(tokens)
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_hashed_blocks = 0
+        self.last_block_hash = b""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def toks(start: int, n: int) -> list[int]:
+    """n distinct-ish token ids starting at `start`."""
+    return list(range(start, start + n))
+
+
+def allocated(bm: BlockManager, tokens, commit: bool = False) -> FakeSeq:
+    seq = FakeSeq(tokens)
+    bm.allocate(seq)
+    if commit:
+        bm.commit(seq, seq.num_tokens)
+    return seq
+
+
+# -- construction and sizing -------------------------------------------------------------------
+
 @pytest.mark.parametrize("tokens, blocks", [(0, 0), (1, 1), (15, 1), (16, 1), (17, 2), (32, 2), (33, 3)])
 def test_blocks_for_rounds_up(tokens, blocks):
     assert BlockManager(10, 16).blocks_for(tokens) == blocks
 
 
-def test_allocate_and_deallocate_accounting():
-    bm = BlockManager(num_blocks=10, block_size=16)
-    bm.allocate("a", 40)          # 3 blocks
-    bm.allocate("b", 16)          # 1 block
-    assert (bm.used, bm.free) == (4, 6)
-    assert bm.holds("a") and bm.holds("b") and not bm.holds("c")
-    bm.deallocate("a")
-    assert (bm.used, bm.free) == (1, 9)
-    assert not bm.holds("a")
-    bm.deallocate("b")
-    assert (bm.used, bm.free) == (0, 10)
-
-
-def test_can_allocate_matches_free_blocks():
+@pytest.mark.parametrize("tokens", [-1, -16, -100])
+def test_negative_counts_are_rejected(tokens):
     bm = BlockManager(4, 16)
-    assert bm.can_allocate(64) and not bm.can_allocate(65)
-    bm.allocate("a", 33)          # 3 blocks
-    assert bm.can_allocate(16) and not bm.can_allocate(17)
-
-
-def test_memory_error_when_full_leaves_state_unchanged():
-    bm = BlockManager(4, 16)
-    bm.allocate("a", 48)
-    with pytest.raises(MemoryError):
-        bm.allocate("b", 17)
-    assert bm.used == 3 and not bm.holds("b")
-    bm.allocate("b", 16)          # exactly the last block
-    assert bm.free == 0
-
-
-def test_double_allocate_raises_and_keeps_the_first():
-    bm = BlockManager(10, 16)
-    bm.allocate("a", 16)
     with pytest.raises(ValueError):
-        bm.allocate("a", 64)
-    assert bm.used == 1
+        bm.blocks_for(tokens)
+    assert (bm.used, bm.free) == (0, 4)
 
 
-def test_double_free_is_harmless():
-    bm = BlockManager(10, 16)
-    bm.allocate("a", 20)
-    bm.allocate("b", 20)
-    bm.deallocate("a")
-    bm.deallocate("a")
-    bm.deallocate("never-allocated")
-    assert bm.used == 2 and bm.holds("b")
-
-
-@pytest.mark.parametrize("blocks, size", [(0, 16), (10, 0), (-1, 16)])
+@pytest.mark.parametrize("blocks, size", [(0, 16), (10, 0), (-1, 16), (4, -16)])
 def test_rejects_non_positive_sizes(blocks, size):
     with pytest.raises(ValueError):
         BlockManager(blocks, size)
 
 
-def test_negative_token_counts_are_refused():
-    blocks = BlockManager(num_blocks=4, block_size=16)
+@pytest.mark.parametrize("granularity", [8, 24, 40])
+def test_cache_granularity_must_be_a_multiple_of_the_block_size(granularity):
     with pytest.raises(ValueError):
-        blocks.allocate("a", -100)
-    assert blocks.used == 0 and blocks.free == 4
+        BlockManager(8, 16, cache_granularity=granularity)
+
+
+def test_cache_granularity_defaults_to_the_block_size():
+    assert BlockManager(8, 16).granularity == 16
+    assert BlockManager(8, 16, cache_granularity=64).granularity == 64
+
+
+# -- allocate / deallocate ---------------------------------------------------------------------
+
+def test_allocate_and_deallocate_accounting():
+    bm = BlockManager(num_blocks=10, block_size=16)
+    a = allocated(bm, toks(0, 40))        # 3 blocks
+    b = allocated(bm, toks(100, 16))      # 1 block
+    assert (len(a.block_table), len(b.block_table)) == (3, 1)
+    assert not set(a.block_table) & set(b.block_table)
+    assert (bm.used, bm.free) == (4, 6)
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0
+    bm.deallocate(a)
+    assert a.block_table == [] and (bm.used, bm.free) == (1, 9)
+    bm.deallocate(b)
+    assert (bm.used, bm.free) == (0, 10)
+
+
+def test_exhausted_pool_refuses_and_leaves_state_unchanged():
+    bm = BlockManager(4, 16)
+    allocated(bm, toks(0, 48))            # 3 of 4 blocks
+    big = FakeSeq(toks(100, 17))          # needs 2
+    assert not bm.can_allocate(big)
+    with pytest.raises(MemoryError):
+        bm.allocate(big)
+    assert big.block_table == [] and (bm.used, bm.free) == (3, 1)
+    last = FakeSeq(toks(200, 16))         # exactly the last block
+    assert bm.can_allocate(last)
+    bm.allocate(last)
+    assert bm.free == 0
+    assert not bm.can_allocate(FakeSeq([1]))
+
+
+def test_allocating_a_sequence_that_holds_blocks_raises():
+    bm = BlockManager(10, 16)
+    a = allocated(bm, toks(0, 16))
+    table = list(a.block_table)
+    a.token_ids += toks(50, 48)
+    with pytest.raises(ValueError):
+        bm.allocate(a)
+    assert a.block_table == table and bm.used == 1
+
+
+def test_deallocate_twice_is_harmless():
+    bm = BlockManager(10, 16)
+    a = allocated(bm, toks(0, 20))
+    b = allocated(bm, toks(100, 20))
+    bm.deallocate(a)
+    bm.deallocate(a)
+    bm.deallocate(FakeSeq(toks(0, 5)))    # never allocated
+    assert bm.used == 2 and len(b.block_table) == 2
+    assert all(bm.ref_count[block] == 1 for block in b.block_table)
+    assert all(count >= 0 for count in bm.ref_count)
+
+
+# -- reference counts and prefix sharing -------------------------------------------------------
+
+def test_sharing_a_committed_prefix_shares_blocks_until_both_leave():
+    bm = BlockManager(16, 16, cache_granularity=32)
+    prefix = toks(0, 64)
+    a = allocated(bm, prefix + toks(500, 6), commit=True)    # 5 blocks, 4 full ones hashed
+    b = allocated(bm, prefix + toks(700, 6))
+    assert b.num_cached_tokens == 64 and b.num_hashed_blocks == 4
+    assert b.block_table[:4] == a.block_table[:4]
+    assert b.block_table[4] != a.block_table[4]
+    assert all(bm.ref_count[block] == 2 for block in a.block_table[:4])
+    assert bm.used == 6
+    shared = a.block_table[:4]
+    bm.deallocate(a)
+    assert bm.used == 5
+    assert all(bm.ref_count[block] == 1 for block in shared)
+    assert not any(block in bm.free_blocks for block in shared)
+    bm.deallocate(b)
+    assert (bm.used, bm.free) == (0, 16)
+    assert bm.cached == 4                 # the full blocks stay cached; the partial ones do not
+    assert bm.hits == 64 and bm.lookups == 140
+
+
+def test_no_hit_before_the_first_sequence_commits():
+    bm = BlockManager(16, 16)
+    allocated(bm, toks(0, 40))            # allocated, not computed
+    b = allocated(bm, toks(0, 40))
+    assert b.num_cached_tokens == 0 and bm.used == 6
+
+
+def test_commit_registers_only_full_computed_blocks():
+    bm = BlockManager(16, 16)
+    a = allocated(bm, toks(0, 50))
+    bm.commit(a, 40)                      # blocks 0, 1 full and computed
+    assert a.num_hashed_blocks == 2
+    probe = allocated(bm, toks(0, 50))
+    assert probe.num_cached_tokens == 32
+    bm.commit(a, 50)                      # block 2 now full too (48 <= 50)
+    assert a.num_hashed_blocks == 3
+    assert allocated(bm, toks(0, 50)).num_cached_tokens == 48
+
+
+def test_a_live_shared_prefix_needs_no_free_blocks():
+    bm = BlockManager(4, 16)
+    allocated(bm, toks(0, 48), commit=True)   # 3 blocks held, 1 free
+    b = FakeSeq(toks(0, 48) + toks(300, 10))   # 4 blocks, 3 of them a live hit
+    assert bm.blocks_for(b.num_tokens) > bm.free
+    assert bm.can_allocate(b)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 48 and bm.free == 0
+
+
+def test_free_cached_hits_are_not_counted_twice():
+    bm = BlockManager(4, 16)
+    a = allocated(bm, toks(0, 48), commit=True)
+    bm.deallocate(a)                      # 4 free, 3 of them cached
+    fits = FakeSeq(toks(0, 48) + toks(300, 16))    # 3 hits + 1 fresh
+    assert bm.can_allocate(fits)
+    too_big = FakeSeq(toks(0, 48) + toks(300, 17))  # 3 hits + 2 fresh, only 1 left beside the hits
+    assert not bm.can_allocate(too_big)
+    with pytest.raises(MemoryError):
+        bm.allocate(too_big)
+    bm.allocate(fits)
+    assert fits.num_cached_tokens == 48 and bm.free == 0
+
+
+# -- hits: whole granules, never the last token, chained ---------------------------------------
+
+def test_prefix_hits_come_in_whole_granules():
+    bm = BlockManager(32, 16, cache_granularity=32)
+    allocated(bm, toks(0, 96), commit=True)
+    assert allocated(bm, toks(0, 48) + toks(900, 20)).num_cached_tokens == 32    # 3 blocks match, 2 used
+    assert allocated(bm, toks(0, 16) + toks(900, 40)).num_cached_tokens == 0     # 1 block: less than a granule
+    assert allocated(bm, toks(0, 80) + toks(900, 5)).num_cached_tokens == 64
+
+
+def test_prefix_hits_never_cover_the_last_token():
+    bm = BlockManager(32, 16, cache_granularity=32)
+    allocated(bm, toks(0, 96), commit=True)
+    assert allocated(bm, toks(0, 64)).num_cached_tokens == 32     # identical 64: the last granule is recomputed
+    assert allocated(bm, toks(0, 65)).num_cached_tokens == 64
+    assert allocated(bm, toks(0, 96)).num_cached_tokens == 64
+    fine = BlockManager(8, 16)
+    allocated(fine, toks(0, 32), commit=True)
+    assert allocated(fine, toks(0, 32)).num_cached_tokens == 16
+    assert allocated(fine, toks(0, 33)).num_cached_tokens == 32
+    assert allocated(fine, toks(0, 1)).num_cached_tokens == 0
+
+
+def test_same_block_content_after_a_different_prefix_is_not_a_hit():
+    bm = BlockManager(16, 16)
+    x, y, z = toks(0, 16), toks(16, 16), toks(40, 16)
+    first = allocated(bm, x + y + [1], commit=True)
+    other = allocated(bm, z + y + [1])           # block 1 has the same tokens, block 0 does not
+    assert other.num_cached_tokens == 0
+    assert not set(other.block_table) & set(first.block_table)
+    assert allocated(bm, x + z + [1]).num_cached_tokens == 16    # only the first block matches
+    assert allocated(bm, x + y + [2]).num_cached_tokens == 32
+
+
+def test_identical_content_computed_twice_is_registered_once():
+    bm = BlockManager(16, 16)
+    a = allocated(bm, toks(0, 33))
+    b = allocated(bm, toks(0, 33))               # before a committed: no hit
+    bm.commit(a, 33)
+    bm.commit(b, 33)
+    assert len(bm.hash_to_block) == 2
+    assert set(bm.hash_to_block.values()) == set(a.block_table[:2])
+    c = allocated(bm, toks(0, 33))
+    assert c.block_table[:2] == a.block_table[:2]
+
+
+# -- LRU eviction ------------------------------------------------------------------------------
+
+def test_freed_cached_blocks_are_reused_least_recently_freed_first():
+    bm = BlockManager(4, 16)
+    seqs = {name: allocated(bm, toks(100 * i, 16), commit=True) for i, name in enumerate("abcd")}
+    block = {name: seq.block_table[0] for name, seq in seqs.items()}
+    for name in "bdac":
+        bm.deallocate(seqs[name])
+    assert (bm.free, bm.cached) == (4, 4)
+    fresh = [allocated(bm, toks(1000 + 100 * i, 16)).block_table[0] for i in range(3)]
+    assert fresh == [block["b"], block["d"], block["a"]]
+    assert bm.cached == 1
+
+
+def test_an_evicted_hash_is_forgotten():
+    bm = BlockManager(4, 16)
+    a, b, c, d = (allocated(bm, toks(100 * i, 16), commit=True) for i in range(4))
+    a_block = a.block_table[0]
+    bm.deallocate(a)
+    bm.deallocate(b)
+    assert allocated(bm, toks(500, 16)).block_table == [a_block]   # a's, freed first, is evicted
+    bm.deallocate(c)
+    probe = allocated(bm, toks(0, 16) + [7])
+    assert probe.num_cached_tokens == 0 and a_block not in probe.block_table
+
+
+def test_a_hit_survives_eviction_of_older_blocks():
+    bm = BlockManager(3, 16)
+    a, b, c = (allocated(bm, toks(100 * i, 16), commit=True) for i in range(3))
+    b_block = b.block_table[0]
+    bm.deallocate(a)
+    bm.deallocate(b)
+    allocated(bm, toks(500, 16))                 # evicts a's block, b's stays cached
+    bm.deallocate(c)
+    again = allocated(bm, toks(100, 16) + [7])
+    assert again.num_cached_tokens == 16 and again.block_table[0] == b_block
+    assert bm.free == 0
+
+
+def test_a_sequence_frees_its_tail_first_so_its_prefix_is_evicted_last():
+    bm = BlockManager(4, 16)
+    a = allocated(bm, toks(0, 48), commit=True)
+    dummy = allocated(bm, toks(900, 16))
+    table = list(a.block_table)
+    bm.deallocate(a)
+    assert allocated(bm, toks(500, 16)).block_table == [table[2]]
+    bm.deallocate(dummy)
+    assert allocated(bm, toks(0, 32) + [7]).num_cached_tokens == 32
+
+
+# -- growing -----------------------------------------------------------------------------------
+
+def test_can_append_and_may_append_across_a_block_boundary():
+    bm = BlockManager(2, 16)
+    seq = allocated(bm, toks(0, 16))
+    assert bm.can_append(seq)
+    bm.may_append(seq)
+    assert len(seq.block_table) == 1                 # still fits its block
+    seq.token_ids.append(1)                          # token 17 crosses into block 2
+    assert bm.can_append(seq)
+    bm.may_append(seq)
+    assert len(seq.block_table) == 2 and bm.free == 0
+    seq.token_ids += [1] * 15                        # 32: still inside block 2
+    assert bm.can_append(seq)
+    bm.may_append(seq)
+    assert len(seq.block_table) == 2
+    seq.token_ids.append(1)                          # 33: a third block, none left
+    assert not bm.can_append(seq)
+    with pytest.raises(MemoryError):
+        bm.may_append(seq)

@@ -1,0 +1,335 @@
+"""Engine benchmark: Tandem's engine against Hugging Face generate and llama.cpp, in one run.
+
+    make bench-engine        (or: python bench/engine.py [--quick])
+
+Everything is measured here, now, side by side: the machine's memory read bandwidth and GEMM
+peak, decode throughput at 1/8/32/64 concurrent sequences (128 tokens each, ignore_eos) for the
+engine (native fp32 and int8 weights), HF generate (padded batch) and llama.cpp (one stream),
+prefill throughput, the batch-1 roofline, FLOP/s at batch 32, prefix-cache TTFT, and the
+accuracy cost of int8. Writes bench/results/engine.{json,md,png}.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shared import model_store  # noqa: E402
+from shared.engine.block_manager import BlockManager  # noqa: E402
+from shared.engine.engine import Engine  # noqa: E402
+from shared.engine.kv_cache import bytes_per_token  # noqa: E402
+from shared.engine.model_runner import ModelRunner  # noqa: E402
+from shared.engine.sequence import Sequence  # noqa: E402
+from shared.messages import GenerateTask, SamplingParams  # noqa: E402
+
+OUT = ROOT / "bench" / "results"
+NEW_TOKENS = 128
+
+
+def median_of(fn, repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+# -- the machine -------------------------------------------------------------------------------
+
+def memory_bandwidth() -> float:
+    x = torch.ones(256 * 2**20)  # 1 GiB of float32
+    x.sum()
+
+    def once():
+        t = time.perf_counter()
+        x.sum()
+        return x.numel() * 4 / (time.perf_counter() - t)
+    return median_of(once, 5)
+
+
+def gemm_peak() -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+
+    def once():
+        t = time.perf_counter()
+        a @ b
+        return 2 * 2048**3 / (time.perf_counter() - t)
+    return median_of(once, 5)
+
+
+def int8_peak() -> float:
+    layer = model_store.quantize_int8(torch.nn.Sequential(torch.nn.Linear(2048, 2048, bias=False)))[0]
+    x = torch.randn(256, 2048)
+    layer(x)
+
+    def once():
+        t = time.perf_counter()
+        layer(x)
+        return 2 * 256 * 2048 * 2048 / (time.perf_counter() - t)
+    return median_of(once, 5)
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+class EngineBench:
+    def __init__(self, model, name: str, chunk: int = 128, max_batch_tokens: int = 512):
+        self.runner = ModelRunner(model, name, "cpu", pool_blocks=6000, block_size=16, chunk=chunk)
+        self.blocks = BlockManager(6000, 16, cache_granularity=chunk)
+        self.engine = Engine(self.runner, self.blocks, max_num_seqs=64, max_batch_tokens=max_batch_tokens)
+
+    def seq(self, ids: list[int], max_tokens: int, prefill_only: bool = False) -> Sequence:
+        task = GenerateTask(request_id=str(id(ids)) + str(time.perf_counter_ns()), prompt_token_ids=ids,
+                            sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                            reply_subject="", arrival_time=time.time())
+        return Sequence(task, None, set(), 8192, prefill_only=prefill_only)
+
+    def run(self, prompts: list[list[int]], max_tokens: int, prefill_only: bool = False) -> dict:
+        seqs = [self.seq(p, max_tokens, prefill_only) for p in prompts]
+        for s in seqs:
+            self.engine.add(s)
+        started = time.perf_counter()
+        first = {}
+        steps = []
+        while self.engine.has_work():
+            t = time.perf_counter()
+            for s, _ in self.engine.step() or []:
+                first.setdefault(s.request_id, time.perf_counter())
+            steps.append((time.perf_counter() - t, len(self.engine.running)))
+        end = time.perf_counter()
+        for s in seqs:
+            self.engine.release(s)
+        all_first = max(first.values())
+        decode_steps = [dt for dt, running in steps if running == len(prompts)]
+        return {"prefill_s": all_first - started, "decode_s": end - all_first,
+                "ttft_s": [first[s.request_id] - started for s in seqs],
+                "step_ms": 1000 * statistics.median(decode_steps) if decode_steps else None,
+                "outputs": [s.output_ids for s in seqs]}
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def prompts_for(tokenizer, n: int) -> list[list[int]]:
+    return [chat_ids(tokenizer, f"Write story number {i} about a dragon who learns to fly.") for i in range(n)]
+
+
+def engine_decode(bench: EngineBench, tokenizer, concurrency: list[int]) -> dict:
+    bench.run(prompts_for(tokenizer, 2), 8)  # warm-up
+    out = {}
+    for n in concurrency:
+        r = bench.run(prompts_for(tokenizer, n), NEW_TOKENS)
+        out[n] = {"tokens_per_s": n * (NEW_TOKENS - 1) / r["decode_s"], "step_ms": r["step_ms"]}
+        print(f"  engine n={n}: {out[n]['tokens_per_s']:.1f} tok/s, step {r['step_ms']:.1f} ms", flush=True)
+    return out
+
+
+def hf_decode(model, tokenizer, concurrency: list[int]) -> dict:
+    tokenizer.padding_side = "left"
+    out = {}
+    for n in concurrency:
+        texts = [tokenizer.decode(p) for p in prompts_for(tokenizer, n)]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            t = time.perf_counter()
+            model.generate(**enc, max_new_tokens=1, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            prefill = time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(**enc, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                           pad_token_id=tokenizer.eos_token_id)
+            total = time.perf_counter() - t
+        out[n] = {"tokens_per_s": n * (NEW_TOKENS - 1) / (total - prefill)}
+        print(f"  HF n={n}: {out[n]['tokens_per_s']:.1f} tok/s", flush=True)
+    return out
+
+
+def llama_cpp(python: str) -> dict | None:
+    if not python or not Path(python).exists():
+        return None
+    done = subprocess.run([python, str(ROOT / "bench" / "llama_cpp_stream.py"), "--model",
+                           str(model_store.default_model_path()), "--threads", str(torch.get_num_threads()),
+                           "--tokens", str(NEW_TOKENS)], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        print("  llama.cpp failed:", done.stderr[-500:], flush=True)
+        return None
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"  llama.cpp (Q4_1, one stream): {result['tokens_per_s']:.1f} tok/s", flush=True)
+    return result
+
+
+def prefill(bench: EngineBench, tokenizer) -> dict:
+    text = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(600))
+    base = tokenizer(text)["input_ids"]
+    out = {}
+    for length in (128, 512, 2048):
+        alone = bench.run([base[:length]], 1, prefill_only=True)
+        batch = bench.run([[7 + i] + base[i + 1:i + length] for i in range(4)], 1, prefill_only=True)
+        out[length] = {"alone_tokens_per_s": length / alone["prefill_s"],
+                       "batched4_tokens_per_s": 4 * length / batch["prefill_s"]}
+        print(f"  prefill {length}: alone {out[length]['alone_tokens_per_s']:.0f} tok/s, "
+              f"4 batched {out[length]['batched4_tokens_per_s']:.0f} tok/s", flush=True)
+    return out
+
+
+def prefix_cache(bench: EngineBench, tokenizer) -> dict:
+    shared_prefix = tokenizer(" ".join(f"Fact {i}: rivers flow to the sea." for i in range(120)))["input_ids"][:1000]
+    first = bench.run([shared_prefix + tokenizer(" Question one?")["input_ids"]], 1)["ttft_s"][0]
+    # Keep the first request's blocks cached: run the second while they are still in the pool.
+    second = bench.run([shared_prefix + tokenizer(" Question two, longer?")["input_ids"]], 1)["ttft_s"][0]
+    print(f"  prefix cache: first {first * 1000:.0f} ms, second {second * 1000:.0f} ms ({first / second:.1f}x)",
+          flush=True)
+    return {"prefix_tokens": len(shared_prefix), "first_ttft_ms": first * 1000, "second_ttft_ms": second * 1000,
+            "speedup": first / second}
+
+
+def int8_accuracy(native, int8, tokenizer) -> dict:
+    texts = ["The history of the Roman Empire spans many centuries, from its founding to its fall.",
+             "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
+             "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)"]
+    agree = total = 0
+    kl = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = torch.tensor([tokenizer(text)["input_ids"]])
+            a, b = native(ids).logits[0].float(), int8(ids).logits[0].float()
+            agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+            total += a.shape[0]
+            kl.append(float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
+                                                       reduction="batchmean")))
+    return {"top1_agreement": agree / total, "mean_kl": statistics.mean(kl), "positions": total}
+
+
+def weight_bytes(model) -> int:
+    total = 0
+    for module in model.modules():
+        if hasattr(module, "_packed_params"):  # int8 dynamic linear: one byte a weight
+            total += module.weight().numel()
+        elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and module is not model.model.embed_tokens:
+            total += module.weight.numel() * module.weight.element_size()
+    return total  # the embedding table is read one row per token: not counted
+
+
+def flops_per_token(model) -> int:
+    config = model.config
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i
+    return 2 * (layers * per_layer + h * config.vocab_size)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, key in (("Tandem engine (fp32, exact)", "engine_native"), ("Tandem engine (int8 weights)", "engine_int8"),
+                       ("HF generate (fp32, padded batch)", "hf")):
+        series = results["decode"].get(key)
+        if series:
+            xs = sorted(int(n) for n in series)
+            ax.plot(xs, [series[str(n)]["tokens_per_s"] for n in xs], marker="o", label=label)
+    if results["decode"].get("llama_cpp"):
+        ax.axhline(results["decode"]["llama_cpp"]["tokens_per_s"], color="gray", linestyle="--",
+                   label="llama.cpp (Q4_1, one stream)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent sequences")
+    ax.set_ylabel("output tokens/s (all streams)")
+    ax.set_title(f"SmolLM2-135M decode, {results['machine']['threads']} threads")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(results: dict) -> str:
+    d = results["decode"]
+    lines = ["| concurrency | engine fp32 tok/s | engine int8 tok/s | HF tok/s | fp32 / HF | int8 / HF |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for n in sorted(int(k) for k in d["engine_native"]):
+        e, q, h = (d[k][str(n)]["tokens_per_s"] for k in ("engine_native", "engine_int8", "hf"))
+        lines.append(f"| {n} | {e:.1f} | {q:.1f} | {h:.1f} | {e / h:.2f}x | {q / h:.2f}x |")
+    m, r = results["machine"], results["roofline"]
+    lines += ["", f"llama.cpp one stream (Q4_1): {d['llama_cpp']['tokens_per_s']:.1f} tok/s"
+              if d.get("llama_cpp") else "llama.cpp: not measured (no bench venv)",
+              f"memory read bandwidth {m['bandwidth_gbs']:.1f} GB/s; fp32 GEMM peak {m['gemm_gflops']:.0f} GFLOP/s; "
+              f"int8 linear peak {m['int8_gflops']:.0f} GFLOP/s; threads {m['threads']}",
+              f"batch-1 roofline: fp32 {r['native']['bytes_per_step'] / 1e6:.0f} MB/step -> "
+              f"{r['native']['roofline_ms']:.1f} ms; achieved {r['native']['step_ms']:.1f} ms "
+              f"({r['native']['ratio']:.2f}x the roofline); int8 {r['int8']['roofline_ms']:.1f} ms roofline, "
+              f"{r['int8']['step_ms']:.1f} ms achieved ({r['int8']['ratio']:.2f}x)",
+              f"batch 32: {results['flops']['native_gflops']:.0f} GFLOP/s achieved "
+              f"({results['flops']['fraction_of_peak']:.0%} of the fp32 GEMM peak)",
+              "", "| prompt tokens | prefill alone tok/s | prefill 4 batched tok/s |", "| --- | --- | --- |"]
+    for length, p in results["prefill"].items():
+        lines.append(f"| {length} | {p['alone_tokens_per_s']:.0f} | {p['batched4_tokens_per_s']:.0f} |")
+    pc, acc = results["prefix_cache"], results["int8_accuracy"]
+    lines += ["", f"prefix cache: {pc['prefix_tokens']}-token shared prefix, first TTFT {pc['first_ttft_ms']:.0f} ms, "
+              f"second {pc['second_ttft_ms']:.0f} ms ({pc['speedup']:.1f}x sooner)",
+              f"int8 weights vs fp32: top-1 agreement {acc['top1_agreement']:.1%} over {acc['positions']} positions, "
+              f"mean KL {acc['mean_kl']:.4f}"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--llama-python", default=str(ROOT / ".venv-bench" / "bin" / "python"),
+                        help="a Python with llama-cpp-python installed (make bench-engine makes one)")
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 8 only")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    concurrency = [1, 8] if args.quick else [1, 8, 32, 64]
+    model_dir = model_store.prepare("", os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"))
+    tokenizer = model_store.load_tokenizer(model_dir)
+    native = model_store.load_model(model_dir, "cpu", "float32")
+    int8 = model_store.load_model(model_dir, "cpu", "float32", "int8")
+    results = {"machine": {"threads": args.threads, "cpu": os.uname().machine}, "decode": {}, "new_tokens": NEW_TOKENS}
+    print("machine ...", flush=True)
+    results["machine"].update(bandwidth_gbs=memory_bandwidth() / 1e9, gemm_gflops=gemm_peak() / 1e9,
+                              int8_gflops=int8_peak() / 1e9)
+    print("decode ...", flush=True)
+    native_bench, int8_bench = EngineBench(native, "native"), EngineBench(int8, "int8")
+    for key, fn in (("engine_native", lambda: engine_decode(native_bench, tokenizer, concurrency)),
+                    ("engine_int8", lambda: engine_decode(int8_bench, tokenizer, concurrency)),
+                    ("hf", lambda: hf_decode(native, tokenizer, concurrency))):
+        results["decode"][key] = {str(n): v for n, v in fn().items()}
+    results["decode"]["llama_cpp"] = llama_cpp(args.llama_python)
+    print("prefill ...", flush=True)
+    results["prefill"] = {str(k): v for k, v in prefill(EngineBench(native, "native", max_batch_tokens=2048), tokenizer).items()}
+    results["prefix_cache"] = prefix_cache(EngineBench(native, "native"), tokenizer)
+    bandwidth = results["machine"]["bandwidth_gbs"] * 1e9
+    context = len(prompts_for(tokenizer, 1)[0]) + NEW_TOKENS // 2
+    results["roofline"] = {}
+    for key, model in (("native", native), ("int8", int8)):
+        per_step = weight_bytes(model) + context * bytes_per_token(native_bench.runner.layout)
+        step = results["decode"][f"engine_{key}"]["1"]["step_ms"]
+        results["roofline"][key] = {"bytes_per_step": per_step, "roofline_ms": 1000 * per_step / bandwidth,
+                                    "step_ms": step, "ratio": step / (1000 * per_step / bandwidth)}
+    if "32" in results["decode"]["engine_native"]:
+        step = results["decode"]["engine_native"]["32"]["step_ms"] / 1000
+        achieved = flops_per_token(native) * 32 / step / 1e9
+        results["flops"] = {"native_gflops": achieved, "fraction_of_peak": achieved / results["machine"]["gemm_gflops"]}
+    else:
+        results["flops"] = {"native_gflops": 0.0, "fraction_of_peak": 0.0}
+    results["int8_accuracy"] = int8_accuracy(native, int8, tokenizer)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "engine.json").write_text(json.dumps(results, indent=2))
+    (OUT / "engine.md").write_text(table(results) + "\n")
+    plot(results, OUT / "engine.png")
+    print(table(results))
+    print(f"wrote {OUT}/engine.json, engine.md, engine.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -190,7 +190,8 @@ def prefix_cache(bench: EngineBench, tokenizer) -> dict:
             "speedup": first / second}
 
 
-def int8_accuracy(native, int8, tokenizer) -> dict:
+def accuracy(native, other, tokenizer) -> dict:
+    """Teacher-forced agreement of `other`'s next-token choice with fp32's, and the mean KL."""
     texts = ["The history of the Roman Empire spans many centuries, from its founding to its fall.",
              "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
              "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)"]
@@ -199,7 +200,7 @@ def int8_accuracy(native, int8, tokenizer) -> dict:
     with torch.inference_mode():
         for text in texts:
             ids = torch.tensor([tokenizer(text)["input_ids"]])
-            a, b = native(ids).logits[0].float(), int8(ids).logits[0].float()
+            a, b = native(ids).logits[0].float(), other(ids).logits[0].float()
             agree += int((a.argmax(-1) == b.argmax(-1)).sum())
             total += a.shape[0]
             kl.append(float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
@@ -208,9 +209,11 @@ def int8_accuracy(native, int8, tokenizer) -> dict:
 
 
 def weight_bytes(model) -> int:
+    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+
     total = 0
     for module in model.modules():
-        if hasattr(module, "_packed_params"):  # int8 dynamic linear: one byte a weight
+        if isinstance(module, Int8Linear):  # one byte a weight
             total += module.weight().numel()
         elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and module is not model.model.embed_tokens:
             total += module.weight.numel() * module.weight.element_size()
@@ -232,7 +235,8 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, key in (("Tandem engine (fp32, exact)", "engine_native"), ("Tandem engine (int8 weights)", "engine_int8"),
+    for label, key in (("Tandem engine (fp32, exact)", "engine_native"), ("Tandem engine (bf16)", "engine_bf16"),
+                       ("Tandem engine (int8 weights)", "engine_int8"),
                        ("HF generate (fp32, padded batch)", "hf")):
         series = results["decode"].get(key)
         if series:
@@ -253,11 +257,11 @@ def plot(results: dict, path: Path) -> None:
 
 def table(results: dict) -> str:
     d = results["decode"]
-    lines = ["| concurrency | engine fp32 tok/s | engine int8 tok/s | HF tok/s | fp32 / HF | int8 / HF |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| concurrency | engine fp32 tok/s | engine bf16 tok/s | engine int8 tok/s | HF fp32 tok/s "
+             "| fp32 / HF | bf16 / HF | int8 / HF |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for n in sorted(int(k) for k in d["engine_native"]):
-        e, q, h = (d[k][str(n)]["tokens_per_s"] for k in ("engine_native", "engine_int8", "hf"))
-        lines.append(f"| {n} | {e:.1f} | {q:.1f} | {h:.1f} | {e / h:.2f}x | {q / h:.2f}x |")
+        e, b, q, h = (d[k][str(n)]["tokens_per_s"] for k in ("engine_native", "engine_bf16", "engine_int8", "hf"))
+        lines.append(f"| {n} | {e:.1f} | {b:.1f} | {q:.1f} | {h:.1f} | {e / h:.2f}x | {b / h:.2f}x | {q / h:.2f}x |")
     m, r = results["machine"], results["roofline"]
     lines += ["", f"llama.cpp one stream (Q4_1): {d['llama_cpp']['tokens_per_s']:.1f} tok/s"
               if d.get("llama_cpp") else "llama.cpp: not measured (no bench venv)",
@@ -265,18 +269,19 @@ def table(results: dict) -> str:
               f"int8 linear peak {m['int8_gflops']:.0f} GFLOP/s; threads {m['threads']}",
               f"batch-1 roofline: fp32 {r['native']['bytes_per_step'] / 1e6:.0f} MB/step -> "
               f"{r['native']['roofline_ms']:.1f} ms; achieved {r['native']['step_ms']:.1f} ms "
-              f"({r['native']['ratio']:.2f}x the roofline); int8 {r['int8']['roofline_ms']:.1f} ms roofline, "
-              f"{r['int8']['step_ms']:.1f} ms achieved ({r['int8']['ratio']:.2f}x)",
+              f"({r['native']['ratio']:.2f}x the roofline); bf16 {r['bf16']['roofline_ms']:.1f} ms roofline, "
+              f"{r['bf16']['step_ms']:.1f} ms achieved ({r['bf16']['ratio']:.2f}x); int8 {r['int8']['roofline_ms']:.1f} ms "
+              f"roofline, {r['int8']['step_ms']:.1f} ms achieved ({r['int8']['ratio']:.2f}x)",
               f"batch 32: {results['flops']['native_gflops']:.0f} GFLOP/s achieved "
               f"({results['flops']['fraction_of_peak']:.0%} of the fp32 GEMM peak)",
               "", "| prompt tokens | prefill alone tok/s | prefill 4 batched tok/s |", "| --- | --- | --- |"]
     for length, p in results["prefill"].items():
         lines.append(f"| {length} | {p['alone_tokens_per_s']:.0f} | {p['batched4_tokens_per_s']:.0f} |")
-    pc, acc = results["prefix_cache"], results["int8_accuracy"]
+    pc, acc = results["prefix_cache"], results["accuracy"]
     lines += ["", f"prefix cache: {pc['prefix_tokens']}-token shared prefix, first TTFT {pc['first_ttft_ms']:.0f} ms, "
               f"second {pc['second_ttft_ms']:.0f} ms ({pc['speedup']:.1f}x sooner)",
-              f"int8 weights vs fp32: top-1 agreement {acc['top1_agreement']:.1%} over {acc['positions']} positions, "
-              f"mean KL {acc['mean_kl']:.4f}"]
+              *(f"{name} vs fp32: top-1 agreement {a['top1_agreement']:.1%} over {a['positions']} positions, "
+                f"mean KL {a['mean_kl']:.4f}" for name, a in acc.items())]
     return "\n".join(lines)
 
 
@@ -292,15 +297,17 @@ def main() -> int:
     model_dir = model_store.prepare("", os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"))
     tokenizer = model_store.load_tokenizer(model_dir)
     native = model_store.load_model(model_dir, "cpu", "float32")
+    bf16 = model_store.load_model(model_dir, "cpu", "bfloat16")
     int8 = model_store.load_model(model_dir, "cpu", "float32", "int8")
     results = {"machine": {"threads": args.threads, "cpu": os.uname().machine}, "decode": {}, "new_tokens": NEW_TOKENS}
     print("machine ...", flush=True)
     results["machine"].update(bandwidth_gbs=memory_bandwidth() / 1e9, gemm_gflops=gemm_peak() / 1e9,
                               int8_gflops=int8_peak() / 1e9)
     print("decode ...", flush=True)
-    native_bench, int8_bench = EngineBench(native, "native"), EngineBench(int8, "int8")
+    native_bench = EngineBench(native, "native")
     for key, fn in (("engine_native", lambda: engine_decode(native_bench, tokenizer, concurrency)),
-                    ("engine_int8", lambda: engine_decode(int8_bench, tokenizer, concurrency)),
+                    ("engine_bf16", lambda: engine_decode(EngineBench(bf16, "bf16"), tokenizer, concurrency)),
+                    ("engine_int8", lambda: engine_decode(EngineBench(int8, "int8"), tokenizer, concurrency)),
                     ("hf", lambda: hf_decode(native, tokenizer, concurrency))):
         results["decode"][key] = {str(n): v for n, v in fn().items()}
     results["decode"]["llama_cpp"] = llama_cpp(args.llama_python)
@@ -310,7 +317,7 @@ def main() -> int:
     bandwidth = results["machine"]["bandwidth_gbs"] * 1e9
     context = len(prompts_for(tokenizer, 1)[0]) + NEW_TOKENS // 2
     results["roofline"] = {}
-    for key, model in (("native", native), ("int8", int8)):
+    for key, model in (("native", native), ("bf16", bf16), ("int8", int8)):
         per_step = weight_bytes(model) + context * bytes_per_token(native_bench.runner.layout)
         step = results["decode"][f"engine_{key}"]["1"]["step_ms"]
         results["roofline"][key] = {"bytes_per_step": per_step, "roofline_ms": 1000 * per_step / bandwidth,
@@ -321,7 +328,7 @@ def main() -> int:
         results["flops"] = {"native_gflops": achieved, "fraction_of_peak": achieved / results["machine"]["gemm_gflops"]}
     else:
         results["flops"] = {"native_gflops": 0.0, "fraction_of_peak": 0.0}
-    results["int8_accuracy"] = int8_accuracy(native, int8, tokenizer)
+    results["accuracy"] = {"bf16": accuracy(native, bf16, tokenizer), "int8": accuracy(native, int8, tokenizer)}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "engine.json").write_text(json.dumps(results, indent=2))
     (OUT / "engine.md").write_text(table(results) + "\n")

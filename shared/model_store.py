@@ -111,12 +111,19 @@ def load_model(model_dir: Path, device: str, dtype: str, weights: str = "native"
 
 
 def quantize_int8(model):
-    """Linear layers with int8 weights, activations quantized per step (fbgemm): ~4x the GEMM rate here."""
+    """Linear layers with per-channel int8 weights, activations quantized per step (fbgemm).
+
+    Fast (about 4x the fp32 GEMM rate on AVX-512) but lossy on this model: the benchmark measures
+    the top-1 agreement with fp32. The output head stays in full precision (quantizing it costs
+    the most accuracy for the least time).
+    """
     import warnings
 
     import torch
-    from torch.ao.quantization import quantize_dynamic
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
+    spec = {name: per_channel_dynamic_qconfig for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not getattr(model, "lm_head", None)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch marks eager dynamic quantization deprecated; it still works
-        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        return quantize_dynamic(model, spec, dtype=torch.qint8)

@@ -159,3 +159,13 @@ async def test_size_mismatch_raises():
     await a.send(b"b", 5, torch.ones(8), 1.0)
     with pytest.raises(KVTransferError):
         await b.receive(5, torch.empty(4), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ucx_sees_every_kv_dtype_as_its_bytes(dtype):
+    from shared.transport.kv import _ucx_view
+
+    tensor = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype)
+    view = _ucx_view(tensor)
+    assert view.nbytes == tensor.numel() * tensor.element_size()
+    assert bytes(view.tobytes()) == bytes(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())

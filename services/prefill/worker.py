@@ -8,7 +8,6 @@ next prompts compute. A prompt's blocks stay held until its KV has left.
 import asyncio
 import logging
 import os
-import time
 from dataclasses import asdict
 
 import torch

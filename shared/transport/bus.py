@@ -98,16 +98,17 @@ class NatsBus:
             except MessageError as err:
                 log.warning("dropped a malformed message on %s: %s", msg.subject, err)
                 return
-            respond = None
-            if msg.reply:
-                async def respond(answer: Any, _reply=msg.reply) -> None:
-                    await self._nc.publish(_reply, encode(answer))
             try:
-                await handler(message, respond)
+                await handler(message, self._responder(msg.reply) if msg.reply else None)
             except Exception:
                 log.exception("handler for %s failed", msg.subject)
 
         return await self._nc.subscribe(subject, queue=queue, cb=on_message)
+
+    def _responder(self, reply_subject: str) -> Respond:
+        async def respond(answer: Any) -> None:
+            await self._nc.publish(reply_subject, encode(answer))
+        return respond
 
 
 class _FakeSubscription:

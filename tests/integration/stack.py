@@ -4,7 +4,6 @@ import json
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc

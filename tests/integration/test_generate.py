@@ -2,7 +2,6 @@
 
 import concurrent.futures
 
-import grpc
 import pytest
 
 from shared.api import tandem_pb2 as pb

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from shared.engine.model_runner import ModelRunner, Segment, padded_rows

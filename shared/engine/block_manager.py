@@ -103,7 +103,7 @@ class BlockManager:
         hits = self._prefix_hits(seq.token_ids)
         for block in hits:
             self._take(block)
-        seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
+        seq.block_table = hits + self._take_run(self.blocks_for(seq.num_tokens) - len(hits), hits[-1] if hits else None)
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         seq.last_block_hash = self.block_hash[hits[-1]] if hits else b""
@@ -127,7 +127,7 @@ class BlockManager:
 
     def may_append(self, seq: Paged) -> None:
         while len(seq.block_table) < self.blocks_for(seq.num_tokens):
-            seq.block_table.append(self._take_free())
+            seq.block_table += self._take_run(1, seq.block_table[-1] if seq.block_table else None)
 
     def commit(self, seq: Paged, num_computed_tokens: int) -> None:
         """Registers the hashes of seq's blocks that are full and computed, for later reuse."""
@@ -141,6 +141,35 @@ class BlockManager:
                 self.hash_to_block[seq.last_block_hash] = block
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _take_run(self, count: int, after: int | None) -> list[int]:
+        """`count` free blocks: consecutive ones (right after `after` if possible) when free and not
+        caching a prefix, so attention can read the pool in place; otherwise least recently freed."""
+        start = self._find_run(count, after)
+        if start is None:
+            return [self._take_free() for _ in range(count)]
+        for block in range(start, start + count):
+            del self.free_blocks[block]
+            self.ref_count[block] = 1
+        return list(range(start, start + count))
+
+    def _find_run(self, count: int, after: int | None) -> int | None:
+        if count == 0:
+            return None
+
+        def usable(block: int) -> bool:
+            return block in self.free_blocks and self.block_hash[block] is None
+
+        if after is not None and after + count < self.num_blocks and all(usable(after + 1 + i) for i in range(count)):
+            return after + 1
+        if count == 1 and after is not None:
+            return None  # growing by one block: not worth a scan
+        run = 0
+        for block in range(self.num_blocks):
+            run = run + 1 if usable(block) else 0
+            if run == count:
+                return block - count + 1
+        return None
 
     def _take(self, block: int) -> None:
         if self.ref_count[block] == 0:

@@ -41,6 +41,15 @@ class KVPool:
         blocks = torch.tensor(block_table, dtype=torch.long)[positions // self.block_size]
         return (blocks * self.block_size + positions % self.block_size).to(self.device)
 
+    def contiguous_run(self, block_table: list[int], num_tokens: int) -> int | None:
+        """The first slot when positions [0, num_tokens) sit in consecutive blocks (read in place), else None."""
+        needed = -(-num_tokens // self.block_size)
+        first = block_table[0]
+        for offset in range(1, needed):
+            if block_table[offset] != first + offset:
+                return None
+        return first * self.block_size
+
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.kv[layer, 0].index_copy_(0, slots, keys)
         self.kv[layer, 1].index_copy_(0, slots, values)

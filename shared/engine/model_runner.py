@@ -49,13 +49,15 @@ class Segment:
 
 @dataclass
 class _Attention:
-    """Query rows [row_start, row_end) attend to keys [ctx_start, ctx_end) of the layer's gather."""
+    """Query rows [row_start, row_end) attend to keys [ctx_start, ctx_end) of the layer's gather,
+    or, `in_pool`, to pool slots [ctx_start, ctx_end) read in place (a contiguous block run)."""
 
     row_start: int
     row_end: int
     ctx_start: int
     ctx_end: int
     mask: torch.Tensor | None  # causal within the piece; None for a single query row
+    in_pool: bool = False
 
 
 class ModelRunner:
@@ -86,19 +88,24 @@ class ModelRunner:
             ids.extend(seg.token_ids[seg.start:seg.end])
             positions.append(torch.arange(seg.start, seg.end))
             slots.append(self.pool.slots(seg.block_table, seg.start, seg.end))
-            context.append(self.pool.slots(seg.block_table, 0, seg.end))
+            run = self.pool.contiguous_run(seg.block_table, seg.end)
+            if run is None:  # scattered blocks: gather this context once per layer
+                context.append(self.pool.slots(seg.block_table, 0, seg.end))
+            base = ctx if run is None else run
             piece = seg.start
             while piece < seg.end:
                 stop = seg.end if seg.end - seg.start == 1 else min(seg.end, (piece // self.chunk + 1) * self.chunk)
                 n = stop - piece
                 mask = None if n == 1 else torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(stop - n)
-                attention.append(_Attention(row + piece - seg.start, row + stop - seg.start, ctx, ctx + stop, mask))
+                attention.append(_Attention(row + piece - seg.start, row + stop - seg.start, base, base + stop, mask,
+                                            in_pool=run is not None))
                 piece = stop
             row += seg.end - seg.start
-            ctx += seg.end
+            ctx += seg.end if run is None else 0
             last_rows.append(row - 1)
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
-                torch.cat(positions).to(self.device), torch.cat(slots), torch.cat(context), attention,
+                torch.cat(positions).to(self.device), torch.cat(slots),
+                torch.cat(context) if context else None, attention,
                 torch.tensor(last_rows, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
@@ -135,11 +142,16 @@ class ModelRunner:
         v = attn.v_proj(x).view(total, self.layout.num_kv_heads, self.head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
         self.pool.write(index, slots, k[:rows], v[:rows])
-        keys, values = self.pool.read(index, context)                     # [ctx, kv_heads, dim]
-        keys, values, q = keys.transpose(0, 1)[None], values.transpose(0, 1)[None], q.transpose(0, 1)[None]
-        pieces = [F.scaled_dot_product_attention(  # pieces cover the real rows in order
-            q[:, :, a.row_start:a.row_end], keys[:, :, a.ctx_start:a.ctx_end], values[:, :, a.ctx_start:a.ctx_end],
-            attn_mask=a.mask, enable_gqa=True) for a in attention]
+        pool_keys, pool_values = (t.transpose(0, 1)[None] for t in self.pool.kv[index])  # [1, heads, slots, dim] views
+        if context is not None:
+            keys, values = (t.transpose(0, 1)[None] for t in self.pool.read(index, context))
+        q = q.transpose(0, 1)[None]
+        pieces = []  # they cover the real rows in order
+        for a in attention:
+            k, v = (pool_keys, pool_values) if a.in_pool else (keys, values)
+            pieces.append(F.scaled_dot_product_attention(
+                q[:, :, a.row_start:a.row_end], k[:, :, a.ctx_start:a.ctx_end], v[:, :, a.ctx_start:a.ctx_end],
+                attn_mask=a.mask, enable_gqa=True))
         if total > rows:
             pieces.append(q.new_zeros(1, self.num_heads, total - rows, self.head_dim))
         out = torch.cat(pieces, dim=2)[0].transpose(0, 1)

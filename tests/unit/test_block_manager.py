@@ -300,3 +300,15 @@ def test_can_append_and_may_append_across_a_block_boundary():
     assert not bm.can_append(seq)
     with pytest.raises(MemoryError):
         bm.may_append(seq)
+
+
+def test_fresh_sequences_get_consecutive_blocks_and_grow_in_place():
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    a, b = FakeSeq(list(range(10))), FakeSeq(list(range(100, 107)))
+    blocks.allocate(a)
+    blocks.allocate(b)
+    for seq in (a, b):
+        assert seq.block_table == list(range(seq.block_table[0], seq.block_table[0] + len(seq.block_table)))
+    a.token_ids.extend([1, 2, 3])  # 13 tokens: a fourth block, right after its third if free
+    blocks.may_append(a)
+    assert len(a.block_table) == 4 and len(set(a.block_table)) == 4

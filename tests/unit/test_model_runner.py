@@ -215,3 +215,21 @@ def test_decoded_tokens_write_the_kv_a_prefill_of_them_writes(runner, rand_token
     kv_prefilled = runner.pool.export(runner.pool.slots(prefilled, 0, 40))
     assert torch.equal(kv_decoded[0], kv_prefilled[0])    # layer 0: projections only, equal already
     assert torch.equal(kv_decoded, kv_prefilled)
+
+
+# -- reading the pool in place --------------------------------------------------------------------
+
+def test_a_contiguous_block_run_is_read_in_place_with_the_same_bits(runner, rand_tokens):
+    """Consecutive blocks are attended in place (no gather); scattered ones are gathered: same bits."""
+    prompt = rand_tokens(70)
+    consecutive = [100, 101, 102, 103, 104]
+    scattered = [200, 150, 230, 170, 210]
+    assert runner.pool.contiguous_run(consecutive, 70) == 100 * BLOCK
+    assert runner.pool.contiguous_run(scattered, 70) is None
+    outputs = []
+    for blocks in (consecutive, scattered):
+        tokens = list(prompt)
+        logits = runner.forward([Segment(blocks, tokens, 0, 70)])
+        tokens.append(int(logits[0].argmax()))
+        outputs.append((logits, runner.forward([Segment(blocks, tokens, 70, 71)])))
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])

@@ -103,9 +103,9 @@ class Engine:
         room = max(0, self.max_num_seqs - len(work))
         loads, self.loading = self.loading[:room], self.loading[room:]
         budget = self.max_batch_tokens - len(work)
-        admitting = True
+        admitting, prefilling = True, False
         for seq in list(self.waiting):
-            if budget <= 0:
+            if budget <= 0 and prefilling:
                 break
             if not seq.block_table:
                 # First come, first served: once one cannot start, later ones wait behind it;
@@ -116,10 +116,12 @@ class Engine:
                 self.blocks.allocate(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens
                 seq.prefill_started = seq.prefill_started or time.time()
-            end = self._chunk_end(seq, budget, first=not work)
+            # One chunk per step at least, whatever the decode rows took, so prompts always advance.
+            end = self._chunk_end(seq, budget, first=not prefilling)
             if end > seq.num_computed_tokens:
                 work.append(_Work(seq, seq.num_computed_tokens, end))
                 budget -= end - seq.num_computed_tokens
+                prefilling = True
         return loads, work
 
     def _decodable(self) -> list[Sequence]:

@@ -435,3 +435,17 @@ def test_a_preempted_sequence_does_not_stall_a_partial_prefill(model, rand_token
     assert 0 < b.num_computed_tokens < b.prompt_len and engine.blocks.free == 0
     run_to_end(engine, max_steps=200)                    # a must be preempted for a block
     assert len(a.output_ids) == 20 and len(b.output_ids) == 3
+
+
+def test_a_prompt_chunk_is_not_starved_by_running_decodes(model, rand_tokens):
+    """With the budget one chunk wide, decode rows must not keep every chunk out: one always goes."""
+    engine = make_engine(model, max_batch_tokens=CHUNK)
+    running = make_seq(rand_tokens(5), 50, "running")
+    engine.add(running)
+    engine.step()                                        # running now decodes every step
+    waiting = make_seq(rand_tokens(70), 2, "waiting")
+    engine.add(waiting)
+    engine.step()
+    assert waiting.num_computed_tokens == CHUNK          # its first chunk went with the decode row
+    run_to_end(engine)
+    assert waiting.output_ids == alone(model, waiting.prompt_token_ids, 2)

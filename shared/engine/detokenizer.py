@@ -15,35 +15,46 @@ class Detokenizer:
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
-        self._emitted = 0        # characters of the decoded text already shown
+        # Decoding only a small window of recent tokens keeps each step O(1) in the output length:
+        # tokens [_prefix, _read) were decoded last time and give the context for the new ones.
+        self._prefix = 0
+        self._read = 0
+        self._text = ""          # the text of tokens [0, _read)
+        self._emitted = 0        # characters of _text already shown
         self.stopped = False     # a stop string appeared; nothing more will be shown
 
-    def _text(self) -> str:
-        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+    def _pending(self) -> str:
+        """The text the tokens after _read add (may end in an incomplete character)."""
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
+        return decode(self._ids[self._prefix:], skip_special_tokens=True)[len(before):]
 
     def add(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._text()
+        new = self._pending()
+        if new.endswith(REPLACEMENT):
+            return ""  # wait for the rest of the character
+        self._text += new
+        self._prefix, self._read = self._read, len(self._ids)
         if self._stop:
             start = max(0, self._emitted - self._hold)
-            hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+            hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
             if hits:
                 self.stopped = True
-                return self._take(text, min(hits))
-        if text.endswith(REPLACEMENT):
-            return ""
-        return self._take(text, len(text) - self._hold)
+                return self._take(min(hits))
+        return self._take(len(self._text) - self._hold)
 
     def flush(self) -> str:
         """The held-back text at the end of the stream (nothing after a stop string)."""
         if self.stopped:
             return ""
-        return self._take(self._text().rstrip(REPLACEMENT), None)
+        self._text += self._pending().rstrip(REPLACEMENT)
+        self._read = len(self._ids)
+        return self._take(len(self._text))
 
-    def _take(self, text: str, end: int | None) -> str:
-        end = len(text) if end is None else end
+    def _take(self, end: int) -> str:
         if end <= self._emitted:
             return ""
-        piece = text[self._emitted:end]
+        piece = self._text[self._emitted:end]
         self._emitted = end
         return piece

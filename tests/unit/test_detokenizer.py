@@ -97,3 +97,19 @@ def test_flush_drops_an_incomplete_character(tokenizer):
     cut = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith(REPLACEMENT))
     pieces, tail, _ = stream(tokenizer, ids[:cut], [])
     assert REPLACEMENT not in "".join(pieces) + tail
+
+
+def test_each_token_decodes_a_small_window_not_the_whole_output(tokenizer):
+    """A long answer must not cost O(n) per token: decode sees only the last few tokens."""
+    seen = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            seen.append(len(ids))
+            return tokenizer.decode(ids, **kw)
+
+    ids = tokenizer("The rain in Spain stays mainly in the plain. " * 60 + " héllo 日本語 🙂")["input_ids"]
+    detok = Detokenizer(Counting(), [])
+    text = "".join(detok.add(t) for t in ids) + detok.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(ids) > 500 and max(seen) <= 16

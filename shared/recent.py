@@ -21,9 +21,6 @@ class RecentIds:
         self._prune()
         return item in self._ids
 
-    def __len__(self) -> int:
-        return len(self._ids)
-
     def _prune(self) -> None:
         horizon = self._clock() - self._ttl
         while self._ids and (len(self._ids) > self._max or next(iter(self._ids.values())) < horizon):

@@ -53,7 +53,6 @@ class Sequence:
         self.kv_transfer_ms = 0.0
         self.prefill_worker = ""
         self.prefill_started = 0.0
-        self.admitted_at = time.time()
 
     @property
     def token_ids(self) -> list[int]:

@@ -25,7 +25,6 @@ class TransferCounters:
     bytes_sent: int = 0
     bytes_received: int = 0
     transfers_failed: int = 0
-    buffers_abandoned: int = 0
 
 
 class DataPlane(Protocol):
@@ -84,7 +83,8 @@ class UcxDataPlane:
 
     def _abandon(self, buffer: torch.Tensor) -> None:
         self._abandoned.append(buffer)
-        self.counters.buffers_abandoned = len(self._abandoned)
+        log.warning("KV buffer of %d bytes kept alive for a UCX request that may still use it (%d held)",
+                    buffer.numel() * buffer.element_size(), len(self._abandoned))
 
     async def _endpoint(self, peer_address: bytes):
         ep = self._endpoints.get(peer_address)

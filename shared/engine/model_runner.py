@@ -5,9 +5,10 @@ attention over the pool, so prefill chunks of several prompts and the decode tok
 running sequence go through the projections and MLPs as one batch of rows.
 
 Determinism: a sequence's tokens are computed the same way whatever else is in the batch, so a
-greedy request gives the same tokens alone or among many. Projections are row-independent once
-a GEMM has enough rows (see `padded_rows`); attention runs per sequence, prompts in fixed
-`chunk`-token pieces aligned to absolute positions, decode tokens one at a time.
+greedy request gives the same tokens alone or among many. Projections are row-independent at
+the row counts measured at start-up (see `projection.invariant_row_counts`; a tiny batch is
+padded up to one); attention runs per sequence, prompts in fixed `chunk`-token pieces aligned to
+absolute positions, decode tokens one at a time.
 """
 
 import asyncio
@@ -21,20 +22,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from shared.engine import kv_cache
 from shared.engine.kv_cache import KVPool
+from shared.engine.projection import Projection, invariant_row_counts, mlp
 from shared.messages import KVLayout
 
 R = TypeVar("R")
-
-
-def padded_rows(rows: int) -> int:
-    """Row count at which MKL's sgemm gives each row the same bits as in any larger batch.
-
-    Measured on the x86 MKL build torch ships: 4, 8 and >= 12 rows are row-invariant; 1-3,
-    5-7 and 9-11 rows take other kernels. tests/unit/test_model_runner.py re-checks it.
-    """
-    if rows >= 12 or rows in (4, 8):
-        return rows
-    return 4 if rows < 4 else 8 if rows < 8 else 12
 
 
 @dataclass
@@ -72,9 +63,19 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
-        self.lm_head = model.lm_head
         self.num_heads = model.config.num_attention_heads
         self.head_dim = self.layout.head_dim
+        self.qkv = [Projection([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.o_proj = [Projection([l.self_attn.o_proj]) for l in self.layers]
+        self.gate_up = [Projection([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        self.down = [Projection([l.mlp.down_proj]) for l in self.layers]
+        self.lm_head = Projection([model.lm_head])
+        self.row_counts = (invariant_row_counts([self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0],
+                                                 self.lm_head]) if batch_invariant and device == "cpu" else [])
+
+    def padded_rows(self, rows: int) -> int:
+        """The smallest row count >= rows at which every row gets the bits it gets in any batch."""
+        return next((count for count in self.row_counts if count >= rows), rows)
 
     def _plan(self, segments: list[Segment]):
         """Token ids, positions and pool slots of every row; the attention pieces; each segment's last row.
@@ -114,32 +115,32 @@ class ModelRunner:
         ids, positions, slots, context, attention, last_rows = self._plan(segments)
         rows = ids.numel()
         hidden = self.embed(ids)
-        total = padded_rows(rows) if self.batch_invariant else rows
+        total = self.padded_rows(rows)
         if total > rows:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
         cos, sin = self.rotary(hidden, torch.cat([positions, positions.new_zeros(total - rows)])[None])
         cos, sin = cos[0], sin[0]
         for index, layer in enumerate(self.layers):
             residual = hidden
-            hidden = self._attend(index, layer.self_attn, layer.input_layernorm(hidden), cos, sin, slots, context,
-                                  attention, rows)
+            hidden = self._attend(index, layer.input_layernorm(hidden), cos, sin, slots, context, attention, rows)
             hidden = residual + hidden
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + mlp(self.gate_up[index], self.down[index], layer.mlp.act_fn,
+                                  layer.post_attention_layernorm(hidden))
         return self._logits(hidden.index_select(0, last_rows))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]
-        total = padded_rows(rows) if self.batch_invariant else rows
+        total = self.padded_rows(rows)
         if total > rows:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
-        return self.lm_head(self.norm(hidden))[:rows].float()
+        return self.lm_head.one(self.norm(hidden))[:rows].float()
 
-    def _attend(self, index: int, attn, x: torch.Tensor, cos, sin, slots, context, attention: list[_Attention],
-                rows: int):
+    def _attend(self, index: int, x: torch.Tensor, cos, sin, slots, context, attention: list[_Attention], rows: int):
         total = x.shape[0]
-        q = attn.q_proj(x).view(total, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(total, self.layout.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(total, self.layout.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv[index](x)
+        q = q.view(total, self.num_heads, self.head_dim)
+        k = k.view(total, self.layout.num_kv_heads, self.head_dim)
+        v = v.view(total, self.layout.num_kv_heads, self.head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
         self.pool.write(index, slots, k[:rows], v[:rows])
         pool_keys, pool_values = (t.transpose(0, 1)[None] for t in self.pool.kv[index])  # [1, heads, slots, dim] views
@@ -155,7 +156,7 @@ class ModelRunner:
         if total > rows:
             pieces.append(q.new_zeros(1, self.num_heads, total - rows, self.head_dim))
         out = torch.cat(pieces, dim=2)[0].transpose(0, 1)
-        return attn.o_proj(out.reshape(total, -1))
+        return self.o_proj[index].one(out.reshape(total, -1))
 
 
 class EngineExecutor:

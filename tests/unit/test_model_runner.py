@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from shared.engine.model_runner import ModelRunner, Segment, padded_rows
+from shared.engine.model_runner import ModelRunner, Segment
+from shared.engine.projection import SMALL
 
 BLOCK = 16
 DEFAULT_THREADS = torch.get_num_threads()   # at import, before the tiny_model fixture changes it
@@ -63,10 +64,17 @@ def test_forward_returns_one_row_of_logits_per_segment(runner, rand_tokens):
 
 # -- (b) batch invariance ------------------------------------------------------------------------
 
-def test_padded_rows_values():
-    expected = {1: 4, 2: 4, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8, 9: 12, 10: 12, 11: 12, 12: 12, 13: 13}
-    assert {rows: padded_rows(rows) for rows in range(1, 14)} == expected
-    assert all(padded_rows(rows) == rows for rows in (16, 17, 100, 1000))
+def test_padded_rows_pads_only_up_to_a_measured_invariant_count(runner):
+    assert runner.row_counts and all(1 <= count <= SMALL for count in runner.row_counts)
+    for rows in range(1, 40):
+        padded = runner.padded_rows(rows)
+        assert padded >= rows and (padded in runner.row_counts or padded == rows > SMALL)
+    assert all(runner.padded_rows(rows) == rows for rows in (SMALL + 1, 100, 1000))
+
+
+def test_without_batch_invariance_nothing_is_padded(tiny_model):
+    loose = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=16, block_size=BLOCK, chunk=32, batch_invariant=False)
+    assert all(loose.padded_rows(rows) == rows for rows in range(1, 40))
 
 
 @pytest.fixture(params=["one-thread", "default-threads"])
@@ -81,16 +89,17 @@ def threads(request, tiny_model):
         yield torch.get_num_threads()
 
 
-@pytest.mark.parametrize("rows", sorted({padded_rows(r) for r in range(1, 40)}))
-def test_padded_row_counts_are_row_invariant_in_the_gemm(tiny_model, threads, rows):
+def test_padded_row_counts_are_row_invariant_in_every_projection(runner, threads):
     """The premise of padded_rows: a padded GEMM gives each row the bits it has in a bigger batch."""
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(64, tiny_model.config.hidden_size, generator=g)
-    for linear in (tiny_model.model.layers[0].self_attn.q_proj, tiny_model.model.layers[0].mlp.gate_proj,
-                   tiny_model.model.layers[0].mlp.down_proj, tiny_model.lm_head):
-        inp = x if linear.in_features == x.shape[1] else torch.randn(64, linear.in_features, generator=g)
-        with torch.no_grad():
-            assert torch.equal(linear(inp[:rows]), linear(inp)[:rows]), (rows, linear)
+    g = torch.Generator().manual_seed(threads)
+    projections = (runner.qkv[0], runner.o_proj[1], runner.gate_up[0], runner.down[1], runner.lm_head)
+    for rows in sorted({runner.padded_rows(r) for r in range(1, 80)}):
+        for projection in projections:
+            x = torch.randn(96, projection.in_features, generator=g)
+            with torch.inference_mode():
+                full = projection(x)
+                for part, whole in zip(projection(x[:rows]), full):
+                    assert torch.equal(part, whole[:rows]), (rows, projection.sizes)
 
 
 @pytest.fixture(scope="module")

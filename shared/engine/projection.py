@@ -1,0 +1,86 @@
+"""Projection: the model's linear layers as the engine runs them.
+
+On CPU, float32 and bfloat16 weights are packed once into oneDNN's blocked layout and every
+call goes straight to oneDNN's matmul: no per-call repacking of the weight, which is what makes
+torch's default (MKL sgemm on the transposed weight) slow at the row counts decode runs at (1 to
+64 rows: 2-3x slower, and up to 4x on the 49k-row output head). Layers that read the same input
+are fused into one weight (q|k|v, gate|up), one call instead of several.
+
+Anything else (CUDA, int8 dynamic-quantized modules, a torch without oneDNN) calls the modules
+themselves.
+
+`invariant_row_counts` measures, on the projections in hand, which row counts give each row the
+same bits as a larger batch does (the GEMM kernel oneDNN or MKL picks depends on the row count);
+the model runner pads tiny batches up to one of them.
+"""
+
+import torch
+from torch import nn
+
+PROBE_ROWS = 64  # the reference batch; row counts up to SMALL are probed against it
+SMALL = 16
+
+
+def _packable(modules: list[nn.Module]) -> bool:
+    first = modules[0].weight if isinstance(modules[0], nn.Linear) else None
+    return (first is not None and first.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and all(type(m) is nn.Linear and m.weight.dtype == first.dtype for m in modules)
+            and first.dtype in (torch.float32, torch.bfloat16))
+
+
+class Projection:
+    """x -> [m(x) for m in modules], computed as one GEMM when the weights can be packed."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+        self.sizes = [m.out_features for m in modules]
+        self.in_features = modules[0].in_features
+        self.packed = None
+        if _packable(modules):
+            with torch.no_grad():
+                weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+                biases = [m.bias for m in modules]
+                self.bias = None if all(b is None for b in biases) else torch.cat(
+                    [b if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, modules)])
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.packed is None:
+            return [m(x) for m in self.modules]
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
+
+    def one(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)[0]
+
+    def _row_invariant(self, rows: int, reference: torch.Tensor, full: list[torch.Tensor]) -> bool:
+        return all(torch.equal(a, b[:rows]) for a, b in zip(self(reference[:rows]), full))
+
+    def invariant_rows(self, generator: torch.Generator) -> set[int]:
+        """The row counts in 1..SMALL at which every row gets the bits it gets among PROBE_ROWS rows."""
+        weight_dtype = self.packed.dtype if self.packed is not None else _dtype_of(self.modules[0])
+        reference = torch.randn(PROBE_ROWS, self.in_features, generator=generator).to(weight_dtype)
+        with torch.inference_mode():
+            full = self(reference)
+            return {rows for rows in range(1, SMALL + 1) if self._row_invariant(rows, reference, full)}
+
+
+def _dtype_of(module: nn.Module) -> torch.dtype:
+    weight = getattr(module, "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
+
+
+def invariant_row_counts(projections: list[Projection]) -> list[int]:
+    """Row counts in 1..SMALL that are row-invariant in every projection, ascending (SMALL+ rows are
+    taken as invariant: the kernels only change at the smallest counts; a unit test re-checks)."""
+    generator = torch.Generator().manual_seed(0)
+    common = set(range(1, SMALL + 1))
+    for projection in projections:
+        common &= projection.invariant_rows(generator)
+    return sorted(common)
+
+
+def mlp(gate_up: Projection, down: Projection, act, x: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up(x)
+    return down.one(act(gate) * up)
+

@@ -1,0 +1,56 @@
+"""Projection: packed (oneDNN) fused GEMMs against the modules they replace."""
+
+import pytest
+import torch
+from torch import nn
+
+from shared.engine.projection import SMALL, Projection, invariant_row_counts
+from shared.model_store import quantize_int8
+
+
+def linears(*sizes: int, bias: bool = False) -> list[nn.Linear]:
+    torch.manual_seed(0)
+    return [nn.Linear(48, size, bias=bias) for size in sizes]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_projection_matches_each_module(bias, dtype):
+    modules = [m.to(dtype) for m in linears(32, 16, 16, bias=bias)]
+    projection = Projection(modules)
+    assert projection.packed is not None  # this CPU build has oneDNN
+    x = torch.randn(7, 48).to(dtype)
+    with torch.inference_mode():
+        outputs = projection(x)
+        assert [o.shape for o in outputs] == [(7, 32), (7, 16), (7, 16)]
+        for out, module in zip(outputs, modules):
+            tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(out, module(x), **tolerance)
+
+
+def test_modules_that_cannot_be_packed_are_called_as_they_are():
+    model = quantize_int8(nn.Sequential(*linears(24, 8)))
+    projection = Projection([model[0], model[1]])
+    assert projection.packed is None
+    x = torch.randn(5, 48)
+    with torch.inference_mode():
+        a, b = projection(x)
+        assert torch.equal(a, model[0](x)) and torch.equal(b, model[1](x))
+
+
+def test_invariant_row_counts_are_invariant():
+    projection = Projection(linears(40, 24))
+    counts = invariant_row_counts([projection])
+    assert counts and set(counts) <= set(range(1, SMALL + 1))
+    x = torch.randn(64, 48)
+    with torch.inference_mode():
+        full = projection(x)
+        for rows in counts:
+            assert all(torch.equal(part, whole[:rows]) for part, whole in zip(projection(x[:rows]), full))
+
+
+def test_int8_dynamic_quantization_is_not_batch_invariant():
+    """Activations are quantized with one scale per call, so other rows change a row's bits:
+    the probe finds (and the README states) no invariant row count for int8 weights."""
+    model = quantize_int8(nn.Sequential(*linears(64)))
+    assert invariant_row_counts([Projection([model[0]])]) == []

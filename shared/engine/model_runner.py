@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from shared.engine import kv_cache
+from shared.engine import kv_cache, paged_attention
 from shared.engine.kv_cache import KVPool
 from shared.engine.projection import Projection, invariant_row_counts, mlp
 from shared.messages import KVLayout
@@ -51,9 +51,20 @@ class _Attention:
     in_pool: bool = False
 
 
+@dataclass
+class _Plan:
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor            # where each row's KV is written
+    context: torch.Tensor | None   # slots gathered once per layer for the scattered pieces
+    attention: list[_Attention]    # pieces through scaled_dot_product_attention
+    decode: tuple | None           # single-token rows through the paged decode kernel
+    last_rows: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, model, model_name: str, device: str, pool_blocks: int, block_size: int,
-                 chunk: int, batch_invariant: bool = True):
+                 chunk: int, batch_invariant: bool = True, decode_kernel: bool = True):
         self.model = model
         self.device = device
         self.config = model.config
@@ -73,60 +84,81 @@ class ModelRunner:
         self.row_counts = (invariant_row_counts([self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0],
                                                  self.lm_head]) if batch_invariant and device == "cpu" else [])
 
+        kernel = paged_attention.load() if decode_kernel and device == "cpu" else None
+        self.paged = kernel and paged_attention.PagedAttention(kernel, block_size, self.head_dim ** -0.5)
+
     def padded_rows(self, rows: int) -> int:
         """The smallest row count >= rows at which every row gets the bits it gets in any batch."""
         return next((count for count in self.row_counts if count >= rows), rows)
 
-    def _plan(self, segments: list[Segment]):
+    def _plan(self, segments: list[Segment]) -> _Plan:
         """Token ids, positions and pool slots of every row; the attention pieces; each segment's last row.
 
-        All the keys any piece reads are gathered once per layer (`context` slots): a
-        sequence's context appears once, and its pieces read prefixes of it.
+        Single-row pieces (decode tokens, a prompt's one-token tail) go to the decode kernel
+        when there is one. All the keys the other pieces read are gathered once per layer (`context` slots): a sequence's context appears
+        once, and its pieces read prefixes of it.
         """
         ids, positions, slots, context, attention, last_rows = [], [], [], [], [], []
+        tables, lengths, single_rows = [], [], []
         row = ctx = 0
         for seg in segments:
             ids.extend(seg.token_ids[seg.start:seg.end])
             positions.append(torch.arange(seg.start, seg.end))
             slots.append(self.pool.slots(seg.block_table, seg.start, seg.end))
             run = self.pool.contiguous_run(seg.block_table, seg.end)
-            if run is None:  # scattered blocks: gather this context once per layer
-                context.append(self.pool.slots(seg.block_table, 0, seg.end))
-            base = ctx if run is None else run
-            piece = seg.start
-            while piece < seg.end:
-                stop = seg.end if seg.end - seg.start == 1 else min(seg.end, (piece // self.chunk + 1) * self.chunk)
-                n = stop - piece
+            gathered = False
+            for start, stop in self._pieces(seg):
+                first = row + start - seg.start
+                if self.paged and stop - start == 1:
+                    tables.append(seg.block_table[:-(-stop // self.pool.block_size)])
+                    lengths.append(stop)
+                    single_rows.append(first)
+                    continue
+                if run is None and not gathered:  # scattered blocks: gather this context once per layer
+                    context.append(self.pool.slots(seg.block_table, 0, seg.end))
+                    gathered = True
+                base = ctx if run is None else run
+                n = stop - start
                 mask = None if n == 1 else torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(stop - n)
-                attention.append(_Attention(row + piece - seg.start, row + stop - seg.start, base, base + stop, mask,
-                                            in_pool=run is not None))
-                piece = stop
+                attention.append(_Attention(first, first + n, base, base + stop, mask, in_pool=run is not None))
             row += seg.end - seg.start
-            ctx += seg.end if run is None else 0
+            ctx += seg.end if gathered else 0
             last_rows.append(row - 1)
-        return (torch.tensor(ids, dtype=torch.long, device=self.device),
-                torch.cat(positions).to(self.device), torch.cat(slots),
-                torch.cat(context) if context else None, attention,
-                torch.tensor(last_rows, dtype=torch.long, device=self.device))
+        return _Plan(torch.tensor(ids, dtype=torch.long, device=self.device),
+                     torch.cat(positions).to(self.device), torch.cat(slots),
+                     torch.cat(context) if context else None, attention,
+                     self.paged.plan(tables, lengths, single_rows) if tables else None,
+                     torch.tensor(last_rows, dtype=torch.long, device=self.device))
+
+    def _pieces(self, seg: Segment):
+        """[start, stop) pieces of a segment: one decode token, or prompt chunks aligned to `chunk`."""
+        if seg.end - seg.start == 1:
+            return [(seg.start, seg.end)]
+        pieces, piece = [], seg.start
+        while piece < seg.end:
+            stop = min(seg.end, (piece // self.chunk + 1) * self.chunk)
+            pieces.append((piece, stop))
+            piece = stop
+        return pieces
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """Computes the segments; returns logits [len(segments), vocab] at each segment's last row."""
-        ids, positions, slots, context, attention, last_rows = self._plan(segments)
-        rows = ids.numel()
-        hidden = self.embed(ids)
+        plan = self._plan(segments)
+        rows = plan.ids.numel()
+        hidden = self.embed(plan.ids)
         total = self.padded_rows(rows)
         if total > rows:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
-        cos, sin = self.rotary(hidden, torch.cat([positions, positions.new_zeros(total - rows)])[None])
+        cos, sin = self.rotary(hidden, torch.cat([plan.positions, plan.positions.new_zeros(total - rows)])[None])
         cos, sin = cos[0], sin[0]
         for index, layer in enumerate(self.layers):
             residual = hidden
-            hidden = self._attend(index, layer.input_layernorm(hidden), cos, sin, slots, context, attention, rows)
+            hidden = self._attend(index, layer.input_layernorm(hidden), cos, sin, plan, rows)
             hidden = residual + hidden
             hidden = hidden + mlp(self.gate_up[index], self.down[index], layer.mlp.act_fn,
                                   layer.post_attention_layernorm(hidden))
-        return self._logits(hidden.index_select(0, last_rows))
+        return self._logits(hidden.index_select(0, plan.last_rows))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]
@@ -135,28 +167,33 @@ class ModelRunner:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
         return self.lm_head.one(self.norm(hidden))[:rows].float()
 
-    def _attend(self, index: int, x: torch.Tensor, cos, sin, slots, context, attention: list[_Attention], rows: int):
+    def _attend(self, index: int, x: torch.Tensor, cos, sin, plan: _Plan, rows: int):
         total = x.shape[0]
         q, k, v = self.qkv[index](x)
         q = q.view(total, self.num_heads, self.head_dim)
         k = k.view(total, self.layout.num_kv_heads, self.head_dim)
         v = v.view(total, self.layout.num_kv_heads, self.head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-        self.pool.write(index, slots, k[:rows], v[:rows])
-        pool_keys, pool_values = (t.transpose(0, 1)[None] for t in self.pool.kv[index])  # [1, heads, slots, dim] views
-        if context is not None:
-            keys, values = (t.transpose(0, 1)[None] for t in self.pool.read(index, context))
+        self.pool.write(index, plan.slots, k[:rows], v[:rows])
+        out = q.new_zeros(total, self.num_heads, self.head_dim) if total > rows else torch.empty_like(q)
+        if plan.decode is not None:
+            self.paged(q.contiguous(), self.pool.kv[index, 0], self.pool.kv[index, 1], plan.decode, out)
+        if plan.attention:
+            self._attend_pieces(index, q, plan, out)
+        return self.o_proj[index].one(out.view(total, -1))
+
+    def _attend_pieces(self, index: int, q: torch.Tensor, plan: _Plan, out: torch.Tensor) -> None:
+        """Prompt chunks (and, without the kernel, decode rows): one SDPA call per piece."""
+        pool_keys, pool_values = (t.transpose(0, 1)[None] for t in self.pool.kv[index])  # [1, heads, slots, dim]
+        if plan.context is not None:
+            keys, values = (t.transpose(0, 1)[None] for t in self.pool.read(index, plan.context))
         q = q.transpose(0, 1)[None]
-        pieces = []  # they cover the real rows in order
-        for a in attention:
+        for a in plan.attention:
             k, v = (pool_keys, pool_values) if a.in_pool else (keys, values)
-            pieces.append(F.scaled_dot_product_attention(
+            piece = F.scaled_dot_product_attention(
                 q[:, :, a.row_start:a.row_end], k[:, :, a.ctx_start:a.ctx_end], v[:, :, a.ctx_start:a.ctx_end],
-                attn_mask=a.mask, enable_gqa=True))
-        if total > rows:
-            pieces.append(q.new_zeros(1, self.num_heads, total - rows, self.head_dim))
-        out = torch.cat(pieces, dim=2)[0].transpose(0, 1)
-        return self.o_proj[index].one(out.reshape(total, -1))
+                attn_mask=a.mask, enable_gqa=True)
+            out[a.row_start:a.row_end] = piece[0].transpose(0, 1)
 
 
 class EngineExecutor:

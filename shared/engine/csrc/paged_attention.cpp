@@ -121,7 +121,3 @@ void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                      block_size, static_cast<float>(scale));
   });
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over the paged KV pool");
-}

@@ -1,0 +1,125 @@
+// The elementwise work between a layer's GEMMs, one pass each instead of several torch ops:
+// residual add + RMSNorm, rotary embedding (in place), SiLU(gate) * up. Each computes what the
+// Hugging Face Llama modules compute, rounding to the tensor dtype where they round, and each
+// row on its own, so a row's result does not depend on the other rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+template <typename T>
+inline float f(T v) { return static_cast<float>(v); }
+
+template <typename T>
+void add_rms_norm_rows(T* residual, const T* delta, const T* weight, T* out, int64_t rows, int64_t hidden,
+                       float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* h = residual + r * hidden;
+      if (delta != nullptr)
+        for (int64_t i = 0; i < hidden; ++i) h[i] = static_cast<T>(f(h[i]) + f(delta[r * hidden + i]));
+      float lanes[kLanes] = {0};
+      int64_t i = 0;
+      for (; i + kLanes <= hidden; i += kLanes)
+        for (int l = 0; l < kLanes; ++l) lanes[l] += f(h[i + l]) * f(h[i + l]);
+      float tail = 0.f;
+      for (; i < hidden; ++i) tail += f(h[i]) * f(h[i]);
+      for (int width = kLanes / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+      const float inv = 1.f / std::sqrt((lanes[0] + tail) / static_cast<float>(hidden) + eps);
+      T* o = out + r * hidden;
+      for (int64_t j = 0; j < hidden; ++j) o[j] = static_cast<T>(f(weight[j]) * f(static_cast<T>(f(h[j]) * inv)));
+    }
+  });
+}
+
+// x[r, head, :] rotated in place: x * cos + rotate_half(x) * sin, each product and the sum
+// rounded to T as torch does them one op at a time (the build turns FMA contraction off).
+template <typename T>
+void rope_rows(T* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride, int64_t head_stride,
+               const T* cos, const T* sin) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * dim;
+      const T* s = sin + r * dim;
+      for (int64_t head = 0; head < heads; ++head) {
+        T* v = x + r * row_stride + head * head_stride;
+        for (int64_t d = 0; d < half; ++d) {
+          const float x1 = f(v[d]), x2 = f(v[d + half]);
+          const T a1 = static_cast<T>(x1 * f(c[d])), b1 = static_cast<T>(-x2 * f(s[d]));
+          const T a2 = static_cast<T>(x2 * f(c[d + half])), b2 = static_cast<T>(x1 * f(s[d + half]));
+          v[d] = static_cast<T>(f(a1) + f(b1));
+          v[d + half] = static_cast<T>(f(a2) + f(b2));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate, const T* up, int64_t stride, T* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = f(gate[r * stride + i]);
+        const T act = static_cast<T>(g / (1.f + std::exp(-g)));
+        out[r * width + i] = static_cast<T>(f(act) * f(up[r * stride + i]));
+      }
+  });
+}
+
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": rows of contiguous elements expected");
+}
+
+}  // namespace
+
+// residual += delta (if given, in place); returns weight * RMSNorm(residual).
+torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                           double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && weight.is_contiguous(), "add_rms_norm: shapes");
+  TORCH_CHECK(weight.size(0) == residual.size(1) && weight.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: weight");
+  if (delta.has_value())
+    TORCH_CHECK(delta->is_contiguous() && delta->sizes() == residual.sizes() &&
+                delta->scalar_type() == residual.scalar_type(), "add_rms_norm: delta");
+  auto out = torch::empty_like(residual);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_rows<scalar_t>(residual.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
+                                weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), residual.size(0),
+                                residual.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// q [rows, heads, dim] and k [rows, kv_heads, dim] (views with contiguous heads) rotated in place.
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes(), "rope_: cos/sin");
+  for (auto* x : {&q, &k}) {
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->size(0) == cos.size(0) && x->size(2) == cos.size(1) &&
+                x->size(2) % 2 == 0 && x->scalar_type() == cos.scalar_type(), "rope_: q/k shapes");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x->scalar_type(), "rope_", [&] {
+      rope_rows<scalar_t>(x->data_ptr<scalar_t>(), x->size(0), x->size(1), x->size(2), x->stride(0), x->stride(1),
+                          cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+    });
+  }
+}
+
+// silu(gate) * up, gate and up [rows, width] views sharing a row stride (the halves of gate|up).
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  check_rows(gate, "silu_mul");
+  check_rows(up, "silu_mul");
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.stride(0) == up.stride(0) && gate.scalar_type() == up.scalar_type(),
+              "silu_mul: gate and up must match");
+  auto out = torch::empty(gate.sizes(), gate.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), gate.stride(0),
+                            out.data_ptr<scalar_t>(), gate.size(0), gate.size(1));
+  });
+  return out;
+}

@@ -1,0 +1,16 @@
+// The Python module of Tandem's CPU kernels (see shared/engine/kernels.py).
+#include <torch/extension.h>
+
+void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
+                      torch::Tensor lengths, torch::Tensor rows, torch::Tensor out, int64_t block_size, double scale);
+torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                           double eps);
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "decode attention over the paged KV pool");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; weight * RMSNorm(residual)");
+  m.def("rope_", &rope_, "rotary embedding of q and k, in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+}

@@ -1,0 +1,64 @@
+"""Tandem's CPU kernels (csrc/): decode attention over the paged pool and the fused elementwise
+ops between a layer's GEMMs. Compiled on first use for this CPU (-march=native) and cached in
+torch's extension cache (`TORCH_EXTENSIONS_DIR`); `make kernels` builds them ahead.
+
+Where they cannot be built (no C++ compiler) `load()` returns None, with a warning, and the
+model runner keeps the plain torch path; on CUDA they are not used.
+
+    python -m shared.engine.kernels     build (or find) them; fails loudly if they cannot be built
+"""
+
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+# -ffp-contract=off: the elementwise ops round each product as torch's one-op-at-a-time code does.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+_loaded: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def module_name() -> str:
+    """Unique per source, flags, CPU and torch: the build is for this CPU only."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update((" ".join(CFLAGS) + _cpu_flags() + torch.__version__).encode())
+    return "tandem_kernels_" + digest.hexdigest()[:16]
+
+
+def load():
+    """The compiled kernel module, or None when it cannot be built here."""
+    name = module_name()
+    if name not in _loaded:
+        from torch.utils import cpp_extension
+
+        try:
+            # libgomp resolves to the copy torch already loaded: one OpenMP runtime, torch's threads.
+            _loaded[name] = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                                               extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as error:  # no compiler, no ninja, a broken toolchain: keep the torch path
+            log.warning("CPU kernels unavailable (%s); using plain torch ops", error)
+            _loaded[name] = None
+    return _loaded[name]
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    if load() is None:
+        raise SystemExit("the CPU kernels could not be built (is a C++ compiler installed?)")
+    print("CPU kernels ready:", module_name())

@@ -1,0 +1,63 @@
+"""The fused C++ layer ops against the Hugging Face modules they stand in for."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from shared.engine import kernels as cpu_kernels
+from shared.engine.layer_ops import KernelOps, TorchOps
+
+
+@pytest.fixture(scope="module")
+def ops():
+    kernels = cpu_kernels.load()
+    assert kernels is not None, "the kernels must build on the test machine (a C++ compiler is installed)"
+    return KernelOps(kernels), TorchOps()
+
+
+def tolerance(dtype):
+    return dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(ops, dtype, with_delta):
+    fused, plain = ops
+    g = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(72, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(72, generator=g).to(dtype)
+    residual = torch.randn(9, 72, generator=g).to(dtype)
+    delta = torch.randn(9, 72, generator=g).to(dtype) if with_delta else None
+    expected_residual, expected = plain.norm(residual.clone(), delta, norm)
+    got_residual, got = fused.norm(residual, delta, norm)
+    assert torch.equal(got_residual, expected_residual)            # the add rounds as torch's does
+    torch.testing.assert_close(got, expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_is_bit_identical_to_hf(ops, dtype):
+    fused, plain = ops
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (4 + 2 + 2) * 32, generator=g).to(dtype)   # q|k|v rows, as the fused GEMM gives them
+    q, k, _ = qkv.split([128, 64, 64], dim=-1)
+    q, k = q.view(5, 4, 32), k.view(5, 2, 32)
+    angles = torch.randn(5, 16, generator=g)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    expected_q, expected_k = plain.rope(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = fused.rope(q, k, cos, sin)
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(ops, dtype):
+    fused, plain = ops
+    gate_up = (torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    gate, up = gate_up.split([40, 40], dim=-1)
+    torch.testing.assert_close(fused.act_mul(torch.nn.functional.silu, gate, up),
+                               plain.act_mul(torch.nn.functional.silu, gate, up), **tolerance(dtype))
+
+
+def test_bad_shapes_are_refused(ops):
+    fused, _ = ops
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        fused.act_mul(None, torch.zeros(2, 4), torch.zeros(2, 5))

@@ -12,17 +12,25 @@ namespace {
 
 constexpr int kLanes = 16;
 
-template <typename T>
+// DIM > 0: the head size known at compile time (fully unrolled); 0: read from `dim`.
+template <int DIM, typename T>
 inline float dot(const float* q, const T* k, int64_t dim) {
+  const int64_t n = DIM > 0 ? DIM : dim;
   float lanes[kLanes] = {0};
   int64_t d = 0;
-  for (; d + kLanes <= dim; d += kLanes)
+  for (; d + kLanes <= n; d += kLanes)
     for (int l = 0; l < kLanes; ++l) lanes[l] += q[d + l] * static_cast<float>(k[d + l]);
-  float sum = 0.f;
-  for (; d < dim; ++d) sum += q[d] * static_cast<float>(k[d]);
+  float tail = 0.f;
+  for (; d < n; ++d) tail += q[d] * static_cast<float>(k[d]);
   for (int width = kLanes / 2; width > 0; width /= 2)
     for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0] + sum;
+  return lanes[0] + tail;
+}
+
+template <int DIM, typename T>
+inline void axpy(float p, const T* v, float* acc, int64_t dim) {
+  const int64_t n = DIM > 0 ? DIM : dim;
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite reduction and a degree-6
@@ -44,46 +52,54 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-template <typename T>
+struct Shape {
+  int64_t heads, kv_heads, dim, max_blocks, block_size;
+};
+
+// One (sequence, kv head): scores of its `group` query heads over the context, softmax, then
+// the weighted sum of values, walking the block table block by block.
+template <int DIM, typename T>
+void attend_one(const float* query, const T* keys, const T* values, const int64_t* table, int64_t length,
+                int64_t kv_head, const Shape& s, std::vector<float>& scores, float* acc) {
+  const int64_t group = s.heads / s.kv_heads, dim = DIM > 0 ? DIM : s.dim, stride = s.kv_heads * dim;
+  scores.resize(group * length);
+  for (int64_t start = 0, b = 0; start < length; start += s.block_size, ++b) {
+    const int64_t count = std::min(s.block_size, length - start);
+    const T* key = keys + table[b] * s.block_size * stride + kv_head * dim;
+    for (int64_t t = 0; t < count; ++t, key += stride)
+      for (int64_t g = 0; g < group; ++g) scores[g * length + start + t] = dot<DIM>(query + g * dim, key, dim);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = scores.data() + g * length;
+    const float top = *std::max_element(sc, sc + length);
+    float total = 0.f;
+    for (int64_t t = 0; t < length; ++t) sc[t] = exp_nonpositive(sc[t] - top);
+    for (int64_t t = 0; t < length; ++t) total += sc[t];
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < length; ++t) sc[t] *= inv;
+  }
+  std::fill(acc, acc + group * dim, 0.f);
+  for (int64_t start = 0, b = 0; start < length; start += s.block_size, ++b) {
+    const int64_t count = std::min(s.block_size, length - start);
+    const T* value = values + table[b] * s.block_size * stride + kv_head * dim;
+    for (int64_t t = 0; t < count; ++t, value += stride)
+      for (int64_t g = 0; g < group; ++g) axpy<DIM>(scores[g * length + start + t], value, acc + g * dim, dim);
+  }
+}
+
+template <int DIM, typename T>
 void attend(const T* q, const T* keys, const T* values, const int64_t* tables, const int64_t* lengths,
-            const int64_t* rows, T* out, int64_t num_rows, int64_t heads, int64_t kv_heads, int64_t dim,
-            int64_t max_blocks, int64_t block_size, float scale) {
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, num_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * dim), scores, acc(group * dim);
+            const int64_t* rows, T* out, int64_t num_rows, const Shape& s, float scale) {
+  const int64_t group = s.heads / s.kv_heads;
+  at::parallel_for(0, num_rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * s.dim), scores, acc(group * s.dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / kv_heads, kv_head = item % kv_heads, row = rows[seq];
-      const int64_t length = lengths[seq];
-      const int64_t* table = tables + seq * max_blocks;
-      for (int64_t i = 0; i < group * dim; ++i)
-        query[i] = static_cast<float>(q[(row * heads + kv_head * group) * dim + i]) * scale;
-      scores.assign(group * length, 0.f);
-      for (int64_t t = 0; t < length; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const T* key = keys + (slot * kv_heads + kv_head) * dim;
-        for (int64_t g = 0; g < group; ++g) scores[g * length + t] = dot(query.data() + g * dim, key, dim);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * length;
-        const float top = *std::max_element(s, s + length);
-        float total = 0.f;
-        for (int64_t t = 0; t < length; ++t) s[t] = exp_nonpositive(s[t] - top);
-        for (int64_t t = 0; t < length; ++t) total += s[t];
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < length; ++t) s[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < length; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const T* value = values + (slot * kv_heads + kv_head) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * length + t];
-          float* a = acc.data() + g * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
-        }
-      }
-      for (int64_t i = 0; i < group * dim; ++i)
-        out[(row * heads + kv_head * group) * dim + i] = static_cast<T>(acc[i]);
+      const int64_t seq = item / s.kv_heads, kv_head = item % s.kv_heads;
+      const int64_t offset = (rows[seq] * s.heads + kv_head * group) * s.dim;
+      for (int64_t i = 0; i < group * s.dim; ++i) query[i] = static_cast<float>(q[offset + i]) * scale;
+      attend_one<DIM>(query.data(), keys, values, tables + seq * s.max_blocks, lengths[seq], kv_head, s, scores,
+                      acc.data());
+      for (int64_t i = 0; i < group * s.dim; ++i) out[offset + i] = static_cast<T>(acc[i]);
     }
   });
 }
@@ -114,10 +130,15 @@ void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
     for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b)
       TORCH_CHECK(table[i * width + b] >= 0 && table[i * width + b] < blocks, "decode_attention: block out of range");
   }
+  const Shape shape{heads, kv_heads, dim, width, block_size};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    attend<scalar_t>(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
-                     tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), rows.data_ptr<int64_t>(),
-                     out.data_ptr<scalar_t>(), lengths.size(0), heads, kv_heads, dim, tables.size(1),
-                     block_size, static_cast<float>(scale));
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
+             tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), rows.data_ptr<int64_t>(),
+             out.data_ptr<scalar_t>(), lengths.size(0), shape, static_cast<float>(scale));
+    };
+    if (dim == 64) run(attend<64, scalar_t>);
+    else if (dim == 128) run(attend<128, scalar_t>);
+    else run(attend<0, scalar_t>);
   });
 }

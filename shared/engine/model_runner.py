@@ -24,7 +24,7 @@ from shared.engine import kv_cache
 from shared.engine.kv_cache import KVPool
 from shared.engine.layer_ops import layer_ops
 from shared.engine.paged_attention import PagedAttention
-from shared.engine.projection import Projection, invariant_row_counts
+from shared.engine.projection import Projection, fastest_row_count, invariant_row_counts
 from shared.messages import KVLayout
 
 R = TypeVar("R")
@@ -85,14 +85,17 @@ class ModelRunner:
         self.lm_head = Projection([model.lm_head])
         self.row_counts = (invariant_row_counts([self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0],
                                                  self.lm_head]) if batch_invariant and device == "cpu" else [])
+        everything = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
+        self.min_rows = fastest_row_count(everything, [c for c in self.row_counts if c <= 4])
 
         kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
         self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim ** -0.5)
         self.ops = layer_ops(kernels, model)
 
     def padded_rows(self, rows: int) -> int:
-        """The smallest row count >= rows at which every row gets the bits it gets in any batch."""
-        return next((count for count in self.row_counts if count >= rows), rows)
+        """The row count to compute `rows` rows at: one at which every row gets the bits it gets in
+        any batch (the smallest >= rows, and for a tiny batch the fastest, see fastest_row_count)."""
+        return next((count for count in self.row_counts if count >= max(rows, self.min_rows)), rows)
 
     def _plan(self, segments: list[Segment]) -> _Plan:
         """Token ids, positions and pool slots of every row; the attention pieces; each segment's last row.

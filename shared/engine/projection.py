@@ -14,6 +14,8 @@ same bits as a larger batch does (the GEMM kernel oneDNN or MKL picks depends on
 the model runner pads tiny batches up to one of them.
 """
 
+import time
+
 import torch
 from torch import nn
 
@@ -35,6 +37,7 @@ class Projection:
         self.modules = modules
         self.sizes = [m.out_features for m in modules]
         self.in_features = modules[0].in_features
+        self.dtype = _dtype_of(modules[0])  # of the input it takes
         self.packed = None
         if _packable(modules):
             with torch.no_grad():
@@ -58,8 +61,7 @@ class Projection:
 
     def invariant_rows(self, generator: torch.Generator) -> set[int]:
         """The row counts in 1..SMALL at which every row gets the bits it gets among PROBE_ROWS rows."""
-        weight_dtype = self.packed.dtype if self.packed is not None else _dtype_of(self.modules[0])
-        reference = torch.randn(PROBE_ROWS, self.in_features, generator=generator).to(weight_dtype)
+        reference = torch.randn(PROBE_ROWS, self.in_features, generator=generator).to(self.dtype)
         with torch.inference_mode():
             full = self(reference)
             return {rows for rows in range(1, SMALL + 1) if self._row_invariant(rows, reference, full)}
@@ -78,3 +80,26 @@ def invariant_row_counts(projections: list[Projection]) -> list[int]:
     for projection in projections:
         common &= projection.invariant_rows(generator)
     return sorted(common)
+
+
+def fastest_row_count(projections: list[Projection], candidates: list[int], repeats: int = 3) -> int:
+    """The candidate row count at which one pass over all the projections takes the least time.
+
+    A GEMM library's kernels for 1 or 2 rows can stream the weights slower than its kernel for 4
+    (oneDNN on AVX-512: ~30 ms against ~25 ms per SmolLM2 step), so a lone decode row is padded to
+    whichever invariant count is fastest here. Any invariant count gives the same bits, so the
+    choice, timed at start-up, cannot change a result.
+    """
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else 1
+    inputs = [torch.zeros(max(candidates), p.in_features, dtype=p.dtype) for p in projections]
+    best = {}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for rows in candidates:
+                started = time.perf_counter()
+                for p, x in zip(projections, inputs):
+                    p(x[:rows])
+                elapsed = time.perf_counter() - started
+                best[rows] = min(best.get(rows, elapsed), elapsed)
+    return min(candidates, key=lambda rows: (best[rows], rows))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from shared.engine.projection import SMALL, Projection, invariant_row_counts
+from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts
 from shared.model_store import quantize_int8
 
 
@@ -54,3 +54,9 @@ def test_int8_dynamic_quantization_is_not_batch_invariant():
     the probe finds (and the README states) no invariant row count for int8 weights."""
     model = quantize_int8(nn.Sequential(*linears(64)))
     assert invariant_row_counts([Projection([model[0]])]) == []
+
+
+def test_fastest_row_count_picks_one_of_the_candidates():
+    projections = [Projection(linears(40, 24)), Projection(linears(8))]
+    assert fastest_row_count(projections, [2, 3, 4]) in (2, 3, 4)
+    assert fastest_row_count(projections, [4]) == 4 and fastest_row_count(projections, []) == 1

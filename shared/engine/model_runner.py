@@ -85,12 +85,18 @@ class ModelRunner:
         self.lm_head = Projection([model.lm_head])
         self.row_counts = (invariant_row_counts([self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0],
                                                  self.lm_head]) if batch_invariant and device == "cpu" else [])
-        everything = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
-        self.min_rows = fastest_row_count(everything, [c for c in self.row_counts if c <= 4])
+        self.projections = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
+        self.min_rows = fastest_row_count(self.projections, [c for c in self.row_counts if c <= 4])
 
         kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
         self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim ** -0.5)
         self.ops = layer_ops(kernels, model)
+
+    def release_model_weights(self) -> None:
+        """Frees the model's linear weights that were packed: a worker keeps one copy, not two.
+        The model can no longer run on its own afterwards."""
+        for projection in self.projections:
+            projection.release_modules(keep=self.embed.weight)
 
     def padded_rows(self, rows: int) -> int:
         """The row count to compute `rows` rows at: one at which every row gets the bits it gets in

@@ -53,6 +53,15 @@ class Projection:
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
 
+    def release_modules(self, keep: torch.Tensor) -> None:
+        """Drops the modules' own weights once packed (the packed copy is all the engine reads),
+        except `keep` (a tied output head's weight is the embedding table)."""
+        if self.packed is None:
+            return
+        for module in self.modules:
+            if module.weight is not keep:
+                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+
     def one(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)[0]
 

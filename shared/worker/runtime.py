@@ -46,6 +46,7 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     num_blocks = max(1, settings.kv_cache_mb * 2**20 // (settings.block_size * bytes_per_token(layout)))
     runner = ModelRunner(model, layout.model, device, num_blocks, settings.block_size,
                          settings.prefill_chunk_tokens, settings.batch_invariant)
+    runner.release_model_weights()
     model_limit = int(getattr(model.config, "max_position_embeddings", 2048))
     max_len = min(settings.max_model_len or model_limit, model_limit)
     blocks = BlockManager(num_blocks, settings.block_size, cache_granularity=settings.prefill_chunk_tokens)

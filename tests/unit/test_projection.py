@@ -60,3 +60,16 @@ def test_fastest_row_count_picks_one_of_the_candidates():
     projections = [Projection(linears(40, 24)), Projection(linears(8))]
     assert fastest_row_count(projections, [2, 3, 4]) in (2, 3, 4)
     assert fastest_row_count(projections, [4]) == 4 and fastest_row_count(projections, []) == 1
+
+
+def test_released_modules_keep_only_the_packed_weight_and_a_kept_one():
+    modules = linears(24, 8)
+    keep = modules[1].weight
+    projection = Projection(modules)
+    x = torch.randn(3, 48)
+    with torch.inference_mode():
+        before = projection(x)
+        projection.release_modules(keep=keep)
+        after = projection(x)
+    assert modules[0].weight.numel() == 0 and modules[1].weight is keep
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

@@ -1,4 +1,4 @@
-"""LayerOps: the elementwise work between a layer's GEMMs, behind one small interface.
+"""LayerOps: the elementwise work between a layer's GEMMs (and the KV write), behind one small interface.
 
 `TorchOps` calls the Hugging Face modules (RMSNorm, rotary, SiLU) as they are; `KernelOps`
 runs the same math as one fused C++ pass each (see csrc/layer_ops.cpp), which saves a dozen
@@ -23,6 +23,10 @@ class TorchOps:
     def act_mul(self, act, gate, up):
         return act(gate) * up
 
+    def store(self, pool, layer: int, slots, k, v) -> None:
+        """k, v may carry padding rows past the len(slots) real ones."""
+        pool.write(layer, slots, k[:slots.numel()], v[:slots.numel()])
+
 
 class KernelOps:
     def __init__(self, kernels):
@@ -38,6 +42,9 @@ class KernelOps:
 
     def act_mul(self, act, gate, up):
         return self.kernels.silu_mul(gate, up)
+
+    def store(self, pool, layer: int, slots, k, v) -> None:
+        self.kernels.store_kv(pool.kv[layer], slots, k, v)
 
 
 def layer_ops(kernels, model) -> TorchOps | KernelOps:

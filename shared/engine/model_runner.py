@@ -188,10 +188,10 @@ class ModelRunner:
         k = k.view(total, self.layout.num_kv_heads, self.head_dim)
         v = v.view(total, self.layout.num_kv_heads, self.head_dim)
         q, k = self.ops.rope(q, k, cos, sin)
-        self.pool.write(index, plan.slots, k[:rows], v[:rows])
+        self.ops.store(self.pool, index, plan.slots, k, v)
         out = q.new_zeros(total, self.num_heads, self.head_dim) if total > rows else torch.empty_like(q)
         if plan.decode is not None:
-            self.paged(q.contiguous(), self.pool.kv[index, 0], self.pool.kv[index, 1], plan.decode, out)
+            self.paged(q, self.pool.kv[index, 0], self.pool.kv[index, 1], plan.decode, out)
         if plan.attention:
             self._attend_pieces(index, q, plan, out)
         return self.o_proj[index].one(out.view(total, -1))

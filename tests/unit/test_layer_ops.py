@@ -61,3 +61,20 @@ def test_bad_shapes_are_refused(ops):
     fused, _ = ops
     with pytest.raises(RuntimeError, match="silu_mul"):
         fused.act_mul(None, torch.zeros(2, 4), torch.zeros(2, 5))
+
+
+def test_store_kv_writes_the_rows_into_their_slots(ops):
+    from shared.engine.kv_cache import KVPool
+    from shared.messages import KVLayout
+
+    fused, plain = ops
+    layout = KVLayout(model="t", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
+    pools = [KVPool(layout, 4, 4, "cpu") for _ in range(2)]
+    qkv = torch.randn(5, 8 * 6)                                  # 3 real rows, 2 padding
+    k, v = (t.view(5, 2, 8) for t in qkv.split([16, 16, 16], dim=-1)[1:])
+    slots = torch.tensor([7, 2, 13])
+    fused.store(pools[0], 1, slots, k, v)
+    plain.store(pools[1], 1, slots, k, v)
+    assert torch.equal(pools[0].kv, pools[1].kv) and torch.equal(pools[0].kv[1, 0, 13], k[2])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        fused.store(pools[0], 0, torch.tensor([16]), k, v)

@@ -43,6 +43,19 @@ def test_matches_sdpa_over_scattered_blocks(kernel, dtype):
     assert out[1].isnan().all() and out[3].isnan().all()  # rows not planned are not touched
 
 
+def test_q_may_be_a_view_of_the_fused_qkv_rows(kernel):
+    g = torch.Generator().manual_seed(3)
+    keys, values = (torch.randn(16 * BLOCK, 2, 16, generator=g) for _ in range(2))
+    qkv = torch.randn(3, 4 * 16 + 2 * 2 * 16, generator=g)
+    q = qkv[:, :64].view(3, 4, 16)
+    attention = paged_attention.PagedAttention(kernel, BLOCK, 0.25)
+    plan = attention.plan([[3, 5], [1], [9, 2]], [6, 2, 8], [0, 1, 2])
+    strided, contiguous = torch.zeros(3, 4, 16), torch.zeros(3, 4, 16)
+    attention(q, keys, values, plan, strided)
+    attention(q.contiguous(), keys, values, plan, contiguous)
+    assert torch.equal(strided, contiguous)
+
+
 def test_a_row_gets_the_same_bits_whatever_else_is_in_the_call(kernel):
     g = torch.Generator().manual_seed(1)
     keys, values = (torch.randn(32 * BLOCK, 2, 16, generator=g) for _ in range(2))

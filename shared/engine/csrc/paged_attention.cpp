@@ -53,7 +53,7 @@ inline float exp_nonpositive(float x) {
 }
 
 struct Shape {
-  int64_t heads, kv_heads, dim, max_blocks, block_size;
+  int64_t heads, kv_heads, dim, max_blocks, block_size, q_row_stride;
 };
 
 // One (sequence, kv head): scores of its `group` query heads over the context, softmax, then
@@ -96,7 +96,8 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* tables, c
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / s.kv_heads, kv_head = item % s.kv_heads;
       const int64_t offset = (rows[seq] * s.heads + kv_head * group) * s.dim;
-      for (int64_t i = 0; i < group * s.dim; ++i) query[i] = static_cast<float>(q[offset + i]) * scale;
+      const T* row_q = q + rows[seq] * s.q_row_stride + kv_head * group * s.dim;
+      for (int64_t i = 0; i < group * s.dim; ++i) query[i] = static_cast<float>(row_q[i]) * scale;
       attend_one<DIM>(query.data(), keys, values, tables + seq * s.max_blocks, lengths[seq], kv_head, s, scores,
                       acc.data());
       for (int64_t i = 0; i < group * s.dim; ++i) out[offset + i] = static_cast<T>(acc[i]);
@@ -106,13 +107,15 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* tables, c
 
 }  // namespace
 
-// q, out: [total_rows, heads, dim]; keys, values: [slots, kv_heads, dim] (one layer of the pool);
+// q, out: [total_rows, heads, dim] (q may be a view with a row stride: q of the fused q|k|v);
+// keys, values: [slots, kv_heads, dim] (one layer of the pool);
 // tables: int64 [n, max_blocks]; lengths, rows: int64 [n]. Writes out[rows[i]] for each i.
 void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
                       torch::Tensor lengths, torch::Tensor rows, torch::Tensor out, int64_t block_size,
                       double scale) {
-  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() && out.is_contiguous(),
-              "decode_attention: contiguous tensors only");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && out.is_contiguous() && q.dim() == 3 &&
+              q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes(),
+              "decode_attention: contiguous tensors (q: contiguous heads) only");
   TORCH_CHECK(tables.is_contiguous() && tables.scalar_type() == torch::kInt64 &&
               lengths.scalar_type() == torch::kInt64 && rows.scalar_type() == torch::kInt64,
               "decode_attention: int64 tables, lengths and rows");
@@ -130,7 +133,7 @@ void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
     for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b)
       TORCH_CHECK(table[i * width + b] >= 0 && table[i * width + b] < blocks, "decode_attention: block out of range");
   }
-  const Shape shape{heads, kv_heads, dim, width, block_size};
+  const Shape shape{heads, kv_heads, dim, width, block_size, q.stride(0)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),

@@ -191,7 +191,8 @@ class ModelRunner:
         self.ops.store(self.pool, index, plan.slots, k, v)
         out = q.new_zeros(total, self.num_heads, self.head_dim) if total > rows else torch.empty_like(q)
         if plan.decode is not None:
-            self.paged(q, self.pool.kv[index, 0], self.pool.kv[index, 1], plan.decode, out)
+            keys, values = self.pool.kv[index]
+            self.paged(q, keys, values, plan.decode, out)
         if plan.attention:
             self._attend_pieces(index, q, plan, out)
         return self.o_proj[index].one(out.view(total, -1))

@@ -43,6 +43,7 @@ class Projection:
             with torch.no_grad():
                 weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+                self._matmul = torch.ops.mkldnn._linear_pointwise.default
                 biases = [m.bias for m in modules]
                 self.bias = None if all(b is None for b in biases) else torch.cat(
                     [b if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, modules)])
@@ -50,7 +51,7 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.packed is None:
             return [m(x) for m in self.modules]
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = self._matmul(x, self.packed, self.bias, "none", [], "")
         return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
 
     def release_modules(self, keep: torch.Tensor) -> None:
@@ -63,7 +64,10 @@ class Projection:
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
     def one(self, x: torch.Tensor) -> torch.Tensor:
-        return self(x)[0]
+        """The output of a single-module projection."""
+        if self.packed is None:
+            return self.modules[0](x)
+        return self._matmul(x, self.packed, self.bias, "none", [], "")
 
     def _row_invariant(self, rows: int, reference: torch.Tensor, full: list[torch.Tensor]) -> bool:
         return all(torch.equal(a, b[:rows]) for a, b in zip(self(reference[:rows]), full))

@@ -48,19 +48,10 @@ def test_rope_in_place_is_bit_identical_to_hf(ops, dtype):
     assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul(ops, dtype):
-    fused, plain = ops
-    gate_up = (torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
-    gate, up = gate_up.split([40, 40], dim=-1)
-    torch.testing.assert_close(fused.act_mul(torch.nn.functional.silu, gate, up),
-                               plain.act_mul(torch.nn.functional.silu, gate, up), **tolerance(dtype))
-
-
 def test_bad_shapes_are_refused(ops):
     fused, _ = ops
-    with pytest.raises(RuntimeError, match="silu_mul"):
-        fused.act_mul(None, torch.zeros(2, 4), torch.zeros(2, 5))
+    with pytest.raises(RuntimeError, match="rope_"):
+        fused.rope(torch.zeros(2, 4, 8), torch.zeros(2, 2, 8), torch.zeros(3, 8), torch.zeros(3, 8))
 
 
 def test_store_kv_writes_the_rows_into_their_slots(ops):

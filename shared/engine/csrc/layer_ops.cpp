@@ -1,5 +1,5 @@
 // The elementwise work between a layer's GEMMs, one pass each instead of several torch ops:
-// residual add + RMSNorm, rotary embedding (in place), SiLU(gate) * up. Each computes what the
+// residual add + RMSNorm, rotary embedding (in place), the KV write. Each computes what the
 // Hugging Face Llama modules compute, rounding to the tensor dtype where they round, and each
 // row on its own, so a row's result does not depend on the other rows.
 #include <torch/extension.h>
@@ -62,22 +62,6 @@ void rope_rows(T* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_strid
   });
 }
 
-template <typename T>
-void silu_mul_rows(const T* gate, const T* up, int64_t stride, T* out, int64_t rows, int64_t width) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t i = 0; i < width; ++i) {
-        const float g = f(gate[r * stride + i]);
-        const T act = static_cast<T>(g / (1.f + std::exp(-g)));
-        out[r * width + i] = static_cast<T>(f(act) * f(up[r * stride + i]));
-      }
-  });
-}
-
-void check_rows(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": rows of contiguous elements expected");
-}
-
 }  // namespace
 
 // residual += delta (if given, in place); returns weight * RMSNorm(residual).
@@ -132,18 +116,4 @@ void store_kv(torch::Tensor kv_layer, torch::Tensor slots, torch::Tensor k, torc
       std::copy(vp + i * v.stride(0), vp + i * v.stride(0) + width, values + slot[i] * width);
     }
   });
-}
-
-// silu(gate) * up, gate and up [rows, width] views sharing a row stride (the halves of gate|up).
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
-  check_rows(gate, "silu_mul");
-  check_rows(up, "silu_mul");
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.stride(0) == up.stride(0) && gate.scalar_type() == up.scalar_type(),
-              "silu_mul: gate and up must match");
-  auto out = torch::empty(gate.sizes(), gate.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_mul", [&] {
-    silu_mul_rows<scalar_t>(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), gate.stride(0),
-                            out.data_ptr<scalar_t>(), gate.size(0), gate.size(1));
-  });
-  return out;
 }

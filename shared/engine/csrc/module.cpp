@@ -6,13 +6,11 @@ void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void store_kv(torch::Tensor kv_layer, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV pool");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; weight * RMSNorm(residual)");
   m.def("rope_", &rope_, "rotary embedding of q and k, in place");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("store_kv", &store_kv, "k and v rows into their pool slots");
 }

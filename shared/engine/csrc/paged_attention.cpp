@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "fast_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -33,27 +35,8 @@ inline void axpy(float p, const T* v, float* acc, int64_t dim) {
   for (int64_t d = 0; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite reduction and a degree-6
-// polynomial, branch-free so the loop vectorizes; within ~2 ulp of std::exp, deterministic.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 struct Shape {
-  int64_t heads, kv_heads, dim, max_blocks, block_size, q_row_stride;
+  int64_t heads, kv_heads, dim, max_blocks, block_size, q_row_stride, grain;
 };
 
 // One (sequence, kv head): scores of its `group` query heads over the context, softmax, then
@@ -73,7 +56,7 @@ void attend_one(const float* query, const T* keys, const T* values, const int64_
     float* sc = scores.data() + g * length;
     const float top = *std::max_element(sc, sc + length);
     float total = 0.f;
-    for (int64_t t = 0; t < length; ++t) sc[t] = exp_nonpositive(sc[t] - top);
+    for (int64_t t = 0; t < length; ++t) sc[t] = fast_exp(sc[t] - top);
     for (int64_t t = 0; t < length; ++t) total += sc[t];
     const float inv = 1.f / total;
     for (int64_t t = 0; t < length; ++t) sc[t] *= inv;
@@ -91,7 +74,7 @@ template <int DIM, typename T>
 void attend(const T* q, const T* keys, const T* values, const int64_t* tables, const int64_t* lengths,
             const int64_t* rows, T* out, int64_t num_rows, const Shape& s, float scale) {
   const int64_t group = s.heads / s.kv_heads;
-  at::parallel_for(0, num_rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_rows * s.kv_heads, s.grain, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * s.dim), scores, acc(group * s.dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / s.kv_heads, kv_head = item % s.kv_heads;
@@ -126,14 +109,18 @@ void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
   TORCH_CHECK(tables.size(0) == lengths.size(0) && rows.size(0) == lengths.size(0), "decode_attention: one table per row");
   const int64_t blocks = keys.size(0) / block_size, width = tables.size(1);
   const int64_t* table = tables.data_ptr<int64_t>();
+  int64_t tokens = 0;
   for (int64_t i = 0; i < lengths.size(0); ++i) {
     const int64_t length = lengths.data_ptr<int64_t>()[i], row = rows.data_ptr<int64_t>()[i];
+    tokens += length;
     TORCH_CHECK(length >= 1 && length <= width * block_size, "decode_attention: context longer than its table");
     TORCH_CHECK(row >= 0 && row < q.size(0), "decode_attention: row out of range");
     for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b)
       TORCH_CHECK(table[i * width + b] >= 0 && table[i * width + b] < blocks, "decode_attention: block out of range");
   }
-  const Shape shape{heads, kv_heads, dim, width, block_size, q.stride(0)};
+  // A few thousand keys are less work than waking the other threads: run those on this one.
+  const int64_t items = lengths.size(0) * kv_heads, grain = tokens * kv_heads < 4096 ? std::max<int64_t>(items, 1) : 1;
+  const Shape shape{heads, kv_heads, dim, width, block_size, q.stride(0), grain};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),

@@ -10,7 +10,9 @@ model runner keeps the plain torch path; on CUDA they are not used.
 
 import hashlib
 import logging
+import os
 import platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -25,13 +27,23 @@ _loaded: dict[str, object] = {}
 
 
 def _cpu_flags() -> str:
+    """The CPU's feature list (x86 `flags`, ARM `Features`), or what platform knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+            if line.startswith(("flags", "Features")):
+                return platform.machine() + line
     except OSError:
         pass
-    return platform.processor()
+    return platform.machine() + platform.processor()
+
+
+def _ninja_on_path() -> None:
+    """torch builds with the `ninja` found on PATH; the one pip installed sits in the venv's bin,
+    which is not on PATH unless the venv is activated."""
+    if shutil.which("ninja") is None:
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def module_name() -> str:
@@ -50,6 +62,7 @@ def load():
         from torch.utils import cpp_extension
 
         try:
+            _ninja_on_path()
             # libgomp resolves to the copy torch already loaded: one OpenMP runtime, torch's threads.
             _loaded[name] = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
                                                extra_ldflags=["-fopenmp"], verbose=False)

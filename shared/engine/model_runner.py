@@ -13,6 +13,7 @@ absolute positions, decode tokens one at a time.
 
 import asyncio
 import concurrent.futures
+import logging
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -24,8 +25,10 @@ from shared.engine import kv_cache
 from shared.engine.kv_cache import KVPool
 from shared.engine.layer_ops import layer_ops
 from shared.engine.paged_attention import PagedAttention
-from shared.engine.projection import Projection, fastest_row_count, invariant_row_counts
+from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts
 from shared.messages import KVLayout
+
+log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
@@ -85,6 +88,9 @@ class ModelRunner:
         self.lm_head = Projection([model.lm_head])
         self.row_counts = (invariant_row_counts([self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0],
                                                  self.lm_head]) if batch_invariant and device == "cpu" else [])
+        if batch_invariant and device == "cpu" and SMALL not in self.row_counts:
+            log.warning("batch invariance does not hold with these weights (no row count up to %d computes "
+                        "rows independently: int8 weights quantize activations per call)", SMALL)
         self.projections = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
         self.min_rows = fastest_row_count(self.projections, [c for c in self.row_counts if c <= 4])
 

@@ -42,7 +42,10 @@ class Projection:
         if _packable(modules):
             with torch.no_grad():
                 weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+                try:
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+                except RuntimeError:  # e.g. bf16 on a CPU oneDNN has no bf16 kernels for
+                    return
                 self._matmul = torch.ops.mkldnn._linear_pointwise.default
                 biases = [m.bias for m in modules]
                 self.bias = None if all(b is None for b in biases) else torch.cat(

@@ -102,8 +102,12 @@ void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
   TORCH_CHECK(tables.is_contiguous() && tables.scalar_type() == torch::kInt64 &&
               lengths.scalar_type() == torch::kInt64 && rows.scalar_type() == torch::kInt64,
               "decode_attention: int64 tables, lengths and rows");
-  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "decode_attention: q, the pool and out must share a dtype");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == out.scalar_type() &&
+              values.scalar_type() == keys.scalar_type(), "decode_attention: q, the pool and out must share a dtype");
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && block_size > 0 && keys.size(1) > 0,
+              "decode_attention: keys and values [slots, kv_heads, dim], block_size > 0");
+  TORCH_CHECK(lengths.is_contiguous() && rows.is_contiguous() && lengths.dim() == 1 && rows.dim() == 1,
+              "decode_attention: lengths and rows are 1-d");
   const int64_t heads = q.size(1), kv_heads = keys.size(1), dim = q.size(2);
   TORCH_CHECK(heads % kv_heads == 0 && keys.size(2) == dim, "decode_attention: head shapes");
   TORCH_CHECK(tables.size(0) == lengths.size(0) && rows.size(0) == lengths.size(0), "decode_attention: one table per row");

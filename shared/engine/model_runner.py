@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
 from shared.engine.kv_cache import KVPool
-from shared.engine.layer_ops import layer_ops
+from shared.engine.layer_ops import KernelOps, layer_ops
 from shared.engine.paged_attention import PagedAttention
 from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts
 from shared.messages import KVLayout
@@ -97,6 +97,20 @@ class ModelRunner:
         kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
         self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim ** -0.5)
         self.ops = layer_ops(kernels, model)
+        self.stack = self._decode_stack_args()
+
+    def _decode_stack_args(self) -> tuple | None:
+        """Packed weights and norm weights for the C++ decoder stack, when every piece of it applies."""
+        norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms.append(self.norm)
+        eps = {getattr(n, "variance_epsilon", None) for n in norms}
+        projections = [p for i in range(len(self.layers)) for p in (self.qkv[i], self.o_proj[i], self.gate_up[i],
+                                                                     self.down[i])]
+        if (not isinstance(self.ops, KernelOps) or not self.paged or len(eps) != 1 or None in eps
+                or any(p.packed is None or p.bias is not None for p in projections)
+                or any(type(layer.mlp.act_fn).__name__ != "SiLUActivation" for layer in self.layers)):
+            return None
+        return [p.packed for p in projections], [n.weight for n in norms], eps.pop()
 
     def release_model_weights(self) -> None:
         """Frees the model's linear weights that were packed: a worker keeps one copy, not two.
@@ -170,6 +184,12 @@ class ModelRunner:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
         cos, sin = self.rotary(hidden, torch.cat([plan.positions, plan.positions.new_zeros(total - rows)])[None])
         cos, sin = cos[0], sin[0]
+        if self.stack is not None and plan.decode is not None and not plan.attention:  # every row decodes
+            weights, norms, eps = self.stack
+            x = self.ops.kernels.decode_stack(hidden, weights, norms, eps, cos, sin, self.pool.kv, plan.slots,
+                                              *plan.decode, self.num_heads, self.layout.num_kv_heads, self.head_dim,
+                                              self.pool.block_size, self.paged.scale)
+            return self._logits(x.index_select(0, plan.last_rows))
         residual, x = self.ops.norm(hidden, None, self.layers[0].input_layernorm)
         for index, layer in enumerate(self.layers):
             attended = self._attend(index, x, cos, sin, plan, rows)

@@ -7,10 +7,15 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
                            double eps);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 void store_kv(torch::Tensor kv_layer, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
+at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std::vector<at::Tensor> norms,
+                        double eps, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor slots,
+                        at::Tensor tables, at::Tensor lengths, at::Tensor rows, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, int64_t block_size, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV pool");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; weight * RMSNorm(residual)");
   m.def("rope_", &rope_, "rotary embedding of q and k, in place");
   m.def("store_kv", &store_kv, "k and v rows into their pool slots");
+  m.def("decode_stack", &decode_stack, "the decoder stack for a step of single-token rows");
 }

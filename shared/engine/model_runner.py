@@ -76,7 +76,6 @@ class ModelRunner:
         self.layout: KVLayout = kv_cache.layout_of(model.config, model_name, model.dtype)
         self.pool = KVPool(self.layout, pool_blocks, block_size, device)
         self.chunk = chunk
-        self.batch_invariant = batch_invariant
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
         self.num_heads = model.config.num_attention_heads
@@ -127,8 +126,8 @@ class ModelRunner:
         """Token ids, positions and pool slots of every row; the attention pieces; each segment's last row.
 
         Single-row pieces (decode tokens, a prompt's one-token tail) go to the decode kernel
-        when there is one. All the keys the other pieces read are gathered once per layer (`context` slots): a sequence's context appears
-        once, and its pieces read prefixes of it.
+        when there is one. All the keys the other pieces read are gathered once per layer
+        (`context` slots): a sequence's context appears once, and its pieces read prefixes of it.
         """
         ids, positions, slots, context, attention, last_rows = [], [], [], [], [], []
         tables, lengths, single_rows = [], [], []

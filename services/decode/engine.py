@@ -51,7 +51,7 @@ class DecodeLoop:
         """Keeps stepping the sequences already held until they finish or `timeout_s` passes."""
         deadline = time.monotonic() + timeout_s
         while self.seqs and time.monotonic() < deadline:
-            if not await self._iterate():
+            if not await self._iterate() and self.seqs:  # _iterate may just have reaped the last one
                 self.wakeup.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.wakeup.wait(), max(0.01, deadline - time.monotonic()))

@@ -1,0 +1,31 @@
+"""DecodeLoop.drain: it returns as soon as the sequences it holds are done, not at its deadline."""
+
+import asyncio
+import time
+
+from services.decode.engine import DecodeLoop
+from shared.engine.model_runner import EngineExecutor
+from tests.unit.test_engine import make_engine, make_seq
+
+
+async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
+    engine = make_engine(tiny_model)
+    executor = EngineExecutor()
+    published, finished = [], []
+
+    async def publish(seq, out):
+        published.append(out)
+
+    async def finish(seq):
+        finished.append(seq.request_id)
+
+    loop = DecodeLoop(engine, executor, publish, finish)
+    try:
+        loop.add(make_seq(list(range(3, 20)), 6, request_id="a"), local_prefill=True)
+        started = time.monotonic()
+        await asyncio.wait_for(loop.drain(timeout_s=30), timeout=20)
+        assert time.monotonic() - started < 10          # not the 30 s drain deadline
+        assert finished == ["a"] and len(published) == 6 and not loop.seqs
+        assert engine.blocks.used == 0
+    finally:
+        executor.close()

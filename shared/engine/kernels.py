@@ -9,6 +9,7 @@ model runner keeps the plain torch path; on CUDA they are not used.
 """
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -55,6 +56,21 @@ def module_name() -> str:
     return "tandem_kernels_" + digest.hexdigest()[:16]
 
 
+def _import_built(name: str):
+    """The module if this exact build is in the cache already: imported directly, without
+    torch's build check, which runs ninja in a subprocess (a fork in a worker that has gRPC's
+    threads running, which has crashed one at start-up)."""
+    from torch.utils import cpp_extension
+
+    path = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load():
     """The compiled kernel module, or None when it cannot be built here."""
     name = module_name()
@@ -62,6 +78,9 @@ def load():
         from torch.utils import cpp_extension
 
         try:
+            _loaded[name] = _import_built(name)
+            if _loaded[name] is not None:
+                return _loaded[name]
             _ninja_on_path()
             # libgomp resolves to the copy torch already loaded: one OpenMP runtime, torch's threads.
             _loaded[name] = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,

@@ -107,7 +107,7 @@ class ModelRunner:
                                                                      self.down[i])]
         if (not isinstance(self.ops, KernelOps) or not self.paged or len(eps) != 1 or None in eps
                 or any(p.packed is None or p.bias is not None for p in projections)
-                or any(type(layer.mlp.act_fn).__name__ != "SiLUActivation" for layer in self.layers)):
+                or getattr(self.config, "hidden_act", None) != "silu"):
             return None
         return [p.packed for p in projections], [n.weight for n in norms], eps.pop()
 

@@ -114,7 +114,7 @@ def test_a_table_too_short_for_its_context_is_refused(kernel):
         attention(q, keys, values, attention.plan([[0, 8]], [BLOCK * 2], [0]), torch.zeros_like(q))
 
 
-def test_a_built_kernel_module_is_imported_without_a_build_step(monkeypatch):
+def test_a_built_kernel_module_is_imported_without_a_build_step(kernel, monkeypatch):  # kernel: built first
     from torch.utils import cpp_extension
 
     def no_build(**kwargs):

@@ -80,6 +80,24 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    block_size: int = 16
+
+
+@dataclass
+class KVDestination:
+    """Where a prompt's KV goes: blocks the decode worker has already reserved in its own pool.
+
+    The KV of tokens [skip_tokens, prompt length) lands in `block_ids` (the decode worker holds
+    the prefix before skip_tokens in its prefix cache). It is sent in segments of
+    `segment_tokens`, each as soon as the prefill has computed it; see shared.kvtransfer.plan.
+    """
+
+    ucx_address: bytes          # the decode worker's UCX worker address
+    base_tag: int               # piece i of the transfer travels with UCX tag base_tag + i
+    block_ids: list[int]
+    skip_tokens: int = 0
+    segment_tokens: int = 512
+    lease_s: float = 30.0       # a transfer that makes no progress this long is aborted by either side
 
 
 @dataclass
@@ -90,27 +108,39 @@ class PrefillTask:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     layout: KVLayout
-    transfer_tag: int           # the UCX tag the KV bytes are sent with
+    destination: KVDestination
     decode_worker: str
-    decode_ucx_address: bytes   # the decode worker's UCX worker address
     arrival_time: float
     deadline: float = 0.0
 
 
 @dataclass
 class PrefillResult:
-    """Prefill worker -> decode worker: the KV is on the wire (or the prefill failed)."""
+    """Prefill worker -> decode worker: every piece of the KV is on the wire (or the transfer is
+    aborted: ok is false, and the decode worker frees the blocks it reserved)."""
 
     request_id: str
-    transfer_tag: int
+    base_tag: int
     ok: bool
     code: str = ""
     message: str = ""
     first_token: int = -1
     kv_bytes: int = 0
+    pieces_sent: int = 0        # on an abort: pieces handed to UCX before it stopped
+    transport: str = ""         # the UCX transports that carry the bytes, e.g. "sysv+posix+cma"
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     prefill_worker: str = ""
+
+
+@dataclass
+class TransferAbort:
+    """Decode worker -> prefill worker: stop this transfer and free its blocks (cancelled, lease
+    expired, or the decode worker is shutting down)."""
+
+    request_id: str
+    base_tag: int
+    reason: str = ""
 
 
 @dataclass
@@ -162,6 +192,9 @@ class WorkerHeartbeat:
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
     kv_transfers_failed: int = 0
+    kv_blocks_leaked: int = 0   # held by no live request or transfer: must stay 0
+    kv_transport: str = ""      # the UCX transports this worker's KV travels on, e.g. "sysv/cma"
+    zone: str = ""              # topology label (rack, zone) from settings; host is the other one
     stopping: bool = False      # draining: take no new work
 
 
@@ -184,7 +217,7 @@ class StatusReply:
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     GenerateTask, SubmitReply, DecodeAssignment, TaskAck, PrefillTask, PrefillResult,
-    TokenChunk, CancelRequest, WorkerHeartbeat, Discover, StatusRequest, StatusReply)}
+    TransferAbort, TokenChunk, CancelRequest, WorkerHeartbeat, Discover, StatusRequest, StatusReply)}
 
 
 def _to_plain(value: Any) -> Any:

@@ -44,6 +44,10 @@ class Subjects:
         """Prefill worker -> decode worker: the prefill of a request is done and its KV is on the wire."""
         return f"{self._root}.worker.{worker_id}.prefill_results"
 
+    def transfer_aborts(self, worker_id: str) -> str:
+        """Decode worker -> prefill worker: stop a KV transfer and free its blocks."""
+        return f"{self._root}.worker.{worker_id}.transfer_aborts"
+
     def gateway_tokens(self, gateway_id: str) -> str:
         """Workers -> one gateway: the token stream chunks of the requests it holds."""
         return f"{self._root}.gateway.{gateway_id}.tokens"

@@ -84,10 +84,11 @@ class DecodeLoop:
 
     async def _reap(self) -> None:
         for seq in list(self.seqs.values()):
+            if seq.kv_pending:
+                continue  # its transfer ends itself first (see DecodeWorker._fetch_kv)
             if seq.status is not SeqStatus.FINISHED and seq.expired and seq.error is None:
                 seq.error = ("DEADLINE_EXCEEDED", "the request's deadline passed")
             if seq.status is SeqStatus.FINISHED or seq.error is not None or seq.cancel_reason:
                 del self.seqs[seq.request_id]
                 self.engine.release(seq)
-                seq.kv_buffer = None
                 await self.finish(seq)

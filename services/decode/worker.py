@@ -1,8 +1,10 @@
 """DecodeWorker: admits assignments, fetches each prompt's KV from a prefill worker, streams tokens.
 
-For a remote prefill the decode worker owns the destination buffer: it picks a transfer tag,
-asks the prefill worker (NATS) to send the KV with that tag to its UCX address, and posts the
-UCX receive when the prefill worker says the bytes are on the wire.
+For a remote prefill the decode worker reserves the prompt's blocks in its own pool (reusing
+any prefix it holds), posts a UCX receive for every piece straight into them, and sends the
+prefill worker their descriptors (NATS). The pieces land as the prefill computes. A cancel, a
+stall of a whole lease, a dead prefill worker or an abort from it ends the transfer on both
+sides, and the blocks are freed only once no receive can write into them.
 """
 
 import asyncio
@@ -15,11 +17,12 @@ import torch
 
 from services.decode.engine import DecodeLoop
 from shared.engine.detokenizer import Detokenizer
-from shared.engine.kv_cache import bytes_per_token, empty_buffer
 from shared.engine.model_runner import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
-from shared.messages import (CancelRequest, DecodeAssignment, PrefillResult, PrefillTask, TaskAck,
-                             Timing, TokenChunk, WorkerHeartbeat)
+from shared.kvtransfer.plan import TransferPlan, new_base_tag
+from shared.kvtransfer.receiver import KVReceiver
+from shared.messages import (CancelRequest, DecodeAssignment, KVDestination, PrefillResult, PrefillTask, TaskAck,
+                             Timing, TokenChunk, TransferAbort, WorkerHeartbeat)
 from shared.liveness import Liveness
 from shared.recent import RecentIds
 from shared.subjects import Subjects
@@ -33,9 +36,11 @@ log = logging.getLogger(__name__)
 
 
 class _Failed(Exception):
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, from_prefill: bool = False, pieces_sent: int | None = None):
         super().__init__(message)
         self.code, self.message = code, message
+        self.from_prefill = from_prefill     # the prefill worker ended it: no need to tell it
+        self.pieces_sent = pieces_sent       # how far the prefill worker got, when it said so
 
 
 class DecodeWorker:
@@ -49,9 +54,12 @@ class DecodeWorker:
         self.subjects = Subjects(settings.cluster)
         self.executor = EngineExecutor()
         self.loop = DecodeLoop(runtime.engine, self.executor, self._publish, self._finish)
-        self.results: dict[int, asyncio.Queue] = {}    # transfer tag -> the PrefillResults that came
+        self.results: dict[int, asyncio.Queue] = {}    # base tag -> the PrefillResults that came
         self.fetches: dict[str, asyncio.Task] = {}     # request id -> its remote-prefill task
+        self.draining: dict[int, asyncio.Task] = {}    # base tag -> pieces of an aborted transfer to discard
         self.drains: set[asyncio.Task] = set()
+        self.quarantined: list[list[int]] = []         # blocks a receive that never ended may still write
+        self.kv_transports: set[str] = set()           # what prefill workers said carried KV here
         # A cancel can overtake its assignment (the gateway gave up while the scheduler placed it).
         self.cancelled = RecentIds(ttl_s=120)
         self.served = 0
@@ -68,7 +76,12 @@ class DecodeWorker:
             block_size=self.rt.blocks.block_size,
             requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
             kv_bytes_received=self.plane.counters.bytes_received,
-            kv_transfers_failed=self.plane.counters.transfers_failed, stopping=self.stopping)
+            kv_transfers_failed=self.plane.counters.transfers_failed, kv_blocks_leaked=self._leaked(),
+            kv_transport=",".join(sorted(self.kv_transports)), zone=self.settings.zone, stopping=self.stopping)
+
+    def _leaked(self) -> int:
+        with self.rt.engine.lock:
+            return self.rt.blocks.leaked([s.block_table for s in self.loop.seqs.values()] + self.quarantined)
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_tasks(self.rt.worker_id), self.on_assignment),
@@ -130,102 +143,142 @@ class DecodeWorker:
     # -- remote prefill --------------------------------------------------------------------
 
     async def _fetch_kv(self, seq: Sequence, prefill_worker: str) -> None:
-        tag = secrets.randbits(63) | 1
-        self.results[tag] = asyncio.Queue()
+        """Reserves nothing new (admit did): posts the receives into seq's blocks, asks the prefill
+        worker for the KV, and waits for every piece; any failure aborts the transfer on both sides."""
+        receiver = KVReceiver(self.plane, self.rt.runner.pool, self._plan(seq))
+        base_tag = receiver.plan.destination.base_tag
+        inbox = self.results[base_tag] = asyncio.Queue()
+        seq.kv_pending, asked, done = True, False, False
+        receiver.start()
         try:
-            result = await self._request_prefill(seq, prefill_worker, tag)
-            seq.kv_buffer = await self._receive(seq, tag, result)
+            await self._request_prefill(seq, receiver.plan, prefill_worker)
+            asked = True
+            result = await self._await_transfer(seq, receiver, inbox, prefill_worker)
             seq.first_token, seq.prefill_worker = result.first_token, result.prefill_worker
             seq.queue_ms, seq.prefill_ms = result.queue_ms, result.prefill_ms
+            if result.transport:
+                self.kv_transports.add(result.transport)
             self.rt.engine.kv_arrived(seq)
+            done = True
         except _Failed as failure:
-            seq.error = (failure.code, failure.message)
+            if not seq.cancel_reason:
+                seq.error = (failure.code, failure.message)
+            await self._abort_transfer(seq, receiver, inbox, prefill_worker, asked and not failure.from_prefill,
+                                       failure.pieces_sent)
         except BusError:
             seq.error = ("UNAVAILABLE", f"prefill worker {prefill_worker} did not answer")
-        except asyncio.TimeoutError:
-            seq.error = ("UNAVAILABLE", f"prefill worker {prefill_worker} did not finish in time")
-        except KVTransferError as err:
-            log.error("%s: %s", seq.request_id, err)
-            seq.error = ("UNAVAILABLE", "the KV transfer from the prefill worker failed")
+            await self._abort_transfer(seq, receiver, inbox, prefill_worker, True, None)
         finally:
-            self.results.pop(tag, None)
+            if base_tag not in self.draining:
+                self.results.pop(base_tag, None)
+            seq.kv_pending = False
             self.fetches.pop(seq.request_id, None)
             self.loop.wakeup.set()
 
-    async def _request_prefill(self, seq: Sequence, prefill_worker: str, tag: int) -> PrefillResult:
+    def _plan(self, seq: Sequence) -> TransferPlan:
+        """Where seq's KV goes: its blocks past the prefix this worker already holds."""
+        bs = self.rt.blocks.block_size
+        destination = KVDestination(
+            ucx_address=self.plane.address, base_tag=new_base_tag(secrets.randbits(39)),
+            block_ids=seq.block_table[seq.num_cached_tokens // bs:], skip_tokens=seq.num_cached_tokens,
+            segment_tokens=self.settings.kv_segment_tokens, lease_s=self.settings.kv_lease_s)
+        return TransferPlan(self.rt.runner.layout, seq.prompt_len, destination)
+
+    async def _request_prefill(self, seq: Sequence, plan: TransferPlan, prefill_worker: str) -> None:
         task = PrefillTask(
             request_id=seq.request_id, prompt_token_ids=seq.task.prompt_token_ids, sampling=seq.sampling,
-            layout=self.rt.runner.layout, transfer_tag=tag, decode_worker=self.rt.worker_id,
-            decode_ucx_address=self.plane.address, arrival_time=seq.task.arrival_time,
-            deadline=seq.task.deadline)
+            layout=self.rt.runner.layout, destination=plan.destination, decode_worker=self.rt.worker_id,
+            arrival_time=seq.task.arrival_time, deadline=seq.task.deadline)
         ack = await self.bus.request(self.subjects.worker_tasks(prefill_worker), task, 5.0, TaskAck)
         if not ack.ok:
-            raise _Failed(ack.code or "UNAVAILABLE", ack.message)
-        result = await self._while_alive(self.results[tag].get(), prefill_worker, self.settings.prefill_timeout_s)
-        if not result.ok:
-            raise _Failed(result.code or "UNAVAILABLE", result.message)
+            raise _Failed(ack.code or "UNAVAILABLE", ack.message, from_prefill=True)
+
+    async def _await_transfer(self, seq: Sequence, receiver: KVReceiver, inbox: asyncio.Queue,
+                              prefill_worker: str) -> PrefillResult:
+        """Until every piece has landed and the prefill worker has sent the first token."""
+        result, announced = None, 0.0
+        deadline = time.monotonic() + self.settings.prefill_timeout_s
+        lease = self.settings.kv_lease_s
+        while not (receiver.complete and result is not None):
+            while not inbox.empty():
+                news = inbox.get_nowait()
+                if not news.ok:
+                    raise _Failed(news.code or "UNAVAILABLE", news.message, True, news.pieces_sent)
+                result, announced = news, time.monotonic()
+            if seq.cancel_reason:
+                raise _Failed("CANCELLED", seq.cancel_reason)
+            if seq.expired:
+                raise _Failed("DEADLINE_EXCEEDED", "the request's deadline passed")
+            try:
+                receiver.check(lease)
+            except KVTransferError as err:
+                log.error("%s: %s", seq.request_id, err)
+                raise _Failed("UNAVAILABLE", "the KV transfer from the prefill worker failed") from None
+            if announced and time.monotonic() - max(announced, receiver.last_progress) > lease:
+                raise _Failed("UNAVAILABLE", f"the KV transfer stalled for {lease:.0f}s")
+            if not self.liveness.alive(prefill_worker):
+                raise _Failed("UNAVAILABLE", f"prefill worker {prefill_worker} stopped responding")
+            if time.monotonic() > deadline:
+                raise _Failed("UNAVAILABLE", f"prefill worker {prefill_worker} did not finish in time")
+            await self._news(receiver, inbox, seq)
+        seq.kv_transfer_ms = (time.time() - receiver.first_landed) * 1000
         return result
 
-    async def _while_alive(self, awaitable, worker_id: str, timeout_s: float):
-        """Awaits, but gives up as soon as `worker_id` stops sending heartbeats."""
-        task = asyncio.ensure_future(awaitable)
-        deadline = time.monotonic() + timeout_s
+    async def _news(self, receiver: KVReceiver, inbox: asyncio.Queue, seq: Sequence) -> None:
+        """Waits a moment for a landed transfer, a prefill result or a cancel."""
+        waits = [asyncio.ensure_future(receiver.done.wait()), asyncio.ensure_future(inbox.get()),
+                 asyncio.ensure_future(seq.news.wait())]
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=min(0.5, max(0.0, deadline - time.monotonic())))
-                if done:
-                    return task.result()
-                if not self.liveness.alive(worker_id):
-                    raise _Failed("UNAVAILABLE", f"prefill worker {worker_id} stopped responding")
-                if time.monotonic() >= deadline:
-                    raise asyncio.TimeoutError
+            done, _ = await asyncio.wait(waits, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            task.cancel()
+            for w in waits:
+                w.cancel()
+        if waits[1] in done and not waits[1].cancelled():
+            inbox.put_nowait(waits[1].result())
+        seq.news.clear()
 
-    async def _receive(self, seq: Sequence, tag: int, result: PrefillResult) -> torch.Tensor:
-        buffer = empty_buffer(self.rt.runner.layout, seq.prompt_len, self.rt.runner.device)
-        if result.kv_bytes != buffer.numel() * buffer.element_size():
-            raise _Failed("FAILED_PRECONDITION", "the prefill worker's KV size does not match this worker's layout")
-        failure = asyncio.ensure_future(self.results[tag].get())  # a later "my send failed"
-        started = time.time()
-        receive = asyncio.create_task(self.plane.receive(tag, buffer, self.settings.kv_transfer_timeout_s))
-        either = asyncio.wait({receive, failure}, return_when=asyncio.FIRST_COMPLETED)
-        try:
-            await self._while_alive(either, result.prefill_worker, self.settings.kv_transfer_timeout_s)
-            if not receive.done():  # the prefill worker reported that its send failed
-                raise _Failed(failure.result().code or "UNAVAILABLE", failure.result().message)
-            receive.result()
-        finally:
-            failure.cancel()
-            if not receive.done():
-                # ucxx cannot withdraw a posted receive: let it finish (or time out) on its own,
-                # so its buffer is released instead of abandoned.
-                self._track(receive)
-        seq.kv_transfer_ms = (time.time() - started) * 1000
-        return buffer
+    async def _abort_transfer(self, seq: Sequence, receiver: KVReceiver, inbox: asyncio.Queue,
+                              prefill_worker: str, tell_prefill: bool, pieces_sent: int | None) -> None:
+        """Ends the transfer on both sides; seq's blocks may be freed when this returns."""
+        base_tag = receiver.plan.destination.base_tag
+        if tell_prefill:
+            try:
+                await self.bus.publish(self.subjects.transfer_aborts(prefill_worker), TransferAbort(
+                    request_id=seq.request_id, base_tag=base_tag, reason=seq.cancel_reason or (seq.error or ("", ""))[1]))
+            except Exception as err:  # the prefill worker's own lease ends its side
+                log.warning("could not tell %s to abort %s: %s", prefill_worker, seq.request_id, err)
+        if not await receiver.abort(self.settings.kv_lease_s):
+            self.quarantined.append(seq.block_table)   # a receive may still write there: never reuse
+            seq.block_table = []
+        drain = asyncio.create_task(self._drain(seq.request_id, receiver, inbox, prefill_worker, pieces_sent))
+        self._track(drain)
+        self.draining[base_tag] = drain
+        drain.add_done_callback(lambda _: (self.draining.pop(base_tag, None), self.results.pop(base_tag, None)))
+
+    async def _drain(self, request_id: str, receiver: KVReceiver, inbox: asyncio.Queue, prefill_worker: str,
+                     pieces_sent: int | None) -> None:
+        """Takes off the wire the pieces the prefill worker sent before it heard of the abort."""
+        deadline = time.monotonic() + self.settings.kv_lease_s
+        while pieces_sent is None and self.liveness.alive(prefill_worker) and time.monotonic() < deadline:
+            try:
+                news = await asyncio.wait_for(inbox.get(), 0.5)
+            except asyncio.TimeoutError:
+                continue
+            if not news.ok:
+                pieces_sent = news.pieces_sent
+        for tag, nbytes in receiver.unfilled(pieces_sent or 0):
+            await self.plane.discard(tag, nbytes, self.settings.kv_lease_s)
 
     async def on_prefill_result(self, result: PrefillResult, respond) -> None:
-        waiting = self.results.get(result.transfer_tag)
+        waiting = self.results.get(result.base_tag)
         if waiting is not None:
             waiting.put_nowait(result)
-        elif result.ok:
-            # Its request is gone (cancelled, timed out): take the bytes off the wire and drop them.
-            limit = self.rt.max_model_len * bytes_per_token(self.rt.runner.layout)
-            if 0 < result.kv_bytes <= limit:
-                self._track(asyncio.create_task(self._drain(result)))
 
     def _track(self, task: asyncio.Task) -> None:
-        """Keeps a background receive alive until it ends; its outcome only matters to the log."""
+        """Keeps a background task alive until it ends; its outcome only matters to the log."""
         self.drains.add(task)
         task.add_done_callback(self.drains.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-    async def _drain(self, result: PrefillResult) -> None:
-        scratch = torch.empty(result.kv_bytes, dtype=torch.uint8)
-        try:
-            await self.plane.receive(result.transfer_tag, scratch, self.settings.kv_transfer_timeout_s)
-        except KVTransferError as err:
-            log.warning("could not drain the KV of %s: %s", result.request_id, err)
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
         seq = self.loop.seqs.get(message.request_id)
@@ -233,9 +286,7 @@ class DecodeWorker:
             self.cancelled.add(message.request_id)
             return
         seq.cancel_reason = message.reason or "cancelled"
-        fetch = self.fetches.get(seq.request_id)
-        if fetch is not None:
-            fetch.cancel()
+        seq.news.set()   # a transfer in flight aborts itself
         self.loop.wakeup.set()
 
     # -- output ----------------------------------------------------------------------------
@@ -257,9 +308,6 @@ class DecodeWorker:
 
     async def _finish(self, seq: Sequence) -> None:
         """Tells the gateway how the sequence ended (the loop freed its blocks), on every path."""
-        fetch = self.fetches.get(seq.request_id)
-        if fetch is not None:
-            fetch.cancel()
         if seq.status is SeqStatus.FINISHED and seq.error is None and not seq.cancel_reason:
             self.served += 1
             return

@@ -1,22 +1,25 @@
-"""PrefillWorker: batches the prompts decode workers send it, then pushes each prompt's KV over UCX.
+"""PrefillWorker: batches the prompts decode workers send it, and streams each prompt's KV out over UCX.
 
 The loop reads: drain inputs -> step the engine (prompt chunks of many requests in one batch)
--> for each finished prompt: announce the result, then send its KV in the background while the
-next prompts compute. A prompt's blocks stay held until its KV has left.
+-> ship: every transfer segment whose tokens are now computed is packed and put on the wire
+while the next chunks compute (chunk-wise pipelining) -> when a prompt is done, tell its decode
+worker the first token. A prompt's blocks are held until its last segment is packed; the
+packed copies live until UCX has sent them. Each transfer has a lease: a send that makes no
+progress for `lease_s` fails, and a TransferAbort from the decode worker stops it at once.
 """
 
 import asyncio
 import logging
 import os
-from dataclasses import asdict
-
-import torch
+from dataclasses import asdict, dataclass
 
 from shared.engine.model_runner import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence
+from shared.kvtransfer.plan import PlanError, TransferPlan
+from shared.kvtransfer.sender import KVSender
 from shared.lifecycle import wait_or_stop
 from shared.messages import (CancelRequest, GenerateTask, PrefillResult, PrefillTask, TaskAck,
-                             WorkerHeartbeat)
+                             TransferAbort, WorkerHeartbeat)
 from shared.subjects import Subjects
 from shared.transport.bus import MessageBus
 from shared.transport.kv import DataPlane, KVTransferError
@@ -25,6 +28,16 @@ from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Transfer:
+    task: PrefillTask
+    seq: Sequence
+    sender: KVSender
+    blocks_held: bool = True
+    first_token: int = -1
+    abort_reason: str = ""      # set by a TransferAbort; acted on between engine steps
 
 
 class PrefillWorker:
@@ -36,14 +49,14 @@ class PrefillWorker:
         self.plane = plane
         self.subjects = Subjects(settings.cluster)
         self.executor = EngineExecutor()
-        self.held: dict[str, tuple[PrefillTask, Sequence]] = {}   # request id -> its task, until its KV left
-        self.sends: set[asyncio.Task] = set()
+        self.held: dict[str, _Transfer] = {}      # request id -> its transfer, until its KV has left
+        self.finishing: set[asyncio.Task] = set()
         self.wakeup = asyncio.Event()
         self.served = 0
         self.stopping = False
 
     def snapshot(self) -> WorkerHeartbeat:
-        queued = sum(1 for _, s in self.held.values() if s.status is SeqStatus.WAITING and not s.num_computed_tokens)
+        queued = sum(1 for t in self.held.values() if t.seq.status is SeqStatus.WAITING and not t.seq.num_computed_tokens)
         return WorkerHeartbeat(
             worker_id=self.rt.worker_id, role="prefill", host=self.rt.host, pid=os.getpid(),
             ucx_address=self.plane.address, layout=self.rt.runner.layout,
@@ -52,10 +65,13 @@ class PrefillWorker:
             block_size=self.rt.blocks.block_size,
             requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
             kv_bytes_received=self.plane.counters.bytes_received,
-            kv_transfers_failed=self.plane.counters.transfers_failed, stopping=self.stopping)
+            kv_transfers_failed=self.plane.counters.transfers_failed,
+            kv_blocks_leaked=self.rt.blocks.leaked([t.seq.block_table for t in self.held.values() if t.blocks_held]),
+            kv_transport=self.plane.transports(), zone=self.settings.zone, stopping=self.stopping)
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_tasks(self.rt.worker_id), self.on_task),
+                await self.bus.subscribe(self.subjects.transfer_aborts(self.rt.worker_id), self.on_abort),
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
         try:
             async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s,
@@ -66,14 +82,14 @@ class PrefillWorker:
                         await wait_or_stop(self.wakeup.wait(), stop)
                 self.stopping = True
                 await announcer.announce()
-                for task, seq in list(self.held.values()):
-                    if seq.status is not SeqStatus.FINISHED:  # not computed yet: tell its decode worker now
-                        await self._fail(task, seq, "UNAVAILABLE", f"prefill worker {self.rt.worker_id} shut down")
+                for t in list(self.held.values()):
+                    if t.seq.status is not SeqStatus.FINISHED:  # not computed yet: tell its decode worker now
+                        await self._abort(t, "UNAVAILABLE", f"prefill worker {self.rt.worker_id} shut down")
         finally:
             for sub in subs:
                 await sub.unsubscribe()
-            if self.sends:  # let transfers in flight finish (each is bounded by its timeout)
-                await asyncio.gather(*self.sends, return_exceptions=True)
+            if self.finishing:  # let transfers in flight finish (each is bounded by its lease)
+                await asyncio.gather(*self.finishing, return_exceptions=True)
             self.executor.close()
 
     # -- inputs ---------------------------------------------------------------------------------
@@ -81,11 +97,17 @@ class PrefillWorker:
     async def on_task(self, task: PrefillTask, respond) -> None:
         refusal = self._refusal(task)
         if refusal is None:
+            try:
+                plan = TransferPlan(task.layout, len(task.prompt_token_ids), task.destination)
+            except PlanError as err:
+                refusal = ("INVALID_ARGUMENT", f"bad KV destination: {err}")
+        if refusal is None:
             request = GenerateTask(request_id=task.request_id, prompt_token_ids=task.prompt_token_ids,
                                    sampling=task.sampling, reply_subject="", arrival_time=task.arrival_time,
                                    deadline=task.deadline)
             seq = Sequence(request, None, set(), self.rt.max_model_len, prefill_only=True)
-            self.held[task.request_id] = (task, seq)
+            sender = KVSender(self.plane, self.rt.runner.pool, plan, task.destination.lease_s)
+            self.held[task.request_id] = _Transfer(task, seq, sender)
             self.engine.add(seq)
             self.wakeup.set()
         if respond is not None:
@@ -108,79 +130,111 @@ class PrefillWorker:
         return None
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
-        held = self.held.get(message.request_id)
-        if held is not None and held[1].status is not SeqStatus.FINISHED:
-            held[1].cancel_reason = message.reason or "cancelled"
+        t = self.held.get(message.request_id)
+        if t is not None and t.seq.status is not SeqStatus.FINISHED:
+            t.seq.cancel_reason = message.reason or "cancelled"
+            self.wakeup.set()
+
+    async def on_abort(self, message: TransferAbort, respond) -> None:
+        """The decode worker gave up on this transfer: stop it and free its blocks now."""
+        t = self.held.get(message.request_id)
+        if t is not None and t.task.destination.base_tag == message.base_tag and not t.sender.aborted:
+            log.info("%s: transfer aborted by its decode worker: %s", message.request_id, message.reason)
+            t.abort_reason = message.reason or "aborted"
             self.wakeup.set()
 
     # -- the loop -------------------------------------------------------------------------------
 
     async def _iterate(self) -> bool:
-        for task, seq in list(self.held.values()):
-            if seq.status is SeqStatus.FINISHED:
+        for t in list(self.held.values()):
+            if t.sender.aborted:
                 continue
-            if seq.cancel_reason:
-                await self._fail(task, seq, "CANCELLED", "cancelled before its prefill finished")
-            elif seq.expired:
-                await self._fail(task, seq, "DEADLINE_EXCEEDED", "the request's deadline passed")
+            if t.abort_reason:
+                await self._abort(t, "CANCELLED", f"aborted by the decode worker: {t.abort_reason}")
+            elif t.seq.status is SeqStatus.FINISHED:
+                continue
+            elif t.seq.cancel_reason:
+                await self._abort(t, "CANCELLED", "cancelled before its prefill finished")
+            elif t.seq.expired:
+                await self._abort(t, "DEADLINE_EXCEEDED", "the request's deadline passed")
         if not self.engine.has_work():
             return False
         try:
             outputs = await self.executor.run(self.engine.step)
         except Exception as err:
             log.exception("prefill step failed")
-            for task, seq in list(self.held.values()):
-                if seq.status is not SeqStatus.FINISHED:
-                    await self._fail(task, seq, "INTERNAL", f"prefill failed: {type(err).__name__}")
+            for t in list(self.held.values()):
+                if t.seq.status is not SeqStatus.FINISHED and not t.sender.aborted:
+                    await self._abort(t, "INTERNAL", f"prefill failed: {type(err).__name__}")
             return True
         if outputs is None:
             return False
         for seq, out in outputs:
-            await self._ship(self.held[seq.request_id][0], seq, out.token_ids[0])
+            self.held[seq.request_id].first_token = out.token_ids[0]
+        await self._ship()
         return True
 
-    async def _fail(self, task: PrefillTask, seq: Sequence, code: str, message: str) -> None:
-        self.held.pop(task.request_id, None)
-        self.engine.release(seq)
-        await self.bus.publish(self.subjects.prefill_results(task.decode_worker), PrefillResult(
-            request_id=task.request_id, transfer_tag=task.transfer_tag, ok=False, code=code, message=message,
-            prefill_worker=self.rt.worker_id))
+    async def _ship(self) -> None:
+        """Packs every segment whose tokens are computed, and puts each on the wire."""
+        ready = [(t, seg) for t in self.held.values() if t.blocks_held and not t.sender.aborted
+                 for seg in t.sender.ready(t.seq.num_computed_tokens)]
+        if not ready:
+            return
+        staged = await self.executor.run(lambda: [t.sender.pack(seg, t.seq.block_table) for t, seg in ready])
+        for (t, seg), staging in zip(ready, staged):
+            if t.sender.aborted:
+                continue  # aborted while it was being packed
+            t.sender.send(seg, staging)
+            if t.sender.all_packed:
+                await self._finish(t)
 
-    async def _ship(self, task: PrefillTask, seq: Sequence, first_token: int) -> None:
-        """Announces the finished prompt, then sends its KV in the background."""
+    async def _finish(self, t: _Transfer) -> None:
+        """The whole prompt is computed and on the wire: free its blocks, tell the decode worker."""
+        t.blocks_held = False
+        self.engine.release(t.seq)
+        await self._publish(t, PrefillResult(
+            request_id=t.task.request_id, base_tag=t.task.destination.base_tag, ok=True,
+            first_token=t.first_token, kv_bytes=t.sender.plan.nbytes, queue_ms=t.seq.queue_ms,
+            prefill_ms=t.seq.prefill_ms, prefill_worker=self.rt.worker_id,
+            transport=self.plane.transport_to(t.task.destination.ucx_address)))
+        task = asyncio.create_task(self._await_sends(t))
+        self.finishing.add(task)
+        task.add_done_callback(self.finishing.discard)
+
+    async def _await_sends(self, t: _Transfer) -> None:
         try:
-            buffer = await self.executor.run(self._export, seq)
-            result = PrefillResult(
-                request_id=task.request_id, transfer_tag=task.transfer_tag, ok=True, first_token=first_token,
-                kv_bytes=buffer.numel() * buffer.element_size(), queue_ms=seq.queue_ms, prefill_ms=seq.prefill_ms,
-                prefill_worker=self.rt.worker_id)
-            # Announce first: the decode worker posts its receive for this tag when it reads this.
-            await self.bus.publish(self.subjects.prefill_results(task.decode_worker), result)
-        except Exception:
-            self.held.pop(task.request_id, None)
-            self.engine.release(seq)
-            raise
-        send = asyncio.create_task(self._send(task, seq, buffer))
-        self.sends.add(send)
-        send.add_done_callback(self.sends.discard)
-
-    def _export(self, seq: Sequence) -> torch.Tensor:
-        pool = self.rt.runner.pool
-        buffer = pool.export(pool.slots(seq.block_table, 0, seq.prompt_len))
-        if buffer.is_cuda:  # UCX reads it on its own streams: the copy must have landed
-            torch.cuda.current_stream().synchronize()
-        return buffer
-
-    async def _send(self, task: PrefillTask, seq: Sequence, buffer: torch.Tensor) -> None:
-        try:
-            await self.plane.send(task.decode_ucx_address, task.transfer_tag, buffer,
-                                  self.settings.kv_transfer_timeout_s)
-            self.served += 1
+            await t.sender.finish()
+            if not t.sender.aborted:
+                self.served += 1
         except KVTransferError as err:
-            log.error("KV of %s to %s not sent: %s", task.request_id, task.decode_worker, err)
-            await self.bus.publish(self.subjects.prefill_results(task.decode_worker), PrefillResult(
-                request_id=task.request_id, transfer_tag=task.transfer_tag, ok=False,
-                code="UNAVAILABLE", message="KV transfer failed", prefill_worker=self.rt.worker_id))
+            if not t.sender.aborted:
+                log.error("KV of %s to %s not sent: %s", t.task.request_id, t.task.decode_worker, err)
+                await self._publish(t, self._failure(t, "UNAVAILABLE", "KV transfer failed"))
         finally:
-            self.held.pop(task.request_id, None)
-            self.engine.release(seq)
+            if self.held.get(t.task.request_id) is t:
+                del self.held[t.task.request_id]
+
+    async def _abort(self, t: _Transfer, code: str, message: str) -> None:
+        """Stops a transfer: no more segments, its blocks freed, its decode worker told how far it got."""
+        t.sender.aborted = True
+        if t.blocks_held:
+            t.blocks_held = False
+            self.engine.release(t.seq)
+        await self._publish(t, self._failure(t, code, message))
+        if t.sender.sends:  # pieces on the wire: the decode worker takes them off it
+            task = asyncio.create_task(self._await_sends(t))
+            self.finishing.add(task)
+            task.add_done_callback(self.finishing.discard)
+        else:
+            self.held.pop(t.task.request_id, None)
+
+    def _failure(self, t: _Transfer, code: str, message: str) -> PrefillResult:
+        return PrefillResult(request_id=t.task.request_id, base_tag=t.task.destination.base_tag, ok=False,
+                             code=code, message=message, pieces_sent=t.sender.pieces_sent,
+                             prefill_worker=self.rt.worker_id)
+
+    async def _publish(self, t: _Transfer, result: PrefillResult) -> None:
+        try:
+            await self.bus.publish(self.subjects.prefill_results(t.task.decode_worker), result)
+        except Exception as err:  # NATS down: the decode worker's lease ends the transfer
+            log.warning("could not tell %s about %s: %s", t.task.decode_worker, t.task.request_id, err)

@@ -121,6 +121,15 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.last_block_hash = b""
 
+    def leaked(self, live_tables: list[list[int]]) -> int:
+        """Blocks held beyond what the given live block tables account for: lost until a restart,
+        so this must stay 0. Call under the engine lock."""
+        expected = [0] * self.num_blocks
+        for table in live_tables:
+            for block in table:
+                expected[block] += 1
+        return sum(1 for block, count in enumerate(self.ref_count) if count > expected[block])
+
     def can_append(self, seq: Paged) -> bool:
         """Room for seq's tokens as they are now (one more block when a block boundary is crossed)."""
         return self.blocks_for(seq.num_tokens) - len(seq.block_table) <= self.free

@@ -67,7 +67,7 @@ class Engine:
             self.waiting.append(seq)
 
     def kv_arrived(self, seq: Sequence) -> None:
-        """seq.kv_buffer and seq.first_token are set: it joins the batch at the next step."""
+        """seq's KV is in its blocks and seq.first_token is set: it joins the batch at the next step."""
         with self.lock:
             seq.status = SeqStatus.KV_READY
             self.loading.append(seq)
@@ -158,11 +158,7 @@ class Engine:
         return end
 
     def _load(self, seq: Sequence) -> StepOutput:
-        """Writes a remotely computed prompt KV into seq's blocks (all but the prefix already cached)."""
-        start = seq.num_cached_tokens
-        slots = self.runner.pool.slots(seq.block_table, start, seq.prompt_len)
-        self.runner.pool.load(slots, seq.kv_buffer[:, :, start:seq.prompt_len])
-        seq.kv_buffer = None
+        """A remotely computed prompt joins: its KV was received straight into its blocks."""
         with self.lock:
             seq.num_computed_tokens = seq.prompt_len
             self.blocks.commit(seq, seq.prompt_len)

@@ -1,8 +1,8 @@
 """The paged KV pool, and the KV layout as it crosses the data plane.
 
-The pool is one tensor [layers, 2, slots, kv_heads, head_dim], slot = block * block_size + offset.
-A transfer carries a sequence's KV as [layers, 2, tokens, kv_heads, head_dim]: the prefill side
-gathers it from its blocks (one copy), the decode side scatters it into its own (one copy).
+The pool is one tensor [layers, 2, slots, kv_heads, head_dim], slot = block * block_size + offset,
+so the keys (or values) of one layer over a run of consecutive blocks are one contiguous range:
+that is what a KV transfer writes into directly (see shared.kvtransfer).
 """
 
 import torch
@@ -10,11 +10,11 @@ import torch
 from shared.messages import KVLayout
 
 
-def layout_of(config, model: str, dtype: torch.dtype) -> KVLayout:
+def layout_of(config, model: str, dtype: torch.dtype, block_size: int = 16) -> KVLayout:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return KVLayout(model=model, dtype=str(dtype).removeprefix("torch."),
                     num_layers=config.num_hidden_layers,
-                    num_kv_heads=config.num_key_value_heads, head_dim=head_dim)
+                    num_kv_heads=config.num_key_value_heads, head_dim=head_dim, block_size=block_size)
 
 
 def bytes_per_token(layout: KVLayout) -> int:
@@ -22,13 +22,10 @@ def bytes_per_token(layout: KVLayout) -> int:
     return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * itemsize
 
 
-def empty_buffer(layout: KVLayout, num_tokens: int, device: str) -> torch.Tensor:
-    shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
-    return torch.empty(shape, dtype=getattr(torch, layout.dtype), device=device)
-
-
 class KVPool:
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: str):
+        if layout.block_size != block_size:
+            raise ValueError("the layout's block size and the pool's differ")
         self.layout = layout
         self.block_size = block_size
         self.device = device
@@ -57,10 +54,10 @@ class KVPool:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer, 0].index_select(0, slots), self.kv[layer, 1].index_select(0, slots)
 
+    def span(self, layer: int, kv: int, first_slot: int, num_slots: int) -> torch.Tensor:
+        """Keys (kv=0) or values (kv=1) of one layer over consecutive slots: a contiguous view."""
+        return self.kv[layer, kv, first_slot:first_slot + num_slots]
+
     def export(self, slots: torch.Tensor) -> torch.Tensor:
         """A sequence's KV as one contiguous transfer buffer [layers, 2, tokens, heads, dim]."""
         return self.kv.index_select(2, slots)
-
-    def load(self, slots: torch.Tensor, buffer: torch.Tensor) -> None:
-        """Writes a received transfer buffer into the given slots."""
-        self.kv.index_copy_(2, slots, buffer)

@@ -73,7 +73,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.config = model.config
-        self.layout: KVLayout = kv_cache.layout_of(model.config, model_name, model.dtype)
+        self.layout: KVLayout = kv_cache.layout_of(model.config, model_name, model.dtype, block_size)
         self.pool = KVPool(self.layout, pool_blocks, block_size, device)
         self.chunk = chunk
         inner = model.model

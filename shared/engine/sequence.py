@@ -1,5 +1,6 @@
 """A Sequence: everything one request needs while a worker holds it."""
 
+import asyncio
 import enum
 import time
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ class Sequence:
         self.num_computed_tokens = 0          # tokens whose K/V are in the pool
         self.num_hashed_blocks = 0
         self.last_block_hash = b""
-        self.kv_buffer = None                 # the received KV, until written into the pool
+        self.kv_pending = False               # a KV transfer may still write into its blocks: keep them
+        self.news = asyncio.Event()           # wakes a transfer in flight (a cancel came)
         self.first_token = -1                 # sampled by the remote prefill
         self.finish_reason = ""
         self.cancel_reason = ""

@@ -8,12 +8,19 @@ on one endpoint never mix. `InProcessDataPlane` is the fake for unit tests.
 
 import asyncio
 import logging
+import os
+import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy
 import torch
 
 log = logging.getLogger(__name__)
+
+_EMPTY = numpy.zeros(0, dtype=numpy.uint8)     # what release() sends to end a posted receive
+_SCRATCH = numpy.zeros(1, dtype=numpy.uint8)   # where an unmatched empty message is swept to
 
 
 class KVTransferError(Exception):
@@ -25,15 +32,32 @@ class TransferCounters:
     bytes_sent: int = 0
     bytes_received: int = 0
     transfers_failed: int = 0
+    receives_released: int = 0     # posted receives ended by release() instead of data
 
 
 class DataPlane(Protocol):
     address: bytes
     counters: TransferCounters
 
-    async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None: ...
+    async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
+        """Sends `buffer` to the peer's receive posted with `tag`."""
 
-    async def receive(self, tag: int, buffer: torch.Tensor, timeout: float) -> None: ...
+    async def receive(self, tag: int, buffer: torch.Tensor) -> int:
+        """Receives the message sent with `tag` into `buffer`; its byte count. Raises KVTransferError
+        if release() ended it before any data came."""
+
+    async def release(self, tags: list[int]) -> None:
+        """Ends the receives posted with these tags that no data has matched yet; returns when
+        none of them can write into its buffer any more."""
+
+    async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
+        """Takes a message nobody wants off the wire (its transfer was aborted after it was sent)."""
+
+    def transports(self) -> str:
+        """The transports this worker's endpoints use, e.g. "sysv+posix+cma" ("" before any send)."""
+
+    def transport_to(self, peer_address: bytes) -> str:
+        """The transports of the endpoint to this peer ("" when none is open)."""
 
 
 def _ucx_view(tensor: torch.Tensor):
@@ -44,21 +68,36 @@ def _ucx_view(tensor: torch.Tensor):
     return tensor if tensor.is_cuda else tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-class UcxDataPlane:
-    """The real data plane over ucxx. `async with UcxDataPlane(net_devices, tls) as plane:`."""
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
-    def __init__(self, net_devices: str = "lo", tls: str = ""):
+
+class UcxDataPlane:
+    """The real data plane over ucxx. `async with UcxDataPlane(settings) as plane:`.
+
+    UCX's shared-memory transports (sysv/posix for small messages, cma for large ones) cannot
+    run in its peer-failure mode, so endpoints are opened without it unless `error_handling`
+    is set (then UCX uses tcp even on one host). Dead peers are found by the transfer leases
+    and worker heartbeats instead, and a failed endpoint is dropped and reopened.
+    """
+
+    MAX_ENDPOINTS = 256
+
+    def __init__(self, net_devices: str = "lo", tls: str = "", error_handling: bool = False):
         self._options = {"NET_DEVICES": net_devices}
         if tls:
             self._options["TLS"] = tls
-        self._endpoints: dict[bytes, object] = {}
+        self._error_handling = error_handling
+        self._endpoints: OrderedDict[bytes, object] = OrderedDict()
         self._connecting: dict[bytes, asyncio.Lock] = {}
-        # ucxx cannot cancel one posted request: a receive whose sender died stays posted, and a
-        # send that timed out may still be read; their buffers must outlive them. Only failures
-        # land here (a cancelled receive is left to complete, see DecodeWorker._receive).
+        self._posted: dict[int, asyncio.Task] = {}            # tag -> the UCX receive posted with it
+        self._verdicts: dict[int, asyncio.Future] = {}        # tag -> True when release() ended it empty
+        # ucxx cannot cancel one posted request: a send that timed out may still be read, so
+        # its buffer must outlive it (packed copies only: never pool memory).
         self._abandoned: list[torch.Tensor] = []
         self.counters = TransferCounters()
         self.address = b""
+        self._peer_transports: dict[bytes, str] = {}   # peer -> what UCX chose to reach it
 
     async def __aenter__(self) -> "UcxDataPlane":
         import ucxx
@@ -66,12 +105,15 @@ class UcxDataPlane:
         self._ucxx = ucxx
         ucxx.init(options=self._options, env_takes_precedence=True)
         self.address = ucxx.get_worker_address().tobytes()
-        log.info("UCX data plane up: UCX %s, options %s, transports %s",
+        log.info("UCX data plane up: UCX %s, options %s, peer-failure mode %s, transports %s",
                  ".".join(map(str, ucxx.get_ucx_version())), self._options,
+                 "on (tcp only)" if self._error_handling else "off (shared memory on one host)",
                  _active_transports(ucxx))
         return self
 
     async def __aexit__(self, *exc) -> None:
+        if self._posted:
+            await self.release(list(self._posted))
         for ep in self._endpoints.values():
             try:
                 await ep.close()
@@ -79,16 +121,15 @@ class UcxDataPlane:
                 log.debug("closing a UCX endpoint: %s", err)
         self._endpoints.clear()
         if self._abandoned:
-            log.warning("%d abandoned KV receive buffer(s) at shutdown", len(self._abandoned))
+            log.warning("%d abandoned KV send buffer(s) at shutdown", len(self._abandoned))
 
-    def _abandon(self, buffer: torch.Tensor) -> None:
-        self._abandoned.append(buffer)
-        log.warning("KV buffer of %d bytes kept alive for a UCX request that may still use it (%d held)",
-                    buffer.numel() * buffer.element_size(), len(self._abandoned))
+    def transports(self) -> str:
+        return ",".join(sorted(set(self._peer_transports.values())))
 
     async def _endpoint(self, peer_address: bytes):
         ep = self._endpoints.get(peer_address)
         if ep is not None and not ep.closed:
+            self._endpoints.move_to_end(peer_address)
             return ep
         lock = self._connecting.setdefault(peer_address, asyncio.Lock())
         async with lock:
@@ -97,9 +138,39 @@ class UcxDataPlane:
                 from ucxx._lib.libucxx import UCXAddress
 
                 address = UCXAddress.create_from_buffer(peer_address)
-                ep = await self._ucxx.create_endpoint_from_worker_address(address)
+                ep = await self._ucxx.create_endpoint_from_worker_address(
+                    address, endpoint_error_handling=self._error_handling)
                 self._endpoints[peer_address] = ep
+                self._note_transport(peer_address, ep)
+                while len(self._endpoints) > self.MAX_ENDPOINTS:  # peers that restarted have new addresses
+                    _, old = self._endpoints.popitem(last=False)
+                    old.abort()
+            self._connecting.pop(peer_address, None)
             return ep
+
+    def _note_transport(self, peer_address: bytes, ep) -> None:
+        """Logs, and keeps for the heartbeat, the transports UCX chose for this peer."""
+        if peer_address == self.address:
+            return
+        lanes = endpoint_lanes(ep.ucp_endpoint)
+        summary = transport_summary(lanes)
+        self._peer_transports[peer_address] = summary
+        log.info("KV endpoint to peer %s: %s (lanes: %s)", peer_address[:8].hex(), summary, "; ".join(lanes) or "?")
+        if summary.startswith("tcp") and not self._error_handling:
+            log.warning("KV bytes to peer %s go over %s: not shared memory (another host, or UCX could not use "
+                        "sysv/posix/cma here)", peer_address[:8].hex(), summary)
+
+    def transport_to(self, peer_address: bytes) -> str:
+        return self._peer_transports.get(peer_address, "")
+
+    def forget(self, peer_address: bytes) -> None:
+        """Drops the endpoint to a peer (it failed, or the peer left); the next send reopens it."""
+        ep = self._endpoints.pop(peer_address, None)
+        if ep is not None:
+            try:
+                ep.abort()
+            except Exception as err:
+                log.debug("aborting a UCX endpoint: %s", err)
 
     async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
         try:
@@ -107,21 +178,99 @@ class UcxDataPlane:
             await asyncio.wait_for(ep.send(_ucx_view(buffer), tag=tag, force_tag=True), timeout)
         except Exception as err:
             self.counters.transfers_failed += 1
-            self._abandon(buffer)  # UCX may still be reading it
-            self._endpoints.pop(peer_address, None)  # reopened on the next transfer
+            self._abandoned.append(buffer)  # UCX may still be reading it
+            self.forget(peer_address)
             raise KVTransferError(f"KV send (tag {tag:#x}) failed: {err!r}") from err
-        self.counters.bytes_sent += buffer.numel() * buffer.element_size()
+        self.counters.bytes_sent += _nbytes(buffer)
 
-    async def receive(self, tag: int, buffer: torch.Tensor, timeout: float) -> None:
+    async def receive(self, tag: int, buffer: torch.Tensor) -> int:
+        posted = asyncio.ensure_future(self._ucxx.recv(_ucx_view(buffer), tag=tag))
+        self._posted[tag] = posted
         try:
-            await asyncio.wait_for(self._ucxx.recv(_ucx_view(buffer), tag=tag), timeout)
-        except BaseException as err:  # cancelled too: the posted receive may still write into it
-            self.counters.transfers_failed += 1
-            self._abandon(buffer)
-            if isinstance(err, asyncio.CancelledError):
+            await asyncio.shield(posted)
+        except asyncio.CancelledError:
+            if not posted.done():  # the receive stays posted: only release() may end it
                 raise
-            raise KVTransferError(f"KV receive (tag {tag:#x}) failed: {err!r}") from err
-        self.counters.bytes_received += buffer.numel() * buffer.element_size()
+        finally:
+            if posted.done():
+                self._posted.pop(tag, None)
+        verdict = self._verdicts.pop(tag, None)
+        if posted.exception() is not None:
+            self.counters.transfers_failed += 1
+            raise KVTransferError(f"KV receive (tag {tag:#x}) failed: {posted.exception()!r}")
+        if verdict is not None and await verdict:
+            raise KVTransferError(f"KV receive (tag {tag:#x}) released before any data came")
+        self.counters.bytes_received += _nbytes(buffer)
+        return _nbytes(buffer)
+
+    async def release(self, tags: list[int]) -> None:
+        """Ends open receives by sending each an empty message from this worker to itself; a
+        receive that data matched first leaves that message unmatched, and it is swept up here."""
+        posted = {tag: self._posted[tag] for tag in tags if tag in self._posted and not self._posted[tag].done()}
+        if not posted:
+            return
+        loop = asyncio.get_running_loop()
+        for tag in posted:
+            self._verdicts[tag] = loop.create_future()
+        own = await self._endpoint(self.address)
+        await asyncio.gather(*(own.send(_EMPTY, tag=tag, force_tag=True) for tag in posted))
+        await asyncio.gather(*posted.values(), return_exceptions=True)
+        for tag in posted:
+            probe = self._ucxx.core._get_ctx().tag_probe(tag, remove=True)
+            empty = not probe.matched            # our empty message is what ended the receive
+            if not empty:
+                await self._ucxx.core._get_ctx().recv_with_handle(_SCRATCH, probe)
+            self.counters.receives_released += empty
+            self._verdicts[tag].set_result(empty)
+
+    async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
+        """Takes a message nobody wants off the wire (its transfer was aborted after it was sent)."""
+        scratch = torch.empty(nbytes, dtype=torch.uint8)
+        task = asyncio.ensure_future(self.receive(tag, scratch))
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            await self.release([tag])
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def endpoint_lanes(ucp_endpoint: int) -> list[str]:
+    """The lanes of a UCX endpoint as `ucp_ep_print_info` prints them ("sysv/memory am keepalive", ...).
+
+    ucxx has no binding for it, so it is called through ctypes on the library ucxx loaded."""
+    try:
+        import ctypes
+        import glob
+
+        import libucx
+
+        libucp = ctypes.CDLL(sorted(glob.glob(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so*")))[0])
+        libc = ctypes.CDLL("libc.so.6")
+        libc.open_memstream.restype = ctypes.c_void_p
+        text, size = ctypes.c_char_p(), ctypes.c_size_t()
+        stream = libc.open_memstream(ctypes.byref(text), ctypes.byref(size))
+        libucp.ucp_ep_print_info(ctypes.c_void_p(ucp_endpoint), ctypes.c_void_p(stream))
+        libc.fclose(ctypes.c_void_p(stream))
+        info = ctypes.string_at(text, size.value).decode(errors="replace")
+        libc.free(text)
+    except Exception as err:  # introspection only: never fail a transfer over it
+        log.debug("UCX endpoint info unavailable: %s", err)
+        return []
+    lanes = []
+    for line in info.splitlines():
+        match = re.search(r"lane\[\d+\]:\s*\d+:(\S+?)(?:\.\d+)?\s.*?seg \d+\s*(.*)$", line)
+        if match:
+            lanes.append(f"{match.group(1)} {match.group(2)}".strip())
+    return lanes
+
+
+def transport_summary(lanes: list[str]) -> str:
+    """"sysv+cma" style: the transport of the messaging lane, then those that move bulk data."""
+    names = []
+    for lane in lanes:
+        name = lane.split()[0].split("/")[0]
+        if name not in names:
+            names.append(name)
+    return "+".join(names) if names else "unknown"
 
 
 def _active_transports(ucxx) -> str:
@@ -139,36 +288,75 @@ class LoopbackNetwork:
 
 
 class InProcessDataPlane:
-    """The test fake: same contract as UcxDataPlane, bytes copied in-process."""
+    """The test fake: same contract as UcxDataPlane, bytes copied in-process.
+
+    A send waits for the matching receive like UCX's rendezvous protocol does; `hold` makes
+    sends to this plane stall (a peer that stopped reading).
+    """
 
     def __init__(self, network: LoopbackNetwork, name: str):
         self.address = name.encode()
         self.counters = TransferCounters()
+        self.hold = False
         self._network = network
-        self._arrived: dict[int, asyncio.Future] = {}
+        self._posted: dict[int, tuple[torch.Tensor, asyncio.Future]] = {}
+        self._unexpected: dict[int, asyncio.Future] = {}
         network.planes[self.address] = self
 
-    def _slot(self, tag: int) -> asyncio.Future:
-        return self._arrived.setdefault(tag, asyncio.get_running_loop().create_future())
+    def transports(self) -> str:
+        return "inprocess"
+
+    def transport_to(self, peer_address: bytes) -> str:
+        return "inprocess" if peer_address in self._network.planes else ""
 
     async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
         peer = self._network.planes.get(peer_address)
-        if peer is None:
-            self.counters.transfers_failed += 1
-            raise KVTransferError("unknown peer")
-        peer._slot(tag).set_result(buffer.clone())
-        self.counters.bytes_sent += buffer.numel() * buffer.element_size()
-
-    async def receive(self, tag: int, buffer: torch.Tensor, timeout: float) -> None:
         try:
-            data = await asyncio.wait_for(self._slot(tag), timeout)
-        except asyncio.TimeoutError:
+            if peer is None:
+                raise KVTransferError("unknown peer")
+            await asyncio.wait_for(peer._deliver(tag, buffer), timeout)
+        except (KVTransferError, asyncio.TimeoutError) as err:
             self.counters.transfers_failed += 1
-            raise KVTransferError(f"KV receive (tag {tag:#x}) timed out") from None
-        finally:
-            self._arrived.pop(tag, None)
-        if data.shape != buffer.shape or data.dtype != buffer.dtype:
-            self.counters.transfers_failed += 1
-            raise KVTransferError("KV size mismatch")
-        buffer.copy_(data)
-        self.counters.bytes_received += buffer.numel() * buffer.element_size()
+            raise KVTransferError(f"KV send (tag {tag:#x}) failed: {err!r}") from None
+        self.counters.bytes_sent += _nbytes(buffer)
+
+    async def _deliver(self, tag: int, buffer: torch.Tensor) -> None:
+        while self.hold or tag not in self._posted:
+            if not self.hold and tag not in self._posted:
+                waiter = self._unexpected.setdefault(tag, asyncio.get_running_loop().create_future())
+                await waiter
+                continue
+            await asyncio.sleep(0.01)
+        dst, done = self._posted.pop(tag)
+        if _nbytes(buffer) > _nbytes(dst):
+            done.set_exception(KVTransferError("message truncated"))
+            raise KVTransferError("message truncated")
+        dst.reshape(-1).view(torch.uint8)[:_nbytes(buffer)].copy_(buffer.reshape(-1).view(torch.uint8))
+        done.set_result(_nbytes(buffer))
+
+    async def receive(self, tag: int, buffer: torch.Tensor) -> int:
+        done = asyncio.get_running_loop().create_future()
+        self._posted[tag] = (buffer, done)
+        waiter = self._unexpected.pop(tag, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        nbytes = await asyncio.shield(done)
+        if nbytes is None:
+            raise KVTransferError(f"KV receive (tag {tag:#x}) released before any data came")
+        self.counters.bytes_received += nbytes
+        return nbytes
+
+    async def release(self, tags: list[int]) -> None:
+        for tag in tags:
+            posted = self._posted.pop(tag, None)
+            if posted is not None and not posted[1].done():
+                posted[1].set_result(None)
+                self.counters.receives_released += 1
+        await asyncio.sleep(0)
+
+    async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
+        task = asyncio.ensure_future(self.receive(tag, torch.empty(nbytes, dtype=torch.uint8)))
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            await self.release([tag])
+        await asyncio.gather(task, return_exceptions=True)

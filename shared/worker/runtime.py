@@ -42,7 +42,7 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     model_dir = model_store.prepare(settings.model, settings.model_cache)
     model = model_store.load_model(model_dir, device, settings.dtype, settings.weights)
     tokenizer = model_store.load_tokenizer(model_dir)
-    layout = layout_of(model.config, model_store.model_name(settings.model), model.dtype)
+    layout = layout_of(model.config, model_store.model_name(settings.model), model.dtype, settings.block_size)
     num_blocks = max(1, settings.kv_cache_mb * 2**20 // (settings.block_size * bytes_per_token(layout)))
     runner = ModelRunner(model, layout.model, device, num_blocks, settings.block_size,
                          settings.prefill_chunk_tokens, settings.batch_invariant)

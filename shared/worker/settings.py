@@ -31,6 +31,10 @@ class WorkerSettings(CommonSettings):
     host_label: str = field(default="", metadata={"help": "host name announced to the scheduler; empty = this host's"})
     ucx_net_devices: str = field(default="lo", metadata={"help": "UCX_NET_DEVICES for the KV data plane (lo = loopback only; 'all' in containers)"})
     ucx_tls: str = field(default="", metadata={"help": "UCX_TLS for the KV data plane; empty = UCX's choice"})
+    ucx_error_handling: bool = field(default=False, metadata={"help": "UCX peer-failure mode on KV endpoints; UCX then uses tcp only, never shared memory (dead peers are found by leases either way)"})
+    zone: str = field(default="", metadata={"help": "topology label (rack or zone) announced with the host, for pairing close workers"})
+    kv_segment_tokens: int = field(default=512, metadata={"help": "a prompt's KV is sent in segments of this many tokens, each as soon as it is computed (a multiple of block_size)"})
+    kv_lease_s: float = field(default=30.0, metadata={"help": "a KV transfer that makes no progress this long is aborted, and its blocks freed, on both sides"})
     worker_timeout_s: float = field(default=3.0, metadata={"help": "a peer worker silent this long is taken for dead"})
     drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM, how long running requests may take to finish"})
     alive_file: str = field(default="", metadata={"help": "touched on every heartbeat, for container health checks; empty = none"})
@@ -48,12 +52,14 @@ class WorkerSettings(CommonSettings):
                      "prefill_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.kv_segment_tokens <= 0 or self.kv_segment_tokens % self.block_size:
+            raise ValueError("kv_segment_tokens must be a positive multiple of block_size")
         if self.prefill_chunk_tokens % self.block_size:
             raise ValueError("prefill_chunk_tokens must be a multiple of block_size")
         if self.max_batch_tokens < self.prefill_chunk_tokens:
             raise ValueError("max_batch_tokens must be at least prefill_chunk_tokens")
         for name in ("heartbeat_interval_s", "prefill_timeout_s", "kv_transfer_timeout_s", "drain_timeout_s",
-                     "worker_timeout_s"):
+                     "worker_timeout_s", "kv_lease_s"):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be positive")
         if self.worker_id and not _WORKER_ID.fullmatch(self.worker_id):

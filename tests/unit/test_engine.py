@@ -366,6 +366,13 @@ def prefill_elsewhere(model, prompt: list[int]) -> tuple[torch.Tensor, int]:
     return buffer, seq.output_ids[0]
 
 
+def land(engine, seq, buffer: torch.Tensor) -> None:
+    """What the KV transfer does: the prompt's KV past the cached prefix, written into seq's blocks."""
+    pool = engine.runner.pool
+    start = seq.num_cached_tokens
+    pool.kv.index_copy_(2, pool.slots(seq.block_table, start, seq.prompt_len), buffer[:, :, start:seq.prompt_len])
+
+
 def test_remote_kv_decodes_like_the_colocated_run(model, rand_tokens):
     prompt = rand_tokens(45)
     buffer, first = prefill_elsewhere(model, prompt)
@@ -377,12 +384,13 @@ def test_remote_kv_decodes_like_the_colocated_run(model, rand_tokens):
     assert engine.admit(seq)
     assert len(seq.block_table) == 3 and seq.num_cached_tokens == 0
     assert not seq.output_ids and seq not in engine.running
-    seq.kv_buffer, seq.first_token = buffer, first
+    land(engine, seq, buffer)
+    seq.first_token = first
     engine.kv_arrived(seq)
     assert seq.status is SeqStatus.KV_READY
     outputs = engine.step()
     assert (seq, [first]) in [(s, out.token_ids) for s, out in outputs]
-    assert seq.kv_buffer is None and seq.status is SeqStatus.RUNNING and seq.num_computed_tokens == 45
+    assert seq.status is SeqStatus.RUNNING and seq.num_computed_tokens == 45
     run_to_end(engine)
     assert seq.output_ids == alone(model, prompt, 12)
     assert engine.blocks.used == 0
@@ -397,8 +405,9 @@ def test_remote_kv_over_a_cached_prefix_loads_only_the_rest(model, rand_tokens):
     run_to_end(engine)
     seq = make_seq(prompt, 10, "remote")
     assert engine.admit(seq) and seq.num_cached_tokens == 64
-    buffer[:, :, :64] = float("nan")                    # the cached part must not be read from the buffer
-    seq.kv_buffer, seq.first_token = buffer, first
+    buffer[:, :, :64] = float("nan")                    # the cached part is not sent
+    land(engine, seq, buffer)
+    seq.first_token = first
     engine.kv_arrived(seq)
     run_to_end(engine)
     assert seq.output_ids == alone(model, prompt, 10)

@@ -59,7 +59,7 @@ def test_store_kv_writes_the_rows_into_their_slots(ops):
     from shared.messages import KVLayout
 
     fused, plain = ops
-    layout = KVLayout(model="t", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
+    layout = KVLayout(model="t", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
     pools = [KVPool(layout, 4, 4, "cpu") for _ in range(2)]
     qkv = torch.randn(5, 8 * 6)                                  # 3 real rows, 2 padding
     k, v = (t.view(5, 2, 8) for t in qkv.split([16, 16, 16], dim=-1)[1:])

@@ -4,9 +4,9 @@ import msgpack
 import pytest
 
 from shared.messages import (MAX_MESSAGE_BYTES, MESSAGE_TYPES, CancelRequest, DecodeAssignment, Discover,
-                             GenerateTask, KVLayout, MessageError, PrefillResult, PrefillTask,
+                             GenerateTask, KVDestination, KVLayout, MessageError, PrefillResult, PrefillTask,
                              SamplingParams, StatusReply, StatusRequest, SubmitReply, TaskAck, Timing,
-                             TokenChunk, WorkerHeartbeat, decode, encode)
+                             TokenChunk, TransferAbort, WorkerHeartbeat, decode, encode)
 
 SAMPLING = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=2**63 - 1,
                           stop=["\n\n", "日本"], ignore_eos=True)
@@ -25,9 +25,13 @@ SAMPLES = [
     SubmitReply(ok=False, code="UNAVAILABLE", message="m", prefill_worker="p", decode_worker="d"),
     DecodeAssignment(task=TASK, prefill_worker="prefill-1"),
     TaskAck(ok=True),
-    PrefillTask(request_id="r1", prompt_token_ids=[5, 6], sampling=SAMPLING, layout=LAYOUT, transfer_tag=2**64 - 1,
-                decode_worker="d", decode_ucx_address=bytes(range(256)), arrival_time=2.0),
-    PrefillResult(request_id="r1", transfer_tag=3, ok=True, first_token=42, kv_bytes=1024, queue_ms=0.5),
+    PrefillTask(request_id="r1", prompt_token_ids=[5, 6], sampling=SAMPLING, layout=LAYOUT,
+                destination=KVDestination(ucx_address=bytes(range(256)), base_tag=2**64 - 2**24, block_ids=[7, 3],
+                                          skip_tokens=16, segment_tokens=64, lease_s=5.0),
+                decode_worker="d", arrival_time=2.0),
+    PrefillResult(request_id="r1", base_tag=3, ok=True, first_token=42, kv_bytes=1024, queue_ms=0.5),
+    PrefillResult(request_id="r1", base_tag=3, ok=False, code="CANCELLED", pieces_sent=120),
+    TransferAbort(request_id="r1", base_tag=2**40, reason="lease expired"),
     TokenChunk(request_id="r1", index=3, token_ids=[9], text="é🙂", finish_reason="stop",
                timing=Timing(queue_ms=1.0, prefill_ms=2.0, kv_transfer_ms=3.0, prefill_worker="p", decode_worker="d")),
     CancelRequest(request_id="r1"),
@@ -89,13 +93,13 @@ def test_rejects_malformed(data):
 
 def test_rejects_str_for_bytes():
     body = msgpack.unpackb(encode(SAMPLES[4]), raw=False)
-    body["decode_ucx_address"] = "text"
+    body["destination"]["ucx_address"] = "text"
     with pytest.raises(MessageError):
         decode(msgpack.packb(body, use_bin_type=True))
 
 
 def test_float_field_accepts_int():
-    chunk = decode(raw(type="PrefillResult", request_id="r", transfer_tag=1, ok=True, queue_ms=3), PrefillResult)
+    chunk = decode(raw(type="PrefillResult", request_id="r", base_tag=1, ok=True, queue_ms=3), PrefillResult)
     assert chunk.queue_ms == 3.0 and isinstance(chunk.queue_ms, float)
 
 

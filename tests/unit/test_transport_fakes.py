@@ -118,10 +118,11 @@ async def test_send_then_receive_copies_bytes_and_counts():
     net = LoopbackNetwork()
     prefill, decode = InProcessDataPlane(net, "prefill"), InProcessDataPlane(net, "decode")
     sent = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
-    await prefill.send(decode.address, tag=7, buffer=sent, timeout=1.0)
-    sent.zero_()                                  # the sender may reuse its buffer at once
     received = torch.empty(2, 3, 4)
-    await decode.receive(tag=7, buffer=received, timeout=1.0)
+    receiving = asyncio.ensure_future(decode.receive(tag=7, buffer=received))
+    await prefill.send(decode.address, tag=7, buffer=sent, timeout=1.0)
+    sent.zero_()                                  # the sender may reuse its buffer once the send returns
+    assert await receiving == 24 * 4
     assert torch.equal(received, torch.arange(24, dtype=torch.float32).reshape(2, 3, 4))
     assert prefill.counters.bytes_sent == decode.counters.bytes_received == 24 * 4
     assert prefill.counters.transfers_failed == decode.counters.transfers_failed == 0
@@ -131,7 +132,7 @@ async def test_receive_posted_before_send_and_tags_do_not_mix():
     net = LoopbackNetwork()
     a, b = InProcessDataPlane(net, "a"), InProcessDataPlane(net, "b")
     one, two = torch.empty(4), torch.empty(4)
-    waiting = asyncio.gather(b.receive(1, one, 1.0), b.receive(2, two, 1.0))
+    waiting = asyncio.gather(b.receive(1, one), b.receive(2, two))
     await asyncio.sleep(0)
     await a.send(b"b", 2, torch.full((4,), 2.0), 1.0)
     await a.send(b"b", 1, torch.full((4,), 1.0), 1.0)
@@ -139,11 +140,39 @@ async def test_receive_posted_before_send_and_tags_do_not_mix():
     assert one.tolist() == [1.0] * 4 and two.tolist() == [2.0] * 4
 
 
-async def test_receive_timeout_raises():
-    plane = InProcessDataPlane(LoopbackNetwork(), "d")
+async def test_a_send_waits_for_its_receive_like_rendezvous():
+    net = LoopbackNetwork()
+    a, b = InProcessDataPlane(net, "a"), InProcessDataPlane(net, "b")
+    sending = asyncio.ensure_future(a.send(b"b", 9, torch.ones(4), 1.0))
+    await asyncio.sleep(0.05)
+    assert not sending.done()
+    received = torch.zeros(4)
+    await b.receive(9, received)
+    await sending
+    assert received.tolist() == [1.0] * 4
+
+
+async def test_release_ends_an_open_receive_and_leaves_a_landed_one():
+    net = LoopbackNetwork()
+    a, b = InProcessDataPlane(net, "a"), InProcessDataPlane(net, "b")
+    landed, open_ = torch.zeros(4), torch.zeros(4)
+    first = asyncio.ensure_future(b.receive(1, landed))
+    second = asyncio.ensure_future(b.receive(2, open_))
+    await asyncio.sleep(0)
+    await a.send(b"b", 1, torch.ones(4), 1.0)
+    await b.release([1, 2])
+    assert await first == 16 and landed.tolist() == [1.0] * 4
     with pytest.raises(KVTransferError):
-        await plane.receive(3, torch.empty(4), timeout=0.02)
-    assert plane.counters.transfers_failed == 1 and plane.counters.bytes_received == 0
+        await second
+    assert b.counters.receives_released == 1 and open_.tolist() == [0.0] * 4
+
+
+async def test_a_send_nobody_receives_times_out():
+    net = LoopbackNetwork()
+    a, _ = InProcessDataPlane(net, "a"), InProcessDataPlane(net, "b")
+    with pytest.raises(KVTransferError):
+        await a.send(b"b", 3, torch.ones(4), timeout=0.05)
+    assert a.counters.transfers_failed == 1 and a.counters.bytes_sent == 0
 
 
 async def test_unknown_peer_raises():
@@ -153,12 +182,15 @@ async def test_unknown_peer_raises():
     assert plane.counters.transfers_failed == 1 and plane.counters.bytes_sent == 0
 
 
-async def test_size_mismatch_raises():
+async def test_a_message_larger_than_its_receive_fails_both_ends():
     net = LoopbackNetwork()
     a, b = InProcessDataPlane(net, "a"), InProcessDataPlane(net, "b")
-    await a.send(b"b", 5, torch.ones(8), 1.0)
+    receiving = asyncio.ensure_future(b.receive(5, torch.empty(4)))
+    await asyncio.sleep(0)
     with pytest.raises(KVTransferError):
-        await b.receive(5, torch.empty(4), 1.0)
+        await a.send(b"b", 5, torch.ones(8), 1.0)
+    with pytest.raises(KVTransferError):
+        await receiving
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

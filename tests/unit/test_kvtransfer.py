@@ -1,0 +1,128 @@
+"""TransferPlan, KVSender and KVReceiver over the in-process data plane: pieces land in the right
+blocks bit for bit, only the missing suffix moves, and an abort ends every receive."""
+
+import asyncio
+
+import pytest
+import torch
+
+from shared.engine.kv_cache import KVPool
+from shared.kvtransfer.plan import MAX_PIECES, PlanError, TransferPlan, new_base_tag
+from shared.kvtransfer.receiver import KVReceiver
+from shared.kvtransfer.sender import KVSender
+from shared.messages import KVDestination, KVLayout
+from shared.transport.kv import InProcessDataPlane, KVTransferError, LoopbackNetwork
+
+BS = 4
+LAYOUT = KVLayout(model="tiny", dtype="float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=BS)
+
+
+def destination(block_ids, skip=0, segment=8, tag_bits=5):
+    return KVDestination(ucx_address=b"decode", base_tag=new_base_tag(tag_bits), block_ids=block_ids,
+                         skip_tokens=skip, segment_tokens=segment, lease_s=1.0)
+
+
+def filled_pool(num_blocks: int, seed: int) -> KVPool:
+    pool = KVPool(LAYOUT, num_blocks, BS, "cpu")
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(seed)))
+    return pool
+
+
+def test_plan_runs_follow_consecutive_decode_blocks_within_segments():
+    plan = TransferPlan(LAYOUT, 18, destination([3, 4, 9, 10, 11], segment=8))
+    assert [(s.start, s.end) for s in plan.segments] == [(0, 8), (8, 16), (16, 18)]
+    seg0 = {(p.start, p.end, p.dst_slot) for p in plan.segments[0].pieces}
+    assert seg0 == {(0, 8, 12)}                        # blocks 3, 4: one run
+    seg1 = {(p.start, p.end, p.dst_slot) for p in plan.segments[1].pieces}
+    assert seg1 == {(8, 16, 36)}                       # blocks 9, 10
+    assert len(plan.pieces) == 3 * 2 * 3 and [p.index for p in plan.pieces] == list(range(18))
+    assert plan.nbytes == 18 * 2 * 3 * 2 * 8 * 4
+
+
+def test_plan_skips_a_cached_prefix_and_splits_broken_runs():
+    plan = TransferPlan(LAYOUT, 13, destination([7, 2], skip=8, segment=8))
+    assert plan.num_tokens == 5
+    assert {(p.start, p.end, p.dst_slot) for p in plan.pieces} == {(8, 12, 28), (12, 13, 8)}
+
+
+@pytest.mark.parametrize("kwargs", [dict(skip=3), dict(skip=16), dict(segment=6), dict(segment=0)])
+def test_plan_rejects_bad_destinations(kwargs):
+    with pytest.raises(PlanError):
+        TransferPlan(LAYOUT, 16, destination([0, 1, 2, 3], **kwargs))
+
+
+def test_plan_rejects_a_wrong_block_count_and_a_bad_tag():
+    with pytest.raises(PlanError):
+        TransferPlan(LAYOUT, 16, destination([0, 1, 2]))
+    bad = destination([0, 1, 2, 3])
+    bad.base_tag += 1
+    with pytest.raises(PlanError):
+        TransferPlan(LAYOUT, 16, bad)
+    assert new_base_tag(2**64 - 1) % MAX_PIECES == 0 and 0 < new_base_tag(0) < 2**64
+
+
+async def transfer(prompt_len: int, src_table, dst_table, skip=0, segment=8):
+    net = LoopbackNetwork()
+    sender_plane, receiver_plane = InProcessDataPlane(net, "prefill"), InProcessDataPlane(net, "decode")
+    src, dst = filled_pool(8, seed=1), KVPool(LAYOUT, 12, BS, "cpu")
+    plan = TransferPlan(LAYOUT, prompt_len, destination(dst_table[skip // BS:], skip=skip, segment=segment))
+    receiver = KVReceiver(receiver_plane, dst, plan)
+    receiver.start()
+    sender = KVSender(sender_plane, src, plan, timeout_s=1.0)
+    computed = 0
+    while not sender.all_packed:       # as the prefill computes, one chunk of 4 tokens a step
+        computed = min(prompt_len, computed + 4)
+        for seg in sender.ready(computed):
+            sender.send(seg, sender.pack(seg, src_table))
+    await sender.finish()
+    await asyncio.wait_for(receiver.done.wait(), 1.0)
+    return src, dst, receiver, sender
+
+
+async def test_every_block_arrives_bit_identical():
+    src_table, dst_table = [5, 0, 3, 1, 7], [2, 3, 4, 9, 10]
+    src, dst, receiver, sender = await transfer(19, src_table, dst_table)
+    assert receiver.complete and sender.bytes_sent == receiver.landed_bytes == receiver.plan.nbytes
+    assert torch.equal(dst.export(dst.slots(dst_table, 0, 19)), src.export(src.slots(src_table, 0, 19)))
+    untouched = [b for b in range(12) if b not in dst_table]
+    assert not dst.kv.view(3, 2, 12, BS, 2, 8)[:, :, untouched].any()
+
+
+async def test_only_the_missing_suffix_moves():
+    src_table, dst_table = [5, 0, 3, 1, 7], [2, 3, 4, 9, 10]
+    src, dst, receiver, _ = await transfer(19, src_table, dst_table, skip=8)
+    assert torch.equal(dst.export(dst.slots(dst_table, 8, 19)), src.export(src.slots(src_table, 8, 19)))
+    assert not dst.kv[:, :, 8:16].any()                # blocks 2 and 3 (the prefix) were not written
+    assert receiver.landed_bytes == 11 * 2 * 3 * 2 * 8 * 4
+
+
+async def test_abort_releases_every_open_receive_and_reports_what_was_unfilled():
+    net = LoopbackNetwork()
+    plane = InProcessDataPlane(net, "decode")
+    pool = KVPool(LAYOUT, 4, BS, "cpu")
+    plan = TransferPlan(LAYOUT, 16, destination([0, 1, 2, 3]))
+    receiver = KVReceiver(plane, pool, plan)
+    receiver.start()
+    await asyncio.sleep(0)
+    assert await receiver.abort(1.0)
+    assert not receiver.complete and plane.counters.receives_released == len(plan.pieces)
+    assert len(receiver.unfilled(pieces_sent=4)) == 4
+    with pytest.raises(KVTransferError):
+        receiver.check(lease_s=10.0)
+
+
+async def test_a_stalled_transfer_is_reported_after_its_lease():
+    net = LoopbackNetwork()
+    sender_plane, plane = InProcessDataPlane(net, "prefill"), InProcessDataPlane(net, "decode")
+    src, dst = filled_pool(4, seed=2), KVPool(LAYOUT, 4, BS, "cpu")
+    plan = TransferPlan(LAYOUT, 16, destination([0, 1, 2, 3]))
+    receiver = KVReceiver(plane, dst, plan)
+    receiver.start()
+    sender = KVSender(sender_plane, src, plan, timeout_s=1.0)
+    first = plan.segments[0]
+    await sender.send(first, sender.pack(first, [0, 1, 2, 3]))
+    receiver.check(lease_s=0.05)                      # progress just now: fine
+    await asyncio.sleep(0.1)
+    with pytest.raises(KVTransferError, match="no KV piece landed"):
+        receiver.check(lease_s=0.05)
+    assert await receiver.abort(1.0)

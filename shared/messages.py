@@ -128,6 +128,7 @@ class PrefillResult:
     kv_bytes: int = 0
     pieces_sent: int = 0        # on an abort: pieces handed to UCX before it stopped
     transport: str = ""         # the UCX transports that carry the bytes, e.g. "sysv+posix+cma"
+    computed_at: float = 0.0    # unix time the prompt's last chunk was computed
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     prefill_worker: str = ""
@@ -148,6 +149,7 @@ class Timing:
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     kv_transfer_ms: float = 0.0
+    kv_exposed_ms: float = 0.0
     prefill_worker: str = ""
     decode_worker: str = ""
 

@@ -221,7 +221,8 @@ class DecodeWorker:
             if time.monotonic() > deadline:
                 raise _Failed("UNAVAILABLE", f"prefill worker {prefill_worker} did not finish in time")
             await self._news(receiver, inbox, seq)
-        seq.kv_transfer_ms = (time.time() - receiver.first_landed) * 1000
+        seq.kv_transfer_ms = (receiver.last_landed - receiver.first_landed) * 1000
+        seq.kv_exposed_ms = max(0.0, receiver.last_landed - result.computed_at) * 1000
         return result
 
     async def _news(self, receiver: KVReceiver, inbox: asyncio.Queue, seq: Sequence) -> None:
@@ -301,7 +302,7 @@ class DecodeWorker:
         if out.finish_reason:
             extra = dict(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids),
                          timing=Timing(queue_ms=seq.queue_ms, prefill_ms=seq.prefill_ms,
-                                       kv_transfer_ms=seq.kv_transfer_ms,
+                                       kv_transfer_ms=seq.kv_transfer_ms, kv_exposed_ms=seq.kv_exposed_ms,
                                        prefill_worker=seq.prefill_worker, decode_worker=self.rt.worker_id))
         chunk = self._chunk(seq, token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason, **extra)
         await self.bus.publish(seq.task.reply_subject, chunk)

@@ -123,7 +123,7 @@ class TandemServicer(pb_grpc.TandemServicer):
             if t is not None:
                 response.timing.CopyFrom(pb.Timing(
                     queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, kv_transfer_ms=t.kv_transfer_ms,
-                    prefill_worker=t.prefill_worker, decode_worker=t.decode_worker))
+                    kv_exposed_ms=t.kv_exposed_ms, prefill_worker=t.prefill_worker, decode_worker=t.decode_worker))
             response.timing.ttft_ms = ((first_at or now) - arrival) * 1000
             response.timing.total_ms = (now - arrival) * 1000
         return response
@@ -137,5 +137,6 @@ class TandemServicer(pb_grpc.TandemServicer):
             id=w.worker_id, role=w.role, host=w.host, pid=w.pid, running=w.running, queued=w.queued,
             kv_blocks_used=w.kv_blocks_used, kv_blocks_total=w.kv_blocks_total,
             requests_served=w.requests_served, kv_bytes_sent=w.kv_bytes_sent,
-            kv_bytes_received=w.kv_bytes_received, kv_transfers_failed=w.kv_transfers_failed)
+            kv_bytes_received=w.kv_bytes_received, kv_transfers_failed=w.kv_transfers_failed,
+            kv_blocks_leaked=w.kv_blocks_leaked, kv_transport=w.kv_transport, zone=w.zone)
             for w in reply.workers])

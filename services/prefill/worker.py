@@ -11,6 +11,7 @@ progress for `lease_s` fails, and a TransferAbort from the decode worker stops i
 import asyncio
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass
 
 from shared.engine.model_runner import EngineExecutor
@@ -37,6 +38,7 @@ class _Transfer:
     sender: KVSender
     blocks_held: bool = True
     first_token: int = -1
+    computed_at: float = 0.0
     abort_reason: str = ""      # set by a TransferAbort; acted on between engine steps
 
 
@@ -171,6 +173,7 @@ class PrefillWorker:
             return False
         for seq, out in outputs:
             self.held[seq.request_id].first_token = out.token_ids[0]
+            self.held[seq.request_id].computed_at = time.time()
         await self._ship()
         return True
 
@@ -196,7 +199,7 @@ class PrefillWorker:
             request_id=t.task.request_id, base_tag=t.task.destination.base_tag, ok=True,
             first_token=t.first_token, kv_bytes=t.sender.plan.nbytes, queue_ms=t.seq.queue_ms,
             prefill_ms=t.seq.prefill_ms, prefill_worker=self.rt.worker_id,
-            transport=self.plane.transport_to(t.task.destination.ucx_address)))
+            transport=self.plane.transport_to(t.task.destination.ucx_address), computed_at=t.computed_at))
         task = asyncio.create_task(self._await_sends(t))
         self.finishing.add(task)
         task.add_done_callback(self.finishing.discard)

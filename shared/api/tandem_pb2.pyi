@@ -65,7 +65,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "ttft_ms", "total_ms", "prefill_worker", "decode_worker")
+    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "ttft_ms", "total_ms", "prefill_worker", "decode_worker", "kv_exposed_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class Timing(_message.Message):
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPOSED_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     kv_transfer_ms: float
@@ -80,7 +81,8 @@ class Timing(_message.Message):
     total_ms: float
     prefill_worker: str
     decode_worker: str
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    kv_exposed_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_exposed_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timing")
@@ -103,7 +105,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "role", "host", "pid", "running", "queued", "kv_blocks_used", "kv_blocks_total", "requests_served", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_failed")
+    __slots__ = ("id", "role", "host", "pid", "running", "queued", "kv_blocks_used", "kv_blocks_total", "requests_served", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_failed", "kv_blocks_leaked", "kv_transport", "zone")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +118,9 @@ class WorkerStatus(_message.Message):
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_LEAKED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     host: str
@@ -128,7 +133,10 @@ class WorkerStatus(_message.Message):
     kv_bytes_sent: int
     kv_bytes_received: int
     kv_transfers_failed: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., requests_served: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ...) -> None: ...
+    kv_blocks_leaked: int
+    kv_transport: str
+    zone: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., requests_served: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_blocks_leaked: _Optional[int] = ..., kv_transport: _Optional[str] = ..., zone: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("workers", "mode")

@@ -48,11 +48,13 @@ def generate_command(args) -> int:
 
 
 def status_table(response: pb.ClusterStatusResponse) -> str:
-    rows = [("WORKER", "ROLE", "HOST", "PID", "RUNNING", "QUEUED", "KV BLOCKS", "SERVED", "KV SENT", "KV RECEIVED", "KV FAILED")]
+    rows = [("WORKER", "ROLE", "HOST", "ZONE", "PID", "RUNNING", "QUEUED", "KV BLOCKS", "LEAKED", "SERVED",
+             "KV SENT", "KV RECEIVED", "KV FAILED", "KV TRANSPORT")]
     for w in response.workers:
-        rows.append((w.id, w.role, w.host, str(w.pid), str(w.running), str(w.queued),
-                     f"{w.kv_blocks_used}/{w.kv_blocks_total}", str(w.requests_served),
-                     _bytes(w.kv_bytes_sent), _bytes(w.kv_bytes_received), str(w.kv_transfers_failed)))
+        rows.append((w.id, w.role, w.host, w.zone or "-", str(w.pid), str(w.running), str(w.queued),
+                     f"{w.kv_blocks_used}/{w.kv_blocks_total}", str(w.kv_blocks_leaked), str(w.requests_served),
+                     _bytes(w.kv_bytes_sent), _bytes(w.kv_bytes_received), str(w.kv_transfers_failed),
+                     w.kv_transport or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     return f"mode: {response.mode}\n" + "\n".join(lines)

@@ -52,7 +52,8 @@ class Sequence:
         self.chunk_index = 0
         self.queue_ms = 0.0
         self.prefill_ms = 0.0
-        self.kv_transfer_ms = 0.0
+        self.kv_transfer_ms = 0.0             # first KV piece landed -> last one landed
+        self.kv_exposed_ms = 0.0              # prefill finished -> last KV piece landed
         self.prefill_worker = ""
         self.prefill_started = 0.0
 

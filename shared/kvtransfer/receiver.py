@@ -30,6 +30,7 @@ class KVReceiver:
         self.landed_bytes = 0
         self.last_progress = 0.0             # monotonic time a piece last landed
         self.first_landed = 0.0              # wall time the first piece landed
+        self.last_landed = 0.0               # wall time the latest piece landed
         self.done = asyncio.Event()
         self._tasks: dict[int, asyncio.Task] = {}   # tag -> its posted receive
         self._failure: BaseException | None = None
@@ -52,7 +53,8 @@ class KVReceiver:
         self.landed += 1
         self.landed_bytes += task.result()
         self.last_progress = time.monotonic()
-        self.first_landed = self.first_landed or time.time()
+        self.last_landed = time.time()
+        self.first_landed = self.first_landed or self.last_landed
         if self.landed == len(self.plan.pieces):
             self.done.set()
 
@@ -72,7 +74,7 @@ class KVReceiver:
         """Ends every receive still posted; True when none can write into the pool any more."""
         open_tags = [tag for tag, task in self._tasks.items() if not task.done()]
         if open_tags:
-            await self.plane.release(open_tags)
+            await self.plane.release(open_tags, timeout_s)
         pending = [t for t in self._tasks.values() if not t.done()]
         if pending:
             _, still = await asyncio.wait(pending, timeout=timeout_s)

@@ -46,9 +46,10 @@ class DataPlane(Protocol):
         """Receives the message sent with `tag` into `buffer`; its byte count. Raises KVTransferError
         if release() ended it before any data came."""
 
-    async def release(self, tags: list[int]) -> None:
+    async def release(self, tags: list[int], timeout: float = 10.0) -> None:
         """Ends the receives posted with these tags that no data has matched yet; returns when
-        none of them can write into its buffer any more."""
+        none of them can write into its buffer any more, or after `timeout` (a receive that data
+        matched but that never completed stays open)."""
 
     async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
         """Takes a message nobody wants off the wire (its transfer was aborted after it was sent)."""
@@ -191,6 +192,8 @@ class UcxDataPlane:
         except asyncio.CancelledError:
             if not posted.done():  # the receive stays posted: only release() may end it
                 raise
+        except Exception:
+            pass  # the posted receive failed: reported below
         finally:
             if posted.done():
                 self._posted.pop(tag, None)
@@ -203,25 +206,31 @@ class UcxDataPlane:
         self.counters.bytes_received += _nbytes(buffer)
         return _nbytes(buffer)
 
-    async def release(self, tags: list[int]) -> None:
+    async def release(self, tags: list[int], timeout: float = 10.0) -> None:
         """Ends open receives by sending each an empty message from this worker to itself; a
         receive that data matched first leaves that message unmatched, and it is swept up here."""
         posted = {tag: self._posted[tag] for tag in tags if tag in self._posted and not self._posted[tag].done()}
         if not posted:
             return
         loop = asyncio.get_running_loop()
-        for tag in posted:
-            self._verdicts[tag] = loop.create_future()
-        own = await self._endpoint(self.address)
-        await asyncio.gather(*(own.send(_EMPTY, tag=tag, force_tag=True) for tag in posted))
-        await asyncio.gather(*posted.values(), return_exceptions=True)
-        for tag in posted:
-            probe = self._ucxx.core._get_ctx().tag_probe(tag, remove=True)
-            empty = not probe.matched            # our empty message is what ended the receive
-            if not empty:
-                await self._ucxx.core._get_ctx().recv_with_handle(_SCRATCH, probe)
-            self.counters.receives_released += empty
-            self._verdicts[tag].set_result(empty)
+        verdicts = {tag: loop.create_future() for tag in posted}
+        self._verdicts.update(verdicts)
+        ctx = self._ucxx.core._get_ctx()
+        try:
+            own = await self._endpoint(self.address)
+            await asyncio.gather(*(own.send(_EMPTY, tag=tag, force_tag=True) for tag in posted))
+            await asyncio.wait(posted.values(), timeout=timeout)
+        finally:
+            for tag, verdict in verdicts.items():
+                if not posted[tag].done():           # matched by a sender that never finished: still open
+                    continue
+                probe = ctx.tag_probe(tag, remove=True)
+                empty = not probe.matched            # our empty message is what ended the receive
+                if not empty:                        # data came first: sweep our message up
+                    await ctx.recv_with_handle(_SCRATCH, probe)
+                self.counters.receives_released += empty
+                if not verdict.done():
+                    verdict.set_result(empty)
 
     async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
         """Takes a message nobody wants off the wire (its transfer was aborted after it was sent)."""
@@ -346,7 +355,7 @@ class InProcessDataPlane:
         self.counters.bytes_received += nbytes
         return nbytes
 
-    async def release(self, tags: list[int]) -> None:
+    async def release(self, tags: list[int], timeout: float = 10.0) -> None:
         for tag in tags:
             posted = self._posted.pop(tag, None)
             if posted is not None and not posted[1].done():

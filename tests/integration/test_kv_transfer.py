@@ -1,0 +1,136 @@
+"""The KV data plane between two real processes over real UCX: the blocks arrive bit for bit,
+only the missing suffix moves, a stalled transfer is released, and a restarted peer is reached."""
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from shared.kvtransfer.peer import KVPeer
+from shared.kvtransfer.plan import new_base_tag
+from shared.messages import KVLayout
+
+pytestmark = pytest.mark.slow
+
+BS = 16
+LAYOUT = KVLayout(model="m", dtype="float32", num_layers=30, num_kv_heads=3, head_dim=64, block_size=BS)
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    with KVPeer(LAYOUT, num_blocks=160, seed=1) as peer:
+        yield peer
+
+
+@pytest.fixture()
+def decode():
+    with KVPeer(LAYOUT, num_blocks=192) as peer:
+        yield peer
+
+
+def destination(address: bytes, block_ids: list[int], skip: int = 0, segment: int = 256) -> dict:
+    return dict(ucx_address=address, base_tag=new_base_tag(random.getrandbits(39)), block_ids=block_ids,
+                skip_tokens=skip, segment_tokens=segment, lease_s=5.0)
+
+
+def tables(prompt_len: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    n = -(-prompt_len // BS)
+    src = rng.sample(range(160), n)
+    dst = list(range(64, 64 + n // 2)) + rng.sample(range(0, 64), n - n // 2)   # one run, then scattered
+    return src, dst
+
+
+def test_kv_arrives_bit_identical_in_the_decode_pool(prefill, decode):
+    rng = random.Random(0)
+    prompt = 1000
+    src, dst = tables(prompt, rng)
+    dest = destination(decode.call("address")["address"], dst)
+    posted = decode.call("receive", prompt_len=prompt, destination=dest)
+    sent = prefill.call("send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=128)
+    landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=30)
+    assert sent["ok"] and landed["complete"], (sent, landed)
+    assert sent["bytes"] == landed["bytes"] == posted["bytes"] == prompt * 2 * 30 * 3 * 64 * 4
+    assert decode.call("digest", table=dst, start=0, end=prompt) == prefill.call("digest", table=src, start=0, end=prompt)
+    # shared memory, not loopback TCP, between two processes of one host
+    assert "tcp" not in sent["transport"] and "sysv" in sent["transport"], sent["transport"]
+
+
+def test_only_the_missing_suffix_is_sent(prefill, decode):
+    rng = random.Random(1)
+    prompt, skip = 700, 256
+    src, dst = tables(prompt, rng)
+    zeros = decode.call("digest", table=dst, start=0, end=skip)
+    dest = destination(decode.call("address")["address"], dst[skip // BS:], skip=skip)
+    posted = decode.call("receive", prompt_len=prompt, destination=dest)
+    sent = prefill.call("send", prompt_len=prompt, src_table=src, destination=dest)
+    landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=30)
+    assert sent["ok"] and landed["complete"]
+    assert landed["bytes"] == posted["bytes"] == (prompt - skip) * 2 * 30 * 3 * 64 * 4
+    assert decode.call("digest", table=dst, start=skip, end=prompt) == prefill.call("digest", table=src, start=skip, end=prompt)
+    assert decode.call("digest", table=dst, start=0, end=skip) == zeros   # the held prefix is untouched
+
+
+def test_a_stalled_sender_is_caught_by_the_lease_and_every_receive_released(decode):
+    with KVPeer(LAYOUT, num_blocks=160, seed=3) as slow:
+        rng = random.Random(2)
+        prompt = 2048
+        src, dst = tables(prompt, rng)
+        dest = destination(decode.call("address")["address"], dst, segment=256)
+        posted = decode.call("receive", prompt_len=prompt, destination=dest)
+        slow.start("send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=256, chunk_delay_s=0.5)
+        time.sleep(0.8)                                   # a segment or two are in
+        os.kill(slow.process.pid, signal.SIGSTOP)         # then the sender stops dead
+        try:
+            landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=20, lease_s=1.0)
+            assert not landed["complete"] and "no KV piece landed" in landed["error"], landed
+            assert 0 < landed["landed"] < posted["pieces"]
+            aborted = decode.call("abort", base_tag=dest["base_tag"])
+            assert aborted["safe"] and aborted["released"] == posted["pieces"] - landed["landed"]
+        finally:
+            os.kill(slow.process.pid, signal.SIGCONT)
+            slow.kill()
+
+
+def test_a_sender_killed_mid_transfer_leaves_no_receive_open(decode):
+    with KVPeer(LAYOUT, num_blocks=160, seed=4) as doomed:
+        rng = random.Random(3)
+        prompt = 2048
+        src, dst = tables(prompt, rng)
+        dest = destination(decode.call("address")["address"], dst, segment=256)
+        posted = decode.call("receive", prompt_len=prompt, destination=dest)
+        doomed.start("send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=256, chunk_delay_s=0.3)
+        time.sleep(0.5)
+        doomed.kill()
+        landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=20, lease_s=1.0)
+        assert not landed["complete"]
+        aborted = decode.call("abort", base_tag=dest["base_tag"])
+        assert aborted["safe"] and aborted["released"] >= posted["pieces"] - landed["landed"]
+    # the decode side still takes a transfer from a new sender
+    with KVPeer(LAYOUT, num_blocks=160, seed=5) as fresh:
+        dest = destination(decode.call("address")["address"], dst[:8])
+        decode.call("receive", prompt_len=128, destination=dest)
+        assert fresh.call("send", prompt_len=128, src_table=src[:8], destination=dest)["ok"]
+        assert decode.call("wait", base_tag=dest["base_tag"], timeout_s=20)["complete"]
+
+
+def test_a_restarted_peer_is_reached_through_a_new_endpoint(prefill):
+    rng = random.Random(4)
+    src, dst = tables(256, rng)
+    with KVPeer(LAYOUT, num_blocks=192) as first:
+        dest = destination(first.call("address")["address"], dst)
+        first.call("receive", prompt_len=256, destination=dest)
+        assert prefill.call("send", prompt_len=256, src_table=src, destination=dest)["ok"]
+        assert first.call("wait", base_tag=dest["base_tag"], timeout_s=20)["complete"]
+        gone = dest["ucx_address"]
+    # the decode worker died and came back: a send to its old address fails within its timeout...
+    failed = prefill.call("send", prompt_len=256, src_table=src, destination=destination(gone, dst), timeout_s=2.0)
+    assert not failed["ok"]
+    # ...and its new incarnation, at a new address, gets the next transfer
+    with KVPeer(LAYOUT, num_blocks=192) as second:
+        dest = destination(second.call("address")["address"], dst)
+        second.call("receive", prompt_len=256, destination=dest)
+        assert prefill.call("send", prompt_len=256, src_table=src, destination=dest)["ok"]
+        assert second.call("wait", base_tag=dest["base_tag"], timeout_s=20)["complete"]
+        assert second.call("digest", table=dst, start=0, end=256) == prefill.call("digest", table=src, start=0, end=256)

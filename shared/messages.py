@@ -96,7 +96,7 @@ class KVDestination:
     base_tag: int               # piece i of the transfer travels with UCX tag base_tag + i
     block_ids: list[int]
     skip_tokens: int = 0
-    segment_tokens: int = 512
+    segment_tokens: int = 1024
     lease_s: float = 30.0       # a transfer that makes no progress this long is aborted by either side
 
 

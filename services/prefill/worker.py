@@ -1,11 +1,11 @@
 """PrefillWorker: batches the prompts decode workers send it, and streams each prompt's KV out over UCX.
 
 The loop reads: drain inputs -> step the engine (prompt chunks of many requests in one batch)
--> ship: every transfer segment whose tokens are now computed is packed and put on the wire
-while the next chunks compute (chunk-wise pipelining) -> when a prompt is done, tell its decode
-worker the first token. A prompt's blocks are held until its last segment is packed; the
-packed copies live until UCX has sent them. Each transfer has a lease: a send that makes no
-progress for `lease_s` fails, and a TransferAbort from the decode worker stops it at once.
+-> ship: every transfer segment whose tokens are now computed is put on the wire while the next
+chunks compute (chunk-wise pipelining) -> when a prompt is done, tell its decode worker the
+first token. A prompt's blocks are held until every piece has left (pieces go straight from
+the pool where they can). Each transfer has a lease: a send that makes no progress for
+`lease_s` fails, and a TransferAbort from the decode worker stops it at once.
 """
 
 import asyncio
@@ -68,8 +68,12 @@ class PrefillWorker:
             requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
             kv_bytes_received=self.plane.counters.bytes_received,
             kv_transfers_failed=self.plane.counters.transfers_failed,
-            kv_blocks_leaked=self.rt.blocks.leaked([t.seq.block_table for t in self.held.values() if t.blocks_held]),
+            kv_blocks_leaked=self._leaked(),
             kv_transport=self.plane.transports(), zone=self.settings.zone, stopping=self.stopping)
+
+    def _leaked(self) -> int:
+        with self.engine.lock:
+            return self.rt.blocks.leaked([t.seq.block_table for t in self.held.values() if t.blocks_held])
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_tasks(self.rt.worker_id), self.on_task),
@@ -178,58 +182,67 @@ class PrefillWorker:
         return True
 
     async def _ship(self) -> None:
-        """Packs every segment whose tokens are computed, and puts each on the wire."""
-        ready = [(t, seg) for t in self.held.values() if t.blocks_held and not t.sender.aborted
+        """Stages every segment whose tokens are computed, and puts each on the wire."""
+        ready = [(t, seg) for t in self.held.values() if not t.sender.aborted
                  for seg in t.sender.ready(t.seq.num_computed_tokens)]
         if not ready:
             return
-        staged = await self.executor.run(lambda: [t.sender.pack(seg, t.seq.block_table) for t, seg in ready])
-        for (t, seg), staging in zip(ready, staged):
+        staged = await self.executor.run(lambda: [t.sender.stage(seg, t.seq.block_table) for t, seg in ready])
+        for (t, seg), sources in zip(ready, staged):
             if t.sender.aborted:
-                continue  # aborted while it was being packed
-            t.sender.send(seg, staging)
-            if t.sender.all_packed:
+                continue  # aborted while it was being staged
+            t.sender.send(seg, sources)
+            if t.sender.all_staged:
                 await self._finish(t)
 
     async def _finish(self, t: _Transfer) -> None:
-        """The whole prompt is computed and on the wire: free its blocks, tell the decode worker."""
-        t.blocks_held = False
-        self.engine.release(t.seq)
+        """The whole prompt is computed and on the wire: tell the decode worker its first token."""
         await self._publish(t, PrefillResult(
             request_id=t.task.request_id, base_tag=t.task.destination.base_tag, ok=True,
             first_token=t.first_token, kv_bytes=t.sender.plan.nbytes, queue_ms=t.seq.queue_ms,
             prefill_ms=t.seq.prefill_ms, prefill_worker=self.rt.worker_id,
             transport=self.plane.transport_to(t.task.destination.ucx_address), computed_at=t.computed_at))
-        task = asyncio.create_task(self._await_sends(t))
+        self._await_sends(t)
+
+    def _await_sends(self, t: _Transfer) -> None:
+        task = asyncio.create_task(self._sends_done(t))
         self.finishing.add(task)
         task.add_done_callback(self.finishing.discard)
 
-    async def _await_sends(self, t: _Transfer) -> None:
+    async def _sends_done(self, t: _Transfer) -> None:
+        """When every piece has left (or failed, at the latest after a lease), the blocks go."""
         try:
             await t.sender.finish()
             if not t.sender.aborted:
                 self.served += 1
         except KVTransferError as err:
             if not t.sender.aborted:
+                t.sender.aborted = True
                 log.error("KV of %s to %s not sent: %s", t.task.request_id, t.task.decode_worker, err)
                 await self._publish(t, self._failure(t, "UNAVAILABLE", "KV transfer failed"))
         finally:
-            if self.held.get(t.task.request_id) is t:
-                del self.held[t.task.request_id]
+            self._release(t)
 
-    async def _abort(self, t: _Transfer, code: str, message: str) -> None:
-        """Stops a transfer: no more segments, its blocks freed, its decode worker told how far it got."""
-        t.sender.aborted = True
+    def _release(self, t: _Transfer) -> None:
         if t.blocks_held:
             t.blocks_held = False
             self.engine.release(t.seq)
+        if self.held.get(t.task.request_id) is t:
+            del self.held[t.task.request_id]
+
+    async def _abort(self, t: _Transfer, code: str, message: str) -> None:
+        """Stops a transfer (between engine steps): no more segments, its blocks freed now, its
+        decode worker told how far it got. Pieces still on the wire may read reused blocks; they
+        belong to the aborted transfer, and the decode worker discards them."""
+        t.sender.aborted = True
         await self._publish(t, self._failure(t, code, message))
-        if t.sender.sends:  # pieces on the wire: the decode worker takes them off it
-            task = asyncio.create_task(self._await_sends(t))
-            self.finishing.add(task)
-            task.add_done_callback(self.finishing.discard)
+        if t.blocks_held:
+            t.blocks_held = False
+            self.engine.release(t.seq)
+        if t.sender.sends:
+            self._await_sends(t)
         else:
-            self.held.pop(t.task.request_id, None)
+            self._release(t)
 
     def _failure(self, t: _Transfer, code: str, message: str) -> PrefillResult:
         return PrefillResult(request_id=t.task.request_id, base_tag=t.task.destination.base_tag, ok=False,

@@ -43,10 +43,10 @@ class _Peer:
         sender = KVSender(self.plane, self.pool, plan, timeout_s)
         started = time.time()
         computed = prompt_len if not chunk_tokens else min(prompt_len, destination.get("skip_tokens", 0) + chunk_tokens)
-        while not sender.all_packed:
+        while not sender.all_staged:
             for seg in sender.ready(computed):
-                sender.send(seg, sender.pack(seg, src_table))
-            if not sender.all_packed:
+                sender.send(seg, sender.stage(seg, src_table))
+            if not sender.all_staged:
                 await asyncio.sleep(chunk_delay_s)
                 computed = min(prompt_len, computed + chunk_tokens)
         computed_at = time.time()

@@ -32,17 +32,15 @@ class KVReceiver:
         self.first_landed = 0.0              # wall time the first piece landed
         self.last_landed = 0.0               # wall time the latest piece landed
         self.done = asyncio.Event()
-        self._tasks: dict[int, asyncio.Task] = {}   # tag -> its posted receive
+        self._tasks: dict[int, asyncio.Future] = {}   # tag -> its posted receive
         self._failure: BaseException | None = None
 
     def start(self) -> None:
         """Posts the receive of every piece (call before the prefill worker may send)."""
-        for piece in self.plan.pieces:
-            dst = self.pool.span(piece.layer, piece.kv, piece.dst_slot, piece.tokens)
-            tag = self.plan.tag(piece)
-            task = asyncio.create_task(self.plane.receive(tag, dst))
-            task.add_done_callback(self._on_landed)
-            self._tasks[tag] = task
+        pieces = [(self.plan.tag(p), self.pool.span(p.layer, p.kv, p.dst_slot, p.tokens)) for p in self.plan.pieces]
+        for (tag, _), future in zip(pieces, self.plane.post_receives(pieces)):
+            future.add_done_callback(self._on_landed)
+            self._tasks[tag] = future
 
     def _on_landed(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is not None:

@@ -42,9 +42,15 @@ class DataPlane(Protocol):
     async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
         """Sends `buffer` to the peer's receive posted with `tag`."""
 
+    async def send_many(self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float) -> None:
+        """Sends every (tag, buffer) at once; returns when all have left, `timeout` in all."""
+
     async def receive(self, tag: int, buffer: torch.Tensor) -> int:
         """Receives the message sent with `tag` into `buffer`; its byte count. Raises KVTransferError
         if release() ended it before any data came."""
+
+    def post_receives(self, pieces: list[tuple[int, torch.Tensor]]) -> list[asyncio.Future]:
+        """Posts a receive per (tag, buffer) now; one future each, as receive() would return."""
 
     async def release(self, tags: list[int], timeout: float = 10.0) -> None:
         """Ends the receives posted with these tags that no data has matched yet; returns when
@@ -91,7 +97,8 @@ class UcxDataPlane:
         self._error_handling = error_handling
         self._endpoints: OrderedDict[bytes, object] = OrderedDict()
         self._connecting: dict[bytes, asyncio.Lock] = {}
-        self._posted: dict[int, asyncio.Task] = {}            # tag -> the UCX receive posted with it
+        self._posted: dict[int, object] = {}                  # tag -> the UCX receive request posted with it
+        self._completing: set[asyncio.Task] = set()
         self._verdicts: dict[int, asyncio.Future] = {}        # tag -> True when release() ended it empty
         # ucxx cannot cancel one posted request: a send that timed out may still be read, so
         # its buffer must outlive it (packed copies only: never pool memory).
@@ -174,42 +181,71 @@ class UcxDataPlane:
                 log.debug("aborting a UCX endpoint: %s", err)
 
     async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
+        await self.send_many(peer_address, [(tag, buffer)], timeout)
+
+    async def send_many(self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float) -> None:
+        """Puts every (tag, buffer) on the wire at once (one UCX request each, no task per piece)
+        and waits for all of them, `timeout` in all."""
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag
+
         try:
             ep = await self._endpoint(peer_address)
-            await asyncio.wait_for(ep.send(_ucx_view(buffer), tag=tag, force_tag=True), timeout)
+            requests = [ep._ep.tag_send(Array(_ucx_view(buf)), Tag(tag)) for tag, buf in pieces]  # no binding without a task each
+            await asyncio.wait_for(_wait_all(requests), timeout)
         except Exception as err:
             self.counters.transfers_failed += 1
-            self._abandoned.append(buffer)  # UCX may still be reading it
+            self._abandoned.extend(buf for _, buf in pieces)  # UCX may still be reading them
             self.forget(peer_address)
-            raise KVTransferError(f"KV send (tag {tag:#x}) failed: {err!r}") from err
-        self.counters.bytes_sent += _nbytes(buffer)
+            raise KVTransferError(f"KV send of {len(pieces)} piece(s) (tag {pieces[0][0]:#x}...) failed: {err!r}") from err
+        self.counters.bytes_sent += sum(_nbytes(buf) for _, buf in pieces)
 
     async def receive(self, tag: int, buffer: torch.Tensor) -> int:
-        posted = asyncio.ensure_future(self._ucxx.recv(_ucx_view(buffer), tag=tag))
-        self._posted[tag] = posted
-        try:
-            await asyncio.shield(posted)
-        except asyncio.CancelledError:
-            if not posted.done():  # the receive stays posted: only release() may end it
-                raise
-        except Exception:
-            pass  # the posted receive failed: reported below
-        finally:
-            if posted.done():
-                self._posted.pop(tag, None)
-        verdict = self._verdicts.pop(tag, None)
-        if posted.exception() is not None:
-            self.counters.transfers_failed += 1
-            raise KVTransferError(f"KV receive (tag {tag:#x}) failed: {posted.exception()!r}")
-        if verdict is not None and await verdict:
-            raise KVTransferError(f"KV receive (tag {tag:#x}) released before any data came")
-        self.counters.bytes_received += _nbytes(buffer)
-        return _nbytes(buffer)
+        return await self.post_receives([(tag, buffer)])[0]
+
+    def post_receives(self, pieces: list[tuple[int, torch.Tensor]]) -> list[asyncio.Future]:
+        """Posts a receive per (tag, buffer) now; each future gives the byte count, or raises
+        KVTransferError when the receive failed or release() ended it before data came."""
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag
+
+        worker = self._ucxx.core._get_ctx().worker
+        loop = asyncio.get_running_loop()
+        entries = []
+        for tag, buf in pieces:
+            request = worker.tag_recv(Array(_ucx_view(buf)), Tag(tag))
+            self._posted[tag] = request
+            entries.append((tag, request, loop.create_future(), _nbytes(buf)))
+        task = asyncio.ensure_future(self._complete(entries))
+        self._completing.add(task)
+        task.add_done_callback(self._completing.discard)
+        return [future for _, _, future, _ in entries]
+
+    async def _complete(self, entries: list) -> None:
+        """Resolves the futures of posted receives as their requests complete (in posting order)."""
+        for tag, request, future, nbytes in entries:
+            try:
+                await request.wait()
+                error = None
+            except Exception as err:  # e.g. the peer died mid-message
+                error = KVTransferError(f"KV receive (tag {tag:#x}) failed: {err!r}")
+            self._posted.pop(tag, None)
+            verdict = self._verdicts.pop(tag, None)
+            if error is None and verdict is not None and await verdict:
+                error = KVTransferError(f"KV receive (tag {tag:#x}) released before any data came")
+            if error is not None:
+                if verdict is None:  # a failure, not a release
+                    self.counters.transfers_failed += 1
+                future.set_exception(error)
+                future.exception()  # retrieved: a released receive is expected, not an error to log
+            else:
+                self.counters.bytes_received += nbytes
+                future.set_result(nbytes)
 
     async def release(self, tags: list[int], timeout: float = 10.0) -> None:
         """Ends open receives by sending each an empty message from this worker to itself; a
         receive that data matched first leaves that message unmatched, and it is swept up here."""
-        posted = {tag: self._posted[tag] for tag in tags if tag in self._posted and not self._posted[tag].done()}
+        posted = {tag: self._posted[tag] for tag in tags if tag in self._posted and not self._posted[tag].completed}
         if not posted:
             return
         loop = asyncio.get_running_loop()
@@ -219,10 +255,12 @@ class UcxDataPlane:
         try:
             own = await self._endpoint(self.address)
             await asyncio.gather(*(own.send(_EMPTY, tag=tag, force_tag=True) for tag in posted))
-            await asyncio.wait(posted.values(), timeout=timeout)
+            deadline = loop.time() + timeout
+            while not all(r.completed for r in posted.values()) and loop.time() < deadline:
+                await asyncio.sleep(0.001)
         finally:
             for tag, verdict in verdicts.items():
-                if not posted[tag].done():           # matched by a sender that never finished: still open
+                if not posted[tag].completed:        # matched by a sender that never finished: still open
                     continue
                 probe = ctx.tag_probe(tag, remove=True)
                 empty = not probe.matched            # our empty message is what ended the receive
@@ -234,12 +272,16 @@ class UcxDataPlane:
 
     async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
         """Takes a message nobody wants off the wire (its transfer was aborted after it was sent)."""
-        scratch = torch.empty(nbytes, dtype=torch.uint8)
-        task = asyncio.ensure_future(self.receive(tag, scratch))
-        done, _ = await asyncio.wait({task}, timeout=timeout)
+        (future,) = self.post_receives([(tag, torch.empty(nbytes, dtype=torch.uint8))])
+        done, _ = await asyncio.wait({future}, timeout=timeout)
         if not done:
             await self.release([tag])
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(future, return_exceptions=True)
+
+
+async def _wait_all(requests: list) -> None:
+    for request in requests:
+        await request.wait()
 
 
 def endpoint_lanes(ucp_endpoint: int) -> list[str]:
@@ -319,15 +361,18 @@ class InProcessDataPlane:
         return "inprocess" if peer_address in self._network.planes else ""
 
     async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
+        await self.send_many(peer_address, [(tag, buffer)], timeout)
+
+    async def send_many(self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float) -> None:
         peer = self._network.planes.get(peer_address)
         try:
             if peer is None:
                 raise KVTransferError("unknown peer")
-            await asyncio.wait_for(peer._deliver(tag, buffer), timeout)
+            await asyncio.wait_for(asyncio.gather(*(peer._deliver(tag, buf) for tag, buf in pieces)), timeout)
         except (KVTransferError, asyncio.TimeoutError) as err:
             self.counters.transfers_failed += 1
-            raise KVTransferError(f"KV send (tag {tag:#x}) failed: {err!r}") from None
-        self.counters.bytes_sent += _nbytes(buffer)
+            raise KVTransferError(f"KV send (tag {pieces[0][0]:#x}) failed: {err!r}") from None
+        self.counters.bytes_sent += sum(_nbytes(buf) for _, buf in pieces)
 
     async def _deliver(self, tag: int, buffer: torch.Tensor) -> None:
         while self.hold or tag not in self._posted:
@@ -344,6 +389,12 @@ class InProcessDataPlane:
         done.set_result(_nbytes(buffer))
 
     async def receive(self, tag: int, buffer: torch.Tensor) -> int:
+        return await self.post_receives([(tag, buffer)])[0]
+
+    def post_receives(self, pieces: list[tuple[int, torch.Tensor]]) -> list[asyncio.Future]:
+        return [asyncio.ensure_future(self._receive(tag, buf)) for tag, buf in pieces]
+
+    async def _receive(self, tag: int, buffer: torch.Tensor) -> int:
         done = asyncio.get_running_loop().create_future()
         self._posted[tag] = (buffer, done)
         waiter = self._unexpected.pop(tag, None)
@@ -364,7 +415,7 @@ class InProcessDataPlane:
         await asyncio.sleep(0)
 
     async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
-        task = asyncio.ensure_future(self.receive(tag, torch.empty(nbytes, dtype=torch.uint8)))
+        task = self.post_receives([(tag, torch.empty(nbytes, dtype=torch.uint8))])[0]
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if not done:
             await self.release([tag])

@@ -33,7 +33,7 @@ class WorkerSettings(CommonSettings):
     ucx_tls: str = field(default="", metadata={"help": "UCX_TLS for the KV data plane; empty = UCX's choice"})
     ucx_error_handling: bool = field(default=False, metadata={"help": "UCX peer-failure mode on KV endpoints; UCX then uses tcp only, never shared memory (dead peers are found by leases either way)"})
     zone: str = field(default="", metadata={"help": "topology label (rack or zone) announced with the host, for pairing close workers"})
-    kv_segment_tokens: int = field(default=512, metadata={"help": "a prompt's KV is sent in segments of this many tokens, each as soon as it is computed (a multiple of block_size)"})
+    kv_segment_tokens: int = field(default=1024, metadata={"help": "a prompt's KV is sent in segments of this many tokens, each as soon as it is computed (a multiple of block_size)"})
     kv_lease_s: float = field(default=30.0, metadata={"help": "a KV transfer that makes no progress this long is aborted, and its blocks freed, on both sides"})
     worker_timeout_s: float = field(default=3.0, metadata={"help": "a peer worker silent this long is taken for dead"})
     drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM, how long running requests may take to finish"})

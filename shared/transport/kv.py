@@ -20,7 +20,6 @@ import torch
 log = logging.getLogger(__name__)
 
 _EMPTY = numpy.zeros(0, dtype=numpy.uint8)     # what release() sends to end a posted receive
-_SCRATCH = numpy.zeros(1, dtype=numpy.uint8)   # where an unmatched empty message is swept to
 
 
 class KVTransferError(Exception):
@@ -191,7 +190,8 @@ class UcxDataPlane:
 
         try:
             ep = await self._endpoint(peer_address)
-            requests = [ep._ep.tag_send(Array(_ucx_view(buf)), Tag(tag)) for tag, buf in pieces]  # no binding without a task each
+            views = [Array(_ucx_view(buf)) for _, buf in pieces]   # alive until every send completes
+            requests = [ep._ep.tag_send(view, Tag(tag)) for view, (tag, _) in zip(views, pieces)]
             await asyncio.wait_for(_wait_all(requests), timeout)
         except Exception as err:
             self.counters.transfers_failed += 1
@@ -213,17 +213,19 @@ class UcxDataPlane:
         loop = asyncio.get_running_loop()
         entries = []
         for tag, buf in pieces:
-            request = worker.tag_recv(Array(_ucx_view(buf)), Tag(tag))
+            view = Array(_ucx_view(buf))
+            request = worker.tag_recv(view, Tag(tag))
             self._posted[tag] = request
-            entries.append((tag, request, loop.create_future(), _nbytes(buf)))
+            entries.append((tag, request, loop.create_future(), view, buf))   # buffers alive until done
         task = asyncio.ensure_future(self._complete(entries))
         self._completing.add(task)
         task.add_done_callback(self._completing.discard)
-        return [future for _, _, future, _ in entries]
+        return [entry[2] for entry in entries]
 
     async def _complete(self, entries: list) -> None:
         """Resolves the futures of posted receives as their requests complete (in posting order)."""
-        for tag, request, future, nbytes in entries:
+        for tag, request, future, _, buf in entries:
+            nbytes = _nbytes(buf)
             try:
                 await request.wait()
                 error = None
@@ -263,9 +265,10 @@ class UcxDataPlane:
                 if not posted[tag].completed:        # matched by a sender that never finished: still open
                     continue
                 probe = ctx.tag_probe(tag, remove=True)
-                empty = not probe.matched            # our empty message is what ended the receive
-                if not empty:                        # data came first: sweep our message up
-                    await ctx.recv_with_handle(_SCRATCH, probe)
+                # Our empty message still waiting means data came first; else ours ended the receive.
+                empty = not (probe.matched and probe.length == 0)
+                if probe.matched:                    # ours, or the late data itself: take it off the wire
+                    await ctx.recv_with_handle(numpy.empty(max(1, probe.length), dtype=numpy.uint8), probe)
                 self.counters.receives_released += empty
                 if not verdict.done():
                     verdict.set_result(empty)

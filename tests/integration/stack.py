@@ -65,11 +65,12 @@ class Stack:
         return self.stub().ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
 
     def wait_idle(self, timeout: float = 30) -> pb.ClusterStatusResponse:
-        """Until every worker reports nothing running, nothing queued and no KV blocks held."""
+        """Until every worker reports nothing running, nothing queued, no KV blocks held and none leaked."""
         deadline = time.monotonic() + timeout
         while True:
             status = self.status()
-            if all(w.running == 0 and w.queued == 0 and w.kv_blocks_used == 0 for w in status.workers):
+            if all(w.running == 0 and w.queued == 0 and w.kv_blocks_used == 0 and w.kv_blocks_leaked == 0
+                   for w in status.workers):
                 return status
             if time.monotonic() > deadline:
                 raise AssertionError(f"workers not idle: {status}")

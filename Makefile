@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install kernels up test test-fast proto bench-engine clean
+.PHONY: install kernels up test test-fast proto bench-engine bench-kv clean
 
 install: $(STAMP)
 
@@ -37,6 +37,12 @@ bench-engine: kernels
 	$(PY) -m pip install --quiet -e '.[bench]'
 	test -x .venv-bench/bin/python || ($(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet llama-cpp-python)
 	$(PY) bench/engine.py
+
+# The KV data plane benchmark: our transfer against a bare ucxx send, memcpy and NATS, and what
+# the transfer adds to the time to first token. Results in bench/results/kv.{md,json,png}.
+bench-kv: kernels
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) bench/kv.py
 
 proto: install
 	$(PY) -m shared.api.codegen

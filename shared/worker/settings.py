@@ -40,7 +40,6 @@ class WorkerSettings(CommonSettings):
     alive_file: str = field(default="", metadata={"help": "touched on every heartbeat, for container health checks; empty = none"})
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between load reports"})
     prefill_timeout_s: float = field(default=300.0, metadata={"help": "how long a decode worker waits for a remote prefill"})
-    kv_transfer_timeout_s: float = field(default=60.0, metadata={"help": "how long one KV transfer may take"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,7 +57,7 @@ class WorkerSettings(CommonSettings):
             raise ValueError("prefill_chunk_tokens must be a multiple of block_size")
         if self.max_batch_tokens < self.prefill_chunk_tokens:
             raise ValueError("max_batch_tokens must be at least prefill_chunk_tokens")
-        for name in ("heartbeat_interval_s", "prefill_timeout_s", "kv_transfer_timeout_s", "drain_timeout_s",
+        for name in ("heartbeat_interval_s", "prefill_timeout_s", "drain_timeout_s",
                      "worker_timeout_s", "kv_lease_s"):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be positive")

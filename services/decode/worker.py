@@ -13,7 +13,6 @@ import os
 import secrets
 import time
 
-import torch
 
 from services.decode.engine import DecodeLoop
 from shared.engine.detokenizer import Detokenizer

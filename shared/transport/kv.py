@@ -3,19 +3,19 @@
 The receiving (decode) side owns the destination buffer and posts a tagged receive into it;
 the sending (prefill) side sends the packed KV with that tag to the receiver's UCX worker
 address. Tags are 64-bit ids chosen by the receiver per transfer, so concurrent transfers
-on one endpoint never mix. `InProcessDataPlane` is the fake for unit tests.
+on one endpoint never mix. `InProcessDataPlane` (shared.transport.kv_fake) is the fake for unit tests.
 """
 
 import asyncio
 import logging
-import os
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy
 import torch
+
+from shared.transport import ucx_info
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,8 @@ class UcxDataPlane:
         """Logs, and keeps for the heartbeat, the transports UCX chose for this peer."""
         if peer_address == self.address:
             return
-        lanes = endpoint_lanes(ep.ucp_endpoint)
-        summary = transport_summary(lanes)
+        lanes = ucx_info.endpoint_lanes(ep.ucp_endpoint)
+        summary = ucx_info.transport_summary(lanes)
         self._peer_transports[peer_address] = summary
         log.info("KV endpoint to peer %s: %s (lanes: %s)", peer_address[:8].hex(), summary, "; ".join(lanes) or "?")
         if summary.startswith("tcp") and not self._error_handling:
@@ -287,139 +287,8 @@ async def _wait_all(requests: list) -> None:
         await request.wait()
 
 
-def endpoint_lanes(ucp_endpoint: int) -> list[str]:
-    """The lanes of a UCX endpoint as `ucp_ep_print_info` prints them ("sysv/memory am keepalive", ...).
-
-    ucxx has no binding for it, so it is called through ctypes on the library ucxx loaded."""
-    try:
-        import ctypes
-        import glob
-
-        import libucx
-
-        libucp = ctypes.CDLL(sorted(glob.glob(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so*")))[0])
-        libc = ctypes.CDLL("libc.so.6")
-        libc.open_memstream.restype = ctypes.c_void_p
-        text, size = ctypes.c_char_p(), ctypes.c_size_t()
-        stream = libc.open_memstream(ctypes.byref(text), ctypes.byref(size))
-        libucp.ucp_ep_print_info(ctypes.c_void_p(ucp_endpoint), ctypes.c_void_p(stream))
-        libc.fclose(ctypes.c_void_p(stream))
-        info = ctypes.string_at(text, size.value).decode(errors="replace")
-        libc.free(text)
-    except Exception as err:  # introspection only: never fail a transfer over it
-        log.debug("UCX endpoint info unavailable: %s", err)
-        return []
-    lanes = []
-    for line in info.splitlines():
-        match = re.search(r"lane\[\d+\]:\s*\d+:(\S+?)(?:\.\d+)?\s.*?seg \d+\s*(.*)$", line)
-        if match:
-            lanes.append(f"{match.group(1)} {match.group(2)}".strip())
-    return lanes
-
-
-def transport_summary(lanes: list[str]) -> str:
-    """"sysv+cma" style: the transport of the messaging lane, then those that move bulk data."""
-    names = []
-    for lane in lanes:
-        name = lane.split()[0].split("/")[0]
-        if name not in names:
-            names.append(name)
-    return "+".join(names) if names else "unknown"
-
-
 def _active_transports(ucxx) -> str:
     try:
         return str(ucxx.get_active_transports())
     except Exception as err:  # older ucxx builds lack it
         return f"unknown ({err})"
-
-
-class LoopbackNetwork:
-    """Connects InProcessDataPlanes of one process to one another (unit tests)."""
-
-    def __init__(self) -> None:
-        self.planes: dict[bytes, "InProcessDataPlane"] = {}
-
-
-class InProcessDataPlane:
-    """The test fake: same contract as UcxDataPlane, bytes copied in-process.
-
-    A send waits for the matching receive like UCX's rendezvous protocol does; `hold` makes
-    sends to this plane stall (a peer that stopped reading).
-    """
-
-    def __init__(self, network: LoopbackNetwork, name: str):
-        self.address = name.encode()
-        self.counters = TransferCounters()
-        self.hold = False
-        self._network = network
-        self._posted: dict[int, tuple[torch.Tensor, asyncio.Future]] = {}
-        self._unexpected: dict[int, asyncio.Future] = {}
-        network.planes[self.address] = self
-
-    def transports(self) -> str:
-        return "inprocess"
-
-    def transport_to(self, peer_address: bytes) -> str:
-        return "inprocess" if peer_address in self._network.planes else ""
-
-    async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
-        await self.send_many(peer_address, [(tag, buffer)], timeout)
-
-    async def send_many(self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float) -> None:
-        peer = self._network.planes.get(peer_address)
-        try:
-            if peer is None:
-                raise KVTransferError("unknown peer")
-            await asyncio.wait_for(asyncio.gather(*(peer._deliver(tag, buf) for tag, buf in pieces)), timeout)
-        except (KVTransferError, asyncio.TimeoutError) as err:
-            self.counters.transfers_failed += 1
-            raise KVTransferError(f"KV send (tag {pieces[0][0]:#x}) failed: {err!r}") from None
-        self.counters.bytes_sent += sum(_nbytes(buf) for _, buf in pieces)
-
-    async def _deliver(self, tag: int, buffer: torch.Tensor) -> None:
-        while self.hold or tag not in self._posted:
-            if not self.hold and tag not in self._posted:
-                waiter = self._unexpected.setdefault(tag, asyncio.get_running_loop().create_future())
-                await waiter
-                continue
-            await asyncio.sleep(0.01)
-        dst, done = self._posted.pop(tag)
-        if _nbytes(buffer) > _nbytes(dst):
-            done.set_exception(KVTransferError("message truncated"))
-            raise KVTransferError("message truncated")
-        dst.reshape(-1).view(torch.uint8)[:_nbytes(buffer)].copy_(buffer.reshape(-1).view(torch.uint8))
-        done.set_result(_nbytes(buffer))
-
-    async def receive(self, tag: int, buffer: torch.Tensor) -> int:
-        return await self.post_receives([(tag, buffer)])[0]
-
-    def post_receives(self, pieces: list[tuple[int, torch.Tensor]]) -> list[asyncio.Future]:
-        return [asyncio.ensure_future(self._receive(tag, buf)) for tag, buf in pieces]
-
-    async def _receive(self, tag: int, buffer: torch.Tensor) -> int:
-        done = asyncio.get_running_loop().create_future()
-        self._posted[tag] = (buffer, done)
-        waiter = self._unexpected.pop(tag, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        nbytes = await asyncio.shield(done)
-        if nbytes is None:
-            raise KVTransferError(f"KV receive (tag {tag:#x}) released before any data came")
-        self.counters.bytes_received += nbytes
-        return nbytes
-
-    async def release(self, tags: list[int], timeout: float = 10.0) -> None:
-        for tag in tags:
-            posted = self._posted.pop(tag, None)
-            if posted is not None and not posted[1].done():
-                posted[1].set_result(None)
-                self.counters.receives_released += 1
-        await asyncio.sleep(0)
-
-    async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
-        task = self.post_receives([(tag, torch.empty(nbytes, dtype=torch.uint8))])[0]
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-        if not done:
-            await self.release([tag])
-        await asyncio.gather(task, return_exceptions=True)

@@ -11,7 +11,8 @@ from shared.kvtransfer.plan import MAX_PIECES, PlanError, TransferPlan, new_base
 from shared.kvtransfer.receiver import KVReceiver
 from shared.kvtransfer.sender import KVSender
 from shared.messages import KVDestination, KVLayout
-from shared.transport.kv import InProcessDataPlane, KVTransferError, LoopbackNetwork
+from shared.transport.kv import KVTransferError
+from shared.transport.kv_fake import InProcessDataPlane, LoopbackNetwork
 
 BS = 4
 LAYOUT = KVLayout(model="tiny", dtype="float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=BS)

@@ -7,7 +7,8 @@ import torch
 
 from shared.messages import CancelRequest, Discover, TaskAck
 from shared.transport.bus import InMemoryBus, NoResponders, RequestTimeout
-from shared.transport.kv import InProcessDataPlane, KVTransferError, LoopbackNetwork
+from shared.transport.kv import KVTransferError
+from shared.transport.kv_fake import InProcessDataPlane, LoopbackNetwork
 
 
 async def test_publish_reaches_every_plain_subscriber_decoded():

@@ -1,0 +1,47 @@
+"""What UCX chose: the lanes of an endpoint, read through UCX's own printer."""
+
+import logging
+import os
+import re
+
+log = logging.getLogger(__name__)
+
+
+def endpoint_lanes(ucp_endpoint: int) -> list[str]:
+    """The lanes of a UCX endpoint as `ucp_ep_print_info` prints them ("sysv/memory am keepalive", ...).
+
+    ucxx has no binding for it, so it is called through ctypes on the library ucxx loaded."""
+    try:
+        import ctypes
+        import glob
+
+        import libucx
+
+        libucp = ctypes.CDLL(sorted(glob.glob(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so*")))[0])
+        libc = ctypes.CDLL("libc.so.6")
+        libc.open_memstream.restype = ctypes.c_void_p
+        text, size = ctypes.c_char_p(), ctypes.c_size_t()
+        stream = libc.open_memstream(ctypes.byref(text), ctypes.byref(size))
+        libucp.ucp_ep_print_info(ctypes.c_void_p(ucp_endpoint), ctypes.c_void_p(stream))
+        libc.fclose(ctypes.c_void_p(stream))
+        info = ctypes.string_at(text, size.value).decode(errors="replace")
+        libc.free(text)
+    except Exception as err:  # introspection only: never fail a transfer over it
+        log.debug("UCX endpoint info unavailable: %s", err)
+        return []
+    lanes = []
+    for line in info.splitlines():
+        match = re.search(r"lane\[\d+\]:\s*\d+:(\S+?)(?:\.\d+)?\s.*?seg \d+\s*(.*)$", line)
+        if match:
+            lanes.append(f"{match.group(1)} {match.group(2)}".strip())
+    return lanes
+
+
+def transport_summary(lanes: list[str]) -> str:
+    """"sysv+cma" style: the transport of the messaging lane, then those that move bulk data."""
+    names = []
+    for lane in lanes:
+        name = lane.split()[0].split("/")[0]
+        if name not in names:
+            names.append(name)
+    return "+".join(names) if names else "unknown"

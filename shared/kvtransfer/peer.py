@@ -124,14 +124,14 @@ class _Peer:
 
 
 async def _serve(conn, layout: dict, num_blocks: int, seed: int, device: str, net_devices: str,
-                 error_handling: bool) -> None:
+                 error_handling: bool, progress_mode: str) -> None:
     layout = KVLayout(**layout)
     pool = KVPool(layout, num_blocks, layout.block_size, device)
     if seed:
         pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(seed)).to(pool.kv.dtype))
     else:
         pool.kv.fill_(0)
-    async with UcxDataPlane(net_devices, error_handling=error_handling) as plane:
+    async with UcxDataPlane(net_devices, error_handling=error_handling, progress_mode=progress_mode) as plane:
         peer = _Peer(plane, pool)
         loop = asyncio.get_running_loop()
         while True:
@@ -156,8 +156,8 @@ class KVPeer:
     """The controlling side: `with KVPeer(layout, num_blocks) as peer: peer.call("address")`."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, seed: int = 0, device: str = "cpu",
-                 net_devices: str = "lo", error_handling: bool = False):
-        self._args = (asdict(layout), num_blocks, seed, device, net_devices, error_handling)
+                 net_devices: str = "lo", error_handling: bool = False, progress_mode: str = "blocking"):
+        self._args = (asdict(layout), num_blocks, seed, device, net_devices, error_handling, progress_mode)
         self.process = None
         self._conn = None
 

@@ -8,6 +8,7 @@ on one endpoint never mix. `InProcessDataPlane` (shared.transport.kv_fake) is th
 
 import asyncio
 import logging
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -85,16 +86,23 @@ class UcxDataPlane:
     run in its peer-failure mode, so endpoints are opened without it unless `error_handling`
     is set (then UCX uses tcp even on one host). Dead peers are found by the transfer leases
     and worker heartbeats instead, and a failed endpoint is dropped and reopened.
+
+    Progress is driven from the event loop ("blocking": woken by the UCX worker's event fd)
+    rather than by ucxx's default progress thread: on a few cores that thread competes with the
+    model and its peer's, and one transfer in many pieces ran at half the speed it reaches here.
     """
 
     MAX_ENDPOINTS = 256
 
-    def __init__(self, net_devices: str = "lo", tls: str = "", error_handling: bool = False):
+    def __init__(self, net_devices: str = "lo", tls: str = "", error_handling: bool = False,
+                 progress_mode: str = "blocking"):
         self._options = {"NET_DEVICES": net_devices}
+        self._progress_mode = progress_mode
         if tls:
             self._options["TLS"] = tls
         self._error_handling = error_handling
         self._endpoints: OrderedDict[bytes, object] = OrderedDict()
+        self._retired: list = []            # endpoints of failed peers, never closed (see forget)
         self._connecting: dict[bytes, asyncio.Lock] = {}
         self._posted: dict[int, object] = {}                  # tag -> the UCX receive request posted with it
         self._completing: set[asyncio.Task] = set()
@@ -110,10 +118,10 @@ class UcxDataPlane:
         import ucxx
 
         self._ucxx = ucxx
-        ucxx.init(options=self._options, env_takes_precedence=True)
+        ucxx.init(options=self._options, env_takes_precedence=True, progress_mode=self._progress_mode)
         self.address = ucxx.get_worker_address().tobytes()
-        log.info("UCX data plane up: UCX %s, options %s, peer-failure mode %s, transports %s",
-                 ".".join(map(str, ucxx.get_ucx_version())), self._options,
+        log.info("UCX data plane up: UCX %s, options %s, %s progress, peer-failure mode %s, transports %s",
+                 ".".join(map(str, ucxx.get_ucx_version())), self._options, self._progress_mode,
                  "on (tcp only)" if self._error_handling else "off (shared memory on one host)",
                  _active_transports(ucxx))
         return self
@@ -150,8 +158,7 @@ class UcxDataPlane:
                 self._endpoints[peer_address] = ep
                 self._note_transport(peer_address, ep)
                 while len(self._endpoints) > self.MAX_ENDPOINTS:  # peers that restarted have new addresses
-                    _, old = self._endpoints.popitem(last=False)
-                    old.abort()
+                    self.forget(next(iter(self._endpoints)))
             self._connecting.pop(peer_address, None)
             return ep
 
@@ -171,13 +178,16 @@ class UcxDataPlane:
         return self._peer_transports.get(peer_address, "")
 
     def forget(self, peer_address: bytes) -> None:
-        """Drops the endpoint to a peer (it failed, or the peer left); the next send reopens it."""
+        """Drops the endpoint to a peer (it failed, or the peer left); the next send reopens it.
+
+        It is retired, not closed: closing one whose peer is gone blocks until UCX gives up, and
+        in blocking progress mode nothing else runs meanwhile (nor may it be garbage-collected,
+        whose finalizer closes it the same way)."""
         ep = self._endpoints.pop(peer_address, None)
         if ep is not None:
-            try:
-                ep.abort()
-            except Exception as err:
-                log.debug("aborting a UCX endpoint: %s", err)
+            _never_close(ep)
+            self._retired.append(ep)
+            self._peer_transports.pop(peer_address, None)
 
     async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
         await self.send_many(peer_address, [(tag, buffer)], timeout)
@@ -280,6 +290,15 @@ class UcxDataPlane:
         if not done:
             await self.release([tag])
         await asyncio.gather(future, return_exceptions=True)
+
+
+def _never_close(ep) -> None:
+    """Detaches the finalizer ucxx gives every endpoint: it would close it at exit, blocking for
+    ever on one whose peer is gone."""
+    for finalizer in list(weakref.finalize._registry):  # no public handle to it
+        info = finalizer.peek()
+        if info is not None and info[0] is ep:
+            finalizer.detach()
 
 
 async def _wait_all(requests: list) -> None:

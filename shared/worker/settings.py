@@ -32,6 +32,7 @@ class WorkerSettings(CommonSettings):
     ucx_net_devices: str = field(default="lo", metadata={"help": "UCX_NET_DEVICES for the KV data plane (lo = loopback only; 'all' in containers)"})
     ucx_tls: str = field(default="", metadata={"help": "UCX_TLS for the KV data plane; empty = UCX's choice"})
     ucx_error_handling: bool = field(default=False, metadata={"help": "UCX peer-failure mode on KV endpoints; UCX then uses tcp only, never shared memory (dead peers are found by leases either way)"})
+    ucx_progress_mode: str = field(default="blocking", metadata={"help": "how UCX makes progress: blocking (woken from the event loop), thread (ucxx's own thread) or polling (busy)"})
     zone: str = field(default="", metadata={"help": "topology label (rack or zone) announced with the host, for pairing close workers"})
     kv_segment_tokens: int = field(default=1024, metadata={"help": "a prompt's KV is sent in segments of this many tokens, each as soon as it is computed (a multiple of block_size)"})
     kv_lease_s: float = field(default=30.0, metadata={"help": "a KV transfer that makes no progress this long is aborted, and its blocks freed, on both sides"})
@@ -51,6 +52,8 @@ class WorkerSettings(CommonSettings):
                      "prefill_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.ucx_progress_mode not in ("blocking", "thread", "polling"):
+            raise ValueError("ucx_progress_mode must be blocking, thread or polling")
         if self.kv_segment_tokens <= 0 or self.kv_segment_tokens % self.block_size:
             raise ValueError("kv_segment_tokens must be a positive multiple of block_size")
         if self.prefill_chunk_tokens % self.block_size:

@@ -74,13 +74,16 @@ def test_only_the_missing_suffix_is_sent(prefill, decode):
 
 def test_a_stalled_sender_is_caught_by_the_lease_and_every_receive_released(decode):
     with KVPeer(LAYOUT, num_blocks=160, seed=3) as slow:
+        slow.call("address")                              # up and connected to UCX
         rng = random.Random(2)
         prompt = 2048
         src, dst = tables(prompt, rng)
         dest = destination(decode.call("address")["address"], dst, segment=256)
         posted = decode.call("receive", prompt_len=prompt, destination=dest)
         slow.start("send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=256, chunk_delay_s=0.5)
-        time.sleep(0.8)                                   # a segment or two are in
+        deadline = time.monotonic() + 10
+        while not decode.call("wait", base_tag=dest["base_tag"], timeout_s=0.05)["landed"]:
+            assert time.monotonic() < deadline        # until the first segment is in
         os.kill(slow.process.pid, signal.SIGSTOP)         # then the sender stops dead
         try:
             landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=20, lease_s=1.0)
@@ -95,14 +98,17 @@ def test_a_stalled_sender_is_caught_by_the_lease_and_every_receive_released(deco
 
 def test_a_sender_killed_mid_transfer_leaves_no_receive_open(decode):
     with KVPeer(LAYOUT, num_blocks=160, seed=4) as doomed:
+        doomed.call("address")
         rng = random.Random(3)
         prompt = 2048
         src, dst = tables(prompt, rng)
         dest = destination(decode.call("address")["address"], dst, segment=256)
         posted = decode.call("receive", prompt_len=prompt, destination=dest)
         doomed.start("send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=256, chunk_delay_s=0.3)
-        time.sleep(0.5)
-        doomed.kill()
+        deadline = time.monotonic() + 10
+        while not decode.call("wait", base_tag=dest["base_tag"], timeout_s=0.05)["landed"]:
+            assert time.monotonic() < deadline
+        doomed.kill()                                     # between two segments, pieces still to come
         landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=20, lease_s=1.0)
         assert not landed["complete"]
         aborted = decode.call("abort", base_tag=dest["base_tag"])

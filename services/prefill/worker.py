@@ -40,6 +40,7 @@ class _Transfer:
     first_token: int = -1
     computed_at: float = 0.0
     abort_reason: str = ""      # set by a TransferAbort; acted on between engine steps
+    finished: bool = False      # every segment is on the wire and the decode worker was told
 
 
 class PrefillWorker:
@@ -182,17 +183,24 @@ class PrefillWorker:
         return True
 
     async def _ship(self) -> None:
-        """Stages every segment whose tokens are computed, and puts each on the wire."""
+        """Puts every segment whose tokens are computed on the wire: first the pieces that go
+        straight from the pool, then, gathered while those travel, the others."""
         ready = [(t, seg) for t in self.held.values() if not t.sender.aborted
                  for seg in t.sender.ready(t.seq.num_computed_tokens)]
         if not ready:
             return
         staged = await self.executor.run(lambda: [t.sender.stage(seg, t.seq.block_table) for t, seg in ready])
-        for (t, seg), sources in zip(ready, staged):
-            if t.sender.aborted:
-                continue  # aborted while it was being staged
-            t.sender.send(seg, sources)
-            if t.sender.all_staged:
+        live = [(t, st) for (t, _), st in zip(ready, staged) if not t.sender.aborted]
+        for t, st in live:
+            t.sender.send(st.direct)
+        if any(st.scattered for _, st in live):
+            gathered = await self.executor.run(lambda: [t.sender.gather(st) for t, st in live])
+            for (t, _), pieces in zip(live, gathered):
+                if not t.sender.aborted:
+                    t.sender.send(pieces)
+        for t in {id(t): t for t, _ in live}.values():
+            if t.sender.all_staged and not t.sender.aborted and not t.finished:
+                t.finished = True
                 await self._finish(t)
 
     async def _finish(self, t: _Transfer) -> None:

@@ -45,7 +45,10 @@ class _Peer:
         computed = prompt_len if not chunk_tokens else min(prompt_len, destination.get("skip_tokens", 0) + chunk_tokens)
         while not sender.all_staged:
             for seg in sender.ready(computed):
-                sender.send(seg, sender.stage(seg, src_table))
+                staged = sender.stage(seg, src_table)
+                sender.send(staged.direct)
+                await asyncio.sleep(0)   # the direct pieces start moving while the others are gathered
+                sender.send(sender.gather(staged))
             if not sender.all_staged:
                 await asyncio.sleep(chunk_delay_s)
                 computed = min(prompt_len, computed + chunk_tokens)

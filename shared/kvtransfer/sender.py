@@ -9,11 +9,21 @@ decode pool range the plan names. The prompt's blocks must stay held until `fini
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.engine.kv_cache import KVPool
 from shared.kvtransfer.plan import Segment, TransferPlan
+
+
+@dataclass
+class Staged:
+    """A segment ready to go: views of the pool, and the slots of pieces still to be gathered."""
+
+    segment: Segment
+    direct: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    scattered: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
 from shared.transport.kv import DataPlane, KVTransferError
 
 log = logging.getLogger(__name__)
@@ -26,7 +36,7 @@ class KVSender:
         self.plan = plan
         self.timeout_s = timeout_s
         self.next_segment = 0          # the first segment not staged yet
-        self.pieces_sent = 0           # pieces handed to UCX (the tags the decode side must drain on abort)
+        self.pieces_sent = 0           # pieces [0, pieces_sent) may be on the wire (the decode side drains them on abort)
         self.bytes_sent = 0
         self.aborted = False
         self.sends: list[asyncio.Task] = []
@@ -44,24 +54,27 @@ class KVSender:
             out.append(seg)
         return out
 
-    def stage(self, segment: Segment, block_table: list[int]) -> list[tuple[int, torch.Tensor]]:
-        """Engine thread: (tag, source) of every piece of the segment; views of the pool where
-        the piece is one run of slots here, gathered copies elsewhere."""
+    def stage(self, segment: Segment, block_table: list[int]) -> "Staged":
+        """Engine thread, no copy: views of the pool for the pieces that are one run of slots here,
+        and the slots of the others, to be gathered (`gather`) while the first ones travel."""
         sources: dict[tuple[int, int], int | torch.Tensor] = {}   # token range -> first slot, or slots
-        out = []
-        copied = False
+        staged = Staged(segment)
         for p in segment.pieces:
             where = sources.get((p.start, p.end))
             if where is None:
                 where = sources[(p.start, p.end)] = self._first_slot(block_table, p.start, p.end)
             if isinstance(where, int):
-                out.append((self.plan.tag(p), self.pool.span(p.layer, p.kv, where, p.tokens)))
+                staged.direct.append((self.plan.tag(p), self.pool.span(p.layer, p.kv, where, p.tokens)))
             else:
-                out.append((self.plan.tag(p), self.pool.kv[p.layer, p.kv].index_select(0, where)))
-                copied = True
-        if copied and self.pool.kv.is_cuda:  # UCX reads it on its own streams: the copy must have landed
-            torch.cuda.current_stream().synchronize()
+                staged.scattered.append((self.plan.tag(p), p.layer, p.kv, where))
         self.next_segment = segment.index + 1
+        return staged
+
+    def gather(self, staged: "Staged") -> list[tuple[int, torch.Tensor]]:
+        """Engine thread: the one copy on this side, of the pieces whose slots are not consecutive."""
+        out = [(tag, self.pool.kv[layer, kv].index_select(0, slots)) for tag, layer, kv, slots in staged.scattered]
+        if out and self.pool.kv.is_cuda:  # UCX reads them on its own streams: the copies must have landed
+            torch.cuda.current_stream().synchronize()
         return out
 
     def _first_slot(self, block_table: list[int], start: int, end: int) -> int | torch.Tensor:
@@ -72,9 +85,11 @@ class KVSender:
             return block_table[first] * bs + start % bs
         return self.pool.slots(block_table, start, end)
 
-    def send(self, segment: Segment, sources: list[tuple[int, torch.Tensor]]) -> asyncio.Task:
-        """Puts every piece of a staged segment on the wire; the task ends when all have left."""
-        self.pieces_sent = segment.pieces[-1].index + 1
+    def send(self, sources: list[tuple[int, torch.Tensor]]) -> asyncio.Task | None:
+        """Puts pieces on the wire; the task ends when all have left."""
+        if not sources:
+            return None
+        self.pieces_sent = max(self.pieces_sent, max(tag for tag, _ in sources) - self.plan.destination.base_tag + 1)
         task = asyncio.create_task(self._send_all(sources))
         self.sends.append(task)
         return task

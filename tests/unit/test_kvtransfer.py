@@ -74,7 +74,9 @@ async def transfer(prompt_len: int, src_table, dst_table, skip=0, segment=8):
     while not sender.all_staged:       # as the prefill computes, one chunk of 4 tokens a step
         computed = min(prompt_len, computed + 4)
         for seg in sender.ready(computed):
-            sender.send(seg, sender.stage(seg, src_table))
+            staged = sender.stage(seg, src_table)
+            sender.send(staged.direct)
+            sender.send(sender.gather(staged))
     await sender.finish()
     await asyncio.wait_for(receiver.done.wait(), 1.0)
     return src, dst, receiver, sender
@@ -121,7 +123,9 @@ async def test_a_stalled_transfer_is_reported_after_its_lease():
     receiver.start()
     sender = KVSender(sender_plane, src, plan, timeout_s=1.0)
     first = plan.segments[0]
-    await sender.send(first, sender.stage(first, [0, 1, 2, 3]))
+    staged = sender.stage(first, [0, 1, 2, 3])
+    assert not staged.scattered and len(staged.direct) == len(first.pieces)   # one run here: no copy
+    await sender.send(staged.direct)
     receiver.check(lease_s=0.05)                      # progress just now: fine
     await asyncio.sleep(0.1)
     with pytest.raises(KVTransferError, match="no KV piece landed"):

@@ -173,8 +173,7 @@ class KVFetcher:
                 continue
             if not news.ok:
                 pieces_sent = news.pieces_sent
-        for tag, nbytes in receiver.unfilled(pieces_sent or 0):
-            await self.plane.discard(tag, nbytes, self.settings.kv_lease_s)
+        await self.plane.discard(receiver.unfilled(pieces_sent or 0), self.settings.kv_lease_s)
 
     async def on_prefill_result(self, result: PrefillResult, respond) -> None:
         waiting = self.results.get(result.base_tag)

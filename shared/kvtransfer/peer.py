@@ -90,8 +90,7 @@ class _Peer:
         receiver = self.receivers.pop(base_tag)
         safe = await receiver.abort(timeout_s)
         unfilled = receiver.unfilled(pieces_sent) if pieces_sent >= 0 else []
-        for tag, nbytes in unfilled:
-            await self.plane.discard(tag, nbytes, timeout_s)
+        await self.plane.discard(unfilled, timeout_s)
         return {"safe": safe, "released": self.plane.counters.receives_released, "discarded": len(unfilled)}
 
     async def op_send_bare(self, address: bytes, tag: int, nbytes: int, timeout_s: float = 30.0) -> dict:

@@ -57,8 +57,10 @@ class DataPlane(Protocol):
         none of them can write into its buffer any more, or after `timeout` (a receive that data
         matched but that never completed stays open)."""
 
-    async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
-        """Takes a message nobody wants off the wire (its transfer was aborted after it was sent)."""
+    async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
+        """Takes (tag, size) messages nobody wants off the wire (their transfer was aborted after
+        they were sent), all into one scratch buffer; those that do not come within `timeout` are
+        released."""
 
     def transports(self) -> str:
         """The transports this worker's endpoints use, e.g. "sysv+posix+cma" ("" before any send)."""
@@ -283,13 +285,18 @@ class UcxDataPlane:
                 if not verdict.done():
                     verdict.set_result(empty)
 
-    async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
-        """Takes a message nobody wants off the wire (its transfer was aborted after it was sent)."""
-        (future,) = self.post_receives([(tag, torch.empty(nbytes, dtype=torch.uint8))])
-        done, _ = await asyncio.wait({future}, timeout=timeout)
-        if not done:
-            await self.release([tag])
-        await asyncio.gather(future, return_exceptions=True)
+    async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
+        """Takes (tag, size) messages nobody wants off the wire (their transfer was aborted after
+        they were sent), all into one scratch buffer; those that do not come within `timeout` are
+        released."""
+        if not pieces:
+            return
+        scratch = torch.empty(max(n for _, n in pieces), dtype=torch.uint8)   # the bytes are garbage anyway
+        futures = self.post_receives([(tag, scratch[:n]) for tag, n in pieces])
+        _, pending = await asyncio.wait(futures, timeout=timeout)
+        if pending:
+            await self.release([tag for (tag, _), f in zip(pieces, futures) if f in pending])
+        await asyncio.gather(*futures, return_exceptions=True)
 
 
 def _never_close(ep) -> None:

@@ -90,9 +90,12 @@ class InProcessDataPlane:
                 self.counters.receives_released += 1
         await asyncio.sleep(0)
 
-    async def discard(self, tag: int, nbytes: int, timeout: float) -> None:
-        task = self.post_receives([(tag, torch.empty(nbytes, dtype=torch.uint8))])[0]
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-        if not done:
-            await self.release([tag])
-        await asyncio.gather(task, return_exceptions=True)
+    async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
+        if not pieces:
+            return
+        scratch = torch.empty(max(n for _, n in pieces), dtype=torch.uint8)
+        futures = self.post_receives([(tag, scratch[:n]) for tag, n in pieces])
+        _, pending = await asyncio.wait(futures, timeout=timeout)
+        if pending:
+            await self.release([tag for (tag, _), f in zip(pieces, futures) if f in pending])
+        await asyncio.gather(*futures, return_exceptions=True)

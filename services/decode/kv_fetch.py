@@ -14,7 +14,7 @@ import secrets
 import time
 
 from shared.engine.sequence import Sequence
-from shared.kvtransfer.plan import TransferPlan, new_base_tag
+from shared.kvtransfer.plan import PlanError, TransferPlan, new_base_tag
 from shared.kvtransfer.receiver import KVReceiver
 from shared.liveness import Liveness
 from shared.messages import KVDestination, PrefillResult, PrefillTask, TaskAck, TransferAbort
@@ -53,7 +53,12 @@ class KVFetcher:
     async def fetch(self, seq: Sequence, prefill_worker: str) -> None:
         """Reserves nothing new (admit did): posts the receives into seq's blocks, asks the prefill
         worker for the KV, and waits for every piece; any failure aborts the transfer on both sides."""
-        receiver = KVReceiver(self.plane, self.rt.runner.pool, self._plan(seq))
+        try:
+            receiver = KVReceiver(self.plane, self.rt.runner.pool, self._plan(seq))
+        except PlanError as err:  # the reservation does not fit the prompt: a bug, but never a hang
+            log.exception("%s: no transfer plan", seq.request_id)
+            seq.error = ("INTERNAL", f"no KV transfer plan: {err}")
+            return
         base_tag = receiver.plan.destination.base_tag
         inbox = self.results[base_tag] = asyncio.Queue()
         seq.kv_pending, asked, done = True, False, False
@@ -76,6 +81,10 @@ class KVFetcher:
         except BusError:
             seq.error = ("UNAVAILABLE", f"prefill worker {prefill_worker} did not answer")
             await self._abort_transfer(seq, receiver, inbox, prefill_worker, True, None)
+        except Exception as err:  # a bug: the request fails, the transfer ends, nothing hangs or leaks
+            log.exception("%s: KV fetch failed", seq.request_id)
+            seq.error = ("INTERNAL", f"KV fetch failed: {type(err).__name__}")
+            await self._abort_transfer(seq, receiver, inbox, prefill_worker, asked, None)
         finally:
             if base_tag not in self.draining:
                 self.results.pop(base_tag, None)

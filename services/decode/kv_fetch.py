@@ -20,7 +20,7 @@ from shared.liveness import Liveness
 from shared.messages import KVDestination, PrefillResult, PrefillTask, TaskAck, TransferAbort
 from shared.subjects import Subjects
 from shared.transport.bus import BusError, MessageBus
-from shared.transport.kv import DataPlane, KVTransferError
+from shared.transport.kv import DataPlane, KVTransferError, discard
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 
@@ -182,7 +182,7 @@ class KVFetcher:
                 continue
             if not news.ok:
                 pieces_sent = news.pieces_sent
-        await self.plane.discard(receiver.unfilled(pieces_sent or 0), self.settings.kv_lease_s)
+        await discard(self.plane, receiver.unfilled(pieces_sent or 0), self.settings.kv_lease_s)
 
     async def on_prefill_result(self, result: PrefillResult, respond) -> None:
         waiting = self.results.get(result.base_tag)

@@ -231,10 +231,13 @@ class PrefillWorker:
         finally:
             self._release(t)
 
-    def _release(self, t: _Transfer) -> None:
+    def _free_blocks(self, t: _Transfer) -> None:
         if t.blocks_held:
             t.blocks_held = False
             self.engine.release(t.seq)
+
+    def _release(self, t: _Transfer) -> None:
+        self._free_blocks(t)
         if self.held.get(t.task.request_id) is t:
             del self.held[t.task.request_id]
 
@@ -244,9 +247,7 @@ class PrefillWorker:
         belong to the aborted transfer, and the decode worker discards them."""
         t.sender.aborted = True
         await self._publish(t, self._failure(t, code, message))
-        if t.blocks_held:
-            t.blocks_held = False
-            self.engine.release(t.seq)
+        self._free_blocks(t)
         if t.sender.sends:
             self._await_sends(t)
         else:

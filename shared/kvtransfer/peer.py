@@ -22,7 +22,7 @@ from shared.kvtransfer.plan import TransferPlan
 from shared.kvtransfer.receiver import KVReceiver
 from shared.kvtransfer.sender import KVSender
 from shared.messages import KVDestination, KVLayout
-from shared.transport.kv import UcxDataPlane
+from shared.transport.kv import UcxDataPlane, discard
 
 
 class _Peer:
@@ -90,7 +90,7 @@ class _Peer:
         receiver = self.receivers.pop(base_tag)
         safe = await receiver.abort(timeout_s)
         unfilled = receiver.unfilled(pieces_sent) if pieces_sent >= 0 else []
-        await self.plane.discard(unfilled, timeout_s)
+        await discard(self.plane, unfilled, timeout_s)
         return {"safe": safe, "released": self.plane.counters.receives_released, "discarded": len(unfilled)}
 
     async def op_send_bare(self, address: bytes, tag: int, nbytes: int, timeout_s: float = 30.0) -> dict:

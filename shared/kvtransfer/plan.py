@@ -6,9 +6,9 @@ control traffic is needed: piece i travels with tag `base_tag + i` and has a kno
 The decode pool is [layers, 2, slots, kv_heads, head_dim]. The keys (or values) of one layer
 over a run of consecutive decode blocks are one contiguous range of it, so each piece is
 (segment, layer, keys|values, run) and lands in the pool directly: no copy on the decode side.
-The prefill side packs each segment once, into [layers, 2, tokens, kv_heads, head_dim], where
-every piece is again one contiguous range. Segments are fixed ranges of token positions; a
-segment is sent as soon as the prefill has computed all its tokens (chunk-wise pipelining).
+The prefill side sends a piece straight from its own pool when its slots there are consecutive
+too, and gathers it once otherwise (see KVSender). Segments are fixed ranges of token positions;
+a segment is sent as soon as the prefill has computed all its tokens (chunk-wise pipelining).
 """
 
 from dataclasses import dataclass

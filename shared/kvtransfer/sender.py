@@ -8,13 +8,13 @@ decode pool range the plan names. The prompt's blocks must stay held until `fini
 """
 
 import asyncio
-import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from shared.engine.kv_cache import KVPool
 from shared.kvtransfer.plan import Segment, TransferPlan
+from shared.transport.kv import DataPlane, KVTransferError
 
 
 @dataclass
@@ -24,9 +24,6 @@ class Staged:
     segment: Segment
     direct: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     scattered: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
-from shared.transport.kv import DataPlane, KVTransferError
-
-log = logging.getLogger(__name__)
 
 
 class KVSender:
@@ -54,7 +51,7 @@ class KVSender:
             out.append(seg)
         return out
 
-    def stage(self, segment: Segment, block_table: list[int]) -> "Staged":
+    def stage(self, segment: Segment, block_table: list[int]) -> Staged:
         """Engine thread, no copy: views of the pool for the pieces that are one run of slots here,
         and the slots of the others, to be gathered (`gather`) while the first ones travel."""
         sources: dict[tuple[int, int], int | torch.Tensor] = {}   # token range -> first slot, or slots
@@ -70,7 +67,7 @@ class KVSender:
         self.next_segment = segment.index + 1
         return staged
 
-    def gather(self, staged: "Staged") -> list[tuple[int, torch.Tensor]]:
+    def gather(self, staged: Staged) -> list[tuple[int, torch.Tensor]]:
         """Engine thread: the one copy on this side, of the pieces whose slots are not consecutive."""
         out = [(tag, self.pool.kv[layer, kv].index_select(0, slots)) for tag, layer, kv, slots in staged.scattered]
         if out and self.pool.kv.is_cuda:  # UCX reads them on its own streams: the copies must have landed

@@ -57,16 +57,25 @@ class DataPlane(Protocol):
         none of them can write into its buffer any more, or after `timeout` (a receive that data
         matched but that never completed stays open)."""
 
-    async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
-        """Takes (tag, size) messages nobody wants off the wire (their transfer was aborted after
-        they were sent), all into one scratch buffer; those that do not come within `timeout` are
-        released."""
-
     def transports(self) -> str:
         """The transports this worker's endpoints use, e.g. "sysv+posix+cma" ("" before any send)."""
 
     def transport_to(self, peer_address: bytes) -> str:
         """The transports of the endpoint to this peer ("" when none is open)."""
+
+
+async def discard(plane: DataPlane, pieces: list[tuple[int, int]], timeout: float) -> None:
+    """Takes (tag, size) messages nobody wants off the wire (their transfer was aborted after
+    they were sent), all into one scratch buffer; those that do not come within `timeout` are
+    released."""
+    if not pieces:
+        return
+    scratch = torch.empty(max(n for _, n in pieces), dtype=torch.uint8)   # the bytes are garbage anyway
+    futures = plane.post_receives([(tag, scratch[:n]) for tag, n in pieces])
+    _, pending = await asyncio.wait(futures, timeout=timeout)
+    if pending:
+        await plane.release([tag for (tag, _), f in zip(pieces, futures) if f in pending])
+    await asyncio.gather(*futures, return_exceptions=True)
 
 
 def _ucx_view(tensor: torch.Tensor):
@@ -109,8 +118,8 @@ class UcxDataPlane:
         self._posted: dict[int, object] = {}                  # tag -> the UCX receive request posted with it
         self._completing: set[asyncio.Task] = set()
         self._verdicts: dict[int, asyncio.Future] = {}        # tag -> True when release() ended it empty
-        # ucxx cannot cancel one posted request: a send that timed out may still be read, so
-        # its buffer must outlive it (packed copies only: never pool memory).
+        # ucxx cannot cancel one posted request: a send that timed out may still be read, so its
+        # buffer must outlive it (a gathered copy, or a view that keeps the pool alive anyway).
         self._abandoned: list[torch.Tensor] = []
         self.counters = TransferCounters()
         self.address = b""
@@ -284,19 +293,6 @@ class UcxDataPlane:
                 self.counters.receives_released += empty
                 if not verdict.done():
                     verdict.set_result(empty)
-
-    async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
-        """Takes (tag, size) messages nobody wants off the wire (their transfer was aborted after
-        they were sent), all into one scratch buffer; those that do not come within `timeout` are
-        released."""
-        if not pieces:
-            return
-        scratch = torch.empty(max(n for _, n in pieces), dtype=torch.uint8)   # the bytes are garbage anyway
-        futures = self.post_receives([(tag, scratch[:n]) for tag, n in pieces])
-        _, pending = await asyncio.wait(futures, timeout=timeout)
-        if pending:
-            await self.release([tag for (tag, _), f in zip(pieces, futures) if f in pending])
-        await asyncio.gather(*futures, return_exceptions=True)
 
 
 def _never_close(ep) -> None:

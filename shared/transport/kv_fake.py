@@ -89,13 +89,3 @@ class InProcessDataPlane:
                 posted[1].set_result(None)
                 self.counters.receives_released += 1
         await asyncio.sleep(0)
-
-    async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
-        if not pieces:
-            return
-        scratch = torch.empty(max(n for _, n in pieces), dtype=torch.uint8)
-        futures = self.post_receives([(tag, scratch[:n]) for tag, n in pieces])
-        _, pending = await asyncio.wait(futures, timeout=timeout)
-        if pending:
-            await self.release([tag for (tag, _), f in zip(pieces, futures) if f in pending])
-        await asyncio.gather(*futures, return_exceptions=True)

@@ -1,5 +1,8 @@
 """What UCX chose: the lanes of an endpoint, read through UCX's own printer."""
 
+import ctypes
+import functools
+import glob
 import logging
 import os
 import re
@@ -7,19 +10,22 @@ import re
 log = logging.getLogger(__name__)
 
 
+@functools.cache
+def _libraries():
+    import libucx
+
+    pattern = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so*")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.open_memstream.restype = ctypes.c_void_p
+    return ctypes.CDLL(sorted(glob.glob(pattern))[0]), libc
+
+
 def endpoint_lanes(ucp_endpoint: int) -> list[str]:
     """The lanes of a UCX endpoint as `ucp_ep_print_info` prints them ("sysv/memory am keepalive", ...).
 
     ucxx has no binding for it, so it is called through ctypes on the library ucxx loaded."""
     try:
-        import ctypes
-        import glob
-
-        import libucx
-
-        libucp = ctypes.CDLL(sorted(glob.glob(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so*")))[0])
-        libc = ctypes.CDLL("libc.so.6")
-        libc.open_memstream.restype = ctypes.c_void_p
+        libucp, libc = _libraries()
         text, size = ctypes.c_char_p(), ctypes.c_size_t()
         stream = libc.open_memstream(ctypes.byref(text), ctypes.byref(size))
         libucp.ucp_ep_print_info(ctypes.c_void_p(ucp_endpoint), ctypes.c_void_p(stream))
@@ -29,6 +35,11 @@ def endpoint_lanes(ucp_endpoint: int) -> list[str]:
     except Exception as err:  # introspection only: never fail a transfer over it
         log.debug("UCX endpoint info unavailable: %s", err)
         return []
+    return parse_lanes(info)
+
+
+def parse_lanes(info: str) -> list[str]:
+    """"transport/device roles" of every lane line of `ucp_ep_print_info` output."""
     lanes = []
     for line in info.splitlines():
         match = re.search(r"lane\[\d+\]:\s*\d+:(\S+?)(?:\.\d+)?\s.*?seg \d+\s*(.*)$", line)
@@ -38,7 +49,7 @@ def endpoint_lanes(ucp_endpoint: int) -> list[str]:
 
 
 def transport_summary(lanes: list[str]) -> str:
-    """"sysv+cma" style: the transport of the messaging lane, then those that move bulk data."""
+    """"sysv+posix+cma" style: each lane's transport once, in lane order."""
     names = []
     for lane in lanes:
         name = lane.split()[0].split("/")[0]

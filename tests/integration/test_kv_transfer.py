@@ -35,6 +35,12 @@ def destination(address: bytes, block_ids: list[int], skip: int = 0, segment: in
                 skip_tokens=skip, segment_tokens=segment, lease_s=5.0)
 
 
+def wait_for_first_piece(decode: KVPeer, dest: dict, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not decode.call("wait", base_tag=dest["base_tag"], timeout_s=0.05)["landed"]:
+        assert time.monotonic() < deadline, "no KV piece landed"
+
+
 def tables(prompt_len: int, rng: random.Random) -> tuple[list[int], list[int]]:
     n = -(-prompt_len // BS)
     src = rng.sample(range(160), n)
@@ -81,9 +87,7 @@ def test_a_stalled_sender_is_caught_by_the_lease_and_every_receive_released(deco
         dest = destination(decode.call("address")["address"], dst, segment=256)
         posted = decode.call("receive", prompt_len=prompt, destination=dest)
         slow.start("send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=256, chunk_delay_s=0.5)
-        deadline = time.monotonic() + 10
-        while not decode.call("wait", base_tag=dest["base_tag"], timeout_s=0.05)["landed"]:
-            assert time.monotonic() < deadline        # until the first segment is in
+        wait_for_first_piece(decode, dest)
         os.kill(slow.process.pid, signal.SIGSTOP)         # then the sender stops dead
         try:
             landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=20, lease_s=1.0)
@@ -105,9 +109,7 @@ def test_a_sender_killed_mid_transfer_leaves_no_receive_open(decode):
         dest = destination(decode.call("address")["address"], dst, segment=256)
         posted = decode.call("receive", prompt_len=prompt, destination=dest)
         doomed.start("send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=256, chunk_delay_s=0.3)
-        deadline = time.monotonic() + 10
-        while not decode.call("wait", base_tag=dest["base_tag"], timeout_s=0.05)["landed"]:
-            assert time.monotonic() < deadline
+        wait_for_first_piece(decode, dest)
         doomed.kill()                                     # between two segments, pieces still to come
         landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=20, lease_s=1.0)
         assert not landed["complete"]

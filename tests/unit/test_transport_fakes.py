@@ -7,7 +7,7 @@ import torch
 
 from shared.messages import CancelRequest, Discover, TaskAck
 from shared.transport.bus import InMemoryBus, NoResponders, RequestTimeout
-from shared.transport.kv import KVTransferError
+from shared.transport.kv import KVTransferError, discard
 from shared.transport.kv_fake import InProcessDataPlane, LoopbackNetwork
 
 
@@ -208,6 +208,24 @@ async def test_discard_takes_late_pieces_off_the_wire_and_releases_the_rest():
     net = LoopbackNetwork()
     a, b = InProcessDataPlane(net, "a"), InProcessDataPlane(net, "b")
     late = asyncio.ensure_future(a.send_many(b"b", [(1, torch.ones(8)), (2, torch.ones(4))], 1.0))
-    await b.discard([(1, 32), (2, 16), (3, 64)], timeout=0.1)    # piece 3 never comes
+    await discard(b, [(1, 32), (2, 16), (3, 64)], timeout=0.1)    # piece 3 never comes
     await late                                                   # the sender is not left hanging
     assert b.counters.bytes_received == 48 and b.counters.receives_released == 1
+
+
+def test_endpoint_lanes_are_read_from_ucx_print_info():
+    from shared.transport.ucx_info import parse_lanes, transport_summary
+
+    info = """#
+# UCP endpoint 0x7f
+#               peer: <no debug data>
+#                 lane[0]:  2:sysv/memory.0 md[2]           -> md[2]/sysv/sysdev[255] seg 4294967295 am keepalive
+#                 lane[1]:  3:posix/memory.0 md[3]          -> md[3]/posix/sysdev[255] seg 4294967295
+#                 lane[2]:  5:cma/memory md[5]              -> md[5]/cma/sysdev[255] seg 0 rma_bw#0
+#
+"""
+    lanes = parse_lanes(info)
+    assert lanes == ["sysv/memory am keepalive", "posix/memory", "cma/memory rma_bw#0"]
+    assert transport_summary(lanes) == "sysv+posix+cma"
+    assert transport_summary(parse_lanes("#  lane[0]:  1:tcp/lo.0 md[1] -> md[1]/tcp seg 0 am keepalive wireup")) == "tcp"
+    assert transport_summary([]) == "unknown"

@@ -45,6 +45,7 @@ class GenerateTask:
     reply_subject: str          # where the TokenChunks go
     arrival_time: float         # unix time the gateway accepted it
     deadline: float = 0.0       # unix time after which nobody should work on it; 0 = none
+    priority: int = 0           # higher first; first come, first served among equals
 
 
 @dataclass
@@ -52,8 +53,9 @@ class SubmitReply:
     ok: bool
     code: str = ""              # a gRPC status code name when not ok
     message: str = ""
-    prefill_worker: str = ""
+    prefill_worker: str = ""    # empty: prefilled on the decode worker
     decode_worker: str = ""
+    retry_after_ms: int = 0     # with RESOURCE_EXHAUSTED: when trying again may succeed
 
 
 @dataclass
@@ -112,6 +114,7 @@ class PrefillTask:
     decode_worker: str
     arrival_time: float
     deadline: float = 0.0
+    priority: int = 0
 
 
 @dataclass
@@ -129,6 +132,7 @@ class PrefillResult:
     pieces_sent: int = 0        # on an abort: pieces handed to UCX before it stopped
     transport: str = ""         # the UCX transports that carry the bytes, e.g. "sysv+posix+cma"
     computed_at: float = 0.0    # unix time the prompt's last chunk was computed
+    cached_tokens: int = 0      # prompt tokens the prefill worker's prefix cache served
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     prefill_worker: str = ""
@@ -152,6 +156,8 @@ class Timing:
     kv_exposed_ms: float = 0.0
     prefill_worker: str = ""
     decode_worker: str = ""
+    path: str = ""              # "disaggregated" or "local"
+    cached_tokens: int = 0      # prompt tokens served from a prefix cache
 
 
 @dataclass
@@ -198,6 +204,11 @@ class WorkerHeartbeat:
     kv_transport: str = ""      # the UCX transports this worker's KV travels on, e.g. "sysv/cma"
     zone: str = ""              # topology label (rack, zone) from settings; host is the other one
     stopping: bool = False      # draining: take no new work
+    max_num_seqs: int = 0       # running batch capacity
+    prefill_tokens_queued: int = 0      # prompt tokens accepted here and not computed yet
+    prefill_tokens_per_s: float = 0.0   # measured prompt throughput; 0 = not measured yet
+    prefix_granularity: int = 0         # tokens per prefix-cache granule (the summary's unit)
+    prefix_summary: list[int] = field(default_factory=list)  # granule keys cached here (granule_keys)
 
 
 @dataclass

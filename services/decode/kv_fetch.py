@@ -69,6 +69,7 @@ class KVFetcher:
             result = await self._await_transfer(seq, receiver, inbox, prefill_worker)
             seq.first_token, seq.prefill_worker = result.first_token, result.prefill_worker
             seq.queue_ms, seq.prefill_ms = result.queue_ms, result.prefill_ms
+            seq.cached_tokens = result.cached_tokens
             if result.transport:
                 self.transports.add(result.transport)
             self.rt.engine.kv_arrived(seq)
@@ -103,7 +104,7 @@ class KVFetcher:
         task = PrefillTask(
             request_id=seq.request_id, prompt_token_ids=seq.task.prompt_token_ids, sampling=seq.sampling,
             layout=self.rt.runner.layout, destination=plan.destination, decode_worker=self.rt.worker_id,
-            arrival_time=seq.task.arrival_time, deadline=seq.task.deadline)
+            arrival_time=seq.task.arrival_time, deadline=seq.task.deadline, priority=seq.task.priority)
         ack = await self.bus.request(self.subjects.worker_tasks(prefill_worker), task, 5.0, TaskAck)
         if not ack.ok:
             raise _Failed(ack.code or "UNAVAILABLE", ack.message, from_prefill=True)

@@ -49,9 +49,7 @@ class DecodeWorker:
             max_model_len=self.rt.max_model_len,
             running=self.loop.count(SeqStatus.RUNNING, SeqStatus.KV_READY),
             queued=self.loop.count(SeqStatus.WAITING_KV, SeqStatus.WAITING),
-            kv_blocks_used=self.rt.blocks.used, kv_blocks_total=self.rt.blocks.num_blocks,
-            block_size=self.rt.blocks.block_size,
-            requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
+            requests_served=self.served, **self.rt.load_report(), kv_bytes_sent=self.plane.counters.bytes_sent,
             kv_bytes_received=self.plane.counters.bytes_received,
             kv_transfers_failed=self.plane.counters.transfers_failed, kv_blocks_leaked=self._leaked(),
             kv_transport=",".join(sorted(self.kv.transports)), zone=self.settings.zone, stopping=self.stopping)
@@ -148,7 +146,9 @@ class DecodeWorker:
             extra = dict(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids),
                          timing=Timing(queue_ms=seq.queue_ms, prefill_ms=seq.prefill_ms,
                                        kv_transfer_ms=seq.kv_transfer_ms, kv_exposed_ms=seq.kv_exposed_ms,
-                                       prefill_worker=seq.prefill_worker, decode_worker=self.rt.worker_id))
+                                       prefill_worker=seq.prefill_worker, decode_worker=self.rt.worker_id,
+                                       path="local" if seq.prefill_worker == self.rt.worker_id else "disaggregated",
+                                       cached_tokens=seq.cached_tokens))
         chunk = self._chunk(seq, token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason, **extra)
         await self.bus.publish(seq.task.reply_subject, chunk)
 

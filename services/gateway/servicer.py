@@ -55,11 +55,12 @@ class TandemServicer(pb_grpc.TandemServicer):
         remaining = context.time_remaining()
         task = GenerateTask(request_id=attempt_id, prompt_token_ids=valid.prompt_token_ids,
                             sampling=valid.sampling, reply_subject=self.streams.subject,
-                            arrival_time=arrival, deadline=arrival + remaining if remaining else 0.0)
+                            arrival_time=arrival, deadline=arrival + remaining if remaining else 0.0,
+                            priority=request.priority)
         chunks = self.streams.open(attempt_id)
         ended = False
         try:
-            decode_worker = await self._submit(task, context)
+            decode_worker, chunks = await self._submit(task, chunks, context)  # a second try: a new id
             first_at = None
             expected = 0
             while not ended:
@@ -70,9 +71,9 @@ class TandemServicer(pb_grpc.TandemServicer):
                 ended = bool(chunk.finish_reason)
                 yield self._response(valid.request_id, chunk, arrival, first_at)
         finally:
-            self.streams.close(attempt_id)
+            self.streams.close(task.request_id)
             if not ended:  # client gone, deadline passed or a failure: free what the workers hold
-                await self._cancel(attempt_id)
+                await self._cancel(task.request_id)
 
     async def _cancel(self, request_id: str) -> None:
         try:
@@ -80,19 +81,33 @@ class TandemServicer(pb_grpc.TandemServicer):
         except Exception as err:  # NATS down: the workers' own timeouts free the request
             log.warning("could not broadcast the cancel of %s: %s", request_id, err)
 
-    async def _submit(self, task: GenerateTask, context) -> str:
-        """Places the request; returns the decode worker that holds it."""
-        try:
-            reply = await self.bus.request(self.subjects.submit, task, self.settings.submit_timeout_s, SubmitReply)
-        except NoResponders:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler is running")
-        except RequestTimeout:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not place the request in time")
+    async def _submit(self, task: GenerateTask, chunks: asyncio.Queue, context) -> tuple[str, asyncio.Queue]:
+        """Places the request; returns the decode worker that holds it. A scheduler that does not
+        answer may have died holding it: whatever it placed is cancelled, and the request goes
+        once more to the schedulers' queue group, under a new attempt id (another replica takes it)."""
+        for attempt in range(2):
+            try:
+                reply = await self.bus.request(self.subjects.submit, task, self.settings.submit_timeout_s, SubmitReply)
+                break
+            except NoResponders:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler is running")
+            except RequestTimeout:
+                if attempt:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not place the request in time")
+                log.warning("no scheduler answered for %s; submitting it again", task.request_id)
+                await self._cancel(task.request_id)
+                self.streams.close(task.request_id)
+                task.request_id = f"{task.request_id.rsplit('.', 1)[0]}.{uuid.uuid4().hex[:12]}"
+                chunks = self.streams.open(task.request_id)
         if not reply.ok:
-            await context.abort(status_code(reply.code), reply.message)
+            message = reply.message
+            if reply.retry_after_ms:
+                context.set_trailing_metadata((("retry-after-ms", str(reply.retry_after_ms)),))
+                message += f" (retry after {reply.retry_after_ms / 1000:.1f}s)"
+            await context.abort(status_code(reply.code), message)
         log.info("request %s: %d prompt tokens -> prefill %s, decode %s", task.request_id,
                  len(task.prompt_token_ids), reply.prefill_worker or "(local)", reply.decode_worker)
-        return reply.decode_worker
+        return reply.decode_worker, chunks
 
     async def _next_chunk(self, chunks: asyncio.Queue, expected: int, decode_worker: str, context) -> TokenChunk:
         idle_since = time.monotonic()
@@ -123,7 +138,8 @@ class TandemServicer(pb_grpc.TandemServicer):
             if t is not None:
                 response.timing.CopyFrom(pb.Timing(
                     queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, kv_transfer_ms=t.kv_transfer_ms,
-                    kv_exposed_ms=t.kv_exposed_ms, prefill_worker=t.prefill_worker, decode_worker=t.decode_worker))
+                    kv_exposed_ms=t.kv_exposed_ms, prefill_worker=t.prefill_worker, decode_worker=t.decode_worker,
+                    path=t.path, cached_tokens=t.cached_tokens))
             response.timing.ttft_ms = ((first_at or now) - arrival) * 1000
             response.timing.total_ms = (now - arrival) * 1000
         return response

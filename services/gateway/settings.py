@@ -16,7 +16,7 @@ class GatewaySettings(CommonSettings):
     default_max_tokens: int = field(default=256, metadata={"help": "max_tokens when a request leaves it unset"})
     max_tokens_limit: int = field(default=4096, metadata={"help": "the largest max_tokens a request may ask for"})
     max_stop_strings: int = field(default=16, metadata={"help": "how many stop strings a request may give"})
-    submit_timeout_s: float = field(default=10.0, metadata={"help": "how long the scheduler may take to place a request"})
+    submit_timeout_s: float = field(default=20.0, metadata={"help": "how long the scheduler may take to place a request"})
     stream_idle_timeout_s: float = field(default=300.0, metadata={"help": "a stream silent this long fails with UNAVAILABLE"})
     worker_timeout_s: float = field(default=3.0, metadata={"help": "a stream whose decode worker is silent this long fails with UNAVAILABLE"})
     gateway_id: str = field(default="", metadata={"help": "unique id; empty = random"})

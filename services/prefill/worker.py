@@ -9,6 +9,7 @@ the pool where they can). Each transfer has a lease: a send that makes no progre
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -64,9 +65,7 @@ class PrefillWorker:
             worker_id=self.rt.worker_id, role="prefill", host=self.rt.host, pid=os.getpid(),
             ucx_address=self.plane.address, layout=self.rt.runner.layout,
             max_model_len=self.rt.max_model_len, running=len(self.held) - queued, queued=queued,
-            kv_blocks_used=self.rt.blocks.used, kv_blocks_total=self.rt.blocks.num_blocks,
-            block_size=self.rt.blocks.block_size,
-            requests_served=self.served, kv_bytes_sent=self.plane.counters.bytes_sent,
+            requests_served=self.served, **self.rt.load_report(), kv_bytes_sent=self.plane.counters.bytes_sent,
             kv_bytes_received=self.plane.counters.bytes_received,
             kv_transfers_failed=self.plane.counters.transfers_failed,
             kv_blocks_leaked=self._leaked(),
@@ -87,10 +86,11 @@ class PrefillWorker:
                     if not await self._iterate():
                         self.wakeup.clear()
                         await wait_or_stop(self.wakeup.wait(), stop)
-                self.stopping = True
+                self.stopping = True  # no new work; the scheduler drops this worker now
                 await announcer.announce()
+                await self._drain(self.settings.drain_timeout_s)
                 for t in list(self.held.values()):
-                    if t.seq.status is not SeqStatus.FINISHED:  # not computed yet: tell its decode worker now
+                    if t.seq.status is not SeqStatus.FINISHED:  # not computed in time: tell its decode worker
                         await self._abort(t, "UNAVAILABLE", f"prefill worker {self.rt.worker_id} shut down")
         finally:
             for sub in subs:
@@ -98,6 +98,17 @@ class PrefillWorker:
             if self.finishing:  # let transfers in flight finish (each is bounded by its lease)
                 await asyncio.gather(*self.finishing, return_exceptions=True)
             self.executor.close()
+
+    async def _drain(self, timeout_s: float) -> None:
+        """Computes and sends the prompts already accepted, for up to `timeout_s`."""
+        log.info("draining %d prompt(s) for up to %.0fs", len(self.held), timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(t.seq.status is not SeqStatus.FINISHED and not t.sender.aborted
+                                                  for t in self.held.values()):
+            if not await self._iterate():
+                self.wakeup.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.wakeup.wait(), 0.1)
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -111,7 +122,7 @@ class PrefillWorker:
         if refusal is None:
             request = GenerateTask(request_id=task.request_id, prompt_token_ids=task.prompt_token_ids,
                                    sampling=task.sampling, reply_subject="", arrival_time=task.arrival_time,
-                                   deadline=task.deadline)
+                                   deadline=task.deadline, priority=task.priority)
             seq = Sequence(request, None, set(), self.rt.max_model_len, prefill_only=True)
             sender = KVSender(self.plane, self.rt.runner.pool, plan, task.destination.lease_s)
             self.held[task.request_id] = _Transfer(task, seq, sender)
@@ -209,7 +220,8 @@ class PrefillWorker:
             request_id=t.task.request_id, base_tag=t.task.destination.base_tag, ok=True,
             first_token=t.first_token, kv_bytes=t.sender.plan.nbytes, queue_ms=t.seq.queue_ms,
             prefill_ms=t.seq.prefill_ms, prefill_worker=self.rt.worker_id,
-            transport=self.plane.transport_to(t.task.destination.ucx_address), computed_at=t.computed_at))
+            transport=self.plane.transport_to(t.task.destination.ucx_address), computed_at=t.computed_at,
+            cached_tokens=t.seq.cached_tokens))
         self._await_sends(t)
 
     def _await_sends(self, t: _Transfer) -> None:

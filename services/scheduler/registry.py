@@ -1,5 +1,12 @@
-"""WorkerRegistry: the live workers, as their heartbeats describe them. No static lists."""
+"""WorkerRegistry: the live workers, as their heartbeats describe them. No static lists.
 
+A worker is known from its first heartbeat and dropped when it says it is stopping or has been
+silent for `timeout_s`. Between heartbeats the registry adds what this scheduler has placed on a
+worker since (`reserve`), so a burst of requests does not all land on the worker that looked
+emptiest half a second ago; the worker's next heartbeat replaces the estimate with the truth.
+"""
+
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -11,6 +18,7 @@ from shared.messages import WorkerHeartbeat
 class WorkerEntry:
     beat: WorkerHeartbeat
     seen_at: float
+    summary: frozenset[int]
 
 
 class WorkerRegistry:
@@ -23,7 +31,7 @@ class WorkerRegistry:
         if beat.stopping:
             self._workers.pop(beat.worker_id, None)
         else:
-            self._workers[beat.worker_id] = WorkerEntry(beat, self._clock())
+            self._workers[beat.worker_id] = WorkerEntry(beat, self._clock(), frozenset(beat.prefix_summary))
 
     def drop(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -34,3 +42,16 @@ class WorkerRegistry:
             del self._workers[worker_id]
         return sorted((e.beat for e in self._workers.values() if role is None or e.beat.role == role),
                       key=lambda b: b.worker_id)
+
+    def summary(self, worker_id: str) -> frozenset[int]:
+        entry = self._workers.get(worker_id)
+        return entry.summary if entry else frozenset()
+
+    def reserve(self, worker_id: str, seqs: int = 0, blocks: int = 0, prompt_tokens: int = 0) -> None:
+        """Counts work just placed on a worker until its next heartbeat reports it."""
+        entry = self._workers.get(worker_id)
+        if entry is None:
+            return
+        b = entry.beat
+        entry.beat = dataclasses.replace(b, queued=b.queued + seqs, kv_blocks_used=b.kv_blocks_used + blocks,
+                                         prefill_tokens_queued=b.prefill_tokens_queued + prompt_tokens)

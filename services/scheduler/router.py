@@ -1,58 +1,170 @@
-"""Router: which prefill and decode worker serve a request. Later issues add cache and topology terms."""
+"""Router: which decode worker holds a request, and where its prompt is computed.
+
+1. Decode: among workers that can hold the whole sequence now (KV blocks after their own prefix
+   hit, and a batch slot), the emptiest by max(batch fill, KV fill) after placing it, so the
+   pool fills evenly. Workers within `decode_slack` of the emptiest count as equal.
+2. Prefill: every (prefill worker, near-equal decode worker) pair is priced by the cost model
+   (services.scheduler.cost): queued prompt work plus this prompt's uncached part, at the
+   worker's measured speed, plus moving the KV at the pair's topology bandwidth.
+3. Mode: `disaggregated` always prefills on a prefill worker; `colocated` always on the decode
+   worker; `auto` prefills locally when what is left after the decode worker's prefix cache is
+   at most `local_prefill_tokens`, when no prefill worker is live, or when the prefill pool's
+   best wait exceeds `prefill_busy_s` and the local one is shorter.
+A path whose expected prefill wait is over `max_prefill_wait_s` has no room: the request waits
+in the scheduler's queue (or is refused) instead of queueing without end on a worker.
+"""
 
 from dataclasses import dataclass
 
-from shared.messages import GenerateTask, WorkerHeartbeat
+from services.scheduler import cost
+from services.scheduler.cost import PromptView
 from services.scheduler.registry import WorkerRegistry
+from shared.messages import GenerateTask, WorkerHeartbeat
 
 
 class NoWorker(Exception):
-    """No live worker of a needed role can take the request."""
+    """No live worker of a needed role: the request cannot be served now."""
 
     code = "UNAVAILABLE"
 
 
-class NoRoom(NoWorker):
-    """Workers are alive, but none has room for the request now."""
+class TooLarge(NoWorker):
+    """No live worker could ever hold the request."""
 
     code = "RESOURCE_EXHAUSTED"
+
+
+class NoRoom(NoWorker):
+    """Workers are alive, but none has room now: the request may wait for room."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+@dataclass
+class Policy:
+    mode: str = "auto"
+    local_prefill_tokens: int = 256
+    prefill_busy_s: float = 5.0
+    max_prefill_wait_s: float = 60.0
+    decode_slack: float = 0.1
 
 
 @dataclass
 class Route:
     decode: WorkerHeartbeat
     prefill: WorkerHeartbeat | None   # None: prefill on the decode worker
+    decode_cached: int = 0            # prompt tokens the decode worker's prefix cache holds
+    blocks: int = 0                   # KV blocks the sequence takes on the decode worker
+    compute_tokens: int = 0           # prompt tokens the chosen prefill computes
+    cost_s: float = 0.0
 
 
-def _fits(worker: WorkerHeartbeat, task: GenerateTask) -> bool:
+def _needed_blocks(worker: WorkerHeartbeat, task: GenerateTask, cached: int) -> int:
     tokens = len(task.prompt_token_ids) + task.sampling.max_tokens
-    if tokens > worker.max_model_len or worker.kv_blocks_total == 0:
-        return False
-    return -(-tokens // max(1, worker.block_size)) <= worker.kv_blocks_total - worker.kv_blocks_used
+    bs = max(1, worker.block_size)
+    return -(-tokens // bs) - cached // bs
 
 
-def _decode_load(worker: WorkerHeartbeat) -> tuple:
-    # Fill the pool evenly: fewest sequences first, then most free KV.
-    return (worker.running + worker.queued, worker.kv_blocks_used - worker.kv_blocks_total, worker.worker_id)
+def _could_ever_fit(worker: WorkerHeartbeat, task: GenerateTask) -> bool:
+    tokens = len(task.prompt_token_ids) + task.sampling.max_tokens
+    return tokens <= worker.max_model_len and -(-tokens // max(1, worker.block_size)) <= worker.kv_blocks_total
 
 
-def _prefill_load(worker: WorkerHeartbeat) -> tuple:
-    return (worker.queued + worker.running, worker.worker_id)
+def _fill_after(worker: WorkerHeartbeat, blocks: int) -> float:
+    """How full the worker would be with this sequence: the fuller of its batch and its KV pool."""
+    seqs = worker.running + worker.queued + 1
+    batch = seqs / worker.max_num_seqs if worker.max_num_seqs else 0.0
+    return max(batch, (worker.kv_blocks_used + blocks) / max(1, worker.kv_blocks_total))
 
 
-def route(registry: WorkerRegistry, mode: str, task: GenerateTask, exclude: set[str] = frozenset()) -> Route:
-    decode_role = "colocated" if mode == "colocated" else "decode"
-    decoders = [w for w in registry.live(decode_role) if w.worker_id not in exclude]
-    if not decoders:
-        raise NoWorker(f"no live {decode_role} worker")
-    fitting = [w for w in decoders if _fits(w, task)]
-    if not fitting:
-        raise NoRoom(f"no {decode_role} worker has room for {len(task.prompt_token_ids)} prompt "
-                       f"+ {task.sampling.max_tokens} new tokens")
-    decode = min(fitting, key=_decode_load)
-    if mode == "colocated":
-        return Route(decode=decode, prefill=None)
-    prefills = [w for w in registry.live("prefill") if w.worker_id not in exclude and w.layout == decode.layout]
-    if not prefills:
-        raise NoWorker("no live prefill worker" + (" with a matching KV layout" if registry.live("prefill") else ""))
-    return Route(decode=decode, prefill=min(prefills, key=_prefill_load))
+class Router:
+    def __init__(self, registry: WorkerRegistry, policy: Policy):
+        self.registry = registry
+        self.policy = policy
+
+    def route(self, task: GenerateTask, exclude: set[str] = frozenset()) -> Route:
+        prompt = PromptView(task.prompt_token_ids)
+        decoders = self._decoders(task, exclude)
+        near = self._near_equal(decoders, task, prompt)
+        if self.policy.mode == "colocated":
+            return self._local_best(near, prompt)
+        remote = self._remote_best(near, prompt, exclude)
+        if self.policy.mode == "disaggregated":
+            if remote is None:
+                raise NoWorker(self._no_prefill_reason(exclude))
+            return self._checked(remote)
+        local = self._local_best(near, prompt)
+        return self._auto(local, remote)
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def _decoders(self, task: GenerateTask, exclude: set[str]) -> list[WorkerHeartbeat]:
+        roles = {"colocated": ("colocated",), "disaggregated": ("decode",)}.get(self.policy.mode,
+                                                                              ("decode", "colocated"))
+        decoders = [w for w in self.registry.live() if w.role in roles and w.worker_id not in exclude]
+        if not decoders:
+            raise NoWorker(f"no live {' or '.join(roles)} worker")
+        if not any(_could_ever_fit(w, task) for w in decoders):
+            raise TooLarge(f"{len(task.prompt_token_ids)} prompt + {task.sampling.max_tokens} new tokens "
+                           f"do not fit any worker's context or KV cache")
+        return decoders
+
+    def _near_equal(self, decoders: list[WorkerHeartbeat], task: GenerateTask,
+                    prompt: PromptView) -> list[tuple[WorkerHeartbeat, int, int]]:
+        """(worker, cached tokens, blocks needed) of the workers with room, emptiest first."""
+        room = []
+        for w in decoders:
+            cached = prompt.cached_tokens(w, self.registry.summary(w.worker_id))
+            blocks = _needed_blocks(w, task, cached)
+            slots = not w.max_num_seqs or w.running + w.queued < w.max_num_seqs
+            if _could_ever_fit(w, task) and slots and blocks <= w.kv_blocks_total - w.kv_blocks_used:
+                room.append((_fill_after(w, blocks), w.worker_id, w, cached, blocks))
+        if not room:
+            raise NoRoom("every decode worker's batch or KV cache is full")
+        room.sort(key=lambda r: r[:2])
+        best = room[0][0]
+        return [(w, cached, blocks) for fill, _, w, cached, blocks in room if fill <= best + self.policy.decode_slack]
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    def _local_best(self, near, prompt: PromptView) -> Route:
+        def local(entry) -> Route:
+            w, cached, blocks = entry
+            compute = len(prompt.token_ids) - cached
+            return Route(w, None, cached, blocks, compute, cost.prefill_wait_s(w, compute))
+        routes = [local(e) for e in near]
+        return min(routes, key=lambda r: (round(r.cost_s, 3), routes.index(r)))
+
+    def _remote_best(self, near, prompt: PromptView, exclude: set[str]) -> Route | None:
+        """The cheapest pair; on equal cost (to the millisecond) the emptier decode worker, as
+        `near` is ordered."""
+        prefills = [p for p in self.registry.live("prefill") if p.worker_id not in exclude]
+        best, best_key = None, None
+        for rank, (w, cached, blocks) in enumerate(near):
+            for p in prefills:
+                if p.layout != w.layout:
+                    continue
+                compute = len(prompt.token_ids) - prompt.cached_tokens(p, self.registry.summary(p.worker_id))
+                moved = len(prompt.token_ids) - cached
+                total = cost.prefill_wait_s(p, compute) + cost.transfer_s(p, w, moved)
+                key = (round(total, 3), rank, p.worker_id)
+                if best_key is None or key < best_key:
+                    best, best_key = Route(w, p, cached, blocks, compute, total), key
+        return best
+
+    def _checked(self, route: Route) -> Route:
+        if route.cost_s > self.policy.max_prefill_wait_s:
+            raise NoRoom(f"the expected prefill wait ({route.cost_s:.0f}s) is over "
+                         f"{self.policy.max_prefill_wait_s:.0f}s")
+        return route
+
+    def _auto(self, local: Route, remote: Route | None) -> Route:
+        if local.compute_tokens <= self.policy.local_prefill_tokens or remote is None:
+            return self._checked(local)
+        if remote.cost_s > self.policy.prefill_busy_s and local.cost_s < remote.cost_s:
+            return self._checked(local)
+        return self._checked(remote)
+
+    def _no_prefill_reason(self, exclude: set[str]) -> str:
+        prefills = [p for p in self.registry.live("prefill") if p.worker_id not in exclude]
+        return "no live prefill worker" + (" with a matching KV layout" if prefills else "")

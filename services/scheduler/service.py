@@ -1,12 +1,21 @@
-"""SchedulerService: keeps the registry from heartbeats, routes submissions, answers status."""
+"""SchedulerService: keeps the registry from heartbeats, admits and routes submissions, answers status.
+
+Submissions arrive on a NATS queue group, so any number of schedulers share them. Each goes
+through this scheduler's AdmissionQueue: it is placed at once when a worker has room, waits
+(bounded) when none has, and is refused with RESOURCE_EXHAUSTED and a retry-after hint when
+the queue is full or the wait runs out. Placed requests are handed to their decode worker; a
+worker that refuses (full, or draining) or has vanished is excluded and the request placed again.
+"""
 
 import asyncio
 import logging
+import time
 import uuid
 from pathlib import Path
 
+from services.scheduler.admission import AdmissionQueue, Pending
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.router import NoWorker, route
+from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
 from shared.messages import (CancelRequest, DecodeAssignment, Discover, GenerateTask, StatusReply, StatusRequest,
                              SubmitReply, TaskAck, WorkerHeartbeat)
@@ -16,6 +25,7 @@ from shared.transport.bus import MessageBus, NoResponders, RequestTimeout
 log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
+RETRYABLE = ("RESOURCE_EXHAUSTED", "UNAVAILABLE")   # a full or draining worker: another may take it
 
 
 class SchedulerService:
@@ -24,6 +34,8 @@ class SchedulerService:
         self.bus = bus
         self.subjects = Subjects(settings.cluster)
         self.registry = WorkerRegistry(settings.worker_timeout_s)
+        self.router = Router(self.registry, settings.policy())
+        self.queue = AdmissionQueue(settings.max_pending, settings.queue_timeout_s)
         self.scheduler_id = settings.scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
         self._inflight: set[asyncio.Task] = set()
 
@@ -33,14 +45,18 @@ class SchedulerService:
                 await self.bus.subscribe(self.subjects.status, self.on_status, queue="schedulers")]
         await self.bus.publish(self.subjects.discover, Discover(scheduler_id=self.scheduler_id))
         log.info("%s up in %s mode on cluster %r", self.scheduler_id, self.settings.mode, self.settings.cluster)
-        alive = asyncio.create_task(self._keep_alive()) if self.settings.alive_file else None
+        tickers = [asyncio.create_task(self._tick())]
+        if self.settings.alive_file:
+            tickers.append(asyncio.create_task(self._keep_alive()))
         try:
             await stop.wait()
         finally:
-            if alive is not None:
-                alive.cancel()
+            for ticker in tickers:
+                ticker.cancel()
             for sub in subs:
                 await sub.unsubscribe()
+            while len(self.queue):
+                self._refuse(self.queue.take(), "UNAVAILABLE", "the scheduler is shutting down")
             if self._inflight:
                 await asyncio.gather(*self._inflight, return_exceptions=True)
 
@@ -51,58 +67,105 @@ class SchedulerService:
             path.touch()
             await asyncio.sleep(1.0)
 
+    async def _tick(self) -> None:
+        """Ends the waits that ran out, and places what the last heartbeats made room for."""
+        while True:
+            await asyncio.sleep(0.1)
+            for entry in self.queue.expired():
+                self._refuse(entry, "RESOURCE_EXHAUSTED",
+                             f"no worker had room within {self.settings.queue_timeout_s:.0f}s", retry=True)
+            self.pump()
+
     def ready(self) -> bool:
-        roles = ("colocated",) if self.settings.mode == "colocated" else ("prefill", "decode")
-        return all(self.registry.live(role) for role in roles)
+        roles = {"colocated": [("colocated",)], "disaggregated": [("prefill",), ("decode",)]}.get(
+            self.settings.mode, [("decode", "colocated")])
+        return all(any(self.registry.live(r) for r in alternatives) for alternatives in roles)
 
     async def on_heartbeat(self, beat: WorkerHeartbeat, respond) -> None:
         self.registry.update(beat)
+        self.pump()
 
     async def on_status(self, request: StatusRequest, respond) -> None:
         if respond is not None:
             await respond(StatusReply(mode=self.settings.mode, ready=self.ready(), workers=self.registry.live()))
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
-        # Dispatch beside the subscription, so one slow worker does not hold up other submissions.
-        job = asyncio.create_task(self._dispatch(task, respond))
+        if self.queue.offer(task, respond) is None:
+            await self._answer(respond, SubmitReply(
+                ok=False, code="RESOURCE_EXHAUSTED", retry_after_ms=self.queue.retry_after_ms(),
+                message=f"the scheduler's queue is full ({self.settings.max_pending} requests waiting)"))
+            return
+        self.pump()
+
+    # -- placing ------------------------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Places queued requests in order while workers have room; the head waits when none has."""
+        while (entry := self.queue.head()) is not None:
+            if entry.task.deadline and time.time() > entry.task.deadline:
+                self._refuse(self.queue.take(), "DEADLINE_EXCEEDED", "the deadline passed while it waited for room")
+                continue
+            try:
+                chosen = self.router.route(entry.task, entry.tried)
+            except NoRoom:
+                return
+            except NoWorker as err:   # every worker that could take it refused: say why the last one did
+                code, message = entry.refusal or (err.code, str(err))
+                self._refuse(self.queue.take(), code, message)
+                continue
+            self.queue.pop()
+            self._reserve(entry, chosen)
+            self._spawn(self._assign(entry, chosen))
+
+    def _reserve(self, entry: Pending, chosen: Route) -> None:
+        prefill_on = chosen.prefill or chosen.decode
+        self.registry.reserve(chosen.decode.worker_id, seqs=1, blocks=chosen.blocks)
+        self.registry.reserve(prefill_on.worker_id, prompt_tokens=chosen.compute_tokens)
+
+    async def _assign(self, entry: Pending, chosen: Route) -> None:
+        """Hands the request to its decode worker; places it again if that one refuses."""
+        task, decode_id = entry.task, chosen.decode.worker_id
+        prefill_id = chosen.prefill.worker_id if chosen.prefill else ""
+        entry.attempts += 1
+        try:
+            ack = await self.bus.request(self.subjects.worker_tasks(decode_id),
+                                         DecodeAssignment(task=task, prefill_worker=prefill_id),
+                                         self.settings.dispatch_timeout_s, TaskAck)
+        except NoResponders:  # gone since its last heartbeat: it holds nothing, try another
+            self.registry.drop(decode_id)
+            ack = TaskAck(ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} is gone")
+        except RequestTimeout:
+            # It may have taken the request after all: trying another could run it twice.
+            log.warning("decode worker %s did not confirm %s in time", decode_id, task.request_id)
+            await self.bus.publish(self.subjects.cancel, CancelRequest(task.request_id, "dispatch timed out"))
+            ack = TaskAck(ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} did not answer in time")
+            entry.attempts = MAX_DISPATCH_ATTEMPTS
+        if ack.ok:
+            await self._answer(entry.respond, SubmitReply(ok=True, prefill_worker=prefill_id, decode_worker=decode_id))
+        elif ack.code in RETRYABLE and entry.attempts < MAX_DISPATCH_ATTEMPTS:
+            entry.tried.add(decode_id)
+            entry.refusal = (ack.code, ack.message)
+            self.queue.requeue(entry)
+            self.pump()
+        else:
+            self._refuse(entry, ack.code or "UNAVAILABLE", ack.message, retry=ack.code == "RESOURCE_EXHAUSTED")
+
+    # -- answers ------------------------------------------------------------------------------
+
+    def _refuse(self, entry: Pending, code: str, message: str, retry: bool = False) -> None:
+        reply = SubmitReply(ok=False, code=code, message=message,
+                            retry_after_ms=self.queue.retry_after_ms() if retry or code == "RESOURCE_EXHAUSTED" else 0)
+        self._spawn(self._answer(entry.respond, reply))
+
+    async def _answer(self, respond, reply: SubmitReply) -> None:
+        if respond is None:
+            return
+        try:
+            await respond(reply)
+        except Exception as err:  # the gateway's own timeout covers a reply that cannot be sent
+            log.warning("could not answer a submission: %s", err)
+
+    def _spawn(self, coro) -> None:
+        job = asyncio.create_task(coro)
         self._inflight.add(job)
         job.add_done_callback(self._inflight.discard)
-
-    async def _dispatch(self, task: GenerateTask, respond) -> None:
-        reply = await self.dispatch(task)
-        if respond is not None:
-            await respond(reply)
-
-    async def dispatch(self, task: GenerateTask) -> SubmitReply:
-        """Routes the task and hands it to the chosen decode worker; tries another on refusal."""
-        tried: set[str] = set()
-        last = SubmitReply(ok=False, code="UNAVAILABLE", message="no worker accepted the request")
-        for _ in range(MAX_DISPATCH_ATTEMPTS):
-            try:
-                chosen = route(self.registry, self.settings.mode, task, tried)
-            except NoWorker as err:
-                if tried and last.code == "RESOURCE_EXHAUSTED":
-                    return last
-                return SubmitReply(ok=False, code=err.code, message=str(err))
-            prefill_id = chosen.prefill.worker_id if chosen.prefill else ""
-            assignment = DecodeAssignment(task=task, prefill_worker=prefill_id)
-            try:
-                ack = await self.bus.request(self.subjects.worker_tasks(chosen.decode.worker_id), assignment,
-                                             self.settings.dispatch_timeout_s, TaskAck)
-            except NoResponders:  # gone since its last heartbeat: it holds nothing, try another
-                self.registry.drop(chosen.decode.worker_id)
-                tried.add(chosen.decode.worker_id)
-                continue
-            except RequestTimeout:
-                # It may have taken the request after all: trying another could run it twice.
-                log.warning("decode worker %s did not confirm %s in time", chosen.decode.worker_id, task.request_id)
-                await self.bus.publish(self.subjects.cancel, CancelRequest(task.request_id, "dispatch timed out"))
-                return SubmitReply(ok=False, code="UNAVAILABLE",
-                                   message=f"decode worker {chosen.decode.worker_id} did not answer in time")
-            if ack.ok:
-                return SubmitReply(ok=True, prefill_worker=prefill_id, decode_worker=chosen.decode.worker_id)
-            last = SubmitReply(ok=False, code=ack.code or "UNAVAILABLE", message=ack.message)
-            if ack.code != "RESOURCE_EXHAUSTED":
-                return last
-            tried.add(chosen.decode.worker_id)
-        return last

@@ -36,6 +36,24 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
     return digest.digest()
 
 
+def summary_key(block_hash: bytes) -> int:
+    """The 64-bit form of a block hash that workers announce in their prefix-cache summary."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+def granule_keys(tokens: list[int], block_size: int, granularity: int) -> list[int]:
+    """The summary keys of `tokens`' usable prefix granules, in order: what a worker whose cache
+    holds the first k of them would serve from cache (k * granularity tokens). Mirrors
+    BlockManager._prefix_hits, so the scheduler can estimate a hit without asking."""
+    keys, parent = [], b""
+    usable = ((len(tokens) - 1) // granularity) * granularity
+    for start in range(0, usable, block_size):
+        parent = chain_hash(parent, tokens[start:start + block_size])
+        if (start + block_size) % granularity == 0:
+            keys.append(summary_key(parent))
+    return keys
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, cache_granularity: int | None = None):
         if num_blocks <= 0 or block_size <= 0:
@@ -50,6 +68,8 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         # Blocks no sequence holds, least recently freed first. Cached ones keep their hash.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Hashes of cached blocks that end a whole granule, oldest first: the prefix-cache summary.
+        self.granule_ends: OrderedDict[bytes, None] = OrderedDict()
         self.hits = 0       # tokens served from the prefix cache
         self.lookups = 0    # prompt tokens looked up
 
@@ -148,6 +168,13 @@ class BlockManager:
             if self.block_hash[block] is None and seq.last_block_hash not in self.hash_to_block:
                 self.block_hash[block] = seq.last_block_hash
                 self.hash_to_block[seq.last_block_hash] = block
+                if (index + 1) * self.block_size % self.granularity == 0:
+                    self.granule_ends[seq.last_block_hash] = None
+
+    def prefix_summary(self, limit: int) -> list[int]:
+        """Summary keys of the newest `limit` cached granule ends (see granule_keys)."""
+        keys = list(self.granule_ends)[-limit:] if limit > 0 else []
+        return [summary_key(h) for h in keys]
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -191,6 +218,7 @@ class BlockManager:
         block, _ = self.free_blocks.popitem(last=False)  # least recently freed: evict its prefix
         if self.block_hash[block] is not None:
             del self.hash_to_block[self.block_hash[block]]
+            self.granule_ends.pop(self.block_hash[block], None)
             self.block_hash[block] = None
         self.ref_count[block] = 1
         return block

@@ -49,6 +49,7 @@ class Engine:
         self.loading: list[Sequence] = []         # remote KV arrived, to be written into the pool
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.prefill_tokens_per_s = 0.0           # prompt rows per second of step, smoothed
 
     # -- from the event loop -------------------------------------------------------------------
 
@@ -61,10 +62,19 @@ class Engine:
             return True
 
     def add(self, seq: Sequence) -> None:
-        """Queues seq to be prefilled here."""
+        """Queues seq to be prefilled here: behind every waiting sequence of its priority or higher."""
         with self.lock:
             seq.status = SeqStatus.WAITING
-            self.waiting.append(seq)
+            at = len(self.waiting)
+            while at > 0 and self.waiting[at - 1].task.priority < seq.task.priority \
+                    and not self.waiting[at - 1].block_table:  # never ahead of a prompt already started
+                at -= 1
+            self.waiting.insert(at, seq)
+
+    def prompt_tokens_queued(self) -> int:
+        """Prompt tokens waiting here to be computed (what a new prompt queues behind)."""
+        with self.lock:
+            return sum(max(0, s.num_tokens - max(s.num_computed_tokens, s.num_cached_tokens)) for s in self.waiting)
 
     def kv_arrived(self, seq: Sequence) -> None:
         """seq's KV is in its blocks and seq.first_token is set: it joins the batch at the next step."""
@@ -93,10 +103,21 @@ class Engine:
             return None
         outputs = [(seq, self._load(seq)) for seq in loads]
         if work:
+            started = time.perf_counter()
             logits = self.runner.forward([Segment(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work])
+            self._measure(work, time.perf_counter() - started)
             with self.lock:
                 outputs += self._postprocess(work, logits)
         return outputs
+
+    def _measure(self, work: list[_Work], seconds: float) -> None:
+        """Prompt throughput, for the scheduler's wait estimates (steps with many prompt rows only:
+        a step of a few rows says little about how fast a long prompt goes)."""
+        prompt_rows = sum(w.end - w.start for w in work if w.seq.status is SeqStatus.WAITING)
+        if prompt_rows >= self.runner.chunk and seconds > 0:
+            rate = prompt_rows / seconds
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
+                0.8 * self.prefill_tokens_per_s + 0.2 * rate
 
     def _schedule(self) -> tuple[list[Sequence], list[_Work]]:
         work = [_Work(seq, seq.num_tokens - 1, seq.num_tokens) for seq in self._decodable()]
@@ -115,6 +136,7 @@ class Engine:
                     continue
                 self.blocks.allocate(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens
+                seq.cached_tokens = seq.cached_tokens or seq.num_cached_tokens
                 seq.prefill_started = seq.prefill_started or time.time()
             # One chunk per step at least, whatever the decode rows took, so prompts always advance.
             end = self._chunk_end(seq, budget, first=not prefilling)

@@ -55,6 +55,7 @@ class Sequence:
         self.kv_transfer_ms = 0.0             # first KV piece landed -> last one landed
         self.kv_exposed_ms = 0.0              # prefill finished -> last KV piece landed
         self.prefill_worker = ""
+        self.cached_tokens = 0                # prompt tokens a prefix cache served, for Timing
         self.prefill_started = 0.0
 
     @property

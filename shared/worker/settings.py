@@ -39,6 +39,7 @@ class WorkerSettings(CommonSettings):
     worker_timeout_s: float = field(default=3.0, metadata={"help": "a peer worker silent this long is taken for dead"})
     drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM, how long running requests may take to finish"})
     alive_file: str = field(default="", metadata={"help": "touched on every heartbeat, for container health checks; empty = none"})
+    prefix_summary_limit: int = field(default=1024, metadata={"help": "prefix-cache granules announced in each heartbeat at most (newest first), for cache-aware routing"})
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between load reports"})
     prefill_timeout_s: float = field(default=300.0, metadata={"help": "how long a decode worker waits for a remote prefill"})
 
@@ -48,6 +49,8 @@ class WorkerSettings(CommonSettings):
             raise ValueError(f"weights must be native or int8, got {self.weights!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.prefix_summary_limit < 0:
+            raise ValueError("prefix_summary_limit must not be negative")
         for name in ("kv_cache_mb", "block_size", "max_queue", "max_num_seqs", "max_batch_tokens",
                      "prefill_chunk_tokens"):
             if getattr(self, name) <= 0:

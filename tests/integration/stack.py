@@ -95,15 +95,18 @@ def wait_serving(address: str, group: ProcessGroup, timeout: float = 240, names:
 
 
 def start_stack(group: ProcessGroup, nats: NatsServer, cluster: str, mode: str = "disaggregated",
-                prefill: int = 1, decode: int = 1, wait: bool = True, extra_env: dict | None = None) -> Stack:
+                prefill: int = 1, decode: int = 1, wait: bool = True, extra_env: dict | None = None,
+                schedulers: int = 1) -> Stack:
     port = free_port()
     common = {"TANDEM_NATS_URL": nats.url, "TANDEM_CLUSTER": cluster, "TANDEM_LOG_LEVEL": "INFO",
               **(extra_env or {})}
     worker = {**common, "TANDEM_TORCH_THREADS": "1"}
     py = [sys.executable, "-m"]
-    names = [f"{cluster}-scheduler"]
-    group.spawn(names[-1], py + ["services.scheduler"], child_env({**common, "TANDEM_MODE": mode}))
-    for i in range(prefill if mode == "disaggregated" else 0):
+    names = []
+    for i in range(schedulers):
+        names.append(f"{cluster}-scheduler" + (f"-{i}" if i else ""))
+        group.spawn(names[-1], py + ["services.scheduler"], child_env({**common, "TANDEM_MODE": mode}))
+    for i in range(prefill if mode != "colocated" else 0):
         names.append(f"{cluster}-prefill-{i}")
         group.spawn(names[-1], py + ["services.prefill"], child_env(worker))
     for i in range(decode):

@@ -77,7 +77,9 @@ def test_layout_mismatch_is_refused_before_any_transfer(disagg, nats):
 
 
 def test_aborts_travel_both_ways_and_free_both_pools(processes, nats):
-    stack = start_stack(processes, nats, "it-abort", extra_env={"TANDEM_KV_SEGMENT_TOKENS": "256"})
+    # A short drain: on SIGTERM the prefill worker gives up on its prompt after 0.5 s instead of finishing it.
+    stack = start_stack(processes, nats, "it-abort", extra_env={"TANDEM_KV_SEGMENT_TOKENS": "256",
+                                                                "TANDEM_DRAIN_TIMEOUT_S": "0.5"})
     pids = {name: proc.pid for name, proc in processes.children}
     prefill = pids["it-abort-prefill-0"]
     try:

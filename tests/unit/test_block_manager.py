@@ -312,3 +312,35 @@ def test_fresh_sequences_get_consecutive_blocks_and_grow_in_place():
     a.token_ids.extend([1, 2, 3])  # 13 tokens: a fourth block, right after its third if free
     blocks.may_append(a)
     assert len(a.block_table) == 4 and len(set(a.block_table)) == 4
+
+
+# -- the prefix-cache summary (what the scheduler routes on) ------------------------------------
+
+def test_summary_predicts_the_hit_the_cache_gives():
+    from shared.engine.block_manager import granule_keys
+    bm = BlockManager(64, 16, cache_granularity=32)
+    first = toks(1, 100)                                 # 3 whole granules of 32 (the 4th is partial)
+    done = allocated(bm, first, commit=True)
+    bm.deallocate(done)
+    summary = set(bm.prefix_summary(100))
+    prompt = first[:70] + toks(500, 60)                  # shares 2 granules (64 tokens) with `first`
+    keys = granule_keys(prompt, 16, 32)
+    predicted = 0
+    for key in keys:
+        if key not in summary:
+            break
+        predicted += 32
+    assert len(summary) == 3 and predicted == 64
+    assert allocated(bm, prompt).num_cached_tokens == predicted
+
+
+def test_summary_forgets_evicted_granules_and_keeps_the_newest():
+    bm = BlockManager(8, 16, cache_granularity=32)       # room for 2 sequences of 64 tokens
+    old = allocated(bm, toks(1, 64), commit=True)
+    bm.deallocate(old)
+    assert len(bm.prefix_summary(10)) == 2
+    newer = allocated(bm, toks(1000, 128), commit=True)  # takes every block: the old prefix is evicted
+    assert len(bm.prefix_summary(10)) == 4 and len(bm.prefix_summary(1)) == 1
+    assert bm.prefix_summary(1) == bm.prefix_summary(10)[-1:]
+    bm.deallocate(newer)
+    assert bm.prefix_summary(0) == []

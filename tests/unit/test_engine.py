@@ -458,3 +458,31 @@ def test_a_prompt_chunk_is_not_starved_by_running_decodes(model, rand_tokens):
     assert waiting.num_computed_tokens == CHUNK          # its first chunk went with the decode row
     run_to_end(engine)
     assert waiting.output_ids == alone(model, waiting.prompt_token_ids, 2)
+
+
+def test_waiting_prompts_are_served_by_priority_then_arrival(tiny_model):
+    engine = make_engine(tiny_model, max_batch_tokens=CHUNK, max_num_seqs=1)
+    order = []
+    for rid, priority in (("a", 0), ("b", 2), ("c", 0), ("d", 2), ("e", 5)):
+        seq = make_seq(toks_of(rid), 1, request_id=rid)
+        seq.task.priority = priority
+        engine.add(seq)
+    assert [s.request_id for s in engine.waiting] == ["e", "b", "d", "a", "c"]
+    assert engine.prompt_tokens_queued() == 5 * 20
+    while engine.has_work():
+        for seq, out in engine.step() or []:
+            if out.finish_reason:
+                order.append(seq.request_id)
+    assert order == ["e", "b", "d", "a", "c"]
+    assert engine.prefill_tokens_per_s == 0.0   # one-chunk-or-less prompt steps say nothing of speed
+
+
+def test_prompt_speed_is_measured_on_prompt_steps(tiny_model):
+    engine = make_engine(tiny_model, max_batch_tokens=2 * CHUNK)
+    engine.add(make_seq(list(range(1, 3 * CHUNK)), 2))
+    run_to_end(engine)
+    assert engine.prefill_tokens_per_s > 0
+
+
+def toks_of(rid: str) -> list[int]:
+    return [ord(rid) + i for i in range(20)]

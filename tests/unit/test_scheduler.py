@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
+from services.scheduler.admission import AdmissionQueue
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.router import NoWorker, route
 from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
 from shared.messages import (DecodeAssignment, GenerateTask, KVLayout, SamplingParams, StatusReply,
@@ -24,9 +24,10 @@ def beat(worker_id: str, role: str = "decode", layout: KVLayout = LAYOUT, **kw) 
                            layout=layout, **values)
 
 
-def task(prompt_len: int = 10, max_tokens: int = 6, request_id: str = "r1") -> GenerateTask:
+def task(prompt_len: int = 10, max_tokens: int = 6, request_id: str = "r1", priority: int = 0) -> GenerateTask:
     return GenerateTask(request_id=request_id, prompt_token_ids=[1] * prompt_len,
-                        sampling=SamplingParams(max_tokens=max_tokens), reply_subject="g", arrival_time=0.0)
+                        sampling=SamplingParams(max_tokens=max_tokens), reply_subject="g", arrival_time=0.0,
+                        priority=priority)
 
 
 class Clock:
@@ -75,75 +76,63 @@ def test_stopping_beat_removes_at_once():
     assert registry.live() == []
 
 
-# --- router ------------------------------------------------------------------------------------
+def test_reserve_counts_placed_work_until_the_next_heartbeat():
+    registry = registry_with(beat("d1", queued=1, kv_blocks_used=10, prefill_tokens_queued=5))
+    registry.reserve("d1", seqs=1, blocks=4, prompt_tokens=100)
+    registry.reserve("gone", seqs=1)                   # a worker dropped meanwhile: nothing to do
+    w = registry.live("decode")[0]
+    assert (w.queued, w.kv_blocks_used, w.prefill_tokens_queued) == (2, 14, 105)
+    registry.update(beat("d1", queued=0))
+    assert registry.live("decode")[0].queued == 0
 
 
-def test_route_picks_least_loaded_decode_and_prefill():
-    registry = registry_with(beat("d1", running=3), beat("d2", running=1, queued=1), beat("d3", running=2),
-                             beat("p1", role="prefill", queued=2), beat("p2", role="prefill", queued=0))
-    chosen = route(registry, "disaggregated", task())
-    assert (chosen.decode.worker_id, chosen.prefill.worker_id) == ("d2", "p2")
+def test_registry_keeps_each_workers_prefix_summary():
+    registry = registry_with(beat("d1", prefix_summary=[1, 2, 3]))
+    assert registry.summary("d1") == frozenset({1, 2, 3}) and registry.summary("nobody") == frozenset()
 
 
-def test_route_breaks_ties_by_free_kv():
-    registry = registry_with(beat("d1", kv_blocks_used=50), beat("d2", kv_blocks_used=10), beat("p", role="prefill"))
-    assert route(registry, "disaggregated", task()).decode.worker_id == "d2"
+# --- admission queue ---------------------------------------------------------------------------
 
 
-def test_route_skips_workers_without_room():
-    # prompt 100 + max_tokens 60 = 160 tokens = 10 blocks of 16
-    registry = registry_with(beat("d1", kv_blocks_used=91), beat("d2", running=5, kv_blocks_used=90),
-                             beat("p", role="prefill"))
-    assert route(registry, "disaggregated", task(100, 60)).decode.worker_id == "d2"
-    with pytest.raises(NoWorker):
-        route(registry, "disaggregated", task(100, 61))
+def test_queue_serves_priority_first_then_arrival_order():
+    queue = AdmissionQueue(max_pending=10, timeout_s=5, clock=Clock())
+    for rid, prio in (("a", 0), ("b", 5), ("c", 0), ("d", 5), ("e", -1)):
+        queue.offer(task(request_id=rid, priority=prio), None)
+    assert [queue.pop().task.request_id for _ in range(5)] == ["b", "d", "a", "c", "e"]
 
 
-def test_route_skips_workers_with_a_short_context():
-    registry = registry_with(beat("d1", max_model_len=100), beat("d2", running=9), beat("p", role="prefill"))
-    assert route(registry, "disaggregated", task(90, 20)).decode.worker_id == "d2"
+def test_queue_is_bounded_and_a_requeued_entry_keeps_its_place():
+    queue = AdmissionQueue(max_pending=2, timeout_s=5, clock=Clock())
+    first = queue.offer(task(request_id="a"), None)
+    queue.offer(task(request_id="b"), None)
+    assert queue.offer(task(request_id="c"), None) is None
+    assert queue.pop() is first
+    queue.requeue(first)
+    assert queue.head() is first
 
 
-def test_route_honours_exclude():
-    registry = registry_with(beat("d1"), beat("d2", running=4), beat("p", role="prefill"))
-    assert route(registry, "disaggregated", task(), exclude={"d1"}).decode.worker_id == "d2"
-    with pytest.raises(NoWorker):
-        route(registry, "disaggregated", task(), exclude={"d1", "d2"})
-
-
-def test_disaggregated_needs_a_prefill_worker():
-    with pytest.raises(NoWorker, match="prefill"):
-        route(registry_with(beat("d1")), "disaggregated", task())
-
-
-def test_disaggregated_ignores_colocated_workers():
-    with pytest.raises(NoWorker):
-        route(registry_with(beat("c1", role="colocated"), beat("p", role="prefill")), "disaggregated", task())
-
-
-def test_colocated_mode_routes_to_colocated_worker_without_prefill():
-    registry = registry_with(beat("d1"), beat("p1", role="prefill"), beat("c1", role="colocated"))
-    chosen = route(registry, "colocated", task())
-    assert chosen.decode.worker_id == "c1" and chosen.decode.role == "colocated"
-    assert chosen.prefill is None
-
-
-def test_prefill_with_another_layout_is_excluded():
-    other = KVLayout(model="other", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
-    registry = registry_with(beat("d1"), beat("p1", role="prefill", layout=other),
-                             beat("p2", role="prefill", queued=5))
-    assert route(registry, "disaggregated", task()).prefill.worker_id == "p2"
-    registry.drop("p2")
-    with pytest.raises(NoWorker, match="layout"):
-        route(registry, "disaggregated", task())
+def test_queue_expires_long_waits_and_hints_when_to_retry():
+    clock = Clock()
+    queue = AdmissionQueue(max_pending=10, timeout_s=5, clock=clock)
+    assert queue.retry_after_ms() == 1000          # nothing measured yet
+    for i in range(4):
+        queue.offer(task(request_id=f"r{i}"), None)
+    for _ in range(2):
+        clock.now += 0.5
+        queue.pop()                                # two leave, 0.5 s apart: 2 per second
+    clock.now += 4.6
+    queue.offer(task(request_id="late"), None)
+    assert [e.task.request_id for e in queue.expired()] == ["r2", "r3"]
+    assert len(queue) == 1
+    assert queue.retry_after_ms() == 1000          # (1 waiting + 1) / 2 per second
 
 
 # --- dispatch over the bus ---------------------------------------------------------------------
 
 
-def service(mode: str = "disaggregated") -> tuple[SchedulerService, InMemoryBus]:
+def service(mode: str = "disaggregated", **kw) -> tuple[SchedulerService, InMemoryBus]:
     bus = InMemoryBus()
-    settings = SchedulerSettings(cluster=CLUSTER, mode=mode, dispatch_timeout_s=0.2, scheduler_id="s1")
+    settings = SchedulerSettings(cluster=CLUSTER, mode=mode, dispatch_timeout_s=0.2, scheduler_id="s1", **kw)
     return SchedulerService(settings, bus), bus
 
 
@@ -155,16 +144,27 @@ async def fake_worker(bus: InMemoryBus, worker_id: str, ack: TaskAck, log: list)
     await bus.subscribe(Subjects(CLUSTER).worker_tasks(worker_id), on_task)
 
 
+async def submit(svc: SchedulerService, t: GenerateTask, timeout: float = 2.0) -> SubmitReply:
+    answer = asyncio.get_running_loop().create_future()
+
+    async def respond(reply: SubmitReply) -> None:
+        answer.set_result(reply)
+
+    await svc.on_submit(t, respond)
+    return await asyncio.wait_for(answer, timeout)
+
+
 async def test_dispatch_success_returns_the_pair():
     svc, bus = service()
     log = []
     await fake_worker(bus, "d1", TaskAck(ok=True), log)
     svc.registry.update(beat("d1"))
     svc.registry.update(beat("p1", role="prefill"))
-    reply = await svc.dispatch(task(request_id="abc"))
+    reply = await submit(svc, task(request_id="abc"))
     assert reply == SubmitReply(ok=True, prefill_worker="p1", decode_worker="d1")
     [(worker, assignment)] = log
     assert worker == "d1" and assignment.prefill_worker == "p1" and assignment.task.request_id == "abc"
+    assert svc.registry.live("decode")[0].queued == 1      # counted until d1's next heartbeat
 
 
 async def test_dispatch_colocated_has_no_prefill_worker():
@@ -172,32 +172,33 @@ async def test_dispatch_colocated_has_no_prefill_worker():
     log = []
     await fake_worker(bus, "c1", TaskAck(ok=True), log)
     svc.registry.update(beat("c1", role="colocated"))
-    assert await svc.dispatch(task()) == SubmitReply(ok=True, decode_worker="c1")
+    assert await submit(svc, task()) == SubmitReply(ok=True, decode_worker="c1")
     assert log[0][1].prefill_worker == ""
 
 
-async def test_exhausted_worker_makes_it_try_another():
+@pytest.mark.parametrize("code", ["RESOURCE_EXHAUSTED", "UNAVAILABLE"])
+async def test_a_full_or_draining_worker_makes_it_try_another(code):
     svc, bus = service()
     log = []
-    await fake_worker(bus, "d1", TaskAck(ok=False, code="RESOURCE_EXHAUSTED", message="full"), log)
+    await fake_worker(bus, "d1", TaskAck(ok=False, code=code, message="no"), log)
     await fake_worker(bus, "d2", TaskAck(ok=True), log)
     svc.registry.update(beat("d1"))                  # least loaded: tried first
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
-    reply = await svc.dispatch(task())
+    reply = await submit(svc, task())
     assert reply.ok and reply.decode_worker == "d2"
     assert [w for w, _ in log] == ["d1", "d2"]
 
 
-async def test_all_exhausted_reports_resource_exhausted():
+async def test_all_exhausted_reports_resource_exhausted_with_a_retry_hint():
     svc, bus = service()
     log = []
     for name in ("d1", "d2"):
         await fake_worker(bus, name, TaskAck(ok=False, code="RESOURCE_EXHAUSTED", message="full"), log)
         svc.registry.update(beat(name))
     svc.registry.update(beat("p1", role="prefill"))
-    reply = await svc.dispatch(task())
-    assert (reply.ok, reply.code) == (False, "RESOURCE_EXHAUSTED")
+    reply = await submit(svc, task())
+    assert (reply.ok, reply.code) == (False, "RESOURCE_EXHAUSTED") and reply.retry_after_ms > 0
     assert len(log) == 2
 
 
@@ -209,7 +210,7 @@ async def test_other_refusals_are_final():
     svc.registry.update(beat("d1"))
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
-    reply = await svc.dispatch(task())
+    reply = await submit(svc, task())
     assert (reply.ok, reply.code, reply.message) == (False, "INVALID_ARGUMENT", "bad")
     assert len(log) == 1
 
@@ -221,15 +222,63 @@ async def test_silent_worker_is_dropped_and_another_tried():
     svc.registry.update(beat("d1"))                  # announced, but nobody listens on its subject
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
-    reply = await svc.dispatch(task())
+    reply = await submit(svc, task())
     assert reply.ok and reply.decode_worker == "d2"
     assert [w.worker_id for w in svc.registry.live("decode")] == ["d2"]
 
 
 async def test_no_workers_is_unavailable():
     svc, _ = service()
-    reply = await svc.dispatch(task())
+    reply = await submit(svc, task())
     assert (reply.ok, reply.code) == (False, "UNAVAILABLE")
+
+
+async def test_a_request_waits_for_room_and_is_placed_when_a_heartbeat_brings_it():
+    svc, bus = service()
+    log = []
+    await fake_worker(bus, "d1", TaskAck(ok=True), log)
+    svc.registry.update(beat("d1", running=8, max_num_seqs=8))     # batch full
+    svc.registry.update(beat("p1", role="prefill"))
+    pending = asyncio.ensure_future(submit(svc, task()))
+    await asyncio.sleep(0.05)
+    assert not pending.done() and len(svc.queue) == 1
+    await svc.on_heartbeat(beat("d1", running=7, max_num_seqs=8), None)
+    assert (await pending).ok and len(svc.queue) == 0
+
+
+async def test_overload_is_refused_at_once_when_the_queue_is_full_and_after_the_wait_otherwise():
+    svc, bus = service(max_pending=1, queue_timeout_s=0.3)
+    stop = asyncio.Event()
+    server = asyncio.create_task(svc.serve(stop))
+    await asyncio.sleep(0)
+    svc.registry.update(beat("d1", running=8, max_num_seqs=8))
+    svc.registry.update(beat("p1", role="prefill"))
+    waiting = asyncio.ensure_future(submit(svc, task(request_id="a")))
+    await asyncio.sleep(0.05)
+    refused = await submit(svc, task(request_id="b"), timeout=0.1)       # at once: the queue is full
+    assert (refused.code, refused.retry_after_ms > 0) == ("RESOURCE_EXHAUSTED", True)
+    late = await asyncio.wait_for(waiting, 1.0)                           # after queue_timeout_s
+    assert (late.code, "within" in late.message, late.retry_after_ms > 0) == ("RESOURCE_EXHAUSTED", True, True)
+    stop.set()
+    await asyncio.wait_for(server, 1.0)
+
+
+async def test_higher_priority_is_placed_first_when_room_comes():
+    svc, bus = service()
+    log = []
+    await fake_worker(bus, "d1", TaskAck(ok=True), log)
+    svc.registry.update(beat("d1", running=8, max_num_seqs=8))
+    svc.registry.update(beat("p1", role="prefill"))
+    low = asyncio.ensure_future(submit(svc, task(request_id="low")))
+    await asyncio.sleep(0.01)
+    high = asyncio.ensure_future(submit(svc, task(request_id="high", priority=3)))
+    await asyncio.sleep(0.01)
+    await svc.on_heartbeat(beat("d1", running=7, max_num_seqs=8), None)   # room for one
+    assert (await high).ok
+    await asyncio.sleep(0.05)
+    assert not low.done() and [a.task.request_id for _, a in log] == ["high"]
+    await svc.on_heartbeat(beat("d1", running=6, max_num_seqs=8), None)
+    assert (await low).ok
 
 
 async def test_serve_answers_submit_and_status_over_the_bus():
@@ -249,3 +298,9 @@ async def test_serve_answers_submit_and_status_over_the_bus():
     assert reply == SubmitReply(ok=True, prefill_worker="p1", decode_worker="d1")
     stop.set()
     await asyncio.wait_for(server, 1.0)
+
+
+async def test_auto_mode_is_ready_with_decode_workers_alone():
+    svc, _ = service("auto")
+    svc.registry.update(beat("d1"))
+    assert svc.ready()

@@ -10,7 +10,7 @@ from shared.settings import load_settings
 
 def test_defaults_with_no_flags_and_no_env():
     s = load_settings(SchedulerSettings, [], env={})
-    assert (s.mode, s.worker_timeout_s, s.cluster, s.nats_url) == ("disaggregated", 3.0, "default", "nats://127.0.0.1:4222")
+    assert (s.mode, s.worker_timeout_s, s.cluster, s.nats_url) == ("auto", 3.0, "default", "nats://127.0.0.1:4222")
 
 
 def test_env_beats_default_and_flag_beats_env():
@@ -30,7 +30,7 @@ def test_int_fields_are_converted():
 
 def test_unrelated_env_is_ignored():
     s = load_settings(SchedulerSettings, [], env={"MODE": "colocated", "tandem_mode": "colocated"})
-    assert s.mode == "disaggregated"
+    assert s.mode == "auto"
 
 
 @pytest.mark.parametrize("argv, env, expected", [

@@ -1,0 +1,76 @@
+"""The scheduler's cost model: how long a request would wait on each path, in seconds.
+
+    remote path (prefill worker p, decode worker d):
+        cost = (p's queued prompt tokens + prompt tokens p must compute) / p's prompt speed
+             + KV bytes to move / bandwidth(p, d)
+    local path (prefilled on decode worker d):
+        cost = (d's queued prompt tokens + prompt tokens d must compute) / d's prompt speed
+
+"Tokens to compute" is the prompt minus what the worker's prefix cache already holds, estimated
+from the cache summary in its heartbeats (the prefix credit). "KV bytes to move" is the part of
+the prompt the decode worker does not hold, times the layout's bytes per token. The bandwidth is
+set by topology: the same host moves KV through shared memory, the same zone (rack) over one
+switch, anything else across the network. These are planning figures, not measurements: they
+only need to rank choices, and they make a same-host pair win whenever prefill waits are near
+equal, while a much shorter queue elsewhere still wins over a long one next door.
+"""
+
+from dataclasses import dataclass, field
+
+from shared.engine.block_manager import granule_keys
+from shared.messages import KVLayout, WorkerHeartbeat
+
+SAME_HOST_BYTES_PER_S = 8e9      # UCX over shared memory / cma: 5-9 GB/s measured (bench/results/kv.md)
+SAME_ZONE_BYTES_PER_S = 1.25e9   # one 10 GbE hop
+CROSS_ZONE_BYTES_PER_S = 0.3e9   # across racks or zones: shared, oversubscribed links
+UNMEASURED_TOKENS_PER_S = 1000.0  # a worker's prompt speed before it has measured its own
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(layout: KVLayout) -> int:
+    return layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * DTYPE_BYTES.get(layout.dtype, 4)
+
+
+def bandwidth(a: WorkerHeartbeat, b: WorkerHeartbeat) -> float:
+    if a.host == b.host:
+        return SAME_HOST_BYTES_PER_S
+    if a.zone and a.zone == b.zone:
+        return SAME_ZONE_BYTES_PER_S
+    return CROSS_ZONE_BYTES_PER_S
+
+
+def prompt_speed(worker: WorkerHeartbeat) -> float:
+    return worker.prefill_tokens_per_s if worker.prefill_tokens_per_s > 0 else UNMEASURED_TOKENS_PER_S
+
+
+@dataclass
+class PromptView:
+    """One request's prompt, with its prefix-cache keys computed once per cache geometry."""
+
+    token_ids: list[int]
+    _keys: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+
+    def cached_tokens(self, worker: WorkerHeartbeat, summary: frozenset[int]) -> int:
+        """Prompt tokens the worker's prefix cache would serve (whole granules from the start)."""
+        g = worker.prefix_granularity
+        if g <= 0 or not summary or worker.block_size <= 0 or g % worker.block_size:
+            return 0
+        geometry = (worker.block_size, g)
+        if geometry not in self._keys:
+            self._keys[geometry] = granule_keys(self.token_ids, worker.block_size, g)
+        hits = 0
+        for key in self._keys[geometry]:
+            if key not in summary:
+                break
+            hits += 1
+        return hits * g
+
+
+def prefill_wait_s(worker: WorkerHeartbeat, tokens_to_compute: int) -> float:
+    """Until the worker has computed this prompt: the prompt work queued ahead of it, then its own."""
+    return (worker.prefill_tokens_queued + tokens_to_compute) / prompt_speed(worker)
+
+
+def transfer_s(prefill: WorkerHeartbeat, decode: WorkerHeartbeat, tokens: int) -> float:
+    return tokens * kv_bytes_per_token(decode.layout) / bandwidth(prefill, decode)

@@ -1,0 +1,188 @@
+"""Routing policy over fake worker states: load, prefix credit, topology, capacity, mode switching."""
+
+import pytest
+
+from services.scheduler import cost
+from services.scheduler.registry import WorkerRegistry
+from services.scheduler.router import NoRoom, NoWorker, Policy, Router, TooLarge
+from shared.engine.block_manager import granule_keys
+from shared.messages import GenerateTask, KVLayout, SamplingParams, WorkerHeartbeat
+
+LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
+G = 32   # prefix granularity of the fake workers (2 blocks of 16)
+
+
+def beat(worker_id: str, role: str = "decode", host: str = "h", **kw) -> WorkerHeartbeat:
+    values = dict(kv_blocks_total=1000, block_size=16, max_model_len=8192, max_num_seqs=8,
+                  prefill_tokens_per_s=1000.0, prefix_granularity=G, layout=LAYOUT)
+    values.update(kw)
+    return WorkerHeartbeat(worker_id=worker_id, role=role, host=host, pid=1, ucx_address=worker_id.encode(), **values)
+
+
+def task(prompt_len: int = 10, max_tokens: int = 6, prompt: list[int] | None = None, priority: int = 0) -> GenerateTask:
+    ids = prompt if prompt is not None else list(range(1, prompt_len + 1))
+    return GenerateTask(request_id="r", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=max_tokens),
+                        reply_subject="g", arrival_time=0.0, priority=priority)
+
+
+def router(*beats: WorkerHeartbeat, **policy) -> Router:
+    registry = WorkerRegistry(timeout_s=3.0, clock=lambda: 0.0)
+    for b in beats:
+        registry.update(b)
+    return Router(registry, Policy(**{"mode": "disaggregated", **policy}))
+
+
+def cached(prompt: list[int], granules: int) -> list[int]:
+    return granule_keys(prompt, 16, G)[:granules]
+
+
+# --- decode: fill evenly, never a worker that cannot hold the sequence ------------------------
+
+
+def test_decode_goes_to_the_emptiest_worker():
+    r = router(beat("d1", running=6), beat("d2", running=1, queued=1), beat("d3", kv_blocks_used=800),
+               beat("p", role="prefill"))
+    assert r.route(task()).decode.worker_id == "d2"
+
+
+def test_decode_never_goes_where_the_sequence_does_not_fit():
+    # prompt 100 + 60 new = 160 tokens = 10 blocks of 16
+    r = router(beat("d1", kv_blocks_used=991), beat("d2", running=5, kv_blocks_used=990), beat("p", role="prefill"))
+    assert r.route(task(100, 60)).decode.worker_id == "d2"
+    with pytest.raises(NoRoom):
+        r.route(task(100, 61))
+
+
+def test_full_batch_is_no_room_and_an_oversized_request_is_too_large():
+    r = router(beat("d1", running=8), beat("p", role="prefill"))
+    with pytest.raises(NoRoom):
+        r.route(task())
+    with pytest.raises(TooLarge):
+        router(beat("d1", max_model_len=100), beat("p", role="prefill")).route(task(90, 20))
+
+
+def test_no_decode_worker_is_unavailable_and_exclude_is_honoured():
+    r = router(beat("d1"), beat("d2", running=4), beat("p", role="prefill"))
+    assert r.route(task(), exclude={"d1"}).decode.worker_id == "d2"
+    with pytest.raises(NoWorker) as err:
+        r.route(task(), exclude={"d1", "d2"})
+    assert err.value.code == "UNAVAILABLE"
+
+
+# --- prefill: least expected wait, with a credit for the prefix cache ---------------------------
+
+
+def test_prefill_goes_to_the_least_expected_wait_in_tokens_not_requests():
+    # p1 has one request queued but it is short; p2 has none queued but is slower.
+    r = router(beat("d"), beat("p1", role="prefill", queued=1, prefill_tokens_queued=100),
+               beat("p2", role="prefill", prefill_tokens_per_s=200.0))
+    assert r.route(task(400)).prefill.worker_id == "p1"    # (100+400)/1000 < 400/200
+
+
+def test_prefix_cache_overlap_earns_a_credit():
+    prompt = list(range(1, 1001))
+    warm = cached(prompt, granules=30)                     # 960 of 1000 tokens cached on p2
+    r = router(beat("d"), beat("p1", role="prefill"),
+               beat("p2", role="prefill", prefill_tokens_queued=500, prefix_summary=warm))
+    chosen = r.route(task(prompt=prompt))
+    assert chosen.prefill.worker_id == "p2" and chosen.compute_tokens == 40
+    # The credit counts leading granules only: a summary without the first granule is worth nothing.
+    r = router(beat("d"), beat("p1", role="prefill"),
+               beat("p2", role="prefill", prefill_tokens_queued=500, prefix_summary=warm[1:]))
+    assert r.route(task(prompt=prompt)).prefill.worker_id == "p1"
+
+
+def test_prefill_with_another_layout_is_excluded():
+    other = KVLayout(model="other", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
+    r = router(beat("d1"), beat("p1", role="prefill", layout=other), beat("p2", role="prefill", queued=5))
+    assert r.route(task()).prefill.worker_id == "p2"
+    r.registry.drop("p2")
+    with pytest.raises(NoWorker, match="layout"):
+        r.route(task())
+
+
+# --- topology -----------------------------------------------------------------------------------
+
+
+def test_same_host_pair_wins_among_near_equal_choices():
+    r = router(beat("d1", host="a"), beat("d2", host="b", running=0),
+               beat("p1", role="prefill", host="b", prefill_tokens_queued=5))
+    chosen = r.route(task(2000, 6))
+    assert (chosen.prefill.worker_id, chosen.decode.worker_id) == ("p1", "d2")
+
+
+def test_same_zone_beats_cross_zone_and_a_much_shorter_queue_beats_both():
+    r = router(beat("d", host="a", zone="z1"), beat("p1", role="prefill", host="b", zone="z1"),
+               beat("p2", role="prefill", host="c", zone="z2"))
+    assert r.route(task(2000)).prefill.worker_id == "p1"
+    r = router(beat("d", host="a", zone="z1"), beat("p1", role="prefill", host="a", prefill_tokens_queued=20000),
+               beat("p2", role="prefill", host="c", zone="z2"))
+    assert r.route(task(2000)).prefill.worker_id == "p2"
+
+
+def test_cost_model_orders_bandwidths():
+    a, b = beat("a", host="x", zone="z"), beat("b", host="y", zone="z")
+    c = beat("c", host="w", zone="q")
+    assert cost.bandwidth(a, a) > cost.bandwidth(a, b) > cost.bandwidth(a, c)
+    assert cost.kv_bytes_per_token(LAYOUT) == 2 * 2 * 2 * 16 * 4
+
+
+def test_a_busier_decode_worker_is_not_chosen_for_topology():
+    # d1 is next to the prefill worker but far fuller: evenness first, topology among equals.
+    r = router(beat("d1", host="b", running=6), beat("d2", host="a"), beat("p1", role="prefill", host="b"))
+    assert r.route(task(2000)).decode.worker_id == "d2"
+
+
+# --- modes --------------------------------------------------------------------------------------
+
+
+def test_auto_prefills_short_prompts_on_the_decode_worker():
+    r = router(beat("d"), beat("p", role="prefill"), mode="auto", local_prefill_tokens=256)
+    assert r.route(task(200)).prefill is None
+    assert r.route(task(300)).prefill.worker_id == "p"
+
+
+def test_auto_threshold_counts_tokens_after_the_decode_workers_prefix_cache():
+    prompt = list(range(1, 1001))
+    r = router(beat("d", prefix_summary=cached(prompt, 30)), beat("p", role="prefill"),
+               mode="auto", local_prefill_tokens=256)
+    chosen = r.route(task(prompt=prompt))
+    assert chosen.prefill is None and chosen.decode_cached == 960
+
+
+def test_auto_goes_local_when_the_prefill_pool_is_busy_and_local_is_sooner():
+    busy = beat("p", role="prefill", prefill_tokens_queued=20000)          # 20 s of work queued
+    assert router(beat("d"), busy, mode="auto", prefill_busy_s=5.0).route(task(1000)).prefill is None
+    # Busy, but the decode worker is busier still: stay disaggregated.
+    r = router(beat("d", prefill_tokens_queued=50000), busy, mode="auto", prefill_busy_s=5.0)
+    assert r.route(task(1000)).prefill.worker_id == "p"
+
+
+def test_auto_without_prefill_workers_prefills_locally_and_uses_colocated_workers():
+    assert router(beat("d"), mode="auto").route(task(1000)).prefill is None
+    assert router(beat("c", role="colocated"), mode="auto").route(task(1000)).decode.worker_id == "c"
+
+
+def test_disaggregated_always_uses_a_prefill_worker_and_colocated_never():
+    r = router(beat("d"), beat("c", role="colocated", running=1), beat("p", role="prefill"))
+    assert r.route(task(1)).prefill.worker_id == "p" and r.route(task(1)).decode.worker_id == "d"
+    with pytest.raises(NoWorker, match="prefill"):
+        router(beat("d")).route(task())
+    r = router(beat("d"), beat("p", role="prefill"), beat("c", role="colocated", running=1), mode="colocated")
+    chosen = r.route(task(5000, 6))
+    assert chosen.decode.worker_id == "c" and chosen.prefill is None
+
+
+def test_a_prefill_wait_over_the_limit_is_no_room():
+    r = router(beat("d"), beat("p", role="prefill", prefill_tokens_queued=100_000), max_prefill_wait_s=60)
+    with pytest.raises(NoRoom, match="prefill wait"):
+        r.route(task(1000))
+
+
+def test_equal_cost_pairs_go_to_the_emptier_decode_worker():
+    r = router(beat("d1", running=2), beat("d2", running=1), beat("p", role="prefill"))
+    assert r.route(task(500)).decode.worker_id == "d2"
+    r = router(beat("d1", running=2), beat("d2", running=1), mode="colocated")
+    r.registry.update(beat("c1", role="colocated", running=2))
+    r.registry.update(beat("c2", role="colocated", running=1))
+    assert r.route(task(500)).decode.worker_id == "c2"

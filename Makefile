@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install kernels up test test-fast proto bench-engine bench-kv clean
+.PHONY: install kernels up test test-fast proto bench-engine bench-kv bench clean
 
 install: $(STAMP)
 
@@ -43,6 +43,15 @@ bench-engine: kernels
 bench-kv: kernels
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/kv.py
+
+# The serving benchmark against a running gateway (start one with `make up` in another shell):
+# make bench BENCH_ADDRESS=host:port BENCH_ARGS="--rate 2 --num-requests 50". Results in
+# bench/results/serving/<label>.{json,png}; `tandem bench --help` lists the flags.
+BENCH_ADDRESS ?= 127.0.0.1:50051
+BENCH_ARGS ?=
+bench: install
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(VENV)/bin/tandem bench --address $(BENCH_ADDRESS) $(BENCH_ARGS)
 
 proto: install
 	$(PY) -m shared.api.codegen

@@ -197,7 +197,7 @@ def ttft_runs(prompt_tokens: int, repeats: int) -> list[dict]:
         args = Namespace(nats_url="", mode="disaggregated", prefill=1, decode=1, cluster=f"bench-kv-{segment}",
                          model="", model_cache="~/.cache/tandem/models", grpc_port=free_port())
         with ProcessGroup(Path(tempfile.mkdtemp(prefix="tandem-bench-kv-"))) as group:
-            address = start_stack(args, group)
+            address = start_stack(args, group).address
             wait_until_serving(address, group, 300)
             with grpc.insecure_channel(address) as channel:
                 stub = pb_grpc.TandemStub(channel)

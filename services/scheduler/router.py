@@ -46,7 +46,7 @@ class Policy:
     local_prefill_tokens: int = 256
     prefill_busy_s: float = 5.0
     max_prefill_wait_s: float = 60.0
-    decode_slack: float = 0.1
+    decode_slack: float = 0.05
 
 
 @dataclass

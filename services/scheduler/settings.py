@@ -15,7 +15,7 @@ class SchedulerSettings(CommonSettings):
     local_prefill_tokens: int = field(default=256, metadata={"help": "auto mode: prompts with at most this many tokens to compute after the decode worker's prefix cache are prefilled there"})
     prefill_busy_s: float = field(default=5.0, metadata={"help": "auto mode: when the best prefill worker's expected wait is over this, prefill on the decode worker if that is sooner"})
     max_prefill_wait_s: float = field(default=60.0, metadata={"help": "a request whose expected prefill wait is over this waits in the scheduler's queue for room"})
-    decode_slack: float = field(default=0.1, metadata={"help": "decode workers whose fill differs by at most this are equals; the cost model (prefix cache, topology) picks among them"})
+    decode_slack: float = field(default=0.05, metadata={"help": "decode workers whose fill differs by at most this are equals; the cost model (prefix cache, topology) picks among them"})
     max_pending: int = field(default=256, metadata={"help": "requests waiting for room at most; beyond, new ones get RESOURCE_EXHAUSTED at once"})
     queue_timeout_s: float = field(default=5.0, metadata={"help": "a request that found no room this long gets RESOURCE_EXHAUSTED with a retry-after hint"})
     worker_timeout_s: float = field(default=3.0, metadata={"help": "a worker silent this long is dropped"})

@@ -1,4 +1,7 @@
-"""`tandem up`: NATS (unless given), one scheduler, prefill and decode workers and the gateway, as processes."""
+"""`tandem up`: NATS (unless given), one scheduler, prefill and decode workers and the gateway, as processes.
+
+While it runs, `tandem scale` reaches it on its control socket to add or retire workers.
+"""
 
 import os
 import signal
@@ -12,6 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared import model_store
 from shared.cli.client import stream_generate, summary
+from shared.cli.control import ControlError, ControlServer, socket_path
+from shared.cli.pools import WorkerPools, WorkerSpec
 from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
 
 DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM serving?"
@@ -36,8 +41,8 @@ def wait_until_serving(address: str, group: ProcessGroup, timeout: float) -> Non
     raise TimeoutError(f"the gateway did not report SERVING within {timeout:.0f}s")
 
 
-def start_stack(args, group: ProcessGroup) -> str:
-    """Starts every process; returns the gateway address."""
+def start_stack(args, group: ProcessGroup) -> WorkerPools:
+    """Starts every process; returns the worker pools (which know the gateway address)."""
     nats_url = args.nats_url
     if not nats_url:
         port, monitor = free_port(), free_port()
@@ -46,23 +51,29 @@ def start_stack(args, group: ProcessGroup) -> str:
         if not wait_for_port("127.0.0.1", port, 15):
             raise RuntimeError("nats-server did not start:\n" + group.log_tail("nats"))
         nats_url = f"nats://127.0.0.1:{port}"
-    workers = args.prefill + args.decode if args.mode == "disaggregated" else args.decode
     common = {"TANDEM_NATS_URL": nats_url, "TANDEM_CLUSTER": args.cluster, "TANDEM_MODEL": args.model,
               "TANDEM_MODEL_CACHE": args.model_cache}
+    python = [sys.executable, "-m"]
+    group.spawn("scheduler", python + ["services.scheduler"], child_env({**common, "TANDEM_MODE": args.mode}))
+    pools = WorkerPools(group, args.mode, worker_specs(args, common), f"127.0.0.1:{args.grpc_port}")
+    if args.mode != "colocated":
+        pools.resize("prefill", args.prefill)
+    pools.resize("decode", args.decode)
+    group.spawn("gateway", python + ["services.gateway"],
+                child_env({**common, "TANDEM_GRPC_PORT": str(args.grpc_port)}))
+    return pools
+
+
+def worker_specs(args, common: dict[str, str]) -> dict[str, WorkerSpec]:
+    """Workers started later by `tandem scale` get the same settings as the first ones."""
+    workers = args.prefill + args.decode if args.mode != "colocated" else args.decode
     worker_env = dict(common)
     if "TANDEM_TORCH_THREADS" not in os.environ:  # workers share this machine's cores
         worker_env["TANDEM_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
+    colocated = {"TANDEM_COLOCATED": "1" if args.mode == "colocated" else "0"}
     python = [sys.executable, "-m"]
-    group.spawn("scheduler", python + ["services.scheduler"], child_env({**common, "TANDEM_MODE": args.mode}))
-    if args.mode == "disaggregated":
-        for i in range(args.prefill):
-            group.spawn(f"prefill-{i}", python + ["services.prefill"], child_env(worker_env))
-    for i in range(args.decode):
-        colocated = {"TANDEM_COLOCATED": "1" if args.mode == "colocated" else "0"}
-        group.spawn(f"decode-{i}", python + ["services.decode"], child_env({**worker_env, **colocated}))
-    group.spawn("gateway", python + ["services.gateway"],
-                child_env({**common, "TANDEM_GRPC_PORT": str(args.grpc_port)}))
-    return f"127.0.0.1:{args.grpc_port}"
+    return {"prefill": WorkerSpec(python + ["services.prefill"], child_env(worker_env)),
+            "decode": WorkerSpec(python + ["services.decode"], child_env({**worker_env, **colocated}))}
 
 
 def up_command(args) -> int:
@@ -83,26 +94,33 @@ def up_command(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     try:
-        print("preparing the model (the first run converts the GGUF once) ...", flush=True)
-        model_store.prepare(args.model, args.model_cache)
-        with ProcessGroup(log_dir) as group:
-            return _serve(args, group, log_dir, stopping, started)
+        # Bound first: a second launcher of the same cluster is refused before it starts anything.
+        with ControlServer(socket_path(args.cluster, args.control_socket)) as control:
+            print("preparing the model (the first run converts the GGUF once) ...", flush=True)
+            model_store.prepare(args.model, args.model_cache)
+            with ProcessGroup(log_dir) as group:
+                return _serve(args, group, control, log_dir, stopping, started)
+    except ControlError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted; every process stopped.", flush=True)
         return 130
 
 
-def _serve(args, group: ProcessGroup, log_dir: Path, stopping: list, started: list) -> int:
+def _serve(args, group: ProcessGroup, control: ControlServer, log_dir: Path, stopping: list, started: list) -> int:
     try:
-        address = start_stack(args, group)
+        pools = start_stack(args, group)
+        address = pools.address
         print(f"starting {args.mode} stack, logs in {log_dir} ...", flush=True)
         wait_until_serving(address, group, READY_TIMEOUT_S)
     except (RuntimeError, TimeoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    pools = (f"{args.prefill} prefill, {args.decode} decode" if args.mode == "disaggregated"
+    sizes = (f"{args.prefill} prefill, {args.decode} decode" if args.mode != "colocated"
              else f"{args.decode} colocated")
-    print(f"tandem is ready: gRPC API on {address} ({args.mode}; {pools}). Ctrl-C stops it.", flush=True)
+    print(f"tandem is ready: gRPC API on {address} ({args.mode}; {sizes}). Ctrl-C stops it.", flush=True)
+    print(f"control socket {control.path}: `tandem scale decode=N` adds or retires workers", flush=True)
     if not args.no_demo:
         print(f"demo> {DEMO_PROMPT}", flush=True)
         try:
@@ -110,14 +128,24 @@ def _serve(args, group: ProcessGroup, log_dir: Path, stopping: list, started: li
         except grpc.RpcError as err:
             print(f"demo request failed: {err.code().name}: {err.details()}", file=sys.stderr)
     started[0] = True
+    if not _run_until_stopped(group, control, pools, stopping):
+        return 1
+    print("stopping ...", flush=True)
+    group.stop()
+    print("stopped.", flush=True)
+    return 0
+
+
+def _run_until_stopped(group: ProcessGroup, control: ControlServer, pools: WorkerPools, stopping: list) -> bool:
+    """Serves `tandem scale` until a signal (True) or a crashed service (False); retired workers may exit."""
     while not stopping:
         if group.dead():
             name, code = group.dead()[0]
             print(f"error: {name} exited with code {code}; stopping the stack:\n{group.log_tail(name)}",
                   file=sys.stderr)
-            return 1
-        time.sleep(0.3)
-    print("stopping ...", flush=True)
-    group.stop()
-    print("stopped.", flush=True)
-    return 0
+            return False
+        for name, code, killed in group.reap():
+            how = "killed: it did not drain in time" if killed else f"exit code {code}"
+            print(f"retired {name} is gone ({how})", flush=True)
+        control.poll(pools, timeout=0.3)
+    return True

@@ -1,10 +1,10 @@
-"""`tandem`: up | generate | status."""
+"""`tandem`: up | generate | status | scale | bench."""
 
 import argparse
 import os
 import sys
 
-from shared.cli import client, launcher
+from shared.cli import bench, client, launcher, scale
 
 
 def parser() -> argparse.ArgumentParser:
@@ -17,12 +17,16 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, default=50051, help="gateway port (default 50051)")
     up.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
     up.add_argument("--model", default="", help="HF model directory or .gguf file (default SmolLM2-135M-Instruct)")
-    up.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
+    up.add_argument("--mode", choices=("auto", "disaggregated", "colocated"), default="auto",
+                    help="auto (default): short prompts prefilled on the decode worker, long ones on a prefill "
+                         "worker; disaggregated or colocated force one path")
     up.add_argument("--cluster", default="default", help="cluster name (NATS subject namespace)")
     up.add_argument("--model-cache", default=os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"),
                     help="where converted GGUF models are cached (env TANDEM_MODEL_CACHE)")
     up.add_argument("--log-dir", default="", help="service logs go here (default: a new temporary directory)")
     up.add_argument("--no-demo", action="store_true", help="skip the demo request")
+    up.add_argument("--control-socket", default="", help="where `tandem scale` reaches this launcher "
+                    "(default $XDG_RUNTIME_DIR/tandem/<cluster>.sock, or ~/.cache/tandem/run/<cluster>.sock)")
     up.set_defaults(run=launcher.up_command)
 
     gen = sub.add_parser("generate", help="stream an answer from the gateway")
@@ -36,6 +40,18 @@ def parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="the workers the scheduler knows")
     status.add_argument("--address", default="127.0.0.1:50051")
     status.set_defaults(run=client.status_command)
+
+    bench.add_arguments(sub.add_parser("bench", help="the serving benchmark: latency and throughput of a gateway"))
+
+    scale_ = sub.add_parser("scale", help="add or retire workers of a running `tandem up` on this machine")
+    scale_.add_argument("targets", nargs="+", metavar="ROLE=COUNT",
+                        help="prefill=N and/or decode=M (decode is the colocated pool in colocated mode)")
+    scale_.add_argument("--cluster", default="default", help="the cluster `tandem up` was started with")
+    scale_.add_argument("--control-socket", default="", help="the launcher's socket, if `tandem up` was given one")
+    scale_.add_argument("--wait", action="store_true",
+                        help="wait until new workers are in ClusterStatus and retired ones have exited")
+    scale_.add_argument("--timeout", type=float, default=180.0, help="seconds --wait waits at most (default 180)")
+    scale_.set_defaults(run=scale.scale_command)
     return top
 
 

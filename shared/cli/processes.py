@@ -53,6 +53,8 @@ class ProcessGroup:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.children: list[tuple[str, subprocess.Popen]] = []
+        # Workers told to leave (scale-in): their exit is expected, not a crash; name -> (process, kill at).
+        self.retired: dict[str, tuple[subprocess.Popen, float]] = {}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
@@ -66,7 +68,33 @@ class ProcessGroup:
         return proc
 
     def dead(self) -> list[tuple[str, int]]:
+        """Children that exited without being retired: for a stack, a crash."""
         return [(name, p.returncode) for name, p in self.children if p.poll() is not None]
+
+    def running(self) -> list[str]:
+        return [name for name, p in self.children if p.poll() is None]
+
+    def retire(self, name: str, grace_s: float) -> subprocess.Popen:
+        """SIGTERMs `name` (it drains, then exits) and stops counting it as a member; SIGKILL after `grace_s`."""
+        index = next(i for i, (n, _) in enumerate(self.children) if n == name)
+        _, proc = self.children.pop(index)
+        self.retired[name] = (proc, time.monotonic() + grace_s)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        return proc
+
+    def reap(self) -> list[tuple[str, int, bool]]:
+        """Retired processes that are gone now: (name, exit code, killed for overstaying its grace)."""
+        gone = []
+        for name, (proc, kill_at) in list(self.retired.items()):
+            killed = proc.poll() is None and time.monotonic() >= kill_at
+            if killed:
+                proc.kill()
+                proc.wait()
+            if proc.poll() is not None:
+                del self.retired[name]
+                gone.append((name, proc.returncode, killed))
+        return gone
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self.log_dir / f"{name}.log"
@@ -75,6 +103,7 @@ class ProcessGroup:
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the services (gateway first) and let them drain; NATS goes last; SIGKILL what is left."""
         services = [p for name, p in reversed(self.children) if name != "nats"]
+        services += [proc for proc, _ in self.retired.values()]
         nats = [p for name, p in self.children if name == "nats"]
         for batch in (services, nats):
             for proc in batch:
@@ -89,7 +118,7 @@ class ProcessGroup:
                     proc.wait()
 
     def pids(self) -> list[int]:
-        return [p.pid for _, p in self.children]
+        return [p.pid for _, p in self.children] + [proc.pid for proc, _ in self.retired.values()]
 
     def __enter__(self) -> "ProcessGroup":
         return self

@@ -30,7 +30,8 @@ def _launch(tmp_path, port: int) -> subprocess.Popen:
     # Its own session, like a shell's foreground job: Ctrl-C is SIGINT to that process group.
     env = {**os.environ, "TANDEM_TORCH_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "shared.cli.main", "up", "--grpc-port", str(port), "--log-dir", str(tmp_path)],
+        [sys.executable, "-m", "shared.cli.main", "up", "--grpc-port", str(port), "--log-dir", str(tmp_path),
+         "--control-socket", str(tmp_path / "control.sock")],  # not the default: a developer's stack may hold it
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
 
@@ -49,7 +50,7 @@ def test_tandem_up_serves_and_stops_cleanly(tmp_path):
     try:
         lines = _read_until(launcher, lambda ls: any(l.startswith("[") and "generated tokens" in l for l in ls), 300)
         output = "".join(lines)
-        assert "ready" in output
+        assert "ready" in output and f"control socket {tmp_path / 'control.sock'}" in output
         answer = lines[lines.index(next(l for l in lines if l.startswith("demo>"))) + 1]
         assert answer.strip(), output
         status = Stack("default", f"127.0.0.1:{port}", None, "disaggregated").status()

@@ -1,0 +1,134 @@
+"""WorkerPools: the prefill and decode (or colocated) workers of an embedded stack, grown and shrunk live.
+
+Nothing lists workers statically: the scheduler learns of a new worker from its heartbeats and
+forgets a leaving one when it announces `stopping`, so growing is spawning and shrinking is SIGTERM
+(the worker drains, then exits).
+"""
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from shared.cli.processes import ProcessGroup
+from shared.worker.settings import WorkerSettings
+
+POOLS = ("prefill", "decode")
+MAX_WORKERS = 64          # per pool: a typo must not fork hundreds of model-loading processes
+EXIT_MARGIN_S = 15.0      # beyond the drain timeout: closing the bus and the KV plane
+
+
+class ScaleError(ValueError):
+    """A scale request this stack cannot carry out; the message is for the user."""
+
+
+def pool_of(role: str, mode: str) -> str:
+    """The pool a role names: `decode` is the decode pool, or the colocated one in colocated mode."""
+    if role == "decode" or (role == "colocated" and mode == "colocated"):
+        return "decode"
+    if role == "prefill" and mode != "colocated":
+        return "prefill"
+    if role in ("prefill", "colocated"):
+        raise ScaleError(f"a {mode} stack has no {role} workers")
+    raise ScaleError(f"unknown role {role!r}: use prefill, decode or colocated")
+
+
+def validate_targets(targets, mode: str) -> dict[str, int]:
+    """{"prefill": 2, "decode": 3} -> workers wanted per pool; ScaleError when the request is wrong."""
+    if not isinstance(targets, dict) or not targets:
+        raise ScaleError("nothing to scale: give prefill=N and/or decode=M")
+    counts: dict[str, int] = {}
+    for role, count in targets.items():
+        pool = pool_of(str(role), mode)
+        if pool in counts:
+            raise ScaleError(f"the {pool} pool is given twice")
+        if not isinstance(count, int) or isinstance(count, bool):
+            raise ScaleError(f"{role}: the count must be a whole number, got {count!r}")
+        if count < 1:
+            raise ScaleError(f"{role}={count}: at least 1 {role} worker must remain")
+        if count > MAX_WORKERS:
+            raise ScaleError(f"{role}={count}: at most {MAX_WORKERS} workers per pool")
+        counts[pool] = count
+    return counts
+
+
+def drain_grace_s(env=os.environ) -> float:
+    """How long a retired worker may take to exit: its drain timeout, as the worker reads it, plus a margin."""
+    try:
+        drain = float(env.get("TANDEM_DRAIN_TIMEOUT_S", WorkerSettings.drain_timeout_s))
+    except ValueError:
+        drain = WorkerSettings.drain_timeout_s  # the worker itself refuses that value and exits
+    return drain + EXIT_MARGIN_S
+
+
+@dataclass
+class WorkerSpec:
+    """How to start one worker of a pool; the same for the first worker and the fiftieth."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+@dataclass
+class WorkerPools:
+    group: ProcessGroup
+    mode: str
+    specs: dict[str, WorkerSpec]     # pool -> how to start one of its workers
+    address: str                     # the gateway, for clients that wait for ClusterStatus
+    grace_s: float = field(default_factory=drain_grace_s)
+    workers: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # pool -> (name, pid), oldest first
+    spawned: dict[str, int] = field(default_factory=dict)  # pool -> workers ever started: names never repeat
+
+    def resize(self, pool: str, count: int) -> tuple[list[dict], list[dict]]:
+        """Starts or retires (newest first) workers until `pool` has `count`; returns (started, stopping)."""
+        members = self.workers.setdefault(pool, [])
+        started, stopping = [], []
+        while len(members) < count:
+            started.append(self._spawn(pool))
+        while len(members) > count:
+            name, pid = members.pop()
+            self.group.retire(name, self.grace_s)
+            stopping.append({"name": name, "pid": pid})
+        return started, stopping
+
+    def _spawn(self, pool: str) -> dict:
+        index = self.spawned.get(pool, 0)
+        self.spawned[pool] = index + 1
+        name = f"{pool}-{index}"
+        spec = self.specs[pool]
+        pid = self.group.spawn(name, spec.argv, spec.env).pid
+        self.workers[pool].append((name, pid))
+        return {"name": name, "pid": pid}
+
+    # -- the control socket's handler -----------------------------------------------------------
+
+    def scale(self, targets) -> dict:
+        counts = validate_targets(targets, self.mode)
+        started, stopping = [], []
+        for pool, count in counts.items():
+            more, fewer = self.resize(pool, count)
+            started += more
+            stopping += fewer
+        if started or stopping:
+            print(f"scaled to {self._counts_text()}: started {_names(started)}; stopping {_names(stopping)}",
+                  file=sys.stdout, flush=True)
+        return {"started": started, "stopping": stopping, **self.status()}
+
+    def status(self) -> dict:
+        retiring = [{"name": name, "pid": proc.pid} for name, (proc, _) in self.group.retired.items()
+                    if proc.poll() is None]
+        return {"mode": self.mode, "address": self.address,
+                "counts": {self.label(pool): len(members) for pool, members in self.workers.items()},
+                "workers": {self.label(pool): [{"name": n, "pid": p} for n, p in members]
+                            for pool, members in self.workers.items()},
+                "retiring": retiring}
+
+    def label(self, pool: str) -> str:
+        """What users call the pool: the decode pool of a colocated stack holds colocated workers."""
+        return "colocated" if pool == "decode" and self.mode == "colocated" else pool
+
+    def _counts_text(self) -> str:
+        return ", ".join(f"{len(members)} {self.label(pool)}" for pool, members in self.workers.items())
+
+
+def _names(workers: list[dict]) -> str:
+    return ", ".join(w["name"] for w in workers) or "none"

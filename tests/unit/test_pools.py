@@ -1,0 +1,111 @@
+"""WorkerPools and ProcessGroup.retire/reap, with stand-in processes instead of model workers."""
+
+import signal
+import sys
+import time
+
+import pytest
+
+from shared.cli import scale
+from shared.cli.pools import ScaleError, WorkerPools, WorkerSpec, drain_grace_s
+from shared.cli.processes import ProcessGroup
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+STUBBORN = [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)"]
+
+
+@pytest.fixture
+def group(tmp_path):
+    with ProcessGroup(tmp_path) as group:
+        yield group
+
+
+def pools_of(group: ProcessGroup, argv=SLEEPER, mode="disaggregated", grace_s=10.0) -> WorkerPools:
+    specs = {"prefill": WorkerSpec(argv, {}), "decode": WorkerSpec(argv, {})}
+    pools = WorkerPools(group, mode, specs, "127.0.0.1:1", grace_s)
+    pools.resize("prefill", 1)
+    pools.resize("decode", 1)
+    return pools
+
+
+def wait_reaped(group: ProcessGroup, timeout: float = 10) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gone = group.reap()
+        if gone:
+            return gone
+        time.sleep(0.05)
+    raise AssertionError("nothing reaped")
+
+
+def test_scale_up_then_down_retires_the_newest_and_never_reuses_names(group):
+    pools = pools_of(group)
+    reply = pools.scale({"decode": 3})
+    assert [w["name"] for w in reply["started"]] == ["decode-1", "decode-2"]
+    assert reply["counts"] == {"prefill": 1, "decode": 3}
+    reply = pools.scale({"decode": 1})
+    assert [w["name"] for w in reply["stopping"]] == ["decode-2", "decode-1"]
+    assert {w["name"] for w in reply["retiring"]} <= {"decode-1", "decode-2"}  # those not gone yet
+    assert [w["name"] for w in pools.scale({"decode": 2})["started"]] == ["decode-3"]
+    assert group.running() == ["prefill-0", "decode-0", "decode-3"]
+
+
+def test_a_retired_worker_exiting_is_not_a_crash(group):
+    pools = pools_of(group)
+    pools.scale({"decode": 2})
+    pid = pools.scale({"decode": 1})["stopping"][0]["pid"]
+    assert wait_reaped(group) == [("decode-1", -signal.SIGTERM, False)]
+    assert group.dead() == []
+    assert pid not in [w["pid"] for w in pools.status()["retiring"]]
+
+
+def test_a_worker_that_does_not_drain_in_time_is_killed(tmp_path):
+    with ProcessGroup(tmp_path) as group:
+        pools = pools_of(group, argv=STUBBORN, grace_s=0.5)
+        pools.scale({"prefill": 2})
+        while "ready" not in group.log_tail("prefill-1"):  # SIGTERM is ignored from here on
+            time.sleep(0.05)
+        pools.scale({"prefill": 1})
+        assert group.reap() == []  # still inside its grace
+        assert wait_reaped(group) == [("prefill-1", -signal.SIGKILL, True)]
+        group.stop(grace_s=0.5)  # the others ignore SIGTERM too
+
+
+def test_a_refused_request_starts_nothing(group):
+    pools = pools_of(group)
+    with pytest.raises(ScaleError, match="at least 1"):
+        pools.scale({"prefill": 2, "decode": 0})  # checked whole before any worker starts
+    assert pools.status()["counts"] == {"prefill": 1, "decode": 1}
+    assert group.running() == ["prefill-0", "decode-0"]
+
+
+def test_drain_grace_follows_the_workers_setting():
+    assert drain_grace_s({"TANDEM_DRAIN_TIMEOUT_S": "5"}) == 5 + 15
+    assert drain_grace_s({}) == drain_grace_s({"TANDEM_DRAIN_TIMEOUT_S": "soon"}) == 30 + 15
+
+
+def test_wait_settled_waits_for_joiners_and_leavers(monkeypatch):
+    views = iter([({1}, [{"pid": 2}]), ({1, 3}, [{"pid": 2}]), ({1, 3}, []), ({1, 3}, [])])
+    current = {}
+
+    def status(address):
+        current["known"], current["retiring"] = next(views)
+        return current["known"]
+
+    monkeypatch.setattr(scale, "cluster_pids", status)
+    monkeypatch.setattr(scale.control, "call", lambda path, req: {"ok": True, "retiring": current["retiring"]})
+    reply = {"address": "x", "started": [{"pid": 3}], "stopping": [{"pid": 2}]}
+    scale.wait_settled("sock", reply, timeout=5, poll_s=0)
+    assert current == {"known": {1, 3}, "retiring": []}
+    with pytest.raises(TimeoutError, match=r"pid\(s\) \[4\]"):
+        scale.wait_settled("sock", {**reply, "started": [{"pid": 4}]}, timeout=0, poll_s=0)
+
+
+def test_a_colocated_stack_calls_its_pool_colocated(group):
+    specs = {"decode": WorkerSpec(SLEEPER, {})}
+    pools = WorkerPools(group, "colocated", specs, "127.0.0.1:1", 10.0)
+    pools.resize("decode", 1)
+    reply = pools.scale({"colocated": 2})
+    assert reply["counts"] == {"colocated": 2} and reply["started"][0]["name"] == "decode-1"
+    assert pools.scale({"decode": 1})["counts"] == {"colocated": 1}

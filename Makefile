@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install kernels up test test-fast proto bench-engine bench-kv bench clean
+.PHONY: install kernels up test test-fast proto bench-engine bench-kv bench bench-tax bench-scale bench-overload clean
 
 install: $(STAMP)
 
@@ -52,6 +52,22 @@ BENCH_ARGS ?=
 bench: install
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(VENV)/bin/tandem bench --address $(BENCH_ADDRESS) $(BENCH_ARGS)
+
+# The prefill-tax study: colocated vs disaggregated (pinned to one core each) vs auto, steady
+# streams with long prompts arriving. Results and plots in docs/prefill-tax.{md,json,png}.
+bench-tax: kernels
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) bench/tax.py
+
+# A decode worker joins a saturated embedded stack under load, then drains out. bench/results/scale.md.
+bench-scale: kernels
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) bench/scale.py
+
+# Twice the sustainable request rate: admitted requests' p99 latency against the sustainable one.
+bench-overload: kernels
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) bench/overload.py
 
 proto: install
 	$(PY) -m shared.api.codegen

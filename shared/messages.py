@@ -56,6 +56,7 @@ class SubmitReply:
     prefill_worker: str = ""    # empty: prefilled on the decode worker
     decode_worker: str = ""
     retry_after_ms: int = 0     # with RESOURCE_EXHAUSTED: when trying again may succeed
+    resubmit: bool = False      # this scheduler is shutting down: another one may take the request
 
 
 @dataclass

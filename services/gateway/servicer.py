@@ -83,22 +83,25 @@ class TandemServicer(pb_grpc.TandemServicer):
 
     async def _submit(self, task: GenerateTask, chunks: asyncio.Queue, context) -> tuple[str, asyncio.Queue]:
         """Places the request; returns the decode worker that holds it. A scheduler that does not
-        answer may have died holding it: whatever it placed is cancelled, and the request goes
-        once more to the schedulers' queue group, under a new attempt id (another replica takes it)."""
+        answer may have died holding it, and one that is shutting down hands it back: either way
+        the request goes once more to the schedulers' queue group (another replica takes it),
+        under a new attempt id, after whatever the first attempt placed is cancelled."""
         for attempt in range(2):
             try:
                 reply = await self.bus.request(self.subjects.submit, task, self.settings.submit_timeout_s, SubmitReply)
-                break
             except NoResponders:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler is running")
             except RequestTimeout:
                 if attempt:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not place the request in time")
-                log.warning("no scheduler answered for %s; submitting it again", task.request_id)
-                await self._cancel(task.request_id)
-                self.streams.close(task.request_id)
-                task.request_id = f"{task.request_id.rsplit('.', 1)[0]}.{uuid.uuid4().hex[:12]}"
-                chunks = self.streams.open(task.request_id)
+                reply = None
+            if reply is not None and not (reply.resubmit and not attempt):
+                break
+            log.warning("no scheduler placed %s; submitting it again", task.request_id)
+            await self._cancel(task.request_id)
+            self.streams.close(task.request_id)
+            task.request_id = f"{task.request_id.rsplit('.', 1)[0]}.{uuid.uuid4().hex[:12]}"
+            chunks = self.streams.open(task.request_id)
         if not reply.ok:
             message = reply.message
             if reply.retry_after_ms:

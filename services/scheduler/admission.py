@@ -6,10 +6,13 @@ retry-after hint) instead of queueing without end.
 import heapq
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from shared.messages import GenerateTask
+
+RATE_WINDOW_S = 10.0
 
 
 @dataclass(order=True)
@@ -35,8 +38,7 @@ class AdmissionQueue:
         self._clock = clock
         self._heap: list[Pending] = []
         self._order = itertools.count()
-        self._rate = 0.0            # requests leaving the queue for a worker per second, smoothed
-        self._last_left = 0.0
+        self._placed: deque[float] = deque()   # when requests were placed, the last RATE_WINDOW_S
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -57,17 +59,17 @@ class AdmissionQueue:
         return self._heap[0] if self._heap else None
 
     def pop(self) -> Pending:
-        """The head leaves for a worker."""
-        now = self._clock()
-        if self._last_left:
-            gap = max(1e-3, now - self._last_left)
-            self._rate = 1 / gap if not self._rate else 0.9 * self._rate + 0.1 / gap
-        self._last_left = now
+        """The head leaves the queue (for a worker, or refused)."""
         return heapq.heappop(self._heap)
 
-    def take(self) -> Pending:
-        """The head leaves without a worker (refused or failed)."""
-        return heapq.heappop(self._heap)
+    take = pop
+
+    def placed(self) -> None:
+        """A request was accepted by a worker: counts toward the rate the queue drains at."""
+        now = self._clock()
+        self._placed.append(now)
+        while self._placed and now - self._placed[0] > RATE_WINDOW_S:
+            self._placed.popleft()
 
     def expired(self) -> list[Pending]:
         """Takes out every entry that waited longer than the timeout."""
@@ -79,7 +81,11 @@ class AdmissionQueue:
         return late
 
     def retry_after_ms(self) -> int:
-        """When room is likely: the queue ahead drained at the recent rate, within [0.2 s, 30 s]."""
-        if not self._rate:
+        """When room is likely: the queue ahead drained at the rate requests were placed over the
+        last RATE_WINDOW_S, within [0.2 s, 30 s]; 1 s before anything was placed."""
+        now = self._clock()
+        recent = [t for t in self._placed if now - t <= RATE_WINDOW_S]
+        if not recent:
             return 1000
-        return int(min(30.0, max(0.2, (len(self._heap) + 1) / self._rate)) * 1000)
+        rate = len(recent) / max(1.0, now - recent[0])
+        return round(min(30.0, max(0.2, (len(self._heap) + 1) / rate)) * 1000)

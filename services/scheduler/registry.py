@@ -8,13 +8,12 @@ emptiest half a second ago; the worker's next heartbeat replaces the estimate wi
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from shared.messages import WorkerHeartbeat
 
 
-@dataclass
+@dataclasses.dataclass
 class WorkerEntry:
     beat: WorkerHeartbeat
     seen_at: float
@@ -55,3 +54,9 @@ class WorkerRegistry:
         b = entry.beat
         entry.beat = dataclasses.replace(b, queued=b.queued + seqs, kv_blocks_used=b.kv_blocks_used + blocks,
                                          prefill_tokens_queued=b.prefill_tokens_queued + prompt_tokens)
+
+    def mark_full(self, worker_id: str) -> None:
+        """The worker refused work as full: no room there until its next heartbeat says otherwise."""
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            entry.beat = dataclasses.replace(entry.beat, kv_blocks_used=entry.beat.kv_blocks_total)

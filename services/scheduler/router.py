@@ -10,8 +10,9 @@
    worker; `auto` prefills locally when what is left after the decode worker's prefix cache is
    at most `local_prefill_tokens`, when no prefill worker is live, or when the prefill pool's
    best wait exceeds `prefill_busy_s` and the local one is shorter.
-A path whose expected prefill wait is over `max_prefill_wait_s` has no room: the request waits
-in the scheduler's queue (or is refused) instead of queueing without end on a worker.
+A path whose prefill worker has more than `max_prefill_wait_s` of prompt work queued ahead has no
+room: the request waits in the scheduler's queue (or is refused) instead of queueing without end
+on a worker. (Its own compute does not count: an idle worker always has room.)
 """
 
 from dataclasses import dataclass
@@ -26,12 +27,14 @@ class NoWorker(Exception):
     """No live worker of a needed role: the request cannot be served now."""
 
     code = "UNAVAILABLE"
+    retry = True
 
 
 class TooLarge(NoWorker):
-    """No live worker could ever hold the request."""
+    """No live worker could ever hold the request: retrying will not help."""
 
     code = "RESOURCE_EXHAUSTED"
+    retry = False
 
 
 class NoRoom(NoWorker):
@@ -44,7 +47,7 @@ class NoRoom(NoWorker):
 class Policy:
     mode: str = "auto"
     local_prefill_tokens: int = 256
-    prefill_busy_s: float = 5.0
+    prefill_busy_s: float = 30.0
     max_prefill_wait_s: float = 60.0
     decode_slack: float = 0.05
 
@@ -56,7 +59,8 @@ class Route:
     decode_cached: int = 0            # prompt tokens the decode worker's prefix cache holds
     blocks: int = 0                   # KV blocks the sequence takes on the decode worker
     compute_tokens: int = 0           # prompt tokens the chosen prefill computes
-    cost_s: float = 0.0
+    cost_s: float = 0.0               # the cost model's estimate (see cost.py)
+    queued_s: float = 0.0             # of which: waiting behind prompt work already queued there
 
 
 def _needed_blocks(worker: WorkerHeartbeat, task: GenerateTask, cached: int) -> int:
@@ -131,9 +135,8 @@ class Router:
         def local(entry) -> Route:
             w, cached, blocks = entry
             compute = len(prompt.token_ids) - cached
-            return Route(w, None, cached, blocks, compute, cost.prefill_wait_s(w, compute))
-        routes = [local(e) for e in near]
-        return min(routes, key=lambda r: (round(r.cost_s, 3), routes.index(r)))
+            return Route(w, None, cached, blocks, compute, cost.prefill_wait_s(w, compute), cost.prefill_wait_s(w, 0))
+        return min(enumerate(local(e) for e in near), key=lambda ir: (round(ir[1].cost_s, 3), ir[0]))[1]
 
     def _remote_best(self, near, prompt: PromptView, exclude: set[str]) -> Route | None:
         """The cheapest pair; on equal cost (to the millisecond) the emptier decode worker, as
@@ -149,12 +152,12 @@ class Router:
                 total = cost.prefill_wait_s(p, compute) + cost.transfer_s(p, w, moved)
                 key = (round(total, 3), rank, p.worker_id)
                 if best_key is None or key < best_key:
-                    best, best_key = Route(w, p, cached, blocks, compute, total), key
+                    best, best_key = Route(w, p, cached, blocks, compute, total, cost.prefill_wait_s(p, 0)), key
         return best
 
     def _checked(self, route: Route) -> Route:
-        if route.cost_s > self.policy.max_prefill_wait_s:
-            raise NoRoom(f"the expected prefill wait ({route.cost_s:.0f}s) is over "
+        if route.queued_s > self.policy.max_prefill_wait_s:
+            raise NoRoom(f"the prompt work queued ahead ({route.queued_s:.0f}s) is over "
                          f"{self.policy.max_prefill_wait_s:.0f}s")
         return route
 

@@ -4,7 +4,8 @@ Submissions arrive on a NATS queue group, so any number of schedulers share them
 through this scheduler's AdmissionQueue: it is placed at once when a worker has room, waits
 (bounded) when none has, and is refused with RESOURCE_EXHAUSTED and a retry-after hint when
 the queue is full or the wait runs out. Placed requests are handed to their decode worker; a
-worker that refuses (full, or draining) or has vanished is excluded and the request placed again.
+worker that refuses as full counts as full until its next heartbeat, one that is draining or has
+vanished is excluded, and the request is placed again (at most MAX_DISPATCH_ATTEMPTS times).
 """
 
 import asyncio
@@ -25,7 +26,6 @@ from shared.transport.bus import MessageBus, NoResponders, RequestTimeout
 log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
-RETRYABLE = ("RESOURCE_EXHAUSTED", "UNAVAILABLE")   # a full or draining worker: another may take it
 
 
 class SchedulerService:
@@ -38,6 +38,7 @@ class SchedulerService:
         self.queue = AdmissionQueue(settings.max_pending, settings.queue_timeout_s)
         self.scheduler_id = settings.scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
         self._inflight: set[asyncio.Task] = set()
+        self._closing = False
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.heartbeat, self.on_heartbeat),
@@ -55,10 +56,11 @@ class SchedulerService:
                 ticker.cancel()
             for sub in subs:
                 await sub.unsubscribe()
+            self._closing = True   # from here on nothing is placed: what waits is handed back
             while len(self.queue):
-                self._refuse(self.queue.take(), "UNAVAILABLE", "the scheduler is shutting down")
-            if self._inflight:
-                await asyncio.gather(*self._inflight, return_exceptions=True)
+                self._hand_back(self.queue.take())
+            while self._inflight:
+                await asyncio.gather(*list(self._inflight), return_exceptions=True)
 
     async def _keep_alive(self) -> None:
         """Touches the alive file while the event loop runs (the container health check reads it)."""
@@ -71,10 +73,13 @@ class SchedulerService:
         """Ends the waits that ran out, and places what the last heartbeats made room for."""
         while True:
             await asyncio.sleep(0.1)
-            for entry in self.queue.expired():
-                self._refuse(entry, "RESOURCE_EXHAUSTED",
-                             f"no worker had room within {self.settings.queue_timeout_s:.0f}s", retry=True)
-            self.pump()
+            try:
+                for entry in self.queue.expired():
+                    self._refuse(entry, "RESOURCE_EXHAUSTED",
+                                 f"no worker had room within {self.settings.queue_timeout_s:.0f}s", retry=True)
+                self.pump()
+            except Exception:  # a bug: log it, keep expiring and placing
+                log.exception("scheduler tick failed")
 
     def ready(self) -> bool:
         roles = {"colocated": [("colocated",)], "disaggregated": [("prefill",), ("decode",)]}.get(
@@ -90,18 +95,21 @@ class SchedulerService:
             await respond(StatusReply(mode=self.settings.mode, ready=self.ready(), workers=self.registry.live()))
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
-        if self.queue.offer(task, respond) is None:
+        if self._closing:
+            await self._answer(respond, SubmitReply(ok=False, code="UNAVAILABLE", resubmit=True,
+                                                    message="the scheduler is shutting down"))
+        elif self.queue.offer(task, respond) is None:
             await self._answer(respond, SubmitReply(
                 ok=False, code="RESOURCE_EXHAUSTED", retry_after_ms=self.queue.retry_after_ms(),
                 message=f"the scheduler's queue is full ({self.settings.max_pending} requests waiting)"))
-            return
-        self.pump()
+        else:
+            self.pump()
 
     # -- placing ------------------------------------------------------------------------------
 
     def pump(self) -> None:
         """Places queued requests in order while workers have room; the head waits when none has."""
-        while (entry := self.queue.head()) is not None:
+        while not self._closing and (entry := self.queue.head()) is not None:
             if entry.task.deadline and time.time() > entry.task.deadline:
                 self._refuse(self.queue.take(), "DEADLINE_EXCEEDED", "the deadline passed while it waited for room")
                 continue
@@ -111,7 +119,11 @@ class SchedulerService:
                 return
             except NoWorker as err:   # every worker that could take it refused: say why the last one did
                 code, message = entry.refusal or (err.code, str(err))
-                self._refuse(self.queue.take(), code, message)
+                self._refuse(self.queue.take(), code, message, retry=code == "RESOURCE_EXHAUSTED" and err.retry)
+                continue
+            except Exception:  # a bug: this request fails, the others go on
+                log.exception("routing %s failed", entry.task.request_id)
+                self._refuse(self.queue.take(), "INTERNAL", "the scheduler failed to route the request")
                 continue
             self.queue.pop()
             self._reserve(entry, chosen)
@@ -124,38 +136,59 @@ class SchedulerService:
 
     async def _assign(self, entry: Pending, chosen: Route) -> None:
         """Hands the request to its decode worker; places it again if that one refuses."""
-        task, decode_id = entry.task, chosen.decode.worker_id
+        decode_id = chosen.decode.worker_id
         prefill_id = chosen.prefill.worker_id if chosen.prefill else ""
         entry.attempts += 1
         try:
-            ack = await self.bus.request(self.subjects.worker_tasks(decode_id),
-                                         DecodeAssignment(task=task, prefill_worker=prefill_id),
-                                         self.settings.dispatch_timeout_s, TaskAck)
+            ack = await self._offer(entry, decode_id, prefill_id)
+        except Exception:  # a bug or a broken connection: this request fails, nothing hangs
+            log.exception("assigning %s to %s failed", entry.task.request_id, decode_id)
+            ack = TaskAck(ok=False, code="UNAVAILABLE", message="the scheduler could not reach the decode worker")
+            entry.attempts = MAX_DISPATCH_ATTEMPTS
+        if ack.ok:
+            self.queue.placed()
+            await self._answer(entry.respond, SubmitReply(ok=True, prefill_worker=prefill_id, decode_worker=decode_id))
+        elif ack.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE") and entry.attempts < MAX_DISPATCH_ATTEMPTS:
+            if ack.code == "RESOURCE_EXHAUSTED":
+                self.registry.mark_full(decode_id)   # wait for its next heartbeat, or go elsewhere
+            else:
+                entry.tried.add(decode_id)           # draining or gone
+            entry.refusal = (ack.code, ack.message)
+            if self._closing:
+                self._hand_back(entry)
+            else:
+                self.queue.requeue(entry)
+                self.pump()
+        else:
+            self._refuse(entry, ack.code or "UNAVAILABLE", ack.message, retry=ack.code == "RESOURCE_EXHAUSTED")
+
+    async def _offer(self, entry: Pending, decode_id: str, prefill_id: str) -> TaskAck:
+        task = entry.task
+        try:
+            return await self.bus.request(self.subjects.worker_tasks(decode_id),
+                                          DecodeAssignment(task=task, prefill_worker=prefill_id),
+                                          self.settings.dispatch_timeout_s, TaskAck)
         except NoResponders:  # gone since its last heartbeat: it holds nothing, try another
             self.registry.drop(decode_id)
-            ack = TaskAck(ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} is gone")
+            return TaskAck(ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} is gone")
         except RequestTimeout:
             # It may have taken the request after all: trying another could run it twice.
             log.warning("decode worker %s did not confirm %s in time", decode_id, task.request_id)
-            await self.bus.publish(self.subjects.cancel, CancelRequest(task.request_id, "dispatch timed out"))
-            ack = TaskAck(ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} did not answer in time")
             entry.attempts = MAX_DISPATCH_ATTEMPTS
-        if ack.ok:
-            await self._answer(entry.respond, SubmitReply(ok=True, prefill_worker=prefill_id, decode_worker=decode_id))
-        elif ack.code in RETRYABLE and entry.attempts < MAX_DISPATCH_ATTEMPTS:
-            entry.tried.add(decode_id)
-            entry.refusal = (ack.code, ack.message)
-            self.queue.requeue(entry)
-            self.pump()
-        else:
-            self._refuse(entry, ack.code or "UNAVAILABLE", ack.message, retry=ack.code == "RESOURCE_EXHAUSTED")
+            await self.bus.publish(self.subjects.cancel, CancelRequest(task.request_id, "dispatch timed out"))
+            return TaskAck(ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} did not answer in time")
 
     # -- answers ------------------------------------------------------------------------------
 
     def _refuse(self, entry: Pending, code: str, message: str, retry: bool = False) -> None:
         reply = SubmitReply(ok=False, code=code, message=message,
-                            retry_after_ms=self.queue.retry_after_ms() if retry or code == "RESOURCE_EXHAUSTED" else 0)
+                            retry_after_ms=self.queue.retry_after_ms() if retry else 0)
         self._spawn(self._answer(entry.respond, reply))
+
+    def _hand_back(self, entry: Pending) -> None:
+        """Shutting down: the gateway submits the request again, and another scheduler takes it."""
+        self._spawn(self._answer(entry.respond, SubmitReply(ok=False, code="UNAVAILABLE", resubmit=True,
+                                                            message="the scheduler is shutting down")))
 
     async def _answer(self, respond, reply: SubmitReply) -> None:
         if respond is None:

@@ -11,11 +11,11 @@ MODES = ("auto", "disaggregated", "colocated")
 class SchedulerSettings(CommonSettings):
     """Settings of the scheduler (flags or TANDEM_* variables)."""
 
-    mode: str = field(default="auto", metadata={"help": "auto (short prompts, or all when the prefill pool is busy, prefilled on the decode worker), disaggregated (always a prefill worker) or colocated (colocated workers only)"})
-    local_prefill_tokens: int = field(default=256, metadata={"help": "auto mode: prompts with at most this many tokens to compute after the decode worker's prefix cache are prefilled there"})
-    prefill_busy_s: float = field(default=5.0, metadata={"help": "auto mode: when the best prefill worker's expected wait is over this, prefill on the decode worker if that is sooner"})
-    max_prefill_wait_s: float = field(default=60.0, metadata={"help": "a request whose expected prefill wait is over this waits in the scheduler's queue for room"})
-    decode_slack: float = field(default=0.05, metadata={"help": "decode workers whose fill differs by at most this are equals; the cost model (prefix cache, topology) picks among them"})
+    mode: str = field(default=Policy.mode, metadata={"help": "auto (short prompts, or all when the prefill pool is busy, prefilled on the decode worker), disaggregated (always a prefill worker) or colocated (colocated workers only)"})
+    local_prefill_tokens: int = field(default=Policy.local_prefill_tokens, metadata={"help": "auto mode: prompts with at most this many tokens to compute after the decode worker's prefix cache are prefilled there"})
+    prefill_busy_s: float = field(default=Policy.prefill_busy_s, metadata={"help": "auto mode: when the best prefill worker's expected wait is over this, prefill on the decode worker if that is sooner"})
+    max_prefill_wait_s: float = field(default=Policy.max_prefill_wait_s, metadata={"help": "a request whose prefill worker has more than this much prompt work queued ahead waits in the scheduler's queue for room"})
+    decode_slack: float = field(default=Policy.decode_slack, metadata={"help": "decode workers whose fill differs by at most this are equals; the cost model (prefix cache, topology) picks among them"})
     max_pending: int = field(default=256, metadata={"help": "requests waiting for room at most; beyond, new ones get RESOURCE_EXHAUSTED at once"})
     queue_timeout_s: float = field(default=5.0, metadata={"help": "a request that found no room this long gets RESOURCE_EXHAUSTED with a retry-after hint"})
     worker_timeout_s: float = field(default=3.0, metadata={"help": "a worker silent this long is dropped"})
@@ -31,8 +31,8 @@ class SchedulerSettings(CommonSettings):
                      "max_prefill_wait_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):  # NaN too
                 raise ValueError(f"{name} must be a positive number")
-        if self.local_prefill_tokens < 0 or self.max_pending < 0 or not 0 <= self.decode_slack <= 1:
-            raise ValueError("local_prefill_tokens and max_pending must be >= 0, decode_slack in [0, 1]")
+        if self.local_prefill_tokens < 0 or self.max_pending < 1 or not 0 <= self.decode_slack <= 1:
+            raise ValueError("local_prefill_tokens must be >= 0, max_pending >= 1, decode_slack in [0, 1]")
 
     def policy(self) -> Policy:
         return Policy(mode=self.mode, local_prefill_tokens=self.local_prefill_tokens,

@@ -35,10 +35,7 @@ class RequestMetrics:
     tpot_ms: float | None
     itl_ms: list[float]
     output_tokens: int
-
-    @property
-    def max_itl_ms(self) -> float | None:
-        return max(self.itl_ms) if self.itl_ms else None
+    max_itl_ms: float | None = None   # the longest wait for new tokens: a whole gap, not split over its tokens
 
 
 def itl_ms(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:
@@ -54,7 +51,9 @@ def request_metrics(record: RequestRecord) -> RequestMetrics:
     ttft = (record.chunk_times[0] - record.sent_at) * 1000 if record.chunk_times else None
     e2e = (record.ended_at - record.sent_at) * 1000
     tpot = (e2e - ttft) / (output - 1) if ttft is not None and output > 1 else None
-    return RequestMetrics(ttft, e2e, tpot, itl_ms(record.chunk_times, record.chunk_tokens), output)
+    gaps = [(b - a) * 1000 for a, b in zip(record.chunk_times, record.chunk_times[1:])]
+    return RequestMetrics(ttft, e2e, tpot, itl_ms(record.chunk_times, record.chunk_tokens), output,
+                          max(gaps) if gaps else None)
 
 
 @dataclass

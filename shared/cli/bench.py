@@ -97,6 +97,8 @@ def check_limits(args) -> None:
         raise ValueError("--num-requests must be at least 1")
     if args.duration is not None and not args.duration > 0:
         raise ValueError("--duration must be > 0 seconds")
+    if args.duration is not None and args.num_requests is None and math.isinf(args.rate) and args.concurrency is None:
+        raise ValueError("--duration needs --rate or --concurrency (else it sends without limit)")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
 

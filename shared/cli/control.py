@@ -11,6 +11,7 @@ import select
 import socket
 import struct
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Protocol
@@ -57,7 +58,7 @@ def encode(message: dict) -> bytes:
 def decode(line: bytes) -> dict:
     try:
         message = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise ValueError("not a JSON line") from None
     if not isinstance(message, dict):
         raise ValueError("a message is a JSON object")
@@ -65,8 +66,11 @@ def decode(line: bytes) -> dict:
 
 
 def read_line(conn: socket.socket) -> bytes:
-    data = b""
+    """One line, within ANSWER_TIMEOUT_S in all (a client trickling bytes cannot hold the launcher)."""
+    data, deadline = b"", time.monotonic() + ANSWER_TIMEOUT_S
     while not data.endswith(b"\n"):
+        if time.monotonic() > deadline:
+            raise ValueError("the request did not arrive in time")
         chunk = conn.recv(4096)
         if not chunk:
             raise ValueError("the peer closed the connection before a whole line")
@@ -97,7 +101,11 @@ class ControlServer:
             except (BlockingIOError, InterruptedError):
                 return
             with conn:
-                self._answer(conn, handler)
+                try:
+                    self._answer(conn, handler)
+                except Exception as err:  # a bug answering one client must not stop the stack
+                    print(f"control socket: could not answer a request: {type(err).__name__}: {err}",
+                          file=sys.stderr, flush=True)
 
     def _answer(self, conn: socket.socket, handler: Handler) -> None:
         conn.settimeout(ANSWER_TIMEOUT_S)

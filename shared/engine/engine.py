@@ -67,9 +67,14 @@ class Engine:
             seq.status = SeqStatus.WAITING
             at = len(self.waiting)
             while at > 0 and self.waiting[at - 1].task.priority < seq.task.priority \
-                    and not self.waiting[at - 1].block_table:  # never ahead of a prompt already started
+                    and not self._started(self.waiting[at - 1]):  # never ahead of one already started
                 at -= 1
             self.waiting.insert(at, seq)
+
+    @staticmethod
+    def _started(seq: Sequence) -> bool:
+        """Computing, or preempted after it had started (it resumes first, whatever its priority)."""
+        return bool(seq.block_table or seq.prefill_started or seq.output_ids)
 
     def prompt_tokens_queued(self) -> int:
         """Prompt tokens waiting here to be computed (what a new prompt queues behind)."""

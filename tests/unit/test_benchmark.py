@@ -147,7 +147,8 @@ def test_request_metrics_split_a_chunk_gap_over_its_tokens():
     m = request_metrics(record(0, 100.0, [(100.1, 1), (100.15, 1), (100.35, 2)], 100.4))
     assert m.ttft_ms == pytest.approx(100) and m.e2e_ms == pytest.approx(400)
     assert m.output_tokens == 4 and m.tpot_ms == pytest.approx(100)  # (400 - 100) / 3
-    assert m.itl_ms == pytest.approx([50, 100, 100]) and m.max_itl_ms == pytest.approx(100)
+    assert m.itl_ms == pytest.approx([50, 100, 100])
+    assert m.max_itl_ms == pytest.approx(200)  # the SLO judges the whole 200 ms wait for the last chunk
     assert itl_ms([0.0, 0.5], [3, 5]) == pytest.approx([100] * 5)  # the first chunk's extra tokens: none
 
 
@@ -174,7 +175,7 @@ def test_summary_counts_throughputs_and_latencies():
 
 
 @pytest.mark.parametrize("slo, met", [("ttft_ms=150", 1), ("ttft_ms=250", 2), ("itl_ms=80", 1),
-                                      ("itl_ms=100", 2), ("tpot_ms=99", 1), ("e2e_ms=300,ttft_ms=500", 1),
+                                      ("itl_ms=199", 1), ("itl_ms=200", 2), ("tpot_ms=99", 1), ("e2e_ms=300,ttft_ms=500", 1),
                                       ("e2e_ms=1,ttft_ms=1", 0)])
 def test_goodput_counts_completed_requests_meeting_every_objective(slo, met):
     s = summarize(three_records(), SLO.parse(slo), duration_s=2.0)

@@ -344,3 +344,14 @@ def test_summary_forgets_evicted_granules_and_keeps_the_newest():
     assert bm.prefix_summary(1) == bm.prefix_summary(10)[-1:]
     bm.deallocate(newer)
     assert bm.prefix_summary(0) == []
+
+
+def test_a_cache_hit_keeps_its_granule_among_the_newest():
+    from shared.engine.block_manager import granule_keys
+    bm = BlockManager(64, 16, cache_granularity=32)
+    hot, cold = toks(1, 64), toks(500, 64)
+    for tokens in (hot, cold):
+        bm.deallocate(allocated(bm, tokens, commit=True))
+    again = allocated(bm, hot)                       # a hit on hot's first granule
+    assert again.num_cached_tokens == 32
+    assert bm.prefix_summary(1) == granule_keys(hot, 16, 32)[:1]

@@ -486,3 +486,14 @@ def test_prompt_speed_is_measured_on_prompt_steps(tiny_model):
 
 def toks_of(rid: str) -> list[int]:
     return [ord(rid) + i for i in range(20)]
+
+
+def test_a_started_prompt_is_never_overtaken_by_a_higher_priority(tiny_model):
+    engine = make_engine(tiny_model)
+    started = make_seq(toks_of("a"), 4, request_id="a")
+    started.prefill_started = time.time()           # preempted after it had started: no blocks now
+    engine.add(started)
+    urgent = make_seq(toks_of("b"), 4, request_id="b")
+    urgent.task.priority = 9
+    engine.add(urgent)
+    assert [s.request_id for s in engine.waiting] == ["a", "b"]

@@ -175,8 +175,11 @@ def test_disaggregated_always_uses_a_prefill_worker_and_colocated_never():
 
 def test_a_prefill_wait_over_the_limit_is_no_room():
     r = router(beat("d"), beat("p", role="prefill", prefill_tokens_queued=100_000), max_prefill_wait_s=60)
-    with pytest.raises(NoRoom, match="prefill wait"):
+    with pytest.raises(NoRoom, match="queued ahead"):
         r.route(task(1000))
+    # Its own compute does not count: an idle worker takes a prompt however long it takes.
+    slow = router(beat("d"), beat("p", role="prefill", prefill_tokens_per_s=10.0), max_prefill_wait_s=60)
+    assert slow.route(task(7000)).prefill.worker_id == "p"
 
 
 def test_equal_cost_pairs_go_to_the_emptier_decode_worker():

@@ -114,17 +114,21 @@ def test_queue_is_bounded_and_a_requeued_entry_keeps_its_place():
 def test_queue_expires_long_waits_and_hints_when_to_retry():
     clock = Clock()
     queue = AdmissionQueue(max_pending=10, timeout_s=5, clock=clock)
-    assert queue.retry_after_ms() == 1000          # nothing measured yet
+    assert queue.retry_after_ms() == 1000          # nothing placed yet
     for i in range(4):
         queue.offer(task(request_id=f"r{i}"), None)
     for _ in range(2):
-        clock.now += 0.5
-        queue.pop()                                # two leave, 0.5 s apart: 2 per second
-    clock.now += 4.6
+        clock.now += 1.0
+        queue.pop()
+        queue.placed()                             # two placed, 1 s apart
+    clock.now += 3.6
     queue.offer(task(request_id="late"), None)
     assert [e.task.request_id for e in queue.expired()] == ["r2", "r3"]
     assert len(queue) == 1
-    assert queue.retry_after_ms() == 1000          # (1 waiting + 1) / 2 per second
+    # 2 placed over the last 4.6 s (at least 1 s): (1 waiting + 1) / (2 / 4.6 per second) = 4.6 s
+    assert queue.retry_after_ms() == 4600
+    clock.now += 20                                # nothing placed in the window: no estimate
+    assert queue.retry_after_ms() == 1000
 
 
 # --- dispatch over the bus ---------------------------------------------------------------------
@@ -190,16 +194,38 @@ async def test_a_full_or_draining_worker_makes_it_try_another(code):
     assert [w for w, _ in log] == ["d1", "d2"]
 
 
-async def test_all_exhausted_reports_resource_exhausted_with_a_retry_hint():
-    svc, bus = service()
+async def test_workers_that_refuse_as_full_count_as_full_until_they_beat_again():
+    svc, bus = service(queue_timeout_s=0.3)
+    stop = asyncio.Event()
+    server = asyncio.create_task(svc.serve(stop))
+    await asyncio.sleep(0)
     log = []
     for name in ("d1", "d2"):
         await fake_worker(bus, name, TaskAck(ok=False, code="RESOURCE_EXHAUSTED", message="full"), log)
         svc.registry.update(beat(name))
     svc.registry.update(beat("p1", role="prefill"))
-    reply = await submit(svc, task())
+    reply = await submit(svc, task())             # both refuse; it waits for room, then gives up
     assert (reply.ok, reply.code) == (False, "RESOURCE_EXHAUSTED") and reply.retry_after_ms > 0
-    assert len(log) == 2
+    assert sorted(w for w, _ in log) == ["d1", "d2"]   # each asked once, not again while full
+    stop.set()
+    await asyncio.wait_for(server, 1.0)
+
+
+async def test_shutdown_hands_waiting_requests_back_for_another_scheduler():
+    svc, bus = service()
+    stop = asyncio.Event()
+    server = asyncio.create_task(svc.serve(stop))
+    await asyncio.sleep(0)
+    svc.registry.update(beat("d1", running=8, max_num_seqs=8))
+    svc.registry.update(beat("p1", role="prefill"))
+    waiting = asyncio.ensure_future(submit(svc, task()))
+    await asyncio.sleep(0.05)
+    stop.set()
+    reply = await asyncio.wait_for(waiting, 1.0)
+    assert (reply.ok, reply.code, reply.resubmit) == (False, "UNAVAILABLE", True)
+    await asyncio.wait_for(server, 1.0)
+    late = await submit(svc, task(request_id="late"))
+    assert late.resubmit
 
 
 async def test_other_refusals_are_final():

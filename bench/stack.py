@@ -1,0 +1,86 @@
+"""BenchStack: an embedded stack for benchmarks, each service its own process, workers pinned.
+
+Like `tandem up`, but every worker's cores, threads and settings are given explicitly, so the
+setups a study compares use the same cores: `Worker("prefill", cores="0", threads=1)` runs
+`taskset -c 0 python -m services.prefill` with TANDEM_TORCH_THREADS=1. NATS, the scheduler and
+the gateway float on every core.
+"""
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shared.cli.launcher import wait_until_serving  # noqa: E402
+from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port  # noqa: E402
+
+
+@dataclass
+class Worker:
+    role: str                     # prefill, decode or colocated
+    cores: str = ""               # taskset -c list; empty = every core
+    threads: int = 1
+    env: dict = field(default_factory=dict)
+
+
+class BenchStack:
+    def __init__(self, name: str, mode: str, workers: list[Worker], scheduler_env: dict | None = None,
+                 common_env: dict | None = None):
+        self.name, self.mode, self.workers = name, mode, workers
+        self.scheduler_env = scheduler_env or {}
+        self.common_env = common_env or {}
+        self.log_dir = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{name}-"))
+        self.group = ProcessGroup(self.log_dir)
+        self.address = ""
+
+    def __enter__(self) -> "BenchStack":
+        try:
+            self._start()
+        except BaseException:
+            self.group.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.group.stop()
+
+    def _start(self) -> None:
+        port, grpc_port = free_port(), free_port()
+        self.group.spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], child_env({}))
+        if not wait_for_port("127.0.0.1", port, 15):
+            raise RuntimeError("nats-server did not start")
+        common = {"TANDEM_NATS_URL": f"nats://127.0.0.1:{port}", "TANDEM_CLUSTER": self.name, **self.common_env}
+        py = [sys.executable, "-m"]
+        self.group.spawn("scheduler", py + ["services.scheduler"],
+                         child_env({**common, "TANDEM_MODE": self.mode, **self.scheduler_env}))
+        for i, w in enumerate(self.workers):
+            pin = ["taskset", "-c", w.cores] if w.cores and shutil.which("taskset") else []
+            service = "services.prefill" if w.role == "prefill" else "services.decode"
+            env = {**common, "TANDEM_TORCH_THREADS": str(w.threads),
+                   "TANDEM_COLOCATED": "1" if w.role == "colocated" else "0", **w.env}
+            self.group.spawn(f"{w.role}-{i}", pin + py + [service], child_env(env))
+        self.group.spawn("gateway", py + ["services.gateway"], child_env({**common, "TANDEM_GRPC_PORT": str(grpc_port)}))
+        self.address = f"127.0.0.1:{grpc_port}"
+        wait_until_serving(self.address, self.group, 300)
+        self._wait_for_workers(300)
+
+    def _wait_for_workers(self, timeout: float) -> None:
+        """SERVING needs only the workers the mode cannot do without: wait for every one."""
+        import grpc
+        from shared.api import tandem_pb2 as pb, tandem_pb2_grpc as pb_grpc
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.TandemStub(channel)
+            while len(stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).workers) < len(self.workers):
+                if time.monotonic() > deadline or self.group.dead():
+                    raise RuntimeError(f"workers did not all start; logs in {self.log_dir}")
+                time.sleep(0.5)
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0))

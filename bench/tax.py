@@ -8,7 +8,8 @@ One machine, the same model and the same cores for every setup:
                  decode worker, long ones on the prefill worker).
 NATS, the scheduler, the gateway and this load generator float on both cores in every setup.
 
-Workload: 8 steady streams (a closed loop of 8: short prompts, `--steady-output` tokens each)
+Workload: 8 steady streams (a closed loop of 8: prompts of 32-96 tokens, outputs of 1/2 to 3/2
+of `--steady-output` tokens)
 run for `--duration-s`; in the interference runs, long prompts (uniform 1,000-4,000 tokens,
 `--long-output` tokens) arrive at the same time as a Poisson process at each `--rates` value.
 Each setup first runs the steady streams alone (the no-interference run), then sends one
@@ -51,7 +52,10 @@ def specs(tokenizer, tag: str, prompt, output, count: int, seed: int) -> list:
 
 
 async def one_run(address: str, tokenizer, args, rate: float, seed: int) -> list:
-    steady = specs(tokenizer, "steady", Uniform(32, 96), Fixed(args.steady_output), 4000, seed)
+    # Output lengths vary around --steady-output, so the 8 streams do not finish (and send their
+    # next prompts) in lockstep.
+    out = Uniform(args.steady_output // 2, args.steady_output * 3 // 2)
+    steady = specs(tokenizer, "steady", Uniform(32, 96), out, 4000, seed)
     runs = [run_workload(address, steady, concurrency=8, duration_s=args.duration_s, timeout_s=900)]
     if rate:
         long = specs(tokenizer, "long", Uniform(1000, 4000), Fixed(args.long_output),
@@ -108,10 +112,16 @@ def main() -> int:
     parser.add_argument("--long-output", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(DOCS / "prefill-tax"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other setups' runs from an earlier --out JSON (rerun some setups only)")
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",") if r]
     tokenizer = model_store.load_tokenizer(model_store.prepare("", "~/.cache/tandem/models"))
     results = {"args": {k: v for k, v in vars(args).items()}, "setups": {}}
+    if args.merge:
+        earlier = json.loads(Path(args.out + ".json").read_text())
+        results["setups"] = earlier["setups"]
+        results["args"]["merged"] = f"{args.setups} rerun; the others from an earlier run ({earlier['args']['setups']})"
     for name in args.setups.split(","):
         results["setups"][name] = asyncio.run(study_setup(name, tokenizer, args))
         Path(args.out + ".json").write_text(json.dumps(results))

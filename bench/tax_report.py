@@ -132,6 +132,7 @@ def write_report(results: dict, out: Path) -> None:
           "", f"Command: `python bench/tax.py --setups {a['setups']} --rates {','.join(map(str, a['rates']))} "
               f"--duration-s {a['duration_s']:.0f} --steady-output {a['steady_output']} "
               f"--long-output {a['long_output']} --seed {a['seed']}` (`make bench-tax`); one run.",
+          *([f"", f"Merged: {a['merged']}."] if a.get("merged") else []),
           "", "Workload and setups: see bench/tax.py. Rate 0.0 is the no-interference run.", "", text, "",
           f"SLOs (from the no-interference runs, slowest setup): steady TTFT <= {slo['steady_ttft_ms']:.0f} ms, "
           f"every ITL <= {slo['itl_ms']:.0f} ms, long prompt TTFT <= {slo['long_ttft_ms_per_token']:.1f} ms per "

@@ -1,10 +1,12 @@
 """The scheduler's cost model: how long a request would wait on each path, in seconds.
 
     remote path (prefill worker p, decode worker d):
-        cost = (p's queued prompt tokens + prompt tokens p must compute) / p's prompt speed
+        cost = (p's queued prompt tokens + prompt tokens p must compute x (1 + L / 4096)) / p's prompt speed
              + KV bytes to move / bandwidth(p, d)
     local path (prefilled on decode worker d):
-        cost = (d's queued prompt tokens + prompt tokens d must compute) / d's prompt speed
+        cost = (d's queued prompt tokens + prompt tokens d must compute x (1 + L / 4096)) / d's prompt speed
+        (L the prompt's length) and, when auto mode weighs it against a busy prefill pool, that times (1 + the sequences
+        decoding on d): each of them stalls while the prompt computes (the prefill tax)
 
 "Tokens to compute" is the prompt minus what the worker's prefix cache already holds, estimated
 from the cache summary in its heartbeats (the prefix credit). "KV bytes to move" is the part of
@@ -24,6 +26,10 @@ SAME_HOST_BYTES_PER_S = 8e9      # UCX over shared memory / cma: 5-9 GB/s measur
 SAME_ZONE_BYTES_PER_S = 1.25e9   # one 10 GbE hop
 CROSS_ZONE_BYTES_PER_S = 0.3e9   # across racks or zones: shared, oversubscribed links
 UNMEASURED_TOKENS_PER_S = 1000.0  # a worker's prompt speed before it has measured its own
+# The prompt length at which attention doubles a prompt token's cost; the measured speed comes
+# mostly from shorter prompts. On the CPU engine, 2,048-token prompts run at 0.69x the speed of
+# 512-token ones (bench/results/engine.md) and 4,096-token ones at about half.
+ATTENTION_TOKENS = 4096
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -67,9 +73,18 @@ class PromptView:
         return hits * g
 
 
-def prefill_wait_s(worker: WorkerHeartbeat, tokens_to_compute: int) -> float:
-    """Until the worker has computed this prompt: the prompt work queued ahead of it, then its own."""
-    return (worker.prefill_tokens_queued + tokens_to_compute) / prompt_speed(worker)
+def prefill_wait_s(worker: WorkerHeartbeat, tokens_to_compute: int, prompt_len: int = 0) -> float:
+    """Until the worker has computed this prompt: the prompt work queued ahead of it, then its own,
+    which costs more per token the longer the prompt (attention reads the whole context)."""
+    own = tokens_to_compute * (1 + prompt_len / ATTENTION_TOKENS)
+    return (worker.prefill_tokens_queued + own) / prompt_speed(worker)
+
+
+def local_prefill_cost_s(route) -> float:
+    """What prefilling on the decode worker costs in all: this request's own wait, plus the stall
+    it imposes on each sequence decoding there (their next tokens wait behind the prompt's
+    chunks: the prefill tax). A remote prefill stalls nobody, so it is compared with this."""
+    return route.cost_s * (1 + route.decode.running)
 
 
 def transfer_s(prefill: WorkerHeartbeat, decode: WorkerHeartbeat, tokens: int) -> float:

@@ -9,7 +9,8 @@
 3. Mode: `disaggregated` always prefills on a prefill worker; `colocated` always on the decode
    worker; `auto` prefills locally when what is left after the decode worker's prefix cache is
    at most `local_prefill_tokens`, when no prefill worker is live, or when the prefill pool's
-   best wait exceeds `prefill_busy_s` and the local one is shorter.
+   best wait exceeds `prefill_busy_s` and the local path costs less, counting the stall a local
+   prefill imposes on every sequence decoding there (cost.local_prefill_cost_s).
 A path whose prefill worker has more than `max_prefill_wait_s` of prompt work queued ahead has no
 room: the request waits in the scheduler's queue (or is refused) instead of queueing without end
 on a worker. (Its own compute does not count: an idle worker always has room.)
@@ -135,7 +136,8 @@ class Router:
         def local(entry) -> Route:
             w, cached, blocks = entry
             compute = len(prompt.token_ids) - cached
-            return Route(w, None, cached, blocks, compute, cost.prefill_wait_s(w, compute), cost.prefill_wait_s(w, 0))
+            return Route(w, None, cached, blocks, compute, cost.prefill_wait_s(w, compute, len(prompt.token_ids)),
+                         cost.prefill_wait_s(w, 0))
         return min(enumerate(local(e) for e in near), key=lambda ir: (round(ir[1].cost_s, 3), ir[0]))[1]
 
     def _remote_best(self, near, prompt: PromptView, exclude: set[str]) -> Route | None:
@@ -149,7 +151,7 @@ class Router:
                     continue
                 compute = len(prompt.token_ids) - prompt.cached_tokens(p, self.registry.summary(p.worker_id))
                 moved = len(prompt.token_ids) - cached
-                total = cost.prefill_wait_s(p, compute) + cost.transfer_s(p, w, moved)
+                total = cost.prefill_wait_s(p, compute, len(prompt.token_ids)) + cost.transfer_s(p, w, moved)
                 key = (round(total, 3), rank, p.worker_id)
                 if best_key is None or key < best_key:
                     best, best_key = Route(w, p, cached, blocks, compute, total, cost.prefill_wait_s(p, 0)), key
@@ -164,7 +166,7 @@ class Router:
     def _auto(self, local: Route, remote: Route | None) -> Route:
         if local.compute_tokens <= self.policy.local_prefill_tokens or remote is None:
             return self._checked(local)
-        if remote.cost_s > self.policy.prefill_busy_s and local.cost_s < remote.cost_s:
+        if remote.cost_s > self.policy.prefill_busy_s and cost.local_prefill_cost_s(local) < remote.cost_s:
             return self._checked(local)
         return self._checked(remote)
 

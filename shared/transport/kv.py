@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy
 import torch
 
-from shared.transport import ucx_info
+from shared.transport import ucx_info, ucx_progress
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ class UcxDataPlane:
     is set (then UCX uses tcp even on one host). Dead peers are found by the transfer leases
     and worker heartbeats instead, and a failed endpoint is dropped and reopened.
 
-    Progress is driven from the event loop ("blocking": woken by the UCX worker's event fd)
+    Progress is driven from the event loop ("blocking": woken by the UCX worker's event fd,
+    re-armed after every wake-up by shared.transport.ucx_progress)
     rather than by ucxx's default progress thread: on a few cores that thread competes with the
     model and its peer's, and one transfer in many pieces ran at half the speed it reaches here.
     """
@@ -124,12 +125,15 @@ class UcxDataPlane:
         self.counters = TransferCounters()
         self.address = b""
         self._peer_transports: dict[bytes, str] = {}   # peer -> what UCX chose to reach it
+        self._progress = None
 
     async def __aenter__(self) -> "UcxDataPlane":
         import ucxx
 
         self._ucxx = ucxx
         ucxx.init(options=self._options, env_takes_precedence=True, progress_mode=self._progress_mode)
+        if self._progress_mode == "blocking":   # ours: ucxx's own spins a core after the first event
+            self._progress = ucx_progress.install(ucxx, asyncio.get_running_loop())
         self.address = ucxx.get_worker_address().tobytes()
         log.info("UCX data plane up: UCX %s, options %s, %s progress, peer-failure mode %s, transports %s",
                  ".".join(map(str, ucxx.get_ucx_version())), self._options, self._progress_mode,

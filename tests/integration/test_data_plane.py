@@ -1,5 +1,6 @@
 """The KV cache moves over UCX, worker to worker, and never touches NATS."""
 
+import os
 import time
 
 import pytest
@@ -37,3 +38,21 @@ def test_kv_bytes_never_cross_nats(disagg, nats, hf_model):
     nats_out = after_nats["out_bytes"] - before_nats["out_bytes"]
     assert nats_in + nats_out < kv_bytes / 100, (nats_in, nats_out, kv_bytes)
     assert after_nats["max_payload"] <= 1024 * 1024
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+
+
+def test_workers_idle_after_a_transfer_use_no_cpu(disagg):
+    # A KV transfer wakes each side's UCX progress; afterwards nothing may spin (ucxx's own
+    # blocking mode never re-armed the worker and kept a core busy for good).
+    collect(disagg.stub(), chat_request(long_document(600), 4), timeout=300)
+    disagg.wait_idle()
+    pids = {w.id: w.pid for w in disagg.status().workers}
+    before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+    time.sleep(3)
+    used = {name: _cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    assert all(seconds < 0.5 for seconds in used.values()), used   # heartbeats only: a few ms

@@ -156,6 +156,10 @@ def test_auto_goes_local_when_the_prefill_pool_is_busy_and_local_is_sooner():
     # Busy, but the decode worker is busier still: stay disaggregated.
     r = router(beat("d", prefill_tokens_queued=50000), busy, mode="auto", prefill_busy_s=5.0)
     assert r.route(task(1000)).prefill.worker_id == "p"
+    # Busy, and the local prefill alone is sooner, but 30 streams decoding there would each stall
+    # for it (1 s x 31 > 21 s): the prefill tax is counted, so it stays disaggregated.
+    r = router(beat("d", running=30, max_num_seqs=64), busy, mode="auto", prefill_busy_s=5.0)
+    assert r.route(task(1000)).prefill.worker_id == "p"
 
 
 def test_auto_without_prefill_workers_prefills_locally_and_uses_colocated_workers():

@@ -153,6 +153,10 @@ class UcxDataPlane:
         if self._abandoned:
             log.warning("%d abandoned KV send buffer(s) at shutdown", len(self._abandoned))
 
+    def _done(self, request):
+        """Awaitable end of a UCX request: from our progress driver, or ucxx's own wait."""
+        return self._progress.done(request) if self._progress is not None else request.wait()
+
     def transports(self) -> str:
         return ",".join(sorted(set(self._peer_transports.values())))
 
@@ -217,7 +221,7 @@ class UcxDataPlane:
             ep = await self._endpoint(peer_address)
             views = [Array(_ucx_view(buf)) for _, buf in pieces]   # alive until every send completes
             requests = [ep._ep.tag_send(view, Tag(tag)) for view, (tag, _) in zip(views, pieces)]
-            await asyncio.wait_for(_wait_all(requests), timeout)
+            await asyncio.wait_for(asyncio.gather(*(self._done(r) for r in requests)), timeout)
         except Exception as err:
             self.counters.transfers_failed += 1
             self._abandoned.extend(buf for _, buf in pieces)  # UCX may still be reading them
@@ -252,7 +256,7 @@ class UcxDataPlane:
         for tag, request, future, _, buf in entries:
             nbytes = _nbytes(buf)
             try:
-                await request.wait()
+                await self._done(request)
                 error = None
             except Exception as err:  # e.g. the peer died mid-message
                 error = KVTransferError(f"KV receive (tag {tag:#x}) failed: {err!r}")
@@ -306,11 +310,6 @@ def _never_close(ep) -> None:
         info = finalizer.peek()
         if info is not None and info[0] is ep:
             finalizer.detach()
-
-
-async def _wait_all(requests: list) -> None:
-    for request in requests:
-        await request.wait()
 
 
 def _active_transports(ucxx) -> str:

@@ -7,6 +7,11 @@ worker once at start and never again after the first event: the fd then stays re
 event loop calls its reader back without pause, a whole core spinning for the life of the
 process after the first transfer, measured at 100% of the decode worker's core, slowing its
 model steps by a third. This class re-arms after every wake-up.
+
+It also tells when requests complete (`done`): ucxx's own `request.wait()` outside its thread
+mode polls, yielding to the event loop and coming straight back, so every receive posted for a
+prompt that is still being prefilled kept the event loop busy for the whole prefill. Here a
+request's completion is checked after each wake-up, when UCX has had something to do.
 """
 
 import asyncio
@@ -23,6 +28,7 @@ class EventLoopProgress:
         self.loop = loop
         self.fd = worker.epoll_file_descriptor   # ucxx.init(progress_mode="blocking") set it up
         self._again = False
+        self._waiting: list[tuple[object, asyncio.Future]] = []   # (request, its future), not done yet
         self.wakeups = 0
         loop.add_reader(self.fd, self.wake)
         self._safety = loop.create_task(self._every_interval())
@@ -34,9 +40,32 @@ class EventLoopProgress:
         self.wakeups += 1
         while self.worker.progress_once():
             pass
+        self._check()
         if not self.worker.arm() and not self._again:
             self._again = True    # after the callbacks that are ready now, not in a tight loop
             self.loop.call_soon(self.wake)
+
+    def done(self, request) -> asyncio.Future:
+        """A future that ends as the UCX request does (raising its error, if it failed)."""
+        future = self.loop.create_future()
+        if not self._settle(request, future):
+            self._waiting.append((request, future))
+        return future
+
+    def _check(self) -> None:
+        if self._waiting:
+            self._waiting = [(r, f) for r, f in self._waiting if not f.done() and not self._settle(r, f)]
+
+    @staticmethod
+    def _settle(request, future: asyncio.Future) -> bool:
+        if not request.completed:
+            return False
+        try:
+            request.check_error()
+            future.set_result(None)
+        except Exception as err:
+            future.set_exception(err)
+        return True
 
     async def _every_interval(self) -> None:
         while True:

@@ -14,6 +14,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared import model_store
+from shared.api import tandem_pb2 as pb
+from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.cli.client import stream_generate, summary
 from shared.cli.control import ControlError, ControlServer, socket_path
 from shared.cli.pools import WorkerPools, WorkerSpec
@@ -23,17 +25,20 @@ DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM
 READY_TIMEOUT_S = 300
 
 
-def wait_until_serving(address: str, group: ProcessGroup, timeout: float) -> None:
+def wait_until_serving(address: str, group: ProcessGroup, timeout: float, workers: int = 0) -> None:
+    """Until the gateway is SERVING and, when `workers` is given, that many workers have joined
+    (in auto mode the gateway serves once a decode worker is up; a prefill worker may still load)."""
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+        health, api = health_pb2_grpc.HealthStub(channel), pb_grpc.TandemStub(channel)
         while time.monotonic() < deadline:
             if group.dead():
                 name, code = group.dead()[0]
                 raise RuntimeError(f"{name} exited with code {code}:\n{group.log_tail(name)}")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING and (
+                        not workers or len(api.ClusterStatus(pb.ClusterStatusRequest(), timeout=2).workers) >= workers):
                     return
             except grpc.RpcError:
                 pass
@@ -113,7 +118,8 @@ def _serve(args, group: ProcessGroup, control: ControlServer, log_dir: Path, sto
         pools = start_stack(args, group)
         address = pools.address
         print(f"starting {args.mode} stack, logs in {log_dir} ...", flush=True)
-        wait_until_serving(address, group, READY_TIMEOUT_S)
+        wait_until_serving(address, group, READY_TIMEOUT_S,
+                           workers=args.decode + (args.prefill if args.mode != "colocated" else 0))
     except (RuntimeError, TimeoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ loopback, and published ports become free local ports.
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,10 @@ def test_compose_services_answer_through_the_gateway(compose):
         stack = Stack("default", address, group, "disaggregated")
         chunks, ids, text = collect(stack.stub(), chat_request("What is the capital of France?", 16))
         assert "Paris" in text
+        # In auto mode the gateway serves once a decode worker is up; the prefill worker may still be loading.
+        deadline = time.monotonic() + 120
+        while len(stack.status().workers) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
         roles = sorted(w.role for w in stack.status().workers)
         assert roles == ["decode", "decode", "prefill"]
         for name, command in checks:  # every service's own health check passes

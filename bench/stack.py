@@ -10,7 +10,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,21 +65,7 @@ class BenchStack:
             self.group.spawn(f"{w.role}-{i}", pin + py + [service], child_env(env))
         self.group.spawn("gateway", py + ["services.gateway"], child_env({**common, "TANDEM_GRPC_PORT": str(grpc_port)}))
         self.address = f"127.0.0.1:{grpc_port}"
-        wait_until_serving(self.address, self.group, 300)
-        self._wait_for_workers(300)
-
-    def _wait_for_workers(self, timeout: float) -> None:
-        """SERVING needs only the workers the mode cannot do without: wait for every one."""
-        import grpc
-        from shared.api import tandem_pb2 as pb, tandem_pb2_grpc as pb_grpc
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
-            stub = pb_grpc.TandemStub(channel)
-            while len(stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).workers) < len(self.workers):
-                if time.monotonic() > deadline or self.group.dead():
-                    raise RuntimeError(f"workers did not all start; logs in {self.log_dir}")
-                time.sleep(0.5)
-
+        wait_until_serving(self.address, self.group, 300, workers=len(self.workers))
 
 def cores() -> int:
     return len(os.sched_getaffinity(0))

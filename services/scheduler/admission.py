@@ -62,8 +62,6 @@ class AdmissionQueue:
         """The head leaves the queue (for a worker, or refused)."""
         return heapq.heappop(self._heap)
 
-    take = pop
-
     def placed(self) -> None:
         """A request was accepted by a worker: counts toward the rate the queue drains at."""
         now = self._clock()

@@ -58,7 +58,7 @@ class SchedulerService:
                 await sub.unsubscribe()
             self._closing = True   # from here on nothing is placed: what waits is handed back
             while len(self.queue):
-                self._hand_back(self.queue.take())
+                self._hand_back(self.queue.pop())
             while self._inflight:
                 await asyncio.gather(*list(self._inflight), return_exceptions=True)
 
@@ -111,7 +111,7 @@ class SchedulerService:
         """Places queued requests in order while workers have room; the head waits when none has."""
         while not self._closing and (entry := self.queue.head()) is not None:
             if entry.task.deadline and time.time() > entry.task.deadline:
-                self._refuse(self.queue.take(), "DEADLINE_EXCEEDED", "the deadline passed while it waited for room")
+                self._refuse(self.queue.pop(), "DEADLINE_EXCEEDED", "the deadline passed while it waited for room")
                 continue
             try:
                 chosen = self.router.route(entry.task, entry.tried)
@@ -119,11 +119,11 @@ class SchedulerService:
                 return
             except NoWorker as err:   # every worker that could take it refused: say why the last one did
                 code, message = entry.refusal or (err.code, str(err))
-                self._refuse(self.queue.take(), code, message, retry=code == "RESOURCE_EXHAUSTED" and err.retry)
+                self._refuse(self.queue.pop(), code, message, retry=code == "RESOURCE_EXHAUSTED" and err.retry)
                 continue
             except Exception:  # a bug: this request fails, the others go on
                 log.exception("routing %s failed", entry.task.request_id)
-                self._refuse(self.queue.take(), "INTERNAL", "the scheduler failed to route the request")
+                self._refuse(self.queue.pop(), "INTERNAL", "the scheduler failed to route the request")
                 continue
             self.queue.pop()
             self._reserve(entry, chosen)

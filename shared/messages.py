@@ -208,6 +208,7 @@ class WorkerHeartbeat:
     max_num_seqs: int = 0       # running batch capacity
     prefill_tokens_queued: int = 0      # prompt tokens accepted here and not computed yet
     prefill_tokens_per_s: float = 0.0   # measured prompt throughput; 0 = not measured yet
+    decode_step_ms: float = 0.0         # measured time of a step while sequences decode (their ITL)
     prefix_granularity: int = 0         # tokens per prefix-cache granule (the summary's unit)
     prefix_summary: list[int] = field(default_factory=list)  # granule keys cached here (granule_keys)
 

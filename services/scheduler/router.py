@@ -1,7 +1,8 @@
 """Router: which decode worker holds a request, and where its prompt is computed.
 
 1. Decode: among workers that can hold the whole sequence now (KV blocks after their own prefix
-   hit, and a batch slot), the emptiest by max(batch fill, KV fill) after placing it, so the
+   hit, a batch slot, and, with `max_itl_ms` set, a measured decode step time under it: more
+   sequences there would slow every token past the target), the emptiest by max(batch fill, KV fill) after placing it, so the
    pool fills evenly. Workers within `decode_slack` of the emptiest count as equal.
 2. Prefill: every (prefill worker, near-equal decode worker) pair is priced by the cost model
    (services.scheduler.cost): queued prompt work plus this prompt's uncached part, at the
@@ -51,6 +52,7 @@ class Policy:
     prefill_busy_s: float = 30.0
     max_prefill_wait_s: float = 60.0
     decode_slack: float = 0.05
+    max_itl_ms: float = 0.0       # 0 = no latency bound, only memory and batch slots
 
 
 @dataclass
@@ -122,13 +124,24 @@ class Router:
             cached = prompt.cached_tokens(w, self.registry.summary(w.worker_id))
             blocks = _needed_blocks(w, task, cached)
             slots = not w.max_num_seqs or w.running + w.queued < w.max_num_seqs
-            if _could_ever_fit(w, task) and slots and blocks <= w.kv_blocks_total - w.kv_blocks_used:
+            if _could_ever_fit(w, task) and slots and not self._too_slow(w) \
+                    and blocks <= w.kv_blocks_total - w.kv_blocks_used:
                 room.append((_fill_after(w, blocks), w.worker_id, w, cached, blocks))
         if not room:
-            raise NoRoom("every decode worker's batch or KV cache is full")
+            raise NoRoom("every decode worker's batch or KV cache is full"
+                         + (f", or its tokens slower than {self.policy.max_itl_ms:.0f} ms" if self.policy.max_itl_ms else ""))
         room.sort(key=lambda r: r[:2])
         best = room[0][0]
         return [(w, cached, blocks) for fill, _, w, cached, blocks in room if fill <= best + self.policy.decode_slack]
+
+    def _too_slow(self, w: WorkerHeartbeat) -> bool:
+        """The worker's tokens will come slower than the ITL target once the sequences already
+        placed there but not decoding yet (prompts, KV in flight, placed since its heartbeat) join:
+        its measured step time, scaled by the batch they make. An idle worker never is (its last
+        measurement is of a batch that has gone)."""
+        if not (self.policy.max_itl_ms and w.running):
+            return False
+        return w.decode_step_ms * (w.running + w.queued) / w.running > self.policy.max_itl_ms
 
     # -- prefill ------------------------------------------------------------------------------
 

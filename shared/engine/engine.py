@@ -50,6 +50,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self.prefill_tokens_per_s = 0.0           # prompt rows per second of step, smoothed
+        self.decode_step_s = 0.0                  # wall time of a step with decode rows, smoothed
 
     # -- from the event loop -------------------------------------------------------------------
 
@@ -108,12 +109,20 @@ class Engine:
             return None
         outputs = [(seq, self._load(seq)) for seq in loads]
         if work:
+            decoding = any(w.seq.status is SeqStatus.RUNNING for w in work)
             started = time.perf_counter()
             logits = self.runner.forward([Segment(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work])
             self._measure(work, time.perf_counter() - started)
             with self.lock:
                 outputs += self._postprocess(work, logits)
+            if decoding:
+                self._measure_step(time.perf_counter() - started)
         return outputs
+
+    def _measure_step(self, seconds: float) -> None:
+        """How long a step takes while sequences decode: the gap between their tokens, which the
+        scheduler keeps under its ITL target (prompt chunks in the step count: they delay the tokens)."""
+        self.decode_step_s = seconds if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * seconds
 
     def _measure(self, work: list[_Work], seconds: float) -> None:
         """Prompt throughput, for the scheduler's wait estimates (steps with many prompt rows only:

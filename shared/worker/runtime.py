@@ -38,6 +38,7 @@ class WorkerRuntime:
                     block_size=self.blocks.block_size, max_num_seqs=self.engine.max_num_seqs,
                     prefill_tokens_queued=self.engine.prompt_tokens_queued(),
                     prefill_tokens_per_s=round(self.engine.prefill_tokens_per_s, 1),
+                    decode_step_ms=round(self.engine.decode_step_s * 1000, 1),
                     prefix_granularity=self.blocks.granularity, prefix_summary=summary)
 
 

@@ -484,6 +484,16 @@ def test_prompt_speed_is_measured_on_prompt_steps(tiny_model):
     assert engine.prefill_tokens_per_s > 0
 
 
+def test_decode_step_time_is_measured_only_while_sequences_decode(tiny_model):
+    engine = make_engine(tiny_model, max_batch_tokens=CHUNK)
+    engine.add(make_seq(list(range(1, 3 * CHUNK)), 1))
+    run_to_end(engine)
+    assert engine.decode_step_s == 0.0        # prompt chunks and its one token: nothing decoded
+    engine.add(make_seq(list(range(1, 10)), 4))
+    run_to_end(engine)
+    assert engine.decode_step_s > 0
+
+
 def toks_of(rid: str) -> list[int]:
     return [ord(rid) + i for i in range(20)]
 

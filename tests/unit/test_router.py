@@ -61,6 +61,22 @@ def test_full_batch_is_no_room_and_an_oversized_request_is_too_large():
         router(beat("d1", max_model_len=100), beat("p", role="prefill")).route(task(90, 20))
 
 
+def test_itl_target_keeps_sequences_off_a_worker_whose_tokens_are_already_slow():
+    slow, fast = beat("d1", running=2, decode_step_ms=300.0), beat("d2", running=5, decode_step_ms=120.0)
+    assert router(slow, fast, beat("p", role="prefill")).route(task()).decode.worker_id == "d1"
+    assert router(slow, fast, beat("p", role="prefill"), max_itl_ms=200).route(task()).decode.worker_id == "d2"
+    with pytest.raises(NoRoom, match="slower than 200 ms"):
+        router(slow, beat("p", role="prefill"), max_itl_ms=200).route(task())
+    idle = beat("d1", running=0, decode_step_ms=300.0)   # its last batch has gone: the figure is stale
+    assert router(idle, beat("p", role="prefill"), max_itl_ms=200).route(task()).decode.worker_id == "d1"
+    # 4 decoding at 150 ms, 2 more about to join: about 225 ms once they do
+    joining = beat("d1", running=4, queued=2, decode_step_ms=150.0)
+    with pytest.raises(NoRoom):
+        router(joining, beat("p", role="prefill"), max_itl_ms=200).route(task())
+    one_joining = beat("d1", running=4, queued=1, decode_step_ms=150.0)   # about 188 ms
+    assert router(one_joining, beat("p", role="prefill"), max_itl_ms=200).route(task()).decode.worker_id == "d1"
+
+
 def test_no_decode_worker_is_unavailable_and_exclude_is_honoured():
     r = router(beat("d1"), beat("d2", running=4), beat("p", role="prefill"))
     assert r.route(task(), exclude={"d1"}).decode.worker_id == "d2"

@@ -58,6 +58,8 @@ def test_bool_flags_and_env(argv, env, expected):
     (DecodeSettings, [], {"TANDEM_COLOCATED": "maybe"}),
     (DecodeSettings, [], {"TANDEM_BLOCK_SIZE": "0"}),
     (SchedulerSettings, ["--mode", "sideways"], {}),
+    (SchedulerSettings, ["--max-itl-ms", "-1"], {}),
+    (SchedulerSettings, [], {"TANDEM_MAX_ITL_MS": "nan"}),
     (SchedulerSettings, ["--no-such-flag"], {}),
 ])
 def test_bad_input_exits_2(cls, argv, env, capsys):

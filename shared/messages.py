@@ -46,6 +46,10 @@ class GenerateTask:
     arrival_time: float         # unix time the gateway accepted it
     deadline: float = 0.0       # unix time after which nobody should work on it; 0 = none
     priority: int = 0           # higher first; first come, first served among equals
+    # A migrated request (its worker died): the last resume_tokens of prompt_token_ids are output
+    # the client has already received; generation goes on after them.
+    resume_tokens: int = 0
+    avoid_workers: list[str] = field(default_factory=list)   # failed this request before: not again
 
 
 @dataclass
@@ -116,6 +120,7 @@ class PrefillTask:
     arrival_time: float
     deadline: float = 0.0
     priority: int = 0
+    output_offset: int = 0      # output tokens before this prompt's first (a migrated request)
 
 
 @dataclass
@@ -175,6 +180,8 @@ class TokenChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timing: Optional[Timing] = None
+    retry: bool = False         # with a code: a worker failed, not the request; it may be placed again
+    failed_worker: str = ""     # with retry: the worker to avoid
 
 
 @dataclass

@@ -56,10 +56,11 @@ class DecodeLoop:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.wakeup.wait(), max(0.01, deadline - time.monotonic()))
 
-    async def abort_all(self, code: str, message: str) -> None:
+    async def abort_all(self, code: str, message: str, failed_worker: str = "") -> None:
         """Ends every sequence still held (shutdown): each gets its error, each frees its blocks."""
         for seq in self.seqs.values():
-            seq.error = seq.error or (code, message)
+            if seq.error is None:
+                seq.error, seq.failed_worker = (code, message), failed_worker
         await self._reap()
 
     async def _iterate(self) -> bool:

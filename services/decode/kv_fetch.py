@@ -77,10 +77,13 @@ class KVFetcher:
         except _Failed as failure:
             if not seq.cancel_reason:
                 seq.error = (failure.code, failure.message)
+                if failure.code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):   # the prefill worker's failure:
+                    seq.failed_worker = prefill_worker                        # the gateway places it again
             await self._abort_transfer(seq, receiver, inbox, prefill_worker, asked and not failure.from_prefill,
                                        failure.pieces_sent)
         except BusError:
             seq.error = ("UNAVAILABLE", f"prefill worker {prefill_worker} did not answer")
+            seq.failed_worker = prefill_worker
             await self._abort_transfer(seq, receiver, inbox, prefill_worker, True, None)
         except Exception as err:  # a bug: the request fails, the transfer ends, nothing hangs or leaks
             log.exception("%s: KV fetch failed", seq.request_id)
@@ -104,7 +107,8 @@ class KVFetcher:
         task = PrefillTask(
             request_id=seq.request_id, prompt_token_ids=seq.task.prompt_token_ids, sampling=seq.sampling,
             layout=self.rt.runner.layout, destination=plan.destination, decode_worker=self.rt.worker_id,
-            arrival_time=seq.task.arrival_time, deadline=seq.task.deadline, priority=seq.task.priority)
+            arrival_time=seq.task.arrival_time, deadline=seq.task.deadline, priority=seq.task.priority,
+            output_offset=seq.task.resume_tokens)
         ack = await self.bus.request(self.subjects.worker_tasks(prefill_worker), task, 5.0, TaskAck)
         if not ack.ok:
             raise _Failed(ack.code or "UNAVAILABLE", ack.message, from_prefill=True)

@@ -70,7 +70,8 @@ class DecodeWorker:
                 await announcer.announce()
                 log.info("draining %d request(s) for up to %.0fs", len(self.loop.seqs), self.settings.drain_timeout_s)
                 await self.loop.drain(self.settings.drain_timeout_s)
-                await self.loop.abort_all("UNAVAILABLE", "the decode worker shut down before the request finished")
+                await self.loop.abort_all("UNAVAILABLE", "the decode worker shut down before the request finished",
+                                          failed_worker=self.rt.worker_id)   # the gateway moves them elsewhere
         finally:
             for task in [*self.fetches.values(), *self.kv.drains]:
                 task.cancel()
@@ -84,8 +85,9 @@ class DecodeWorker:
         task = assignment.task
         refusal = self._refusal(assignment)
         if refusal is None:
-            seq = Sequence(task, Detokenizer(self.rt.tokenizer, task.sampling.stop),
-                           self.rt.eos_token_ids, self.rt.max_model_len)
+            detokenizer = Detokenizer(self.rt.tokenizer, task.sampling.stop)
+            detokenizer.prime(task.prompt_token_ids[len(task.prompt_token_ids) - task.resume_tokens:])
+            seq = Sequence(task, detokenizer, self.rt.eos_token_ids, self.rt.max_model_len)
             if not assignment.prefill_worker:
                 seq.prefill_worker = self.rt.worker_id
                 self.loop.add(seq, local_prefill=True)
@@ -107,6 +109,8 @@ class DecodeWorker:
             return ("CANCELLED", f"request {task.request_id} was cancelled before it started")
         if task.request_id in self.loop.seqs:
             return ("ALREADY_EXISTS", f"request {task.request_id} is already running")
+        if not 0 <= task.resume_tokens < len(task.prompt_token_ids):
+            return ("INVALID_ARGUMENT", f"resume_tokens {task.resume_tokens} is not within the prompt")
         if len(task.prompt_token_ids) + task.sampling.max_tokens > self.rt.max_model_len:
             return ("INVALID_ARGUMENT", f"prompt plus max_tokens exceeds {self.rt.max_model_len} tokens")
         if len(self.loop.seqs) >= self.settings.max_queue:
@@ -143,7 +147,7 @@ class DecodeWorker:
     async def _publish(self, seq: Sequence, out: StepOutput) -> None:
         extra = {}
         if out.finish_reason:
-            extra = dict(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids),
+            extra = dict(prompt_tokens=seq.prompt_len - seq.output_offset, completion_tokens=seq.position,
                          timing=Timing(queue_ms=seq.queue_ms, prefill_ms=seq.prefill_ms,
                                        kv_transfer_ms=seq.kv_transfer_ms, kv_exposed_ms=seq.kv_exposed_ms,
                                        prefill_worker=seq.prefill_worker, decode_worker=self.rt.worker_id,
@@ -158,10 +162,11 @@ class DecodeWorker:
             self.served += 1
             return
         if seq.cancel_reason:
-            chunk = self._chunk(seq, finish_reason="cancelled", prompt_tokens=seq.prompt_len,
-                                completion_tokens=len(seq.output_ids))
+            chunk = self._chunk(seq, finish_reason="cancelled", prompt_tokens=seq.prompt_len - seq.output_offset,
+                                completion_tokens=seq.position)
         else:
-            chunk = self._chunk(seq, code=seq.error[0], message=seq.error[1])
+            chunk = self._chunk(seq, code=seq.error[0], message=seq.error[1], retry=bool(seq.failed_worker),
+                                failed_worker=seq.failed_worker)
         try:
             await self.bus.publish(seq.task.reply_subject, chunk)
         except Exception as err:

@@ -4,10 +4,10 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-import uuid
 
 import grpc
 
+from services.gateway.migration import WorkerLost, client_id, new_attempt_id, resumed
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import InvalidRequest, Limits, validate
@@ -51,29 +51,45 @@ class TandemServicer(pb_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         # Inside the cluster each attempt has its own id: a client cannot cancel another's
         # stream by reusing its id, and a retry never collides with the attempt it replaces.
-        attempt_id = f"{valid.request_id}.{uuid.uuid4().hex[:12]}"
         remaining = context.time_remaining()
-        task = GenerateTask(request_id=attempt_id, prompt_token_ids=valid.prompt_token_ids,
+        task = GenerateTask(request_id=new_attempt_id(valid.request_id), prompt_token_ids=valid.prompt_token_ids,
                             sampling=valid.sampling, reply_subject=self.streams.subject,
                             arrival_time=arrival, deadline=arrival + remaining if remaining else 0.0,
                             priority=request.priority)
-        chunks = self.streams.open(attempt_id)
-        ended = False
+        chunks = self.streams.open(task.request_id)
+        ended, sent, migrations, first_at = False, [], 0, None
         try:
-            decode_worker, chunks = await self._submit(task, chunks, context)  # a second try: a new id
-            first_at = None
+            decode_worker, task, chunks = await self._submit(task, chunks, context)
             expected = 0
             while not ended:
-                chunk = await self._next_chunk(chunks, expected, decode_worker, context)
+                try:
+                    chunk = await self._next_chunk(chunks, expected, decode_worker, context)
+                except WorkerLost as lost:   # move it: a new attempt goes on after the tokens sent
+                    migrations += 1
+                    if migrations > self.settings.max_migrations:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{lost}; the request was already "
+                                            f"moved {self.settings.max_migrations} time(s), the limit")
+                    log.warning("%s: %s; moving it after %d token(s)", task.request_id, lost, len(sent))
+                    await self._end_attempt(task.request_id)
+                    task = resumed(task, valid.prompt_token_ids, sent, lost.worker)
+                    chunks = self.streams.open(task.request_id)
+                    decode_worker, task, chunks = await self._submit(task, chunks, context, f"{lost}, and ")
+                    expected = 0
+                    continue
                 expected += 1
+                sent.extend(chunk.token_ids)
                 if first_at is None and chunk.token_ids:
                     first_at = time.time()
                 ended = bool(chunk.finish_reason)
-                yield self._response(valid.request_id, chunk, arrival, first_at)
+                yield self._response(valid.request_id, chunk, arrival, first_at, migrations)
         finally:
             self.streams.close(task.request_id)
             if not ended:  # client gone, deadline passed or a failure: free what the workers hold
                 await self._cancel(task.request_id)
+
+    async def _end_attempt(self, attempt_id: str) -> None:
+        await self._cancel(attempt_id)
+        self.streams.close(attempt_id)
 
     async def _cancel(self, request_id: str) -> None:
         try:
@@ -81,36 +97,38 @@ class TandemServicer(pb_grpc.TandemServicer):
         except Exception as err:  # NATS down: the workers' own timeouts free the request
             log.warning("could not broadcast the cancel of %s: %s", request_id, err)
 
-    async def _submit(self, task: GenerateTask, chunks: asyncio.Queue, context) -> tuple[str, asyncio.Queue]:
-        """Places the request; returns the decode worker that holds it. A scheduler that does not
-        answer may have died holding it, and one that is shutting down hands it back: either way
-        the request goes once more to the schedulers' queue group (another replica takes it),
-        under a new attempt id, after whatever the first attempt placed is cancelled."""
+    async def _submit(self, task: GenerateTask, chunks: asyncio.Queue, context,
+                      why: str = "") -> tuple[str, GenerateTask, asyncio.Queue]:
+        """Places the request; returns the decode worker that holds it, and the attempt placed. A
+        scheduler that does not answer may have died holding it, and one that is shutting down
+        hands it back: either way the request goes once more to the schedulers' queue group
+        (another replica takes it), under a new attempt id, after whatever the first attempt
+        placed is cancelled. `why` starts the message of a refusal (a request being moved)."""
         for attempt in range(2):
             try:
                 reply = await self.bus.request(self.subjects.submit, task, self.settings.submit_timeout_s, SubmitReply)
             except NoResponders:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler is running")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, why + "no scheduler is running")
             except RequestTimeout:
                 if attempt:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not place the request in time")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        why + "the scheduler did not place the request in time")
                 reply = None
             if reply is not None and not (reply.resubmit and not attempt):
                 break
             log.warning("no scheduler placed %s; submitting it again", task.request_id)
-            await self._cancel(task.request_id)
-            self.streams.close(task.request_id)
-            task.request_id = f"{task.request_id.rsplit('.', 1)[0]}.{uuid.uuid4().hex[:12]}"
+            await self._end_attempt(task.request_id)
+            task.request_id = new_attempt_id(client_id(task.request_id))
             chunks = self.streams.open(task.request_id)
         if not reply.ok:
-            message = reply.message
+            message = why + reply.message
             if reply.retry_after_ms:
                 context.set_trailing_metadata((("retry-after-ms", str(reply.retry_after_ms)),))
                 message += f" (retry after {reply.retry_after_ms / 1000:.1f}s)"
             await context.abort(status_code(reply.code), message)
         log.info("request %s: %d prompt tokens -> prefill %s, decode %s", task.request_id,
                  len(task.prompt_token_ids), reply.prefill_worker or "(local)", reply.decode_worker)
-        return reply.decode_worker, chunks
+        return reply.decode_worker, task, chunks
 
     async def _next_chunk(self, chunks: asyncio.Queue, expected: int, decode_worker: str, context) -> TokenChunk:
         idle_since = time.monotonic()
@@ -120,17 +138,20 @@ class TandemServicer(pb_grpc.TandemServicer):
                 break
             except asyncio.TimeoutError:
                 if not self.liveness.alive(decode_worker):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode_worker} stopped responding")
+                    raise WorkerLost(f"decode worker {decode_worker} stopped responding", decode_worker)
                 if time.monotonic() - idle_since > self.settings.stream_idle_timeout_s:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s")
+        if chunk.code and chunk.retry:
+            raise WorkerLost(chunk.message, chunk.failed_worker)
         if chunk.code:
             await context.abort(status_code(chunk.code), chunk.message)
         if chunk.index != expected:
             await context.abort(grpc.StatusCode.INTERNAL, f"token stream lost chunk {expected}")
         return chunk
 
-    def _response(self, request_id: str, chunk: TokenChunk, arrival: float, first_at: float | None) -> pb.GenerateResponse:
+    def _response(self, request_id: str, chunk: TokenChunk, arrival: float, first_at: float | None,
+                  migrations: int) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids)
         if chunk.finish_reason:
             now = time.time()
@@ -142,7 +163,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                 response.timing.CopyFrom(pb.Timing(
                     queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, kv_transfer_ms=t.kv_transfer_ms,
                     kv_exposed_ms=t.kv_exposed_ms, prefill_worker=t.prefill_worker, decode_worker=t.decode_worker,
-                    path=t.path, cached_tokens=t.cached_tokens))
+                    path=t.path, cached_tokens=t.cached_tokens, migrations=migrations))
             response.timing.ttft_ms = ((first_at or now) - arrival) * 1000
             response.timing.total_ms = (now - arrival) * 1000
         return response

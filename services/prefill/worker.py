@@ -122,7 +122,8 @@ class PrefillWorker:
         if refusal is None:
             request = GenerateTask(request_id=task.request_id, prompt_token_ids=task.prompt_token_ids,
                                    sampling=task.sampling, reply_subject="", arrival_time=task.arrival_time,
-                                   deadline=task.deadline, priority=task.priority)
+                                   deadline=task.deadline, priority=task.priority,
+                                   resume_tokens=task.output_offset)
             seq = Sequence(request, None, set(), self.rt.max_model_len, prefill_only=True)
             sender = KVSender(self.plane, self.rt.runner.pool, plan, task.destination.lease_s)
             self.held[task.request_id] = _Transfer(task, seq, sender)

@@ -23,7 +23,7 @@ class Pending:
     task: GenerateTask = field(compare=False)
     respond: Any = field(compare=False)          # how to answer the gateway; None when nobody waits
     enqueued_at: float = field(compare=False)
-    tried: set = field(default_factory=set, compare=False)   # workers that refused it
+    tried: set = field(default_factory=set, compare=False)   # workers that refused or failed it
     attempts: int = field(default=0, compare=False)
     refusal: tuple[str, str] | None = field(default=None, compare=False)   # the last worker's (code, message)
 
@@ -47,7 +47,7 @@ class AdmissionQueue:
         """Queues the task; None when the queue is full (refuse it)."""
         if len(self._heap) >= self.max_pending:
             return None
-        entry = Pending(task.priority, next(self._order), task, respond, self._clock())
+        entry = Pending(task.priority, next(self._order), task, respond, self._clock(), set(task.avoid_workers))
         heapq.heappush(self._heap, entry)
         return entry
 

@@ -67,7 +67,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "ttft_ms", "total_ms", "prefill_worker", "decode_worker", "kv_exposed_ms", "path", "cached_tokens")
+    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "ttft_ms", "total_ms", "prefill_worker", "decode_worker", "kv_exposed_ms", "path", "cached_tokens", "migrations")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class Timing(_message.Message):
     KV_EXPOSED_MS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     kv_transfer_ms: float
@@ -88,7 +89,8 @@ class Timing(_message.Message):
     kv_exposed_ms: float
     path: str
     cached_tokens: int
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_exposed_ms: _Optional[float] = ..., path: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    migrations: int
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_exposed_ms: _Optional[float] = ..., path: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timing")

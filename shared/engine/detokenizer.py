@@ -29,6 +29,12 @@ class Detokenizer:
         before = decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
         return decode(self._ids[self._prefix:], skip_special_tokens=True)[len(before):]
 
+    def prime(self, token_ids: list[int]) -> None:
+        """Takes in output the client already has (a request resumed on another worker): the same
+        state, held-back text included, as the worker that streamed it had, nothing shown again."""
+        for token_id in token_ids:
+            self.add(token_id)
+
     def add(self, token_id: int) -> str:
         self._ids.append(token_id)
         new = self._pending()

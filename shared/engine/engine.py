@@ -213,7 +213,7 @@ class Engine:
                 self.waiting.remove(seq)
                 seq.prefill_ms = seq.prefill_ms or (time.time() - seq.prefill_started) * 1000
                 seq.queue_ms = seq.queue_ms or (seq.prefill_started - seq.task.arrival_time) * 1000
-            outputs.append((seq, self._emit(seq, sample(logits[row], seq.sampling, len(seq.output_ids)))))
+            outputs.append((seq, self._emit(seq, sample(logits[row], seq.sampling, seq.position))))
         return outputs
 
     def _emit(self, seq: Sequence, token: int) -> StepOutput:

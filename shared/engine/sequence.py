@@ -37,6 +37,7 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.prompt_token_ids = task.prompt_token_ids
         self.output_ids: list[int] = []
+        self.output_offset = task.resume_tokens   # output the client had before this (migrated) run
         # Paged KV state (see BlockManager and KVPool).
         self.block_table: list[int] = []
         self.num_cached_tokens = 0            # served from the prefix cache at allocation
@@ -49,6 +50,7 @@ class Sequence:
         self.finish_reason = ""
         self.cancel_reason = ""
         self.error: tuple[str, str] | None = None   # (gRPC code name, message)
+        self.failed_worker = ""               # with error: the worker that failed, not the request
         self.chunk_index = 0
         self.queue_ms = 0.0
         self.prefill_ms = 0.0
@@ -65,6 +67,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_ids)
+
+    @property
+    def position(self) -> int:
+        """The output position of the next token: what seeded sampling is keyed by."""
+        return self.output_offset + len(self.output_ids)
 
     @property
     def prompt_len(self) -> int:

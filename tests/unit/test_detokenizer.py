@@ -113,3 +113,24 @@ def test_each_token_decodes_a_small_window_not_the_whole_output(tokenizer):
     text = "".join(detok.add(t) for t in ids) + detok.flush()
     assert text == tokenizer.decode(ids, skip_special_tokens=True)
     assert len(ids) > 500 and max(seen) <= 16
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("stop", [[], ["you today", "🙂"]])
+def test_a_primed_detokenizer_goes_on_exactly_where_the_first_left_off(tokenizer, text, stop):
+    """A request moved to another worker after k tokens: the pieces the first worker showed, then
+    the second's, are the pieces of one undisturbed stream (held-back text included)."""
+    ids = ids_of(tokenizer, text)
+    pieces, tail, whole = stream(tokenizer, ids, stop)
+    for k in range(len(ids)):
+        first = Detokenizer(tokenizer, stop)
+        shown = [first.add(i) for i in ids[:k]]
+        second = Detokenizer(tokenizer, stop)
+        second.prime(ids[:k])
+        rest = []
+        for i in ids[k:]:
+            rest.append(second.add(i))
+            if second.stopped:
+                break
+        assert "".join(shown + rest) + second.flush() == "".join(pieces) + tail
+        assert second.stopped == whole.stopped

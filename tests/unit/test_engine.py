@@ -507,3 +507,22 @@ def test_a_started_prompt_is_never_overtaken_by_a_higher_priority(tiny_model):
     urgent.task.priority = 9
     engine.add(urgent)
     assert [s.request_id for s in engine.waiting] == ["a", "b"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_resumed_sequence_goes_on_with_the_tokens_of_an_undisturbed_run(tiny_model, temperature):
+    """A request moved after k tokens: prompt + those k as the new prompt, resume_tokens = k. Greedy
+    and seeded sampling both give the rest of the undisturbed run's tokens."""
+    def run(prompt: list[int], max_tokens: int, resume: int = 0) -> list[int]:
+        engine = make_engine(tiny_model)
+        seq = make_seq(prompt, max_tokens)
+        seq.sampling.temperature, seq.sampling.seed = temperature, 7
+        seq.output_offset = seq.task.resume_tokens = resume
+        engine.add(seq)
+        run_to_end(engine)
+        return seq.output_ids
+
+    prompt = list(range(3, 40))
+    whole = run(prompt, 12)
+    for k in (1, 5, 11):
+        assert run(prompt + whole[:k], 12 - k, resume=k) == whole[k:]

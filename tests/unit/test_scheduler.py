@@ -194,6 +194,25 @@ async def test_a_full_or_draining_worker_makes_it_try_another(code):
     assert [w for w, _ in log] == ["d1", "d2"]
 
 
+async def test_a_moved_request_avoids_the_workers_that_failed_it():
+    svc, bus = service("auto")
+    log = []
+    for worker in ("d1", "d2"):
+        await fake_worker(bus, worker, TaskAck(ok=True), log)
+    svc.registry.update(beat("d1"))                  # the emptiest, but it failed this request
+    svc.registry.update(beat("d2", running=3))
+    svc.registry.update(beat("p1", role="prefill"))
+    assert (await submit(svc, task(600, request_id="first"))).prefill_worker == "p1"   # a long prompt
+    moved = task(600)
+    moved.avoid_workers = ["d1", "p1"]               # its decode worker, then its prefill worker, died
+    reply = await submit(svc, moved)
+    assert (reply.decode_worker, reply.prefill_worker) == ("d2", "")   # auto: prefilled locally instead
+    moved = task(request_id="again")
+    moved.avoid_workers = ["d1", "d2"]
+    reply = await submit(svc, moved)
+    assert (reply.ok, reply.code) == (False, "UNAVAILABLE")
+
+
 async def test_workers_that_refuse_as_full_count_as_full_until_they_beat_again():
     svc, bus = service(queue_timeout_s=0.3)
     stop = asyncio.Event()

@@ -1,0 +1,43 @@
+"""Moving a request off a worker that failed: the tokens the client has are kept, the rest goes on elsewhere.
+
+A decode worker that dies (or shuts down past its drain time), or a prefill worker that fails a
+prompt, does not fail the request: the gateway submits it again as a new attempt whose prompt is
+the original prompt plus every token already streamed, with `resume_tokens` saying how many of
+those are output. The new decode worker re-prefills that (from its prefix cache where it can),
+primes its detokenizer with the output so the text goes on seamlessly, and samples the next
+position; greedy output is the same as an undisturbed run's, and seeded sampling is too (each
+position's draw depends only on the seed and the position).
+"""
+
+import dataclasses
+import uuid
+
+from shared.messages import GenerateTask
+
+
+class WorkerLost(Exception):
+    """The worker serving a request failed, not the request: it may be placed again elsewhere."""
+
+    def __init__(self, message: str, worker: str):
+        super().__init__(message)
+        self.worker = worker
+
+
+def new_attempt_id(request_id: str) -> str:
+    """The request's id inside the cluster for one attempt: the client's id and a random part."""
+    return f"{request_id}.{uuid.uuid4().hex[:12]}"
+
+
+def client_id(attempt_id: str) -> str:
+    return attempt_id.rsplit(".", 1)[0]
+
+
+def resumed(task: GenerateTask, prompt: list[int], sent: list[int], failed_worker: str) -> GenerateTask:
+    """The next attempt of `task` after `failed_worker` failed it, `sent` being the output the
+    client has received (`prompt`, the original prompt)."""
+    avoid = task.avoid_workers + ([failed_worker] if failed_worker and failed_worker not in task.avoid_workers else [])
+    sampling = dataclasses.replace(task.sampling, max_tokens=task.sampling.max_tokens + task.resume_tokens - len(sent),
+                                   stop=list(task.sampling.stop))
+    return dataclasses.replace(task, request_id=new_attempt_id(client_id(task.request_id)),
+                               prompt_token_ids=prompt + sent, resume_tokens=len(sent), sampling=sampling,
+                               avoid_workers=avoid)

@@ -1,0 +1,92 @@
+"""Workers killed (SIGKILL) under real requests: the request moves, the client's stream goes on.
+
+One auto-mode stack, 1 prefill and 2 decode workers, killed one after another:
+  1. the prefill worker, while it computes a long prompt: the decode worker frees the blocks it
+     reserved and the request is prefilled again elsewhere (here, with no prefill worker left,
+     locally on a decode worker);
+  2. the decode worker streaming a request: the request is re-prefilled on the other decode worker
+     from its prompt plus the tokens already sent, and the stream goes on;
+  3. the last decode worker: nothing can take the request, and the client gets UNAVAILABLE.
+Every output is token-identical to Hugging Face greedy, and the text is the text of the tokens.
+"""
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from tests.integration.helpers import chat_request, hf_greedy, long_document
+from tests.integration.stack import start_stack
+
+pytestmark = pytest.mark.slow
+
+
+def _worker(stack, role: str, busy: bool = True):
+    """The live worker of `role` that holds a request (running or queued)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for w in stack.status().workers:
+            if w.role == role and (not busy or w.running or w.queued):
+                return w
+        time.sleep(0.05)
+    raise AssertionError(f"no busy {role} worker: {stack.status()}")
+
+
+def _stream_and_kill(stack, request, role: str, after_tokens: int, timeout: float = 300):
+    """Streams `request`; once `after_tokens` tokens have come, SIGKILLs the busy `role` worker.
+    Returns (responses, the killed worker's id)."""
+    responses, victim, ids = [], None, 0
+    stream = stack.stub().Generate(request, timeout=timeout)
+    for response in stream:
+        responses.append(response)
+        ids += len(response.token_ids)
+        if victim is None and ids >= after_tokens:
+            victim = _worker(stack, role)
+            os.kill(victim.pid, signal.SIGKILL)
+    return responses, victim
+
+
+def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
+    stack = start_stack(processes, nats, "it-faults", "auto", prefill=1, decode=2,
+                        extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "64"})
+    try:
+        # 1. The prefill worker dies while it computes a long prompt.
+        long = chat_request(long_document(1200), 8)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(lambda: list(stack.stub().Generate(long, timeout=300)))
+            prefill = _worker(stack, "prefill")
+            os.kill(prefill.pid, signal.SIGKILL)
+            responses = pending.result()
+        ids = [t for r in responses for t in r.token_ids]
+        assert ids == hf_greedy(hf_model, tokenizer, long)
+        timing = responses[-1].timing
+        assert (timing.migrations, timing.path) == (1, "local"), timing
+        assert responses[-1].usage.completion_tokens == len(ids)
+
+        # 2. The decode worker streaming a request dies after 10 tokens.
+        story = chat_request("Write a long story about a fox who learns to sail.", 80)
+        responses, victim = _stream_and_kill(stack, story, "decode", after_tokens=10)
+        ids = [t for r in responses for t in r.token_ids]
+        assert ids == hf_greedy(hf_model, tokenizer, story)
+        assert "".join(r.text for r in responses) == tokenizer.decode(ids, skip_special_tokens=True)
+        timing, usage = responses[-1].timing, responses[-1].usage
+        assert timing.migrations == 1 and timing.decode_worker != victim.id, timing
+        assert usage.completion_tokens == len(ids) and usage.prompt_tokens > 0
+
+        # Nothing is left held: the surviving decode worker's KV pool is all free again.
+        deadline = time.monotonic() + 30
+        while {w.role for w in stack.status().workers} != {"decode"} and time.monotonic() < deadline:
+            time.sleep(0.2)   # the killed workers leave the registry once their heartbeats stop
+        status = stack.wait_idle()
+        assert [w.role for w in status.workers] == ["decode"], status
+
+        # 3. The last decode worker dies: no worker can take the request.
+        with pytest.raises(grpc.RpcError) as err:
+            _stream_and_kill(stack, story, "decode", after_tokens=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "stopped responding" in err.value.details() and "no live" in err.value.details(), err.value.details()
+    finally:
+        stack.stop()

@@ -42,9 +42,16 @@ def test_every_worker_serves_and_a_scheduler_replica_can_die(processes, nats):
         served = {w.id: w.requests_served for w in stack.wait_idle().workers}
         assert len(served) == 4 and all(n > 0 for n in served.values()), served
 
-        # One scheduler dies; the other takes every new request (NATS queue group).
+        # One scheduler dies while requests are in flight: they finish (placed ones need no
+        # scheduler; any the dead one held are submitted again), and the other takes every new one.
         victim = next(p for n, p in processes.children if n == "it-2x2-scheduler-1")
-        os.kill(victim.pid, signal.SIGKILL)
+        stories = [chat_request(f"Tell a story about the number {i}.", 40, ignore_eos=True) for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            in_flight = [pool.submit(collect, stack.stub(), r, 300) for r in stories]
+            while not any(w.running for w in stack.status().workers if w.role == "decode"):
+                time.sleep(0.05)
+            os.kill(victim.pid, signal.SIGKILL)
+            assert all(sum(len(c.token_ids) for c in f.result()[0]) == 40 for f in in_flight)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             again = list(pool.map(lambda i: collect(stack.stub(), chat_request(f"Count to {i}.", 8)), range(8)))
         assert all(chunks[-1].finish_reason for chunks, _, _ in again)

@@ -56,8 +56,9 @@ async def run(settings: GatewaySettings) -> None:
         log.info("%s listening on %s:%d (cluster %r)", settings.gateway_id, settings.grpc_host, port, settings.cluster)
         async with ReadinessProbe(bus, subjects, health_servicer):
             await stop.wait()
-            log.info("stopping: draining streams for up to 5s")
-        await server.stop(grace=5)
+            log.info("stopping: no new requests; streams in flight get up to %.0fs", settings.drain_timeout_s)
+        await server.stop(grace=settings.drain_timeout_s)
+        log.info("stopped")
 
 
 def main(argv=None) -> int:

@@ -19,6 +19,7 @@ class GatewaySettings(CommonSettings):
     submit_timeout_s: float = field(default=20.0, metadata={"help": "how long the scheduler may take to place a request"})
     stream_idle_timeout_s: float = field(default=300.0, metadata={"help": "a stream silent this long fails with UNAVAILABLE"})
     worker_timeout_s: float = field(default=3.0, metadata={"help": "a stream whose decode worker is silent this long fails with UNAVAILABLE"})
+    drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM: new requests are refused at once, streams in flight get this long to finish"})
     max_migrations: int = field(default=2, metadata={"help": "times a request may move to another worker after the one serving it failed; past it, UNAVAILABLE"})
     gateway_id: str = field(default="", metadata={"help": "unique id; empty = random"})
 
@@ -26,6 +27,8 @@ class GatewaySettings(CommonSettings):
         super().__post_init__()
         if not 0 <= self.grpc_port < 65536:
             raise ValueError("grpc_port must be 0..65535")
+        if not 0 <= self.drain_timeout_s < float("inf"):
+            raise ValueError("drain_timeout_s must be >= 0")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:

@@ -1,4 +1,5 @@
-"""SIGTERM drains: a decode worker finishes the streams it holds, takes no new work, exits cleanly."""
+"""SIGTERM drains: a decode worker or the gateway finishes the streams it holds, takes no new work,
+exits cleanly; a worker that dies with nowhere to move its requests fails them fast."""
 
 import signal
 import time
@@ -34,12 +35,32 @@ def test_sigterm_drains_running_streams(processes, nats):
     stack.stop()
 
 
+def test_gateway_sigterm_refuses_new_requests_and_finishes_the_streams_in_flight(processes, nats):
+    stack = start_stack(processes, nats, "it-gw-drain", "colocated")
+    try:
+        gateway = dict(processes.children)["it-gw-drain-gateway"]
+        stream = stack.stub().Generate(chat_request("Tell me a long story.", 60, ignore_eos=True), timeout=120)
+        chunks = [next(stream) for _ in range(3)]
+        gateway.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as err:        # no new request once it is stopping
+            collect(stack.stub(), chat_request("hi", 4), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        chunks += list(stream)                          # the one in flight finishes
+        assert sum(len(c.token_ids) for c in chunks) == 60
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert gateway.wait(timeout=30) == 0
+    finally:
+        stack.stop()
+
+
 def test_a_dead_worker_fails_its_requests_fast(processes, nats):
     stack = start_stack(processes, nats, "it-crash")
     workers = dict(processes.children)
     prefill = workers["it-crash-prefill-0"]
 
-    # The prefill worker dies while it computes a long prompt: UNAVAILABLE, and decode frees the blocks.
+    # The prefill worker dies while it computes a long prompt, and no other can take the request
+    # (disaggregated: no local prefill): UNAVAILABLE, and the decode worker frees the blocks.
     stream = stack.stub().Generate(chat_request(long_document(3000), 8), timeout=120)
     time.sleep(1.0)
     prefill.kill()
@@ -51,7 +72,8 @@ def test_a_dead_worker_fails_its_requests_fast(processes, nats):
     stack.wait_idle()
     stack.stop()
 
-    # The decode worker dies mid-stream: the client hears UNAVAILABLE within seconds, not never.
+    # The only worker dies mid-stream: nowhere to move the request, and the client hears
+    # UNAVAILABLE within seconds, not never (tests/integration/test_faults.py: with somewhere to go).
     colocated = start_stack(processes, nats, "it-crash2", mode="colocated")
     worker = dict(processes.children)["it-crash2-decode-0"]
     stream = colocated.stub().Generate(chat_request("Tell me a long story.", 2000, ignore_eos=True), timeout=120)

@@ -43,7 +43,8 @@ class SchedulerService:
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.heartbeat, self.on_heartbeat),
                 await self.bus.subscribe(self.subjects.submit, self.on_submit, queue="schedulers"),
-                await self.bus.subscribe(self.subjects.status, self.on_status, queue="schedulers")]
+                await self.bus.subscribe(self.subjects.status, self.on_status, queue="schedulers"),
+                await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
         await self.bus.publish(self.subjects.discover, Discover(scheduler_id=self.scheduler_id))
         log.info("%s up in %s mode on cluster %r", self.scheduler_id, self.settings.mode, self.settings.cluster)
         tickers = [asyncio.create_task(self._tick())]
@@ -104,6 +105,13 @@ class SchedulerService:
                 message=f"the scheduler's queue is full ({self.settings.max_pending} requests waiting)"))
         else:
             self.pump()
+
+    async def on_cancel(self, message: CancelRequest, respond) -> None:
+        """A request cancelled while it waits here leaves the queue at once (one already placed is
+        the workers' to end: they hear the same cancel)."""
+        entry = self.queue.remove(message.request_id)
+        if entry is not None:
+            self._refuse(entry, "CANCELLED", f"cancelled while waiting for room: {message.reason}")
 
     # -- placing ------------------------------------------------------------------------------
 

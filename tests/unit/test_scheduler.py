@@ -8,7 +8,7 @@ from services.scheduler.admission import AdmissionQueue
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
-from shared.messages import (DecodeAssignment, GenerateTask, KVLayout, SamplingParams, StatusReply,
+from shared.messages import (CancelRequest, DecodeAssignment, GenerateTask, KVLayout, SamplingParams, StatusReply,
                              StatusRequest, SubmitReply, TaskAck, WorkerHeartbeat)
 from shared.subjects import Subjects
 from shared.transport.bus import InMemoryBus
@@ -192,6 +192,26 @@ async def test_a_full_or_draining_worker_makes_it_try_another(code):
     reply = await submit(svc, task())
     assert reply.ok and reply.decode_worker == "d2"
     assert [w for w, _ in log] == ["d1", "d2"]
+
+
+async def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once():
+    svc, _ = service()
+    svc.registry.update(beat("d1", running=8, max_num_seqs=8))   # full: requests wait
+    svc.registry.update(beat("p1", role="prefill"))
+    answers = []
+
+    async def respond(reply: SubmitReply) -> None:
+        answers.append(reply)
+
+    await svc.on_submit(task(request_id="a"), respond)
+    await svc.on_submit(task(request_id="b"), respond)
+    assert len(svc.queue) == 2
+    await svc.on_cancel(CancelRequest("a", "client went away"), None)
+    await asyncio.sleep(0)
+    assert len(svc.queue) == 1 and svc.queue.head().task.request_id == "b"
+    assert [(r.ok, r.code) for r in answers] == [(False, "CANCELLED")]
+    await svc.on_cancel(CancelRequest("nobody", ""), None)   # not waiting here: nothing happens
+    assert len(svc.queue) == 1
 
 
 async def test_a_moved_request_avoids_the_workers_that_failed_it():

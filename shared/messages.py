@@ -61,6 +61,7 @@ class SubmitReply:
     decode_worker: str = ""
     retry_after_ms: int = 0     # with RESOURCE_EXHAUSTED: when trying again may succeed
     resubmit: bool = False      # this scheduler is shutting down: another one may take the request
+    failed_worker: str = ""     # the worker it was given to failed to confirm: place it again without it
 
 
 @dataclass

@@ -57,12 +57,13 @@ class TandemServicer(pb_grpc.TandemServicer):
                             arrival_time=arrival, deadline=arrival + remaining if remaining else 0.0,
                             priority=request.priority)
         chunks = self.streams.open(task.request_id)
-        ended, sent, migrations, first_at = False, [], 0, None
+        ended, sent, migrations, first_at, decode_worker, why = False, [], 0, None, "", ""
         try:
-            decode_worker, task, chunks = await self._submit(task, chunks, context)
-            expected = 0
             while not ended:
                 try:
+                    if not decode_worker:
+                        decode_worker, task, chunks = await self._submit(task, chunks, context, why)
+                        expected = 0
                     chunk = await self._next_chunk(chunks, expected, decode_worker, context)
                 except WorkerLost as lost:   # move it: a new attempt goes on after the tokens sent
                     migrations += 1
@@ -73,8 +74,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                     await self._end_attempt(task.request_id)
                     task = resumed(task, valid.prompt_token_ids, sent, lost.worker)
                     chunks = self.streams.open(task.request_id)
-                    decode_worker, task, chunks = await self._submit(task, chunks, context, f"{lost}, and ")
-                    expected = 0
+                    decode_worker, why = "", f"{lost}, and "
                     continue
                 expected += 1
                 sent.extend(chunk.token_ids)
@@ -120,6 +120,8 @@ class TandemServicer(pb_grpc.TandemServicer):
             await self._end_attempt(task.request_id)
             task.request_id = new_attempt_id(client_id(task.request_id))
             chunks = self.streams.open(task.request_id)
+        if not reply.ok and reply.failed_worker:   # a worker failed it, not the request
+            raise WorkerLost(reply.message, reply.failed_worker)
         if not reply.ok:
             message = why + reply.message
             if reply.retry_after_ms:

@@ -26,6 +26,7 @@ class Pending:
     tried: set = field(default_factory=set, compare=False)   # workers that refused or failed it
     attempts: int = field(default=0, compare=False)
     refusal: tuple[str, str] | None = field(default=None, compare=False)   # the last worker's (code, message)
+    unconfirmed: bool = field(default=False, compare=False)   # a worker never confirmed it: it may hold it
 
     def __post_init__(self) -> None:
         self.sort_key = (-self.priority, self.order)

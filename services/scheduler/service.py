@@ -168,7 +168,8 @@ class SchedulerService:
                 self.queue.requeue(entry)
                 self.pump()
         else:
-            self._refuse(entry, ack.code or "UNAVAILABLE", ack.message, retry=ack.code == "RESOURCE_EXHAUSTED")
+            self._refuse(entry, ack.code or "UNAVAILABLE", ack.message, retry=ack.code == "RESOURCE_EXHAUSTED",
+                         failed_worker=decode_id if entry.unconfirmed else "")
 
     async def _offer(self, entry: Pending, decode_id: str, prefill_id: str) -> TaskAck:
         task = entry.task
@@ -183,13 +184,14 @@ class SchedulerService:
             # It may have taken the request after all: trying another could run it twice.
             log.warning("decode worker %s did not confirm %s in time", decode_id, task.request_id)
             entry.attempts = MAX_DISPATCH_ATTEMPTS
+            entry.unconfirmed = True   # the gateway moves it on (a new attempt id), cancelling this one
             await self.bus.publish(self.subjects.cancel, CancelRequest(task.request_id, "dispatch timed out"))
             return TaskAck(ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} did not answer in time")
 
     # -- answers ------------------------------------------------------------------------------
 
-    def _refuse(self, entry: Pending, code: str, message: str, retry: bool = False) -> None:
-        reply = SubmitReply(ok=False, code=code, message=message,
+    def _refuse(self, entry: Pending, code: str, message: str, retry: bool = False, failed_worker: str = "") -> None:
+        reply = SubmitReply(ok=False, code=code, message=message, failed_worker=failed_worker,
                             retry_after_ms=self.queue.retry_after_ms() if retry else 0)
         self._spawn(self._answer(entry.respond, reply))
 

@@ -214,6 +214,21 @@ async def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once():
     assert len(svc.queue) == 1
 
 
+async def test_a_worker_that_never_confirms_is_named_so_the_gateway_can_move_the_request():
+    svc, bus = service()                               # dispatch_timeout_s 0.2
+
+    async def silent(assignment, respond) -> None:     # alive on the bus, but never answers
+        pass
+
+    await bus.subscribe(Subjects(CLUSTER).worker_tasks("d1"), silent)
+    svc.registry.update(beat("d1"))
+    svc.registry.update(beat("p1", role="prefill"))
+    reply = await submit(svc, task(request_id="x"))
+    assert (reply.ok, reply.code, reply.failed_worker) == (False, "UNAVAILABLE", "d1")
+    cancels = [m for s, m in bus.published if s == Subjects(CLUSTER).cancel]   # it may hold it: drop it
+    assert [c.request_id for c in cancels] == ["x"]
+
+
 async def test_a_moved_request_avoids_the_workers_that_failed_it():
     svc, bus = service("auto")
     log = []

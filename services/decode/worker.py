@@ -41,6 +41,8 @@ class DecodeWorker:
         self.cancelled = RecentIds(ttl_s=120)
         self.served = 0
         self.stopping = False
+        self.announcer = Announcer(bus, self.subjects, self.snapshot, settings.heartbeat_interval_s,
+                                   settings.alive_file)
 
     def snapshot(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
@@ -63,8 +65,7 @@ class DecodeWorker:
                 await self.bus.subscribe(self.subjects.prefill_results(self.rt.worker_id), self.kv.on_prefill_result),
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
         try:
-            async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s,
-                                 self.settings.alive_file) as announcer:
+            async with self.announcer as announcer:
                 await self.loop.run(stop)
                 self.stopping = True  # no new work; the scheduler drops this worker now
                 await announcer.announce()
@@ -161,6 +162,7 @@ class DecodeWorker:
         if seq.status is SeqStatus.FINISHED and seq.error is None and not seq.cancel_reason:
             self.served += 1
             return
+        self.announcer.nudge()   # its blocks are free: the scheduler and ClusterStatus hear it now
         if seq.cancel_reason:
             chunk = self._chunk(seq, finish_reason="cancelled", prompt_tokens=seq.prompt_len - seq.output_offset,
                                 completion_tokens=seq.position)

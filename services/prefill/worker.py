@@ -58,6 +58,8 @@ class PrefillWorker:
         self.wakeup = asyncio.Event()
         self.served = 0
         self.stopping = False
+        self.announcer = Announcer(bus, self.subjects, self.snapshot, settings.heartbeat_interval_s,
+                                   settings.alive_file)
 
     def snapshot(self) -> WorkerHeartbeat:
         queued = sum(1 for t in self.held.values() if t.seq.status is SeqStatus.WAITING and not t.seq.num_computed_tokens)
@@ -80,8 +82,7 @@ class PrefillWorker:
                 await self.bus.subscribe(self.subjects.transfer_aborts(self.rt.worker_id), self.on_abort),
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
         try:
-            async with Announcer(self.bus, self.subjects, self.snapshot, self.settings.heartbeat_interval_s,
-                                 self.settings.alive_file) as announcer:
+            async with self.announcer as announcer:
                 while not stop.is_set():
                     if not await self._iterate():
                         self.wakeup.clear()
@@ -160,6 +161,7 @@ class PrefillWorker:
         if t is not None and t.task.destination.base_tag == message.base_tag and not t.sender.aborted:
             log.info("%s: transfer aborted by its decode worker: %s", message.request_id, message.reason)
             t.abort_reason = message.reason or "aborted"
+            t.seq.cancel_reason = t.seq.cancel_reason or t.abort_reason   # a step computing it may stop
             self.wakeup.set()
 
     # -- the loop -------------------------------------------------------------------------------
@@ -261,6 +263,7 @@ class PrefillWorker:
         t.sender.aborted = True
         await self._publish(t, self._failure(t, code, message))
         self._free_blocks(t)
+        self.announcer.nudge()
         if t.sender.sends:
             self._await_sends(t)
         else:

@@ -111,7 +111,10 @@ class Engine:
         if work:
             decoding = any(w.seq.status is SeqStatus.RUNNING for w in work)
             started = time.perf_counter()
-            logits = self.runner.forward([Segment(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work])
+            logits = self.runner.forward([Segment(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work],
+                                         abandon=lambda: all(w.seq.cancel_reason for w in work))
+            if logits is None:   # every sequence in it was cancelled meanwhile: they are freed next
+                return outputs
             self._measure(work, time.perf_counter() - started)
             with self.lock:
                 outputs += self._postprocess(work, logits)

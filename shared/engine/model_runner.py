@@ -173,8 +173,10 @@ class ModelRunner:
         return pieces
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment]) -> torch.Tensor:
-        """Computes the segments; returns logits [len(segments), vocab] at each segment's last row."""
+    def forward(self, segments: list[Segment], abandon: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        """Computes the segments; returns logits [len(segments), vocab] at each segment's last row.
+        `abandon`, asked between layers, may stop a long step early (None returned): every
+        sequence in it was cancelled, and the KV it wrote so far is of no use to anyone."""
         plan = self._plan(segments)
         rows = plan.ids.numel()
         hidden = self.embed(plan.ids)
@@ -191,6 +193,8 @@ class ModelRunner:
             return self._logits(x.index_select(0, plan.last_rows))
         residual, x = self.ops.norm(hidden, None, self.layers[0].input_layernorm)
         for index, layer in enumerate(self.layers):
+            if abandon is not None and abandon():
+                return None
             attended = self._attend(index, x, cos, sin, plan, rows)
             residual, x = self.ops.norm(residual, attended, layer.post_attention_layernorm)
             gate, up = self.gate_up[index](x)

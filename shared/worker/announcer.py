@@ -1,4 +1,5 @@
-"""Workers announce themselves and their load on NATS: every interval, and at once when a scheduler asks."""
+"""Workers announce themselves and their load on NATS: every interval, at once when a scheduler
+asks, and soon after a change worth telling (`nudge`: blocks freed by a cancel, say)."""
 
 import asyncio
 import logging
@@ -11,6 +12,8 @@ from shared.transport.bus import MessageBus
 
 log = logging.getLogger(__name__)
 
+NUDGE_GAP_S = 0.05
+
 
 class Announcer:
     def __init__(self, bus: MessageBus, subjects: Subjects, snapshot: Callable[[], WorkerHeartbeat],
@@ -22,6 +25,7 @@ class Announcer:
         self._alive = Path(alive_file) if alive_file else None
         self._task: asyncio.Task | None = None
         self._sub = None
+        self._soon = asyncio.Event()
 
     async def __aenter__(self) -> "Announcer":
         self._sub = await self._bus.subscribe(self._subjects.discover, self._on_discover)
@@ -41,12 +45,21 @@ class Announcer:
         if self._alive is not None:
             self._alive.touch()
 
+    def nudge(self) -> None:
+        """Beat soon rather than at the next interval (at most every NUDGE_GAP_S)."""
+        self._soon.set()
+
     async def _on_discover(self, message: Discover, respond) -> None:
         await self.announce()
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self._interval)
+            try:
+                await asyncio.wait_for(self._soon.wait(), self._interval)
+                await asyncio.sleep(NUDGE_GAP_S)   # what else changes in the same moment goes in one beat
+            except asyncio.TimeoutError:
+                pass
+            self._soon.clear()
             try:
                 await self.announce()
             except Exception as err:  # NATS reconnecting: the next beat will do

@@ -49,8 +49,8 @@ def capture_logits(engine: Engine, seq: Sequence) -> list[torch.Tensor]:
     """Records the logits row of every token sampled for seq (spies stack)."""
     captured, forward = [], engine.runner.forward
 
-    def spy(segments):
-        logits = forward(segments)
+    def spy(segments, abandon=None):
+        logits = forward(segments, abandon)
         for row, segment in enumerate(segments):
             if segment.block_table is seq.block_table and segment.end == seq.num_tokens:
                 captured.append(logits[row].clone())
@@ -526,3 +526,29 @@ def test_a_resumed_sequence_goes_on_with_the_tokens_of_an_undisturbed_run(tiny_m
     whole = run(prompt, 12)
     for k in (1, 5, 11):
         assert run(prompt + whole[:k], 12 - k, resume=k) == whole[k:]
+
+
+def test_a_step_whose_sequences_were_all_cancelled_stops_between_layers(tiny_model):
+    engine = make_engine(tiny_model)
+    gone, kept = make_seq(list(range(3, 60)), 4, request_id="gone"), make_seq(list(range(3, 40)), 4, request_id="kept")
+    engine.add(gone)
+    layers_run = []
+    ask = engine.runner.forward
+
+    def forward(segments, abandon=None):
+        def counting():
+            layers_run.append(1)
+            gone.cancel_reason = "client went away" if len(layers_run) > 1 else ""   # mid-step
+            return abandon()
+        return ask(segments, counting)
+
+    engine.runner.forward = forward
+    assert engine.step() == []                       # stopped after the first layer: nothing emitted
+    assert len(layers_run) == 2 and gone.num_computed_tokens == 0
+    engine.release(gone)
+    engine.add(kept)
+    gone.cancel_reason = ""
+    while engine.has_work():                          # a step with a live sequence runs to the end
+        engine.step()
+    assert kept.output_ids == alone(tiny_model, kept.prompt_token_ids, 4)
+    assert engine.blocks.used == 0

@@ -2,7 +2,8 @@
 
 Messages carry descriptors and token ids, never tensors: KV bytes travel over UCX.
 A message is a map with its type name under "type"; unknown types, missing or mistyped
-fields and oversized payloads are rejected with MessageError.
+fields, values out of range (shared.message_rules) and oversized payloads are rejected with
+MessageError.
 """
 
 import dataclasses
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
 import msgpack
+
+from shared import message_rules
 
 # NATS refuses payloads over its max_payload (1 MiB by default). Stay far below it so a
 # message that grows with its input fails here, loudly, instead of as a timeout there.
@@ -219,6 +222,7 @@ class WorkerHeartbeat:
     decode_step_ms: float = 0.0         # measured time of a step while sequences decode (their ITL)
     prefix_granularity: int = 0         # tokens per prefix-cache granule (the summary's unit)
     prefix_summary: list[int] = field(default_factory=list)  # granule keys cached here (granule_keys)
+    messages_dropped: int = 0           # control messages received malformed or out of range
 
 
 @dataclass
@@ -236,6 +240,7 @@ class StatusReply:
     mode: str
     ready: bool
     workers: list[WorkerHeartbeat] = field(default_factory=list)
+    messages_dropped: int = 0   # by this scheduler
 
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
@@ -297,7 +302,11 @@ def _build(cls: type, body: dict, where: str) -> Any:
             values[f.name] = _check(hints[f.name], body[f.name], f"{where}.{f.name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise MessageError(f"{where}: missing field {f.name!r}")
-    return cls(**values)
+    message = cls(**values)
+    found = message_rules.problem(message)
+    if found:
+        raise MessageError(f"{where}: {found}")
+    return message
 
 
 def decode(data: bytes, expected: type[M] | None = None) -> M:
@@ -305,7 +314,8 @@ def decode(data: bytes, expected: type[M] | None = None) -> M:
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"payload of {len(data)} bytes is over the limit")
     try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_map_len=256,
+                               max_array_len=message_rules.MAX_LIST, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types
         raise MessageError(f"not msgpack: {exc}") from None
     if not isinstance(body, dict) or not isinstance(body.get("type"), str):

@@ -51,7 +51,8 @@ class DecodeWorker:
             max_model_len=self.rt.max_model_len,
             running=self.loop.count(SeqStatus.RUNNING, SeqStatus.KV_READY),
             queued=self.loop.count(SeqStatus.WAITING_KV, SeqStatus.WAITING),
-            requests_served=self.served, **self.rt.load_report(), kv_bytes_sent=self.plane.counters.bytes_sent,
+            requests_served=self.served, **self.rt.load_report(), messages_dropped=self.bus.dropped,
+            kv_bytes_sent=self.plane.counters.bytes_sent,
             kv_bytes_received=self.plane.counters.bytes_received,
             kv_transfers_failed=self.plane.counters.transfers_failed, kv_blocks_leaked=self._leaked(),
             kv_transport=",".join(sorted(self.kv.transports)), zone=self.settings.zone, stopping=self.stopping)

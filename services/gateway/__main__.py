@@ -9,12 +9,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from services.gateway.health import ReadinessProbe
-from services.gateway.servicer import TandemServicer
+from services.gateway.servicer import TandemServicer, add_to_server
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import Limits
 from shared import model_store
-from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.lifecycle import stop_on_signals
 from shared.liveness import Liveness
 from shared.settings import load_settings, setup_logging
@@ -46,11 +45,11 @@ async def run(settings: GatewaySettings) -> None:
         bus = await stack.enter_async_context(NatsBus(settings.nats_url, settings.gateway_id))
         streams = await stack.enter_async_context(StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id)))
         liveness = await stack.enter_async_context(Liveness(bus, subjects, settings.worker_timeout_s))
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", settings.max_request_bytes)])
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        pb_grpc.add_TandemServicer_to_server(
-            TandemServicer(settings, bus, streams, tokenizer, limits_of(settings, tokenizer), liveness), server)
+        add_to_server(TandemServicer(settings, bus, streams, tokenizer, limits_of(settings, tokenizer), liveness),
+                      server)
         port = server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
         await server.start()
         log.info("%s listening on %s:%d (cluster %r)", settings.gateway_id, settings.grpc_host, port, settings.cluster)

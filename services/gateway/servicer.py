@@ -1,7 +1,9 @@
 """TandemServicer: the gRPC API. Requests go to the scheduler over NATS; token chunks come back."""
 
 import asyncio
+import collections
 import concurrent.futures
+import contextlib
 import logging
 import time
 
@@ -17,7 +19,7 @@ from shared.messages import (CancelRequest, GenerateTask, StatusReply, StatusReq
                              TokenChunk)
 from shared.liveness import Liveness
 from shared.subjects import Subjects
-from shared.transport.bus import MessageBus, NoResponders, RequestTimeout
+from shared.transport.bus import BadReply, BusError, MessageBus, NoResponders, RequestTimeout
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,41 @@ FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
 
 def status_code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+
+
+def client_address(peer: str) -> str:
+    """The client's address without its port: "ipv4:10.0.0.7:5123" -> "ipv4:10.0.0.7"."""
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
+class Undecodable:
+    """A request body that is not the message it should be (garbage, invalid UTF-8 in a string)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(message_type):
+    """A deserializer that never raises: grpc would answer INTERNAL; the method answers INVALID_ARGUMENT."""
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as err:   # DecodeError and friends, from protobuf's C core
+            return Undecodable(err)
+    return parse
+
+
+def add_to_server(servicer: "TandemServicer", server) -> None:
+    """Registers the Tandem API (as the generated add_TandemServicer_to_server, with lenient parsing)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "ClusterStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.ClusterStatus, request_deserializer=_lenient(pb.ClusterStatusRequest),
+            response_serializer=pb.ClusterStatusResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tandem.v1.Tandem", handlers),))
 
 
 class TandemServicer(pb_grpc.TandemServicer):
@@ -39,11 +76,29 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.limits = limits
         self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
+        self._open_per_client: collections.Counter[str] = collections.Counter()   # client address -> open streams
         # One thread: HF tokenizers are not safe to call from several threads at once.
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.time()
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.error}")
+        client = client_address(context.peer())
+        if self._open_per_client[client] >= self.settings.max_streams_per_client:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this client already has "
+                                f"{self.settings.max_streams_per_client} streams open, the limit")
+        self._open_per_client[client] += 1
+        try:
+            async with contextlib.aclosing(self._generate(request, context, arrival)) as responses:
+                async for response in responses:   # closed on every exit: its cancel always runs now
+                    yield response
+        finally:
+            self._open_per_client[client] -= 1
+            if not self._open_per_client[client]:
+                del self._open_per_client[client]
+
+    async def _generate(self, request: pb.GenerateRequest, context, arrival: float):
         try:
             valid = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize, validate, request, self.tokenizer, self.limits)
@@ -109,6 +164,8 @@ class TandemServicer(pb_grpc.TandemServicer):
                 reply = await self.bus.request(self.subjects.submit, task, self.settings.submit_timeout_s, SubmitReply)
             except NoResponders:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, why + "no scheduler is running")
+            except BadReply as err:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, why + str(err))
             except RequestTimeout:
                 if attempt:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -172,14 +229,17 @@ class TandemServicer(pb_grpc.TandemServicer):
         return response
 
     async def ClusterStatus(self, request: pb.ClusterStatusRequest, context) -> pb.ClusterStatusResponse:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a ClusterStatusRequest: {request.error}")
         try:
             reply = await self.bus.request(self.subjects.status, StatusRequest(), 2.0, StatusReply)
-        except (NoResponders, RequestTimeout):
+        except BusError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler answered")
         return pb.ClusterStatusResponse(mode=reply.mode, workers=[pb.WorkerStatus(
             id=w.worker_id, role=w.role, host=w.host, pid=w.pid, running=w.running, queued=w.queued,
             kv_blocks_used=w.kv_blocks_used, kv_blocks_total=w.kv_blocks_total,
             requests_served=w.requests_served, kv_bytes_sent=w.kv_bytes_sent,
             kv_bytes_received=w.kv_bytes_received, kv_transfers_failed=w.kv_transfers_failed,
-            kv_blocks_leaked=w.kv_blocks_leaked, kv_transport=w.kv_transport, zone=w.zone)
-            for w in reply.workers])
+            kv_blocks_leaked=w.kv_blocks_leaked, kv_transport=w.kv_transport, zone=w.zone,
+            messages_dropped=w.messages_dropped) for w in reply.workers],
+            scheduler_messages_dropped=reply.messages_dropped, gateway_messages_dropped=self.bus.dropped)

@@ -20,6 +20,8 @@ class GatewaySettings(CommonSettings):
     stream_idle_timeout_s: float = field(default=300.0, metadata={"help": "a stream silent this long fails with UNAVAILABLE"})
     worker_timeout_s: float = field(default=3.0, metadata={"help": "a stream whose decode worker is silent this long fails with UNAVAILABLE"})
     drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM: new requests are refused at once, streams in flight get this long to finish"})
+    max_request_bytes: int = field(default=1 << 20, metadata={"help": "the largest request message accepted; larger ones get RESOURCE_EXHAUSTED"})
+    max_streams_per_client: int = field(default=256, metadata={"help": "concurrent streams one client address may hold; more get RESOURCE_EXHAUSTED"})
     max_migrations: int = field(default=2, metadata={"help": "times a request may move to another worker after the one serving it failed; past it, UNAVAILABLE"})
     gateway_id: str = field(default="", metadata={"help": "unique id; empty = random"})
 
@@ -29,6 +31,8 @@ class GatewaySettings(CommonSettings):
             raise ValueError("grpc_port must be 0..65535")
         if not 0 <= self.drain_timeout_s < float("inf"):
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.max_request_bytes < 1024 or self.max_streams_per_client < 1:
+            raise ValueError("max_request_bytes must be >= 1024 and max_streams_per_client >= 1")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:

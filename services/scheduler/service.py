@@ -21,7 +21,7 @@ from services.scheduler.settings import SchedulerSettings
 from shared.messages import (CancelRequest, DecodeAssignment, Discover, GenerateTask, StatusReply, StatusRequest,
                              SubmitReply, TaskAck, WorkerHeartbeat)
 from shared.subjects import Subjects
-from shared.transport.bus import MessageBus, NoResponders, RequestTimeout
+from shared.transport.bus import BadReply, MessageBus, NoResponders, RequestTimeout
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ class SchedulerService:
 
     async def on_status(self, request: StatusRequest, respond) -> None:
         if respond is not None:
-            await respond(StatusReply(mode=self.settings.mode, ready=self.ready(), workers=self.registry.live()))
+            await respond(StatusReply(mode=self.settings.mode, ready=self.ready(), workers=self.registry.live(),
+                                      messages_dropped=self.bus.dropped))
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
         if self._closing:
@@ -180,7 +181,7 @@ class SchedulerService:
         except NoResponders:  # gone since its last heartbeat: it holds nothing, try another
             self.registry.drop(decode_id)
             return TaskAck(ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} is gone")
-        except RequestTimeout:
+        except (RequestTimeout, BadReply):
             # It may have taken the request after all: trying another could run it twice.
             log.warning("decode worker %s did not confirm %s in time", decode_id, task.request_id)
             entry.attempts = MAX_DISPATCH_ATTEMPTS

@@ -27,11 +27,17 @@ class RequestTimeout(BusError):
     """Somebody listens, but did not answer in time."""
 
 
+class BadReply(BusError):
+    """The answer was not a valid message of the expected type."""
+
+
 class Subscription(Protocol):
     async def unsubscribe(self) -> None: ...
 
 
 class MessageBus(Protocol):
+    dropped: int   # malformed or out-of-range messages received and dropped (a metric)
+
     async def publish(self, subject: str, message: Any) -> None: ...
 
     async def request(self, subject: str, message: Any, timeout: float, expected: type) -> Any: ...
@@ -47,6 +53,7 @@ class NatsBus:
         self._name = name
         self._nc: nats.NATS | None = None
         self._closing = False
+        self.dropped = 0
 
     async def __aenter__(self) -> "NatsBus":
         self._nc = await nats.connect(
@@ -89,14 +96,19 @@ class NatsBus:
             raise NoResponders(f"nobody listens on {subject}") from None
         except nats.errors.TimeoutError:
             raise RequestTimeout(f"no answer on {subject} within {timeout:.1f}s") from None
-        return decode(reply.data, expected)
+        try:
+            return decode(reply.data, expected)
+        except MessageError as err:   # a malformed answer is no answer
+            self.dropped += 1
+            raise BadReply(f"malformed answer on {subject}: {err}") from None
 
     async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
         async def on_message(msg) -> None:
             try:
                 message = decode(msg.data)
             except MessageError as err:
-                log.warning("dropped a malformed message on %s: %s", msg.subject, err)
+                self.dropped += 1
+                log.warning("dropped a malformed message on %s (%d so far): %s", msg.subject, self.dropped, err)
                 return
             try:
                 await handler(message, self._responder(msg.reply) if msg.reply else None)
@@ -126,6 +138,7 @@ class InMemoryBus:
         self._subs: dict[str, list[tuple[str, Handler]]] = {}
         self._next_in_group: dict[tuple[str, str], int] = {}
         self.published: list[tuple[str, Any]] = []
+        self.dropped = 0
 
     async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
         entry = (queue, handler)

@@ -132,3 +132,56 @@ def test_largest_generate_task_fits():
     assert len(data) < MAX_MESSAGE_BYTES < 1024 * 1024
     assert len(data) < 64 * 1024  # ~3 bytes per id + stops: far from the limit
     assert decode(data, GenerateTask) == task
+
+
+def _with(message, path: str, value) -> bytes:
+    """`message` encoded, with the field at dotted `path` set to `value` (what a hostile peer sends)."""
+    body = msgpack.unpackb(encode(message), raw=False)
+    *parents, name = path.split(".")
+    target = body
+    for p in parents:
+        target = target[p]
+    target[name] = value
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.mark.parametrize("message, path, value", [
+    (TASK, "sampling.max_tokens", 0),
+    (TASK, "sampling.max_tokens", -5),
+    (TASK, "sampling.temperature", float("nan")),
+    (TASK, "sampling.temperature", -1.0),
+    (TASK, "sampling.top_p", 0.0),
+    (TASK, "sampling.top_p", 1.5),
+    (TASK, "sampling.stop", ["x"] * 65),
+    (TASK, "sampling.stop", ["x" * 70_000]),
+    (TASK, "prompt_token_ids", []),
+    (TASK, "prompt_token_ids", [1, -2]),
+    (TASK, "prompt_token_ids", [1, 2**31]),
+    (TASK, "resume_tokens", 3),                 # the whole prompt: nothing left that is prompt
+    (TASK, "resume_tokens", -1),
+    (TASK, "priority", 2**31),
+    (TASK, "deadline", float("inf")),
+    (TASK, "arrival_time", -1.0),
+    (TASK, "request_id", ""),
+    (TASK, "avoid_workers", ["w"] * 65),
+    (SAMPLES[4], "destination.block_ids", [7, -1]),
+    (SAMPLES[4], "destination.lease_s", 0.0),
+    (SAMPLES[4], "destination.segment_tokens", 0),
+    (SAMPLES[4], "layout.num_layers", 0),
+    (SAMPLES[4], "layout.head_dim", 10**6),
+    (SAMPLES[5], "first_token", -2),
+    (SAMPLES[5], "pieces_sent", -1),
+    (SAMPLES[8], "index", -1),
+    (SAMPLES[10], "kv_blocks_used", -3),
+    (SAMPLES[10], "prefix_summary", [-1]),
+])
+def test_values_out_of_range_are_rejected_on_receipt(message, path, value):
+    with pytest.raises(MessageError):
+        decode(_with(message, path, value))
+
+
+def test_values_at_the_edges_are_accepted():
+    assert decode(_with(TASK, "priority", -(2**31))).priority == -(2**31)
+    assert decode(_with(TASK, "resume_tokens", 2)).resume_tokens == 2
+    assert decode(_with(SAMPLES[5], "first_token", -1)).first_token == -1
+    assert decode(_with(SAMPLES[10], "prefix_summary", [2**64 - 1])).prefix_summary == [2**64 - 1]

@@ -1,0 +1,88 @@
+"""The ranges every control message must keep, checked by messages.decode on receipt.
+
+Types are checked while a message is built; these are the values: a count is never negative, a
+time or a rate is a finite non-negative number, a string or a list has a bounded size, and a few
+fields have ranges of their own (a sampling temperature, a resume point within its prompt). A
+message outside them is a MessageError like any malformed payload: logged, counted, dropped.
+"""
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+MAX_STR = 64 * 1024                # characters of one string field (the largest: a chunk's text)
+MAX_LIST = 1 << 20                 # items of one list field (the largest: a prompt's token ids)
+MAX_UINT = (1 << 64) - 1           # prefix-summary keys are unsigned 64-bit
+INT32 = (-(1 << 31), (1 << 31) - 1)
+TOKEN_ID_LIMIT = 1 << 31
+
+# int fields that may be negative, and how far
+SIGNED = {("GenerateTask", "priority"): INT32, ("PrefillTask", "priority"): INT32,
+          ("PrefillResult", "first_token"): (-1, TOKEN_ID_LIMIT - 1)}
+TOKEN_LISTS = {"prompt_token_ids", "token_ids"}
+
+
+def _sampling(m) -> str | None:
+    if not 1 <= m.max_tokens <= MAX_LIST:
+        return "max_tokens out of range"
+    if m.temperature > 1000 or not 0 < m.top_p <= 1 or m.top_k > MAX_LIST or len(m.stop) > 64:
+        return "sampling parameters out of range"
+    return None
+
+
+def _task(m) -> str | None:
+    if not m.request_id or not m.prompt_token_ids:
+        return "empty request id or prompt"
+    if m.resume_tokens >= len(m.prompt_token_ids) or len(m.avoid_workers) > 64:
+        return "resume_tokens or avoid_workers out of range"
+    return None
+
+
+def _prefill_task(m) -> str | None:
+    return None if m.request_id and m.prompt_token_ids else "empty request id or prompt"
+
+
+def _layout(m) -> str | None:
+    dims = (m.num_layers, m.num_kv_heads, m.head_dim, m.block_size)
+    return None if all(1 <= d <= 65536 for d in dims) else "KV layout out of range"
+
+
+def _destination(m) -> str | None:
+    return None if m.segment_tokens >= 1 and m.lease_s > 0 else "segment_tokens or lease_s out of range"
+
+
+EXTRA: dict[str, Callable[[Any], str | None]] = {
+    "SamplingParams": _sampling, "GenerateTask": _task, "PrefillTask": _prefill_task, "KVLayout": _layout,
+    "KVDestination": _destination}
+
+
+def _field_problem(kind: str, name: str, value: Any) -> str | None:
+    if isinstance(value, bool) or value is None or dataclasses.is_dataclass(value):
+        return None
+    if isinstance(value, int):
+        low, high = SIGNED.get((kind, name), (0, MAX_UINT))
+        return None if low <= value <= high else f"{name} out of range"
+    if isinstance(value, float):
+        return None if math.isfinite(value) and value >= 0 else f"{name} is not a finite non-negative number"
+    if isinstance(value, (str, bytes)):
+        return None if len(value) <= MAX_STR else f"{name} is too long"
+    if isinstance(value, list):
+        if len(value) > MAX_LIST:
+            return f"{name} has too many items"
+        high = TOKEN_ID_LIMIT - 1 if name in TOKEN_LISTS else MAX_UINT
+        if any(isinstance(v, int) and not 0 <= v <= high for v in value):
+            return f"{name} has an item out of range"
+        if any(isinstance(v, str) and len(v) > MAX_STR for v in value):
+            return f"{name} has an item too long"
+    return None
+
+
+def problem(message: Any) -> str | None:
+    """What is out of range in `message` (its nested messages are checked as they are built)."""
+    kind = type(message).__name__
+    for f in dataclasses.fields(message):
+        found = _field_problem(kind, f.name, getattr(message, f.name))
+        if found:
+            return found
+    extra = EXTRA.get(kind)
+    return extra(message) if extra else None

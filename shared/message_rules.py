@@ -15,6 +15,9 @@ MAX_LIST = 1 << 20                 # items of one list field (the largest: a pro
 MAX_UINT = (1 << 64) - 1           # prefix-summary keys are unsigned 64-bit
 INT32 = (-(1 << 31), (1 << 31) - 1)
 TOKEN_ID_LIMIT = 1 << 31
+MAX_TEMPERATURE = 1000.0           # the gateway refuses more (its validation must stay within these)
+MAX_TOP_K = 1 << 20
+MAX_STOP_STRINGS = 64
 
 # int fields that may be negative, and how far
 SIGNED = {("GenerateTask", "priority"): INT32, ("PrefillTask", "priority"): INT32,
@@ -25,7 +28,8 @@ TOKEN_LISTS = {"prompt_token_ids", "token_ids"}
 def _sampling(m) -> str | None:
     if not 1 <= m.max_tokens <= MAX_LIST:
         return "max_tokens out of range"
-    if m.temperature > 1000 or not 0 < m.top_p <= 1 or m.top_k > MAX_LIST or len(m.stop) > 64:
+    if m.temperature > MAX_TEMPERATURE or not 0 < m.top_p <= 1 or m.top_k > MAX_TOP_K \
+            or len(m.stop) > MAX_STOP_STRINGS:
         return "sampling parameters out of range"
     return None
 

@@ -1,6 +1,7 @@
 import uuid
 from dataclasses import dataclass, field
 
+from shared import message_rules as rules
 from shared.settings import CommonSettings
 
 
@@ -35,6 +36,8 @@ class GatewaySettings(CommonSettings):
             raise ValueError("max_request_bytes must be >= 1024 and max_streams_per_client >= 1")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
+        if not (self.max_tokens_limit <= rules.MAX_LIST and self.max_stop_strings <= rules.MAX_STOP_STRINGS):
+            raise ValueError(f"max_tokens_limit must be <= {rules.MAX_LIST}, max_stop_strings <= {rules.MAX_STOP_STRINGS}")
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
         if not self.gateway_id:

@@ -6,6 +6,7 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
+from shared import message_rules as rules
 from shared.api import tandem_pb2 as pb
 from shared.messages import SamplingParams
 
@@ -48,8 +49,10 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         raise InvalidRequest("max_tokens must be at least 1")
     if max_tokens > limits.max_tokens_limit:
         raise InvalidRequest(f"max_tokens {max_tokens} is above the limit of {limits.max_tokens_limit}")
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidRequest("temperature must be a finite number >= 0")
+    if not math.isfinite(s.temperature) or not 0 <= s.temperature <= rules.MAX_TEMPERATURE:
+        raise InvalidRequest(f"temperature must be a number in [0, {rules.MAX_TEMPERATURE:.0f}]")
+    if s.top_k > rules.MAX_TOP_K:
+        raise InvalidRequest(f"top_k must be at most {rules.MAX_TOP_K} (0 = off)")
     top_p = s.top_p if s.HasField("top_p") else 1.0
     if not (0.0 < top_p <= 1.0):
         raise InvalidRequest("top_p must lie in (0, 1]")

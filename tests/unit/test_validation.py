@@ -25,6 +25,8 @@ def request(prompt: str = "Hello there", messages=(), request_id: str = "", **sa
     request(temperature=-0.1),
     request(temperature=math.nan),
     request(temperature=math.inf),
+    request(temperature=1001.0),
+    request(top_k=2**20 + 1),
     request(top_p=0.0),
     request(top_p=1.5),
     request(top_p=math.nan),
@@ -99,3 +101,18 @@ def test_request_id_with_trailing_newline_is_rejected(tokenizer):
 
 def test_seeds_above_63_bits_are_kept_not_folded(tokenizer):
     assert validate(request(seed=2**64 - 1), tokenizer, LIMITS).sampling.seed == 2**64 - 1
+
+
+def test_the_most_a_valid_request_may_ask_passes_the_wire_checks(tokenizer):
+    """What the gateway accepts, the scheduler and workers must accept: a GenerateTask at every
+    edge the validation allows survives encode -> decode (its range checks) unchanged."""
+    from shared.messages import GenerateTask, decode, encode
+
+    edge = request(request_id="r" * 128, max_tokens=4096, temperature=1000.0, top_p=1e-30, top_k=2**20,
+                   seed=2**64 - 1, stop=["x" * 256] * 16, ignore_eos=True)
+    edge.priority = -(2**31)
+    valid = validate(edge, tokenizer, LIMITS)
+    task = GenerateTask(request_id=valid.request_id + ".0123456789ab", prompt_token_ids=valid.prompt_token_ids,
+                        sampling=valid.sampling, reply_subject="tandem.c.gateway.g.tokens", arrival_time=1.0,
+                        priority=edge.priority)
+    assert decode(encode(task), GenerateTask) == task

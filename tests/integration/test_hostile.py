@@ -1,0 +1,186 @@
+"""Hostile input against a real stack: thousands of random and adversarial requests at the gRPC API
+(hypothesis), raw garbage on the gRPC port, on every NATS subject the services listen to, and on
+the workers' UCX sockets. No service goes down, every reply is a proper status, nothing leaks, and
+the stack still answers correctly afterwards.
+"""
+
+import asyncio
+import os
+import random
+import socket
+import time
+
+import grpc
+import msgpack
+import nats
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared.api import tandem_pb2 as pb
+from shared.messages import encode
+from shared.subjects import Subjects
+from tests.integration.helpers import chat_request, collect, long_document
+from tests.integration.stack import start_stack
+
+pytestmark = pytest.mark.slow
+
+GATEWAY_ID = "gw-hostile"
+REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@pytest.fixture(scope="module")
+def hostile(processes, nats):
+    stack = start_stack(processes, nats, "it-hostile", "auto", extra_env={
+        "TANDEM_GATEWAY_ID": GATEWAY_ID, "TANDEM_MAX_TOKENS_LIMIT": "4", "TANDEM_DEFAULT_MAX_TOKENS": "4",
+        "TANDEM_LOCAL_PREFILL_TOKENS": "64"})
+    reference = collect(stack.stub(), chat_request("Name a colour.", 4))[1]
+    yield stack, reference
+    stack.stop()
+
+
+def _still_serving(stack, reference) -> None:
+    assert not stack.dead(), stack.dead()
+    assert collect(stack.stub(), chat_request("Name a colour.", 4))[1] == reference
+    stack.wait_idle()
+
+
+# --- the gRPC API, by hypothesis -----------------------------------------------------------------
+
+TEXT = st.text(st.characters(codec="utf-8", categories=None), max_size=300)   # control characters too
+FLOATS = st.floats(width=32)                                                     # nan, inf, -0.0, huge
+SAMPLING = st.builds(
+    pb.SamplingParams,
+    max_tokens=st.one_of(st.none(), st.integers(0, 6), st.integers(0, 2**32 - 1)),
+    temperature=st.one_of(st.just(0.0), FLOATS), top_p=st.one_of(st.none(), FLOATS),
+    top_k=st.integers(0, 2**32 - 1), seed=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    stop=st.lists(TEXT, max_size=20), ignore_eos=st.booleans())
+MESSAGES = st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["user", "system", "assistant", "wizard", ""]),
+                              content=TEXT), max_size=4)
+REQUESTS = st.builds(
+    pb.GenerateRequest, request_id=st.one_of(st.just(""), st.text(max_size=300)),
+    prompt=st.one_of(st.just(""), TEXT, st.just("word " * 3000)), messages=st.one_of(st.just([]), MESSAGES),
+    sampling=st.one_of(st.none(), SAMPLING), priority=st.integers(-2**31, 2**31 - 1)).map(pb.GenerateRequest.SerializeToString)
+INVALID_UTF8 = st.binary(min_size=1, max_size=50).map(lambda b: b"\x12" + bytes([len(b) + 2]) + b"\xff\xfe" + b)
+MUTATED = st.tuples(REQUESTS, st.randoms(use_true_random=False)).map(
+    lambda pair: bytes(b ^ (0xFF if pair[1].random() < 0.05 else 0) for b in pair[0])[:pair[1].randint(0, len(pair[0]))])
+BODIES = st.one_of(REQUESTS, st.binary(max_size=2048), INVALID_UTF8, MUTATED)
+
+
+def test_thousands_of_random_requests_get_a_proper_status_each(hostile):
+    stack, reference = hostile
+    channel = stack.channel()
+    generate = channel.unary_stream("/tandem.v1.Tandem/Generate", request_serializer=None,
+                                    response_deserializer=pb.GenerateResponse.FromString)
+    seen: dict = {}
+
+    @settings(max_examples=2000, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(BODIES)
+    def one(body: bytes) -> None:
+        stream = generate(body, timeout=60)
+        try:
+            first = next(stream)            # a valid request: its first response; then we leave
+            assert isinstance(first, pb.GenerateResponse)
+            seen["OK"] = seen.get("OK", 0) + 1
+            stream.cancel()
+        except StopIteration:
+            raise AssertionError("a stream that ended without a response or a status")
+        except grpc.RpcError as err:
+            assert err.code() in REFUSALS, (err.code(), err.details(), body[:100])
+            assert err.details(), "a refusal without a message"
+            seen[err.code().name] = seen.get(err.code().name, 0) + 1
+
+    one()
+    print(f"gRPC API: {sum(seen.values())} requests: {seen}")
+    assert seen.get("OK") and seen.get("INVALID_ARGUMENT")
+    channel.close()
+    _still_serving(stack, reference)
+
+
+# --- raw bytes on the gRPC port ------------------------------------------------------------------
+
+def test_garbage_bytes_on_the_grpc_port(hostile):
+    stack, reference = hostile
+    host, port = stack.address.rsplit(":", 1)
+    rng = random.Random(7)
+    payloads = [b"", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(rng.randrange(256) for _ in range(65536)),
+                b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 9 + os.urandom(4096),           # preface, bad frame
+                b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x7f\xff\xff\x00\x00\x00\x00\x00\x01"]  # a 8 MiB frame header
+    for payload in payloads * 4:
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            conn.sendall(payload)
+            conn.settimeout(1)
+            try:
+                conn.recv(4096)
+            except (socket.timeout, ConnectionError):
+                pass
+    _still_serving(stack, reference)
+
+
+# --- raw bytes and bad messages on the NATS subjects ---------------------------------------------
+
+def _bad_payloads(rng: random.Random) -> list[bytes]:
+    out_of_range = dict(type="CancelRequest", request_id="r" * 100_000)
+    return [b"", os.urandom(64), os.urandom(200_000), msgpack.packb([1, 2, 3]), msgpack.packb({"type": "Nope"}),
+            msgpack.packb({"type": "TokenChunk", "request_id": "r", "index": -5}), msgpack.packb(out_of_range),
+            msgpack.packb({"type": "WorkerHeartbeat"}), msgpack.packb({"type": 7}),
+            msgpack.packb({"type": "GenerateTask", "request_id": "x", "prompt_token_ids": [-1],
+                           "sampling": {}, "reply_subject": "r", "arrival_time": 1.0}),
+            bytes(rng.randrange(256) for _ in range(1000))]
+
+
+async def _flood(url: str, subjects: list[str]) -> None:
+    client = await nats.connect(url)
+    rng = random.Random(9)
+    try:
+        for subject in subjects:
+            for payload in _bad_payloads(rng):
+                await client.publish(subject, payload)
+                try:
+                    await client.request(subject, payload, timeout=0.2)
+                except Exception:   # nobody answers garbage: a timeout or no responders
+                    pass
+        await client.flush()
+    finally:
+        await client.close()
+
+
+def test_garbage_on_every_nats_subject_is_dropped_and_counted(hostile, nats):
+    stack, reference = hostile
+    s = Subjects(stack.cluster)
+    workers = [w.id for w in stack.status().workers]
+    subjects = [s.heartbeat, s.discover, s.submit, s.status, s.cancel, s.gateway_tokens(GATEWAY_ID)]
+    for w in workers:
+        subjects += [s.worker_tasks(w), s.prefill_results(w), s.transfer_aborts(w)]
+    asyncio.run(_flood(nats.url, subjects))
+    time.sleep(1.5)   # the counters travel in heartbeats
+    status = stack.status()
+    assert all(w.messages_dropped > 0 for w in status.workers), status
+    assert status.scheduler_messages_dropped > 0 and status.gateway_messages_dropped > 0, status
+    _still_serving(stack, reference)
+
+
+# --- raw bytes on the workers' UCX sockets --------------------------------------------------------
+
+def test_garbage_on_the_ucx_sockets(hostile):
+    stack, reference = hostile
+    ports = []
+    for w in stack.status().workers:
+        for conn in psutil.Process(w.pid).net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN:
+                ports.append((w.id, conn.laddr.ip, conn.laddr.port))
+                assert conn.laddr.ip in ("127.0.0.1", "::1"), f"{w.id} listens on {conn.laddr} (loopback only by default)"
+    for _, ip, port in ports:
+        for payload in (os.urandom(64), os.urandom(100_000), b"\x00" * 4096):
+            try:
+                with socket.create_connection((ip, port), timeout=5) as conn:
+                    conn.sendall(payload)
+            except ConnectionError:
+                pass
+    print(f"UCX sockets hit: {ports}")
+    long = chat_request(long_document(300), 4)     # over the local-prefill threshold: KV over UCX
+    chunks, _, _ = collect(stack.stub(), long)
+    assert chunks[-1].timing.path == "disaggregated"
+    _still_serving(stack, reference)

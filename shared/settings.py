@@ -8,8 +8,10 @@ import argparse
 import logging
 import os
 import re
+import ssl
 import typing
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -28,12 +30,52 @@ class CommonSettings:
     cluster: str = field(default="default", metadata=_help(
         "cluster name: NATS subjects are namespaced by it, so stacks can share one NATS server"))
     log_level: str = field(default="INFO", metadata=_help("log level: DEBUG, INFO, WARNING, ERROR"))
+    nats_user: str = field(default="", metadata=_help("NATS user (with a password); empty = no user"))
+    nats_password: str = field(default="", repr=False, metadata=_help(
+        "NATS password; prefer TANDEM_NATS_PASSWORD or --nats-password-file to a flag (flags show in ps)"))
+    nats_password_file: str = field(default="", metadata=_help("a file holding the NATS password"))
+    nats_token: str = field(default="", repr=False, metadata=_help("NATS token (instead of user and password)"))
+    nats_token_file: str = field(default="", metadata=_help("a file holding the NATS token"))
+    nats_tls_ca: str = field(default="", metadata=_help("CA certificate to verify the NATS server by; set = TLS"))
+    nats_tls_cert: str = field(default="", metadata=_help("client certificate for NATS TLS (with --nats-tls-key)"))
+    nats_tls_key: str = field(default="", metadata=_help("client key for NATS TLS"))
 
     def __post_init__(self) -> None:
+        self.nats_password = self.nats_password or _secret_file(self.nats_password_file)
+        self.nats_token = self.nats_token or _secret_file(self.nats_token_file)
+        if self.nats_token and self.nats_user:
+            raise ValueError("give a NATS user and password, or a token, not both")
+        if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
+            raise ValueError("nats_tls_cert and nats_tls_key go together")
         if not _CLUSTER_RE.fullmatch(self.cluster):
             raise ValueError(f"cluster must be 1-64 of A-Z a-z 0-9 _ -, got {self.cluster!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"unknown log level {self.log_level!r}")
+
+
+def _secret_file(path: str) -> str:
+    """The secret in `path` (one line; surrounding whitespace dropped); "" when no path is given."""
+    if not path:
+        return ""
+    try:
+        return Path(path).read_text().strip()
+    except OSError as err:
+        raise ValueError(f"cannot read the secret file {path}: {err.strerror}") from None
+
+
+def nats_options(settings: CommonSettings) -> dict:
+    """How to connect to NATS (nats.connect keyword arguments): credentials and TLS from settings."""
+    options: dict = {}
+    if settings.nats_user:
+        options.update(user=settings.nats_user, password=settings.nats_password)
+    if settings.nats_token:
+        options["token"] = settings.nats_token
+    if settings.nats_tls_ca:
+        context = ssl.create_default_context(cafile=settings.nats_tls_ca)
+        if settings.nats_tls_cert:
+            context.load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
+        options["tls"] = context
+    return options
 
 
 def env_name(name: str) -> str:

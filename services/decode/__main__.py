@@ -9,7 +9,7 @@ from services.decode.worker import DecodeWorker
 from shared.lifecycle import stop_on_signals
 from shared.liveness import Liveness
 from shared.subjects import Subjects
-from shared.settings import load_settings, setup_logging
+from shared.settings import load_settings, nats_options, setup_logging
 from shared.transport.bus import NatsBus
 from shared.transport.kv import UcxDataPlane
 from shared.worker.runtime import load_runtime
@@ -19,7 +19,7 @@ async def run(settings: DecodeSettings) -> None:
     stop = stop_on_signals()
     runtime = await asyncio.to_thread(load_runtime, settings, settings.role)
     async with AsyncExitStack() as stack:
-        bus = await stack.enter_async_context(NatsBus(settings.nats_url, runtime.worker_id))
+        bus = await stack.enter_async_context(NatsBus(settings.nats_url, runtime.worker_id, nats_options(settings)))
         plane = await stack.enter_async_context(UcxDataPlane(
             settings.ucx_net_devices, settings.ucx_tls, settings.ucx_error_handling, settings.ucx_progress_mode))
         liveness = await stack.enter_async_context(Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s))

@@ -4,6 +4,7 @@ import asyncio
 import logging
 import sys
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -16,7 +17,7 @@ from services.gateway.validation import Limits
 from shared import model_store
 from shared.lifecycle import stop_on_signals
 from shared.liveness import Liveness
-from shared.settings import load_settings, setup_logging
+from shared.settings import load_settings, nats_options, setup_logging
 from shared.subjects import Subjects
 from shared.transport.bus import NatsBus
 
@@ -37,12 +38,25 @@ def limits_of(settings: GatewaySettings, tokenizer) -> Limits:
                   max_tokens_limit=settings.max_tokens_limit, max_stop_strings=settings.max_stop_strings)
 
 
+def listen(server: grpc.aio.Server, settings: GatewaySettings) -> int:
+    """Binds the gRPC port: TLS when a certificate is set (client certificates when a client CA
+    is), plaintext otherwise; the port actually bound."""
+    address = f"{settings.grpc_host}:{settings.grpc_port}"
+    if not settings.grpc_tls_cert:
+        return server.add_insecure_port(address)
+    client_ca = Path(settings.grpc_tls_client_ca).read_bytes() if settings.grpc_tls_client_ca else None
+    key_and_cert = (Path(settings.grpc_tls_key).read_bytes(), Path(settings.grpc_tls_cert).read_bytes())
+    credentials = grpc.ssl_server_credentials([key_and_cert],
+                                              root_certificates=client_ca, require_client_auth=client_ca is not None)
+    return server.add_secure_port(address, credentials)
+
+
 async def run(settings: GatewaySettings) -> None:
     stop = stop_on_signals()
     tokenizer = await asyncio.to_thread(load_tokenizer, settings)
     subjects = Subjects(settings.cluster)
     async with AsyncExitStack() as stack:
-        bus = await stack.enter_async_context(NatsBus(settings.nats_url, settings.gateway_id))
+        bus = await stack.enter_async_context(NatsBus(settings.nats_url, settings.gateway_id, nats_options(settings)))
         streams = await stack.enter_async_context(StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id)))
         liveness = await stack.enter_async_context(Liveness(bus, subjects, settings.worker_timeout_s))
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", settings.max_request_bytes)])
@@ -50,9 +64,11 @@ async def run(settings: GatewaySettings) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         add_to_server(TandemServicer(settings, bus, streams, tokenizer, limits_of(settings, tokenizer), liveness),
                       server)
-        port = server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
+        port = listen(server, settings)
         await server.start()
-        log.info("%s listening on %s:%d (cluster %r)", settings.gateway_id, settings.grpc_host, port, settings.cluster)
+        log.info("%s listening on %s:%d (%s, cluster %r)", settings.gateway_id, settings.grpc_host, port,
+                 "TLS" + (" with client certificates" if settings.grpc_tls_client_ca else "") if settings.grpc_tls_cert
+                 else "plaintext", settings.cluster)
         async with ReadinessProbe(bus, subjects, health_servicer):
             await stop.wait()
             log.info("stopping: no new requests; streams in flight get up to %.0fs", settings.drain_timeout_s)

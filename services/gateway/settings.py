@@ -11,6 +11,9 @@ class GatewaySettings(CommonSettings):
 
     grpc_host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC API listens on (0.0.0.0 only when configured)"})
     grpc_port: int = field(default=50051, metadata={"help": "gRPC port; 0 = any free port"})
+    grpc_tls_cert: str = field(default="", metadata={"help": "server certificate (PEM); set = the gRPC API speaks TLS only"})
+    grpc_tls_key: str = field(default="", metadata={"help": "the server certificate's private key (PEM)"})
+    grpc_tls_client_ca: str = field(default="", metadata={"help": "CA (PEM) client certificates must be signed by; set = clients must show one"})
     model: str = field(default="", metadata={"help": "the model the workers serve (its tokenizer and chat template are used here)"})
     model_cache: str = field(default="~/.cache/tandem/models", metadata={"help": "where converted GGUF models are cached"})
     max_model_len: int = field(default=0, metadata={"help": "longest prompt + output; 0 = the model's own limit"})
@@ -34,6 +37,8 @@ class GatewaySettings(CommonSettings):
             raise ValueError("drain_timeout_s must be >= 0")
         if self.max_request_bytes < 1024 or self.max_streams_per_client < 1:
             raise ValueError("max_request_bytes must be >= 1024 and max_streams_per_client >= 1")
+        if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key) or (self.grpc_tls_client_ca and not self.grpc_tls_cert):
+            raise ValueError("grpc_tls_cert and grpc_tls_key go together; grpc_tls_client_ca needs them")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
         if not (self.max_tokens_limit <= rules.MAX_LIST and self.max_stop_strings <= rules.MAX_STOP_STRINGS):

@@ -7,7 +7,7 @@ from contextlib import AsyncExitStack
 from services.prefill.settings import PrefillSettings
 from services.prefill.worker import PrefillWorker
 from shared.lifecycle import stop_on_signals
-from shared.settings import load_settings, setup_logging
+from shared.settings import load_settings, nats_options, setup_logging
 from shared.transport.bus import NatsBus
 from shared.transport.kv import UcxDataPlane
 from shared.worker.runtime import load_runtime
@@ -17,7 +17,7 @@ async def run(settings: PrefillSettings) -> None:
     stop = stop_on_signals()
     runtime = await asyncio.to_thread(load_runtime, settings, "prefill")
     async with AsyncExitStack() as stack:
-        bus = await stack.enter_async_context(NatsBus(settings.nats_url, runtime.worker_id))
+        bus = await stack.enter_async_context(NatsBus(settings.nats_url, runtime.worker_id, nats_options(settings)))
         plane = await stack.enter_async_context(UcxDataPlane(
             settings.ucx_net_devices, settings.ucx_tls, settings.ucx_error_handling, settings.ucx_progress_mode))
         await PrefillWorker(settings, runtime, bus, plane).serve(stop)

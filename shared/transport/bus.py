@@ -15,6 +15,12 @@ Respond = Callable[[Any], Awaitable[None]]
 Handler = Callable[[Any, Optional[Respond]], Awaitable[None]]
 
 
+def redacted(url: str) -> str:
+    """`url` without any user:password@ in it, for logs."""
+    scheme, sep, rest = url.partition("://")
+    return scheme + sep + rest.rsplit("@", 1)[-1] if sep else url.rsplit("@", 1)[-1]
+
+
 class BusError(Exception):
     """A request that got no answer."""
 
@@ -48,9 +54,11 @@ class MessageBus(Protocol):
 class NatsBus:
     """The real bus. Use as `async with NatsBus(url, name) as bus:`; leaving drains the connection."""
 
-    def __init__(self, url: str, name: str):
+    def __init__(self, url: str, name: str, options: dict | None = None):
         self._url = url
+        self._shown_url = redacted(url)
         self._name = name
+        self._options = options or {}   # credentials and TLS (shared.settings.nats_options): never logged
         self._nc: nats.NATS | None = None
         self._closing = False
         self.dropped = 0
@@ -60,7 +68,7 @@ class NatsBus:
             servers=[self._url], name=self._name, max_reconnect_attempts=-1,
             reconnect_time_wait=0.5, connect_timeout=5,
             error_cb=self._on_error, disconnected_cb=self._on_disconnect,
-            reconnected_cb=self._on_reconnect)
+            reconnected_cb=self._on_reconnect, **self._options)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -77,10 +85,10 @@ class NatsBus:
 
     async def _on_disconnect(self) -> None:
         if not self._closing:
-                log.warning("disconnected from NATS at %s", self._url)
+                log.warning("disconnected from NATS at %s", self._shown_url)
 
     async def _on_reconnect(self) -> None:
-        log.info("reconnected to NATS at %s", self._url)
+        log.info("reconnected to NATS at %s", self._shown_url)
 
     @property
     def max_payload(self) -> int:

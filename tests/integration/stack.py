@@ -96,7 +96,9 @@ def wait_serving(address: str, group: ProcessGroup, timeout: float = 240, names:
 
 def start_stack(group: ProcessGroup, nats: NatsServer, cluster: str, mode: str = "disaggregated",
                 prefill: int = 1, decode: int = 1, wait: bool = True, extra_env: dict | None = None,
-                schedulers: int = 1) -> Stack:
+                schedulers: int = 1, role_env: dict[str, dict] | None = None) -> Stack:
+    """`role_env`: variables for one role's services only (credentials), by role name."""
+    role_env = role_env or {}
     port = free_port()
     common = {"TANDEM_NATS_URL": nats.url, "TANDEM_CLUSTER": cluster, "TANDEM_LOG_LEVEL": "INFO",
               **(extra_env or {})}
@@ -105,16 +107,19 @@ def start_stack(group: ProcessGroup, nats: NatsServer, cluster: str, mode: str =
     names = []
     for i in range(schedulers):
         names.append(f"{cluster}-scheduler" + (f"-{i}" if i else ""))
-        group.spawn(names[-1], py + ["services.scheduler"], child_env({**common, "TANDEM_MODE": mode}))
+        group.spawn(names[-1], py + ["services.scheduler"],
+                    child_env({**common, "TANDEM_MODE": mode, **role_env.get("scheduler", {})}))
     for i in range(prefill if mode != "colocated" else 0):
         names.append(f"{cluster}-prefill-{i}")
-        group.spawn(names[-1], py + ["services.prefill"], child_env(worker))
+        group.spawn(names[-1], py + ["services.prefill"], child_env({**worker, **role_env.get("prefill", {})}))
     for i in range(decode):
         names.append(f"{cluster}-decode-{i}")
         group.spawn(names[-1], py + ["services.decode"],
-                    child_env({**worker, "TANDEM_COLOCATED": "1" if mode == "colocated" else "0"}))
+                    child_env({**worker, "TANDEM_COLOCATED": "1" if mode == "colocated" else "0",
+                               **role_env.get("decode", {})}))
     names.append(f"{cluster}-gateway")
-    group.spawn(names[-1], py + ["services.gateway"], child_env({**common, "TANDEM_GRPC_PORT": str(port)}))
+    group.spawn(names[-1], py + ["services.gateway"],
+                child_env({**common, "TANDEM_GRPC_PORT": str(port), **role_env.get("gateway", {})}))
     address = f"127.0.0.1:{port}"
     if wait:
         wait_serving(address, group, names=names)

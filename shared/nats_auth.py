@@ -1,0 +1,65 @@
+"""NATS users per role, each allowed only the subjects its service needs, and the server config that says so.
+
+A foreign client without credentials cannot connect; a client with one role's credentials cannot
+publish what another role publishes (a prefill worker's password does not let anyone submit
+requests or forge token streams). Answers to requests go back on the asker's inbox: responders get
+`allow_responses` (they may answer what they were asked, nothing else on _INBOX), askers subscribe
+to their own inboxes.
+
+`tandem nats-config` prints a config for a cluster (passwords as $VARIABLES the server reads from
+its environment, or literal ones); `tandem up --secure` writes one with fresh passwords.
+"""
+
+import json
+import secrets
+
+from shared.subjects import Subjects
+
+ROLES = ("gateway", "scheduler", "prefill", "decode")
+INBOX = "_INBOX.>"
+
+
+def permissions(role: str, cluster: str) -> dict:
+    """{'publish': [...], 'subscribe': [...]} for `role`; worker and gateway ids are not known in
+    advance, so their subjects are matched by wildcard within the cluster."""
+    s = Subjects(cluster)
+    any_worker, any_gateway = "*", "*"
+    table = {
+        "gateway": ([s.submit, s.status, s.cancel],
+                    [s.gateway_tokens(any_gateway), s.heartbeat, INBOX]),
+        "scheduler": ([s.discover, s.worker_tasks(any_worker), s.cancel],
+                      [s.submit, s.status, s.heartbeat, s.cancel, INBOX]),
+        "prefill": ([s.heartbeat, s.prefill_results(any_worker)],
+                    [s.worker_tasks(any_worker), s.transfer_aborts(any_worker), s.cancel, s.discover]),
+        "decode": ([s.heartbeat, s.worker_tasks(any_worker), s.transfer_aborts(any_worker),
+                    s.gateway_tokens(any_gateway)],
+                   [s.worker_tasks(any_worker), s.prefill_results(any_worker), s.cancel, s.discover,
+                    s.heartbeat, INBOX]),
+    }
+    publish, subscribe = table[role]
+    return {"publish": publish, "subscribe": subscribe}
+
+
+def new_passwords() -> dict[str, str]:
+    return {role: secrets.token_urlsafe(24) for role in ROLES}
+
+
+def server_config(cluster: str, passwords: dict[str, str] | None = None, tls: dict | None = None) -> str:
+    """A nats-server config: one user per role (`tandem-<role>`) with its permissions. Without
+    `passwords`, each is read from the server's environment ($TANDEM_NATS_<ROLE>_PASSWORD).
+    `tls`: {'cert_file', 'key_file', optional 'ca_file' (then clients must show a certificate)}."""
+    users = []
+    for role in ROLES:
+        password = json.dumps(passwords[role]) if passwords else f"$TANDEM_NATS_{role.upper()}_PASSWORD"
+        allowed = permissions(role, cluster)
+        users.append(f"    {{user: {json.dumps('tandem-' + role)}, password: {password}, permissions: {{"
+                     f"publish: {json.dumps(allowed['publish'])}, subscribe: {json.dumps(allowed['subscribe'])}, "
+                     f"allow_responses: true}}}}")
+    lines = ["# Tandem: one NATS user per role, each allowed only its own subjects (shared/nats_auth.py).",
+             "authorization {", "  users = [", *users, "  ]", "}"]
+    if tls:
+        lines += ["tls {", f"  cert_file: {json.dumps(tls['cert_file'])}", f"  key_file: {json.dumps(tls['key_file'])}"]
+        if tls.get("ca_file"):
+            lines += [f"  ca_file: {json.dumps(tls['ca_file'])}", "  verify: true"]
+        lines += ["}"]
+    return "\n".join(lines) + "\n"

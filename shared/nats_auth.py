@@ -11,7 +11,9 @@ its environment, or literal ones); `tandem up --secure` writes one with fresh pa
 """
 
 import json
+import os
 import secrets
+from pathlib import Path
 
 from shared.subjects import Subjects
 
@@ -63,3 +65,27 @@ def server_config(cluster: str, passwords: dict[str, str] | None = None, tls: di
             lines += [f"  ca_file: {json.dumps(tls['ca_file'])}", "  verify: true"]
         lines += ["}"]
     return "\n".join(lines) + "\n"
+
+
+def write_credentials(directory: Path, cluster: str) -> tuple[Path, dict[str, dict[str, str]]]:
+    """Fresh passwords for every role, in files only their owner may read: the server config, and
+    each role's settings (TANDEM_NATS_USER, TANDEM_NATS_PASSWORD_FILE) to start its services with."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    passwords = new_passwords()
+    config = _private(directory / "nats.conf", server_config(cluster, passwords))
+    role_env = {role: {"TANDEM_NATS_USER": f"tandem-{role}",
+                       "TANDEM_NATS_PASSWORD_FILE": str(_private(directory / f"{role}.password", passwords[role]))}
+                for role in ROLES}
+    return config, role_env
+
+
+def env_file(passwords: dict[str, str]) -> str:
+    """A compose .env with each role's password (what compose.yaml and deploy/nats.conf read)."""
+    return "".join(f"TANDEM_NATS_{role.upper()}_PASSWORD={passwords[role]}\n" for role in ROLES)
+
+
+def _private(path: Path, text: str) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path

@@ -20,6 +20,7 @@ from shared.cli.client import stream_generate, summary
 from shared.cli.control import ControlError, ControlServer, socket_path
 from shared.cli.pools import WorkerPools, WorkerSpec
 from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
+from shared.nats_auth import ROLES, write_credentials
 
 DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM serving?"
 READY_TIMEOUT_S = 300
@@ -46,12 +47,16 @@ def wait_until_serving(address: str, group: ProcessGroup, timeout: float, worker
     raise TimeoutError(f"the gateway did not report SERVING within {timeout:.0f}s")
 
 
-def start_stack(args, group: ProcessGroup) -> WorkerPools:
-    """Starts every process; returns the worker pools (which know the gateway address)."""
-    nats_url = args.nats_url
+def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> WorkerPools:
+    """Starts every process; returns the worker pools (which know the gateway address). With
+    `secrets_dir` the NATS server it starts admits one user per role, each limited to its subjects."""
+    nats_url, config, role_env = args.nats_url, [], {role: {} for role in ROLES}
+    if secrets_dir is not None:
+        conf, role_env = write_credentials(secrets_dir, args.cluster)
+        config = ["-c", str(conf)]
     if not nats_url:
         port, monitor = free_port(), free_port()
-        group.spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
+        group.spawn("nats", [nats_server_binary(), *config, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
                     child_env({}))
         if not wait_for_port("127.0.0.1", port, 15):
             raise RuntimeError("nats-server did not start:\n" + group.log_tail("nats"))
@@ -59,17 +64,18 @@ def start_stack(args, group: ProcessGroup) -> WorkerPools:
     common = {"TANDEM_NATS_URL": nats_url, "TANDEM_CLUSTER": args.cluster, "TANDEM_MODEL": args.model,
               "TANDEM_MODEL_CACHE": args.model_cache}
     python = [sys.executable, "-m"]
-    group.spawn("scheduler", python + ["services.scheduler"], child_env({**common, "TANDEM_MODE": args.mode}))
-    pools = WorkerPools(group, args.mode, worker_specs(args, common), f"127.0.0.1:{args.grpc_port}")
+    group.spawn("scheduler", python + ["services.scheduler"],
+                child_env({**common, "TANDEM_MODE": args.mode, **role_env["scheduler"]}))
+    pools = WorkerPools(group, args.mode, worker_specs(args, common, role_env), f"127.0.0.1:{args.grpc_port}")
     if args.mode != "colocated":
         pools.resize("prefill", args.prefill)
     pools.resize("decode", args.decode)
     group.spawn("gateway", python + ["services.gateway"],
-                child_env({**common, "TANDEM_GRPC_PORT": str(args.grpc_port)}))
+                child_env({**common, "TANDEM_GRPC_PORT": str(args.grpc_port), **role_env["gateway"]}))
     return pools
 
 
-def worker_specs(args, common: dict[str, str]) -> dict[str, WorkerSpec]:
+def worker_specs(args, common: dict[str, str], role_env: dict[str, dict]) -> dict[str, WorkerSpec]:
     """Workers started later by `tandem scale` get the same settings as the first ones."""
     workers = args.prefill + args.decode if args.mode != "colocated" else args.decode
     worker_env = dict(common)
@@ -77,13 +83,18 @@ def worker_specs(args, common: dict[str, str]) -> dict[str, WorkerSpec]:
         worker_env["TANDEM_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
     colocated = {"TANDEM_COLOCATED": "1" if args.mode == "colocated" else "0"}
     python = [sys.executable, "-m"]
-    return {"prefill": WorkerSpec(python + ["services.prefill"], child_env(worker_env)),
-            "decode": WorkerSpec(python + ["services.decode"], child_env({**worker_env, **colocated}))}
+    return {"prefill": WorkerSpec(python + ["services.prefill"], child_env({**worker_env, **role_env["prefill"]})),
+            "decode": WorkerSpec(python + ["services.decode"],
+                                 child_env({**worker_env, **colocated, **role_env["decode"]}))}
 
 
 def up_command(args) -> int:
     if args.prefill < 1 or args.decode < 1:
         print("error: --prefill and --decode must be at least 1", file=sys.stderr)
+        return 2
+    if args.secure and args.nats_url:
+        print("error: --secure starts a NATS server of its own; for yours, give each service its "
+              "credentials (TANDEM_NATS_USER, TANDEM_NATS_PASSWORD_FILE; see README)", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -103,8 +114,8 @@ def up_command(args) -> int:
         with ControlServer(socket_path(args.cluster, args.control_socket)) as control:
             print("preparing the model (the first run converts the GGUF once) ...", flush=True)
             model_store.prepare(args.model, args.model_cache)
-            with ProcessGroup(log_dir) as group:
-                return _serve(args, group, control, log_dir, stopping, started)
+            with tempfile.TemporaryDirectory(prefix="tandem-secrets-") as secrets, ProcessGroup(log_dir) as group:
+                return _serve(args, group, control, log_dir, stopping, started, Path(secrets) if args.secure else None)
     except ControlError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -113,9 +124,10 @@ def up_command(args) -> int:
         return 130
 
 
-def _serve(args, group: ProcessGroup, control: ControlServer, log_dir: Path, stopping: list, started: list) -> int:
+def _serve(args, group: ProcessGroup, control: ControlServer, log_dir: Path, stopping: list, started: list,
+           secrets_dir: Path | None) -> int:
     try:
-        pools = start_stack(args, group)
+        pools = start_stack(args, group, secrets_dir)
         address = pools.address
         print(f"starting {args.mode} stack, logs in {log_dir} ...", flush=True)
         wait_until_serving(address, group, READY_TIMEOUT_S,
@@ -125,7 +137,8 @@ def _serve(args, group: ProcessGroup, control: ControlServer, log_dir: Path, sto
         return 1
     sizes = (f"{args.prefill} prefill, {args.decode} decode" if args.mode != "colocated"
              else f"{args.decode} colocated")
-    print(f"tandem is ready: gRPC API on {address} ({args.mode}; {sizes}). Ctrl-C stops it.", flush=True)
+    print(f"tandem is ready: gRPC API on {address} ({args.mode}; {sizes}"
+          + ("; NATS: one user per role" if secrets_dir else "") + "). Ctrl-C stops it.", flush=True)
     print(f"control socket {control.path}: `tandem scale decode=N` adds or retires workers", flush=True)
     if not args.no_demo:
         print(f"demo> {DEMO_PROMPT}", flush=True)

@@ -1,9 +1,10 @@
-"""`tandem`: up | generate | status | scale | bench."""
+"""`tandem`: up | generate | status | scale | bench | nats-config."""
 
 import argparse
 import os
 import sys
 
+from shared import nats_auth
 from shared.cli import bench, client, launcher, scale
 
 
@@ -27,7 +28,15 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--no-demo", action="store_true", help="skip the demo request")
     up.add_argument("--control-socket", default="", help="where `tandem scale` reaches this launcher "
                     "(default $XDG_RUNTIME_DIR/tandem/<cluster>.sock, or ~/.cache/tandem/run/<cluster>.sock)")
+    up.add_argument("--secure", action="store_true", help="the NATS server it starts admits one user per role, "
+                    "each allowed only its own subjects, with fresh passwords (files readable by you only)")
     up.set_defaults(run=launcher.up_command)
+
+    conf = sub.add_parser("nats-config", help="print a nats-server config: one user per role, limited to its subjects")
+    conf.add_argument("--cluster", default="default", help="the cluster the services use (default: default)")
+    conf.add_argument("--new-env", action="store_true",
+                      help="print a compose .env of fresh passwords instead (the config reads them from there)")
+    conf.set_defaults(run=nats_config_command)
 
     gen = sub.add_parser("generate", help="stream an answer from the gateway")
     gen.add_argument("prompt")
@@ -53,6 +62,12 @@ def parser() -> argparse.ArgumentParser:
     scale_.add_argument("--timeout", type=float, default=180.0, help="seconds --wait waits at most (default 180)")
     scale_.set_defaults(run=scale.scale_command)
     return top
+
+
+def nats_config_command(args) -> int:
+    print(nats_auth.env_file(nats_auth.new_passwords()) if args.new_env else nats_auth.server_config(args.cluster),
+          end="")
+    return 0
 
 
 def main(argv=None) -> int:

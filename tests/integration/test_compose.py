@@ -5,6 +5,7 @@ host names become 127.0.0.1, addresses configured as 0.0.0.0 become 127.0.0.1, U
 loopback, and published ports become free local ports.
 """
 
+import re
 import subprocess
 import sys
 import tempfile
@@ -14,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.cli.processes import ProcessGroup, child_env
+from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
+from shared.nats_auth import env_file, new_passwords, server_config
 from tests.integration.helpers import chat_request, collect
-from tests.integration.stack import Stack, start_nats, wait_serving
-from shared.cli.processes import free_port
+from tests.integration.stack import NatsServer, Stack, wait_serving
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,11 @@ def compose():
 def test_compose_declares_a_scalable_healthy_stack(compose):
     services = compose["services"]
     assert set(services) == {"nats", "scheduler", "prefill", "decode", "gateway"}
-    assert "-js" in services["nats"]["command"]
+    assert "-js" in services["nats"]["command"] and "-c" in services["nats"]["command"]
+    for name in set(services) - {"nats"}:   # every service logs in as its role, only its role
+        env = services[name]["environment"]
+        assert env["TANDEM_NATS_USER"] == f"tandem-{name}" and name.upper() in env["TANDEM_NATS_PASSWORD"]
+    assert (ROOT / "deploy/nats.conf").read_text() == server_config("default")   # tandem nats-config
     for name in WORKERS:
         assert "container_name" not in services[name] and "ports" not in services[name]
     for name in services:
@@ -42,10 +47,27 @@ def test_compose_declares_a_scalable_healthy_stack(compose):
     assert "g++" in dockerfile and "shared.engine.kernels" in dockerfile  # the kernels build in the image
 
 
-def _local(env: dict, hosts: set[str], ports: dict[str, str]) -> dict[str, str]:
+def _interpolate(value, dotenv: dict[str, str]) -> str:
+    """${VAR} and ${VAR:?message} from the .env, as compose does."""
+    return re.sub(r"\$\{(\w+)(?::\?[^}]*)?\}", lambda m: dotenv[m.group(1)], str(value))
+
+
+def _start_nats(group: ProcessGroup, spec: dict, dotenv: dict[str, str]) -> NatsServer:
+    """The compose nats service: its own command and config file, its passwords from the .env."""
+    port, monitor = free_port(), free_port()
+    argv = [str(ROOT / "deploy/nats.conf") if part == "/etc/nats/nats.conf" else str(monitor) if part == "8222"
+            else part for part in spec["command"]]
+    assert "./deploy/nats.conf:/etc/nats/nats.conf:ro" in spec["volumes"]
+    env = {key: _interpolate(value, dotenv) for key, value in spec["environment"].items()}
+    group.spawn("nats", [nats_server_binary(), *argv, "-a", "127.0.0.1", "-p", str(port)], child_env(env))
+    assert wait_for_port("127.0.0.1", port, 15), group.log_tail("nats")
+    return NatsServer(f"nats://127.0.0.1:{port}", monitor)
+
+
+def _local(env: dict, hosts: set[str], ports: dict[str, str], dotenv: dict[str, str]) -> dict[str, str]:
     out = {}
     for key, value in env.items():
-        value = str(value)
+        value = _interpolate(value, dotenv)
         for host in hosts:
             value = value.replace(f"//{host}:", "//127.0.0.1:")
         value = value.replace("0.0.0.0", "127.0.0.1")
@@ -73,8 +95,9 @@ def _healthcheck(spec: dict, env: dict, grpc_port: str) -> list[str]:
 
 def test_compose_services_answer_through_the_gateway(compose):
     services = compose["services"]
+    dotenv = dict(line.split("=", 1) for line in env_file(new_passwords()).splitlines())   # tandem nats-config --new-env
     with ProcessGroup(Path(tempfile.mkdtemp(prefix="tandem-compose-"))) as group:
-        nats = start_nats(group)
+        nats = _start_nats(group, services["nats"], dotenv)
         nats_port = nats.url.rsplit(":", 1)[1]
         grpc_port = str(free_port())
         overrides = {"TANDEM_GRPC_PORT": grpc_port}
@@ -83,7 +106,7 @@ def test_compose_services_answer_through_the_gateway(compose):
         for name, count in replicas.items():
             spec = services[name]
             argv = [sys.executable if part == "python" else part for part in spec["command"]]
-            env = _local(spec.get("environment", {}), set(services), overrides)
+            env = _local(spec.get("environment", {}), set(services), overrides, dotenv)
             env["TANDEM_NATS_URL"] = env["TANDEM_NATS_URL"].replace(":4222", f":{nats_port}")
             if name in WORKERS:
                 env["TANDEM_TORCH_THREADS"] = "1"

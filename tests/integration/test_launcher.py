@@ -1,11 +1,16 @@
-"""`tandem up`: starts the whole stack, says ready, answers the demo, and Ctrl-C leaves no process behind."""
+"""`tandem up`: starts the whole stack (here with --secure: NATS users per role), says ready,
+answers the demo, and Ctrl-C leaves no process and no secret behind."""
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import nats
+import psutil
 import pytest
 
 from shared.cli.processes import free_port
@@ -26,12 +31,12 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
 
 
-def _launch(tmp_path, port: int) -> subprocess.Popen:
+def _launch(tmp_path, port: int, *flags: str) -> subprocess.Popen:
     # Its own session, like a shell's foreground job: Ctrl-C is SIGINT to that process group.
     env = {**os.environ, "TANDEM_TORCH_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "shared.cli.main", "up", "--grpc-port", str(port), "--log-dir", str(tmp_path),
-         "--control-socket", str(tmp_path / "control.sock")],  # not the default: a developer's stack may hold it
+         "--control-socket", str(tmp_path / "control.sock"), *flags],  # not the default socket: a developer's may be held
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
 
@@ -43,9 +48,19 @@ def _read_until(proc: subprocess.Popen, done, timeout: float) -> list[str]:
     return lines
 
 
-def test_tandem_up_serves_and_stops_cleanly(tmp_path):
+async def _nats_admits_strangers(port: int) -> bool:
+    try:
+        client = await nats.connect(f"nats://127.0.0.1:{port}", allow_reconnect=False, max_reconnect_attempts=0,
+                                    connect_timeout=3)
+    except Exception:
+        return False
+    await client.close()
+    return True
+
+
+def test_tandem_up_secure_serves_and_stops_cleanly(tmp_path):
     port = free_port()
-    launcher = _launch(tmp_path, port)
+    launcher = _launch(tmp_path, port, "--secure")
     children = []
     try:
         lines = _read_until(launcher, lambda ls: any(l.startswith("[") and "generated tokens" in l for l in ls), 300)
@@ -57,12 +72,19 @@ def test_tandem_up_serves_and_stops_cleanly(tmp_path):
         assert sorted(w.role for w in status.workers) == ["decode", "prefill"]
         children = _children(launcher.pid)
         assert {w.pid for w in status.workers} <= set(children) and len(children) == 5  # + nats, scheduler, gateway
+        assert "NATS: one user per role" in output
+        nats_argv = next(psutil.Process(pid).cmdline() for pid in children if "nats-server" in " ".join(
+            psutil.Process(pid).cmdline()))
+        secrets = Path(nats_argv[nats_argv.index("-c") + 1]).parent
+        assert secrets.stat().st_mode & 0o077 == 0                 # the passwords: readable by their owner only
+        assert not asyncio.run(_nats_admits_strangers(int(nats_argv[nats_argv.index("-p") + 1])))
     finally:
         os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         rest, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == 0, rest
     assert "stopped." in rest
     assert not [pid for pid in children if _alive(pid)]
+    assert not secrets.exists()                                     # and they are gone with the stack
 
 
 def test_ctrl_c_while_starting_stops_everything(tmp_path):

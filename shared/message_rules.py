@@ -1,7 +1,7 @@
 """The ranges every control message must keep, checked by messages.decode on receipt.
 
 Types are checked while a message is built; these are the values: a count is never negative, a
-time or a rate is a finite non-negative number, a string or a list has a bounded size, and a few
+time or a rate is a finite number (a difference of two hosts' clocks may be negative), a string or a list has a bounded size, and a few
 fields have ranges of their own (a sampling temperature, a resume point within its prompt). A
 message outside them is a MessageError like any malformed payload: logged, counted, dropped.
 """
@@ -28,7 +28,7 @@ TOKEN_LISTS = {"prompt_token_ids", "token_ids"}
 def _sampling(m) -> str | None:
     if not 1 <= m.max_tokens <= MAX_LIST:
         return "max_tokens out of range"
-    if m.temperature > MAX_TEMPERATURE or not 0 < m.top_p <= 1 or m.top_k > MAX_TOP_K \
+    if not 0 <= m.temperature <= MAX_TEMPERATURE or not 0 < m.top_p <= 1 or m.top_k > MAX_TOP_K \
             or len(m.stop) > MAX_STOP_STRINGS:
         return "sampling parameters out of range"
     return None
@@ -52,7 +52,7 @@ def _layout(m) -> str | None:
 
 
 def _destination(m) -> str | None:
-    return None if m.segment_tokens >= 1 and m.lease_s > 0 else "segment_tokens or lease_s out of range"
+    return None if m.segment_tokens >= 1 and 0 < m.lease_s <= 3600 else "segment_tokens or lease_s out of range"
 
 
 EXTRA: dict[str, Callable[[Any], str | None]] = {
@@ -66,8 +66,8 @@ def _field_problem(kind: str, name: str, value: Any) -> str | None:
     if isinstance(value, int):
         low, high = SIGNED.get((kind, name), (0, MAX_UINT))
         return None if low <= value <= high else f"{name} out of range"
-    if isinstance(value, float):
-        return None if math.isfinite(value) and value >= 0 else f"{name} is not a finite non-negative number"
+    if isinstance(value, float):   # times may differ in sign across hosts' clocks: finite is the rule
+        return None if math.isfinite(value) else f"{name} is not a finite number"
     if isinstance(value, (str, bytes)):
         return None if len(value) <= MAX_STR else f"{name} is too long"
     if isinstance(value, list):

@@ -3,8 +3,8 @@
 A foreign client without credentials cannot connect; a client with one role's credentials cannot
 publish what another role publishes (a prefill worker's password does not let anyone submit
 requests or forge token streams). Answers to requests go back on the asker's inbox: responders get
-`allow_responses` (they may answer what they were asked, nothing else on _INBOX), askers subscribe
-to their own inboxes.
+`allow_responses` (they may answer what they were asked, nothing else on _INBOX), and askers read
+only their own role's inboxes (_INBOX.<role>.>).
 
 `tandem nats-config` prints a config for a cluster (passwords as $VARIABLES the server reads from
 its environment, or literal ones); `tandem up --secure` writes one with fresh passwords.
@@ -18,7 +18,11 @@ from pathlib import Path
 from shared.subjects import Subjects
 
 ROLES = ("gateway", "scheduler", "prefill", "decode")
-INBOX = "_INBOX.>"
+
+
+def inbox(role: str) -> str:
+    """The reply inboxes of `role`'s requests (NatsBus(role=...) asks for its answers there)."""
+    return f"_INBOX.{role}.>"
 
 
 def permissions(role: str, cluster: str) -> dict:
@@ -28,15 +32,15 @@ def permissions(role: str, cluster: str) -> dict:
     any_worker, any_gateway = "*", "*"
     table = {
         "gateway": ([s.submit, s.status, s.cancel],
-                    [s.gateway_tokens(any_gateway), s.heartbeat, INBOX]),
+                    [s.gateway_tokens(any_gateway), s.heartbeat, inbox("gateway")]),
         "scheduler": ([s.discover, s.worker_tasks(any_worker), s.cancel],
-                      [s.submit, s.status, s.heartbeat, s.cancel, INBOX]),
+                      [s.submit, s.status, s.heartbeat, s.cancel, inbox("scheduler")]),
         "prefill": ([s.heartbeat, s.prefill_results(any_worker)],
                     [s.worker_tasks(any_worker), s.transfer_aborts(any_worker), s.cancel, s.discover]),
         "decode": ([s.heartbeat, s.worker_tasks(any_worker), s.transfer_aborts(any_worker),
                     s.gateway_tokens(any_gateway)],
                    [s.worker_tasks(any_worker), s.prefill_results(any_worker), s.cancel, s.discover,
-                    s.heartbeat, INBOX]),
+                    s.heartbeat, inbox("decode")]),
     }
     publish, subscribe = table[role]
     return {"publish": publish, "subscribe": subscribe}
@@ -73,7 +77,9 @@ def write_credentials(directory: Path, cluster: str) -> tuple[Path, dict[str, di
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     passwords = new_passwords()
     config = _private(directory / "nats.conf", server_config(cluster, passwords))
-    role_env = {role: {"TANDEM_NATS_USER": f"tandem-{role}",
+    # A password or token in the launcher's own environment must not win over the role's file.
+    role_env = {role: {"TANDEM_NATS_USER": f"tandem-{role}", "TANDEM_NATS_PASSWORD": "", "TANDEM_NATS_TOKEN": "",
+                       "TANDEM_NATS_TOKEN_FILE": "",
                        "TANDEM_NATS_PASSWORD_FILE": str(_private(directory / f"{role}.password", passwords[role]))}
                 for role in ROLES}
     return config, role_env

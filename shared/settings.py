@@ -26,7 +26,7 @@ def _help(text: str) -> dict:
 class CommonSettings:
     """Settings every service shares."""
 
-    nats_url: str = field(default="nats://127.0.0.1:4222", metadata=_help("NATS server URL"))
+    nats_url: str = field(default="nats://127.0.0.1:4222", repr=False, metadata=_help("NATS server URL"))
     cluster: str = field(default="default", metadata=_help(
         "cluster name: NATS subjects are namespaced by it, so stacks can share one NATS server"))
     log_level: str = field(default="INFO", metadata=_help("log level: DEBUG, INFO, WARNING, ERROR"))

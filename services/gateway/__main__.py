@@ -56,7 +56,8 @@ async def run(settings: GatewaySettings) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, settings)
     subjects = Subjects(settings.cluster)
     async with AsyncExitStack() as stack:
-        bus = await stack.enter_async_context(NatsBus(settings.nats_url, settings.gateway_id, nats_options(settings)))
+        bus = await stack.enter_async_context(
+            NatsBus(settings.nats_url, settings.gateway_id, nats_options(settings), role="gateway"))
         streams = await stack.enter_async_context(StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id)))
         liveness = await stack.enter_async_context(Liveness(bus, subjects, settings.worker_timeout_s))
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", settings.max_request_bytes)])

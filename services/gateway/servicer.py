@@ -23,6 +23,7 @@ from shared.transport.bus import BadReply, BusError, MessageBus, NoResponders, R
 
 log = logging.getLogger(__name__)
 
+LOST_AFTER_RECONNECT_S = 3.0
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
           "cancelled": pb.FINISH_REASON_CANCELLED}
 
@@ -190,7 +191,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         return reply.decode_worker, task, chunks
 
     async def _next_chunk(self, chunks: asyncio.Queue, expected: int, decode_worker: str, context) -> TokenChunk:
-        idle_since = time.monotonic()
+        idle_since, reconnects = time.monotonic(), self.bus.reconnects
         while True:
             try:
                 chunk = await asyncio.wait_for(chunks.get(), 0.5)
@@ -198,6 +199,10 @@ class TandemServicer(pb_grpc.TandemServicer):
             except asyncio.TimeoutError:
                 if not self.liveness.alive(decode_worker):
                     raise WorkerLost(f"decode worker {decode_worker} stopped responding", decode_worker)
+                if self.bus.reconnects != reconnects and time.monotonic() - idle_since > LOST_AFTER_RECONNECT_S:
+                    # NATS reconnected meanwhile: a chunk (the last one, even) may be lost, with
+                    # nothing after it to show the gap. Go on from the tokens the client has.
+                    raise WorkerLost(f"no tokens from {decode_worker} since NATS reconnected", "")
                 if time.monotonic() - idle_since > self.settings.stream_idle_timeout_s:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s")

@@ -1,3 +1,4 @@
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -39,11 +40,13 @@ class GatewaySettings(CommonSettings):
             raise ValueError("max_request_bytes must be >= 1024 and max_streams_per_client >= 1")
         if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key) or (self.grpc_tls_client_ca and not self.grpc_tls_cert):
             raise ValueError("grpc_tls_cert and grpc_tls_key go together; grpc_tls_client_ca needs them")
-        if self.max_migrations < 0:
-            raise ValueError("max_migrations must be >= 0")
+        if not 0 <= self.max_migrations <= 16:
+            raise ValueError("max_migrations must be in 0..16")
         if not (self.max_tokens_limit <= rules.MAX_LIST and self.max_stop_strings <= rules.MAX_STOP_STRINGS):
             raise ValueError(f"max_tokens_limit must be <= {rules.MAX_LIST}, max_stop_strings <= {rules.MAX_STOP_STRINGS}")
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
         if not self.gateway_id:
             self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.gateway_id):   # one NATS subject token
+            raise ValueError(f"gateway_id must be 1-64 of A-Z a-z 0-9 _ -, got {self.gateway_id!r}")

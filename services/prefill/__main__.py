@@ -17,7 +17,8 @@ async def run(settings: PrefillSettings) -> None:
     stop = stop_on_signals()
     runtime = await asyncio.to_thread(load_runtime, settings, "prefill")
     async with AsyncExitStack() as stack:
-        bus = await stack.enter_async_context(NatsBus(settings.nats_url, runtime.worker_id, nats_options(settings)))
+        bus = await stack.enter_async_context(
+            NatsBus(settings.nats_url, runtime.worker_id, nats_options(settings), role="prefill"))
         plane = await stack.enter_async_context(UcxDataPlane(
             settings.ucx_net_devices, settings.ucx_tls, settings.ucx_error_handling, settings.ucx_progress_mode))
         await PrefillWorker(settings, runtime, bus, plane).serve(stop)

@@ -12,7 +12,7 @@ from shared.transport.bus import NatsBus
 
 async def run(settings: SchedulerSettings) -> None:
     stop = stop_on_signals()
-    async with NatsBus(settings.nats_url, "scheduler", nats_options(settings)) as bus:
+    async with NatsBus(settings.nats_url, "scheduler", nats_options(settings), role="scheduler") as bus:
         await SchedulerService(settings, bus).serve(stop)
 
 

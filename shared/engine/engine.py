@@ -214,8 +214,9 @@ class Engine:
                 continue  # more prompt chunks to go
             if seq.status is SeqStatus.WAITING:
                 self.waiting.remove(seq)
-                seq.prefill_ms = seq.prefill_ms or (time.time() - seq.prefill_started) * 1000
-                seq.queue_ms = seq.queue_ms or (seq.prefill_started - seq.task.arrival_time) * 1000
+                # Wall clocks: the arrival time is the gateway's, and a clock may step back.
+                seq.prefill_ms = seq.prefill_ms or max(0.0, time.time() - seq.prefill_started) * 1000
+                seq.queue_ms = seq.queue_ms or max(0.0, seq.prefill_started - seq.task.arrival_time) * 1000
             outputs.append((seq, self._emit(seq, sample(logits[row], seq.sampling, seq.position))))
         return outputs
 

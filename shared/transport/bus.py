@@ -42,7 +42,8 @@ class Subscription(Protocol):
 
 
 class MessageBus(Protocol):
-    dropped: int   # malformed or out-of-range messages received and dropped (a metric)
+    dropped: int      # malformed or out-of-range messages received and dropped (a metric)
+    reconnects: int   # times the connection came back (messages in flight then may be lost)
 
     async def publish(self, subject: str, message: Any) -> None: ...
 
@@ -54,14 +55,17 @@ class MessageBus(Protocol):
 class NatsBus:
     """The real bus. Use as `async with NatsBus(url, name) as bus:`; leaving drains the connection."""
 
-    def __init__(self, url: str, name: str, options: dict | None = None):
+    def __init__(self, url: str, name: str, options: dict | None = None, role: str = ""):
         self._url = url
         self._shown_url = redacted(url)
         self._name = name
         self._options = options or {}   # credentials and TLS (shared.settings.nats_options): never logged
+        if role:   # answers come to _INBOX.<role>.…: the only inboxes this role's NATS user may read
+            self._options = {**self._options, "inbox_prefix": f"_INBOX.{role}"}
         self._nc: nats.NATS | None = None
         self._closing = False
         self.dropped = 0
+        self.reconnects = 0
 
     async def __aenter__(self) -> "NatsBus":
         self._nc = await nats.connect(
@@ -88,6 +92,7 @@ class NatsBus:
                 log.warning("disconnected from NATS at %s", self._shown_url)
 
     async def _on_reconnect(self) -> None:
+        self.reconnects += 1
         log.info("reconnected to NATS at %s", self._shown_url)
 
     @property
@@ -147,6 +152,7 @@ class InMemoryBus:
         self._next_in_group: dict[tuple[str, str], int] = {}
         self.published: list[tuple[str, Any]] = []
         self.dropped = 0
+        self.reconnects = 0
 
     async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
         entry = (queue, handler)

@@ -161,7 +161,8 @@ def _with(message, path: str, value) -> bytes:
     (TASK, "resume_tokens", -1),
     (TASK, "priority", 2**31),
     (TASK, "deadline", float("inf")),
-    (TASK, "arrival_time", -1.0),
+    (TASK, "arrival_time", float("nan")),
+    (SAMPLES[4], "destination.lease_s", 1e9),
     (TASK, "request_id", ""),
     (TASK, "avoid_workers", ["w"] * 65),
     (SAMPLES[4], "destination.block_ids", [7, -1]),
@@ -185,3 +186,5 @@ def test_values_at_the_edges_are_accepted():
     assert decode(_with(TASK, "resume_tokens", 2)).resume_tokens == 2
     assert decode(_with(SAMPLES[5], "first_token", -1)).first_token == -1
     assert decode(_with(SAMPLES[10], "prefix_summary", [2**64 - 1])).prefix_summary == [2**64 - 1]
+    # a difference of two hosts' clocks may be negative: a timing is finite, not necessarily >= 0
+    assert decode(_with(SAMPLES[8], "timing.queue_ms", -3.5)).timing.queue_ms == -3.5

@@ -59,6 +59,9 @@ def test_bool_flags_and_env(argv, env, expected):
     (DecodeSettings, [], {"TANDEM_BLOCK_SIZE": "0"}),
     (SchedulerSettings, ["--mode", "sideways"], {}),
     (SchedulerSettings, ["--max-itl-ms", "-1"], {}),
+    (GatewaySettings, ["--gateway-id", "gw.1"], {}),          # not one NATS subject token
+    (GatewaySettings, ["--max-migrations", "17"], {}),
+    (GatewaySettings, ["--grpc-tls-cert", "c.pem"], {}),      # without its key
     (SchedulerSettings, [], {"TANDEM_MAX_ITL_MS": "nan"}),
     (SchedulerSettings, ["--no-such-flag"], {}),
 ])

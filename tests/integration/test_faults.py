@@ -38,14 +38,18 @@ def _worker(stack, role: str, busy: bool = True):
 def _stream_and_kill(stack, request, role: str, after_tokens: int, timeout: float = 300):
     """Streams `request`; once `after_tokens` tokens have come, SIGKILLs the busy `role` worker.
     Returns (responses, the killed worker's id)."""
-    responses, victim, ids = [], None, 0
+    responses, victim, ids, killed_at, gap = [], None, 0, 0.0, 0.0
     stream = stack.stub().Generate(request, timeout=timeout)
     for response in stream:
+        if killed_at and not gap:
+            gap = time.monotonic() - killed_at
+            print(f"{role} worker killed: the stream went on {gap:.1f}s later")
         responses.append(response)
         ids += len(response.token_ids)
         if victim is None and ids >= after_tokens:
             victim = _worker(stack, role)
             os.kill(victim.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
     return responses, victim
 
 
@@ -59,7 +63,9 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
             pending = pool.submit(lambda: list(stack.stub().Generate(long, timeout=300)))
             prefill = _worker(stack, "prefill")
             os.kill(prefill.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
             responses = pending.result()
+            print(f"prefill worker killed mid-prefill: answered {time.monotonic() - killed_at:.1f}s later")
         ids = [t for r in responses for t in r.token_ids]
         assert ids == hf_greedy(hf_model, tokenizer, long)
         timing = responses[-1].timing

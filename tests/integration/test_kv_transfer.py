@@ -142,3 +142,26 @@ def test_a_restarted_peer_is_reached_through_a_new_endpoint(prefill):
         assert prefill.call("send", prompt_len=256, src_table=src, destination=dest)["ok"]
         assert second.call("wait", base_tag=dest["base_tag"], timeout_s=20)["complete"]
         assert second.call("digest", table=dst, start=0, end=256) == prefill.call("digest", table=src, start=0, end=256)
+
+
+def test_only_an_announced_transfer_lands(prefill, decode):
+    """A peer that reaches the decode worker's UCX address but sends under a transfer tag the
+    control plane never announced writes nothing: receives match announced tags (39 random bits
+    each) only; the announced transfer lands bit for bit beside it."""
+    rng = random.Random(3)
+    prompt = 300
+    src, dst = tables(prompt, rng)
+    address = decode.call("address")["address"]
+    before = decode.call("digest", table=dst, start=0, end=prompt)
+    with KVPeer(LAYOUT, num_blocks=160, seed=99) as rogue:
+        forged = destination(address, dst)            # the right blocks, a tag nobody announced
+        rogue.call("send", prompt_len=prompt, src_table=src, destination=forged)
+        time.sleep(0.5)
+        assert decode.call("digest", table=dst, start=0, end=prompt) == before
+        announced = destination(address, dst)
+        decode.call("receive", prompt_len=prompt, destination=announced)
+        sent = prefill.call("send", prompt_len=prompt, src_table=src, destination=announced)
+        landed = decode.call("wait", base_tag=announced["base_tag"], timeout_s=30)
+        assert sent["ok"] and landed["complete"], (sent, landed)
+        assert decode.call("digest", table=dst, start=0, end=prompt) == \
+            prefill.call("digest", table=src, start=0, end=prompt) != rogue.call("digest", table=src, start=0, end=prompt)

@@ -74,7 +74,7 @@ def test_a_dead_worker_fails_its_requests_fast(processes, nats):
 
     # The only worker dies mid-stream: nowhere to move the request, and the client hears
     # UNAVAILABLE within seconds, not never (tests/integration/test_faults.py: with somewhere to go).
-    colocated = start_stack(processes, nats, "it-crash2", mode="colocated")
+    colocated = start_stack(processes, nats, "it-crash2", mode="colocated", extra_env={"TANDEM_MAX_MIGRATIONS": "0"})
     worker = dict(processes.children)["it-crash2-decode-0"]
     stream = colocated.stub().Generate(chat_request("Tell me a long story.", 2000, ignore_eos=True), timeout=120)
     next(stream)
@@ -84,5 +84,6 @@ def test_a_dead_worker_fails_its_requests_fast(processes, nats):
         list(stream)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     assert "stopped responding" in err.value.details()
+    assert "moved 0 time(s), the limit" in err.value.details()   # --max-migrations 0: not even tried
     assert time.monotonic() - started < 10
     colocated.stop()

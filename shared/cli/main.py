@@ -34,6 +34,8 @@ def parser() -> argparse.ArgumentParser:
 
     conf = sub.add_parser("nats-config", help="print a nats-server config: one user per role, limited to its subjects")
     conf.add_argument("--cluster", default="default", help="the cluster the services use (default: default)")
+    conf.add_argument("--tls-dir", default="", help="NATS over TLS: the server's server.pem and server.key "
+                      "are in this directory (as the server sees it; deploy/make-certs.sh makes them)")
     conf.add_argument("--new-env", action="store_true",
                       help="print a compose .env of fresh passwords instead (the config reads them from there)")
     conf.set_defaults(run=nats_config_command)
@@ -65,8 +67,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def nats_config_command(args) -> int:
-    print(nats_auth.env_file(nats_auth.new_passwords()) if args.new_env else nats_auth.server_config(args.cluster),
-          end="")
+    if args.new_env:
+        print(nats_auth.env_file(nats_auth.new_passwords()), end="")
+        return 0
+    tls = {"cert_file": f"{args.tls_dir}/server.pem", "key_file": f"{args.tls_dir}/server.key"} if args.tls_dir else None
+    print(nats_auth.server_config(args.cluster, tls=tls), end="")
     return 0
 
 

@@ -37,7 +37,8 @@ def test_compose_declares_a_scalable_healthy_stack(compose):
     for name in set(services) - {"nats"}:   # every service logs in as its role, only its role
         env = services[name]["environment"]
         assert env["TANDEM_NATS_USER"] == f"tandem-{name}" and name.upper() in env["TANDEM_NATS_PASSWORD"]
-    assert (ROOT / "deploy/nats.conf").read_text() == server_config("default")   # tandem nats-config
+    tls = {"cert_file": "/etc/nats/certs/server.pem", "key_file": "/etc/nats/certs/server.key"}
+    assert (ROOT / "deploy/nats.conf").read_text() == server_config("default", tls=tls)   # tandem nats-config --tls-dir
     for name in WORKERS:
         assert "container_name" not in services[name] and "ports" not in services[name]
     for name in services:
@@ -52,22 +53,25 @@ def _interpolate(value, dotenv: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)(?::\?[^}]*)?\}", lambda m: dotenv[m.group(1)], str(value))
 
 
-def _start_nats(group: ProcessGroup, spec: dict, dotenv: dict[str, str]) -> NatsServer:
-    """The compose nats service: its own command and config file, its passwords from the .env."""
+def _start_nats(group: ProcessGroup, spec: dict, dotenv: dict[str, str], certs: Path) -> NatsServer:
+    """The compose nats service: its own command and config file (its certificate paths mapped to
+    the ones deploy/make-certs.sh made here), its passwords from the .env."""
     port, monitor = free_port(), free_port()
-    argv = [str(ROOT / "deploy/nats.conf") if part == "/etc/nats/nats.conf" else str(monitor) if part == "8222"
+    assert {"./deploy/nats.conf:/etc/nats/nats.conf:ro", "./deploy/certs:/etc/nats/certs:ro"} <= set(spec["volumes"])
+    conf = certs / "nats.conf"
+    conf.write_text((ROOT / "deploy/nats.conf").read_text().replace("/etc/nats/certs", str(certs)))
+    argv = [str(conf) if part == "/etc/nats/nats.conf" else str(monitor) if part == "8222"
             else part for part in spec["command"]]
-    assert "./deploy/nats.conf:/etc/nats/nats.conf:ro" in spec["volumes"]
     env = {key: _interpolate(value, dotenv) for key, value in spec["environment"].items()}
     group.spawn("nats", [nats_server_binary(), *argv, "-a", "127.0.0.1", "-p", str(port)], child_env(env))
     assert wait_for_port("127.0.0.1", port, 15), group.log_tail("nats")
-    return NatsServer(f"nats://127.0.0.1:{port}", monitor)
+    return NatsServer(f"tls://127.0.0.1:{port}", monitor)
 
 
-def _local(env: dict, hosts: set[str], ports: dict[str, str], dotenv: dict[str, str]) -> dict[str, str]:
+def _local(env: dict, hosts: set[str], ports: dict[str, str], dotenv: dict[str, str], certs: Path) -> dict[str, str]:
     out = {}
     for key, value in env.items():
-        value = _interpolate(value, dotenv)
+        value = _interpolate(value, dotenv).replace("/certs/ca.pem", str(certs / "ca.pem"))
         for host in hosts:
             value = value.replace(f"//{host}:", "//127.0.0.1:")
         value = value.replace("0.0.0.0", "127.0.0.1")
@@ -96,8 +100,10 @@ def _healthcheck(spec: dict, env: dict, grpc_port: str) -> list[str]:
 def test_compose_services_answer_through_the_gateway(compose):
     services = compose["services"]
     dotenv = dict(line.split("=", 1) for line in env_file(new_passwords()).splitlines())   # tandem nats-config --new-env
+    certs = Path(tempfile.mkdtemp(prefix="tandem-certs-"))
+    subprocess.run(["sh", str(ROOT / "deploy/make-certs.sh"), str(certs)], check=True, capture_output=True)
     with ProcessGroup(Path(tempfile.mkdtemp(prefix="tandem-compose-"))) as group:
-        nats = _start_nats(group, services["nats"], dotenv)
+        nats = _start_nats(group, services["nats"], dotenv, certs)
         nats_port = nats.url.rsplit(":", 1)[1]
         grpc_port = str(free_port())
         overrides = {"TANDEM_GRPC_PORT": grpc_port}
@@ -106,8 +112,9 @@ def test_compose_services_answer_through_the_gateway(compose):
         for name, count in replicas.items():
             spec = services[name]
             argv = [sys.executable if part == "python" else part for part in spec["command"]]
-            env = _local(spec.get("environment", {}), set(services), overrides, dotenv)
+            env = _local(spec.get("environment", {}), set(services), overrides, dotenv, certs)
             env["TANDEM_NATS_URL"] = env["TANDEM_NATS_URL"].replace(":4222", f":{nats_port}")
+            assert "./deploy/certs/ca.pem:/certs/ca.pem:ro" in spec["volumes"]
             if name in WORKERS:
                 env["TANDEM_TORCH_THREADS"] = "1"
             for i in range(count):

@@ -1,9 +1,10 @@
 """Workers killed (SIGKILL) under real requests: the request moves, the client's stream goes on.
 
-One auto-mode stack, 1 prefill and 2 decode workers, killed one after another:
-  1. the prefill worker, while it computes a long prompt: the decode worker frees the blocks it
-     reserved and the request is prefilled again elsewhere (here, with no prefill worker left,
-     locally on a decode worker);
+One auto-mode stack, 2 prefill and 2 decode workers, killed one after another:
+  1. a prefill worker, while it computes a long prompt: the decode worker frees the blocks it
+     reserved and the request is prefilled again on the other prefill worker;
+     then that one, the same way: with no prefill worker left, the request is prefilled locally
+     on a decode worker;
   2. the decode worker streaming a request: the request is re-prefilled on the other decode worker
      from its prompt plus the tokens already sent, and the stream goes on;
   3. the last decode worker: nothing can take the request, and the client gets UNAVAILABLE.
@@ -53,24 +54,31 @@ def _stream_and_kill(stack, request, role: str, after_tokens: int, timeout: floa
     return responses, victim
 
 
+def _kill_mid_prefill(stack, request):
+    """Sends `request` (a long prompt); SIGKILLs the prefill worker computing it. (responses, killed)"""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(lambda: list(stack.stub().Generate(request, timeout=300)))
+        prefill = _worker(stack, "prefill")
+        os.kill(prefill.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        responses = pending.result()
+    print(f"prefill worker killed mid-prefill: answered {time.monotonic() - killed_at:.1f}s later")
+    return responses, prefill
+
+
 def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
-    stack = start_stack(processes, nats, "it-faults", "auto", prefill=1, decode=2,
+    stack = start_stack(processes, nats, "it-faults", "auto", prefill=2, decode=2,
                         extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "64"})
     try:
-        # 1. The prefill worker dies while it computes a long prompt.
-        long = chat_request(long_document(1200), 8)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(lambda: list(stack.stub().Generate(long, timeout=300)))
-            prefill = _worker(stack, "prefill")
-            os.kill(prefill.pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            responses = pending.result()
-            print(f"prefill worker killed mid-prefill: answered {time.monotonic() - killed_at:.1f}s later")
-        ids = [t for r in responses for t in r.token_ids]
-        assert ids == hf_greedy(hf_model, tokenizer, long)
-        timing = responses[-1].timing
-        assert (timing.migrations, timing.path) == (1, "local"), timing
-        assert responses[-1].usage.completion_tokens == len(ids)
+        # 1. A prefill worker dies while it computes a long prompt, then the other one.
+        for question, path in (("river", "disaggregated"), ("forest", "local")):
+            long = chat_request(f"{long_document(1200)} And near the {question}?", 8)
+            responses, killed = _kill_mid_prefill(stack, long)
+            ids = [t for r in responses for t in r.token_ids]
+            assert ids == hf_greedy(hf_model, tokenizer, long)
+            timing = responses[-1].timing
+            assert (timing.migrations, timing.path) == (1, path), timing
+            assert timing.prefill_worker != killed.id and responses[-1].usage.completion_tokens == len(ids)
 
         # 2. The decode worker streaming a request dies after 10 tokens.
         story = chat_request("Write a long story about a fox who learns to sail.", 80)

@@ -121,6 +121,14 @@ def start_stack(group: ProcessGroup, nats: NatsServer, cluster: str, mode: str =
     group.spawn(names[-1], py + ["services.gateway"],
                 child_env({**common, "TANDEM_GRPC_PORT": str(port), **role_env.get("gateway", {})}))
     address = f"127.0.0.1:{port}"
+    stack = Stack(cluster, address, group, mode, names)
     if wait:
         wait_serving(address, group, names=names)
-    return Stack(cluster, address, group, mode, names)
+        # In auto mode the gateway serves once a decode worker is up; a test that needs the
+        # prefill pool (a long prompt sent to it, a prefill worker to kill) needs every worker.
+        workers = decode + (prefill if mode != "colocated" else 0)
+        deadline = time.monotonic() + 240
+        while len(stack.status().workers) < workers:
+            assert time.monotonic() < deadline and not stack.dead(), (stack.status(), stack.dead())
+            time.sleep(0.2)
+    return stack

@@ -72,7 +72,8 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
     try:
         # 1. A prefill worker dies while it computes a long prompt, then the other one.
         for question, path in (("river", "disaggregated"), ("forest", "local")):
-            long = chat_request(f"{long_document(1200)} And near the {question}?", 8)
+            # distinct from the first token: no prefix cache shortens the prefill we kill
+            long = chat_request(f"About the {question}. {long_document(1200)} And near the {question}?", 8)
             responses, killed = _kill_mid_prefill(stack, long)
             ids = [t for r in responses for t in r.token_ids]
             assert ids == hf_greedy(hf_model, tokenizer, long)

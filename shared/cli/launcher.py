@@ -18,7 +18,7 @@ from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.cli.client import stream_generate, summary
 from shared.cli.control import ControlError, ControlServer, socket_path
-from shared.cli.pools import WorkerPools, WorkerSpec
+from shared.cli.pools import ScaleError, WorkerPools, WorkerSpec
 from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
 from shared.nats_auth import ROLES, write_credentials
 
@@ -156,8 +156,16 @@ def _serve(args, group: ProcessGroup, control: ControlServer, log_dir: Path, sto
 
 
 def _run_until_stopped(group: ProcessGroup, control: ControlServer, pools: WorkerPools, stopping: list) -> bool:
-    """Serves `tandem scale` until a signal (True) or a crashed service (False); retired workers may exit."""
+    """Serves `tandem scale` until a signal (True) or a crashed service (False); retired workers may
+    exit, and a crashed worker is replaced (a crash loop, or any other service crashing, stops it)."""
     while not stopping:
+        try:
+            for name, code, new in pools.replace_crashed():
+                print(f"{name} exited with code {code}; started {new} in its place:\n{group.log_tail(name, 5)}",
+                      file=sys.stderr, flush=True)
+        except ScaleError as err:
+            print(f"error: {err}; stopping the stack", file=sys.stderr)
+            return False
         if group.dead():
             name, code = group.dead()[0]
             print(f"error: {name} exited with code {code}; stopping the stack:\n{group.log_tail(name)}",

@@ -7,6 +7,7 @@ forgets a leaving one when it announces `stopping`, so growing is spawning and s
 
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 from shared.cli.processes import ProcessGroup
@@ -15,6 +16,8 @@ from shared.worker.settings import WorkerSettings
 POOLS = ("prefill", "decode")
 MAX_WORKERS = 64          # per pool: a typo must not fork hundreds of model-loading processes
 EXIT_MARGIN_S = 15.0      # beyond the drain timeout: closing the bus and the KV plane
+MAX_RESTARTS = 5          # crashed workers replaced per pool within RESTART_WINDOW_S; more is a crash loop
+RESTART_WINDOW_S = 300.0
 
 
 class ScaleError(ValueError):
@@ -77,6 +80,7 @@ class WorkerPools:
     grace_s: float = field(default_factory=drain_grace_s)
     workers: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # pool -> (name, pid), oldest first
     spawned: dict[str, int] = field(default_factory=dict)  # pool -> workers ever started: names never repeat
+    restarts: dict[str, list[float]] = field(default_factory=dict)  # pool -> when crashed workers were replaced
 
     def resize(self, pool: str, count: int) -> tuple[list[dict], list[dict]]:
         """Starts or retires (newest first) workers until `pool` has `count`; returns (started, stopping)."""
@@ -89,6 +93,27 @@ class WorkerPools:
             self.group.retire(name, self.grace_s)
             stopping.append({"name": name, "pid": pid})
         return started, stopping
+
+    def replace_crashed(self) -> list[tuple[str, int, str]]:
+        """Starts a new worker for each one that exited on its own (a crash, a kill): its requests
+        have moved to the others already, and the pool gets back to its size. (dead name, exit
+        code, new name) for each; ScaleError when a pool crash-loops (MAX_RESTARTS in the window)."""
+        replaced = []
+        for pool, members in self.workers.items():
+            for name, pid in list(members):
+                code = next((p.poll() for n, p in self.group.children if n == name), None)
+                if code is None:
+                    continue
+                now = time.monotonic()
+                recent = [t for t in self.restarts.get(pool, []) if now - t < RESTART_WINDOW_S]
+                if len(recent) >= MAX_RESTARTS:
+                    raise ScaleError(f"{name} exited with code {code}, the {len(recent) + 1}th {pool} worker "
+                                     f"to exit within {RESTART_WINDOW_S:.0f}s: not restarting it")
+                self.restarts[pool] = recent + [now]
+                members.remove((name, pid))
+                self.group.forget(name)
+                replaced.append((name, code, self._spawn(pool)["name"]))
+        return replaced
 
     def _spawn(self, pool: str) -> dict:
         index = self.spawned.get(pool, 0)

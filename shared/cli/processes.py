@@ -74,6 +74,10 @@ class ProcessGroup:
     def running(self) -> list[str]:
         return [name for name, p in self.children if p.poll() is None]
 
+    def forget(self, name: str) -> None:
+        """Stops counting a child that exited (it was replaced): it is no longer a crash."""
+        self.children = [(n, p) for n, p in self.children if n != name]
+
     def retire(self, name: str, grace_s: float) -> subprocess.Popen:
         """SIGTERMs `name` (it drains, then exits) and stops counting it as a member; SIGKILL after `grace_s`."""
         index = next(i for i, (n, _) in enumerate(self.children) if n == name)

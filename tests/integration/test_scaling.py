@@ -1,4 +1,5 @@
-"""`tandem scale` on a running `tandem up`: a decode worker joins and leaves under load, and no request fails."""
+"""`tandem scale` on a running `tandem up`: a decode worker joins, crashes (and is replaced) and leaves
+under load, and no request fails."""
 
 import os
 import signal
@@ -105,9 +106,17 @@ def test_scale_decode_out_and_in_under_load(tmp_path):
             _wait_until(lambda: all(w.requests_served > 0 for w in _decode_workers(stack)), 60,
                         "the new decode worker took no request")
 
+            # A decode worker crashes: its requests move to the other one, and the launcher starts
+            # decode-2 in its place.
+            crashed = _decode_workers(stack)[0]
+            os.kill(crashed.pid, signal.SIGKILL)
+            _wait_until(lambda: len(_decode_workers(stack)) == 2 and crashed.pid not in
+                        {w.pid for w in _decode_workers(stack)}, 150, "the crashed decode worker was not replaced")
+            load.wait_for(4)
+
             out = _tandem("scale", "decode=1", "--wait", "--control-socket", str(sock), "--timeout", "90")
             assert out.returncode == 0, out.stdout + out.stderr
-            assert "stopping decode-1" in out.stdout
+            assert "stopping decode-2" in out.stdout
             assert len(_decode_workers(stack)) == 1
             load.wait_for(4)  # the one left keeps serving
         assert load.failures == [], load.failures
@@ -116,5 +125,6 @@ def test_scale_decode_out_and_in_under_load(tmp_path):
         os.killpg(launcher.pid, signal.SIGINT)
         rest, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == 0, rest
-    assert "retired decode-1 is gone (exit code 0)" in rest, rest
+    assert "retired decode-2 is gone (exit code 0)" in rest, rest
+    assert "exited with code -9; started decode-2 in its place" in rest, rest
     assert not [pid for pid in seen if _alive(pid)]

@@ -109,3 +109,24 @@ def test_a_colocated_stack_calls_its_pool_colocated(group):
     reply = pools.scale({"colocated": 2})
     assert reply["counts"] == {"colocated": 2} and reply["started"][0]["name"] == "decode-1"
     assert pools.scale({"decode": 1})["counts"] == {"colocated": 1}
+
+
+def test_a_crashed_worker_is_replaced_and_a_crash_loop_stops(group, monkeypatch):
+    pools = pools_of(group)
+    victim_name, victim_pid = pools.workers["decode"][0]
+    next(p for n, p in group.children if n == victim_name).send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    replaced = []
+    while not replaced and time.monotonic() < deadline:
+        replaced = pools.replace_crashed()
+        time.sleep(0.05)
+    assert replaced == [(victim_name, -signal.SIGKILL, "decode-1")]
+    assert [n for n, _ in pools.workers["decode"]] == ["decode-1"] and not group.dead()
+    assert pools.replace_crashed() == []                       # the new one runs: nothing to do
+
+    monkeypatch.setattr("shared.cli.pools.MAX_RESTARTS", 1)    # a second crash within the window: a loop
+    next(p for n, p in group.children if n == "decode-1").send_signal(signal.SIGKILL)
+    with pytest.raises(ScaleError, match="not restarting"):
+        while time.monotonic() < deadline + 10:
+            pools.replace_crashed()
+            time.sleep(0.05)

@@ -77,10 +77,13 @@ class Stack:
             time.sleep(0.2)
 
 
-def wait_serving(address: str, group: ProcessGroup, timeout: float = 240, names: list[str] | None = None) -> None:
-    """Until the gateway is SERVING; fails early if one of `names` (default: any process) died."""
+def wait_serving(address: str, group: ProcessGroup, timeout: float = 240, names: list[str] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Until the gateway is SERVING (over TLS with `credentials`); fails early if one of `names`
+    (default: any process) died."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             dead = [(n, c) for n, c in group.dead() if names is None or n in names]

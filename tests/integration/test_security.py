@@ -9,8 +9,8 @@ import time
 import grpc
 import nats
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.cli.processes import child_env, free_port, nats_server_binary, wait_for_port
 from shared.nats_auth import ROLES, new_passwords, server_config
@@ -18,7 +18,7 @@ from shared.settings import CommonSettings, nats_options
 from shared.subjects import Subjects
 from tests.integration.certs import make_certs
 from tests.integration.helpers import chat_request, long_document
-from tests.integration.stack import NatsServer, start_stack
+from tests.integration.stack import NatsServer, start_stack, wait_serving
 
 pytestmark = pytest.mark.slow
 CLUSTER = "it-sec"
@@ -66,21 +66,6 @@ async def _strangers_and_other_roles(url: str, certs: dict, passwords: dict) -> 
         await prefill.close()
 
 
-def _wait_tls_serving(address: str, credentials, stack, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.secure_channel(address, credentials) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert not stack.dead(), [(n, stack.group.log_tail(n)) for n, _ in stack.dead()]
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise TimeoutError("gateway not SERVING over TLS")
-
-
 def test_secure_stack_refuses_strangers_and_serves_with_auth_and_tls(processes, tmp_path):
     certs = make_certs(tmp_path)
     passwords = new_passwords()
@@ -108,9 +93,13 @@ def test_secure_stack_refuses_strangers_and_serves_with_auth_and_tls(processes, 
     try:
         read = lambda name: open(certs[name], "rb").read()  # noqa: E731
         trusted = grpc.ssl_channel_credentials(read("ca.pem"), read("client.key"), read("client.pem"))
-        _wait_tls_serving(stack.address, trusted, stack)
+        wait_serving(stack.address, stack.group, names=stack.names, credentials=trusted)
         with grpc.secure_channel(stack.address, trusted) as channel:
-            responses = list(pb_grpc.TandemStub(channel).Generate(chat_request(long_document(300), 4), timeout=120))
+            api = pb_grpc.TandemStub(channel)
+            while len(api.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).workers) < 2:   # the prefill one too
+                assert not stack.dead(), stack.dead()
+                time.sleep(0.2)
+            responses = list(api.Generate(chat_request(long_document(300), 4), timeout=120))
         assert responses[-1].finish_reason and responses[-1].timing.path == "disaggregated"   # KV moved, all roles spoke
 
         with pytest.raises(grpc.RpcError):                        # plaintext: refused

@@ -33,13 +33,13 @@ def permissions(role: str, cluster: str) -> dict:
     table = {
         "gateway": ([s.submit, s.status, s.cancel],
                     [s.gateway_tokens(any_gateway), s.heartbeat, inbox("gateway")]),
-        "scheduler": ([s.discover, s.worker_tasks(any_worker), s.cancel],
+        "scheduler": ([s.discover, s.decode_tasks(any_worker), s.cancel],
                       [s.submit, s.status, s.heartbeat, s.cancel, inbox("scheduler")]),
         "prefill": ([s.heartbeat, s.prefill_results(any_worker)],
-                    [s.worker_tasks(any_worker), s.transfer_aborts(any_worker), s.cancel, s.discover]),
-        "decode": ([s.heartbeat, s.worker_tasks(any_worker), s.transfer_aborts(any_worker),
+                    [s.prefill_tasks(any_worker), s.transfer_aborts(any_worker), s.cancel, s.discover]),
+        "decode": ([s.heartbeat, s.prefill_tasks(any_worker), s.transfer_aborts(any_worker),
                     s.gateway_tokens(any_gateway)],
-                   [s.worker_tasks(any_worker), s.prefill_results(any_worker), s.cancel, s.discover,
+                   [s.decode_tasks(any_worker), s.prefill_results(any_worker), s.cancel, s.discover,
                     s.heartbeat, inbox("decode")]),
     }
     publish, subscribe = table[role]

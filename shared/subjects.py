@@ -36,9 +36,14 @@ class Subjects:
         """Gateway -> every worker: stop a request and free what it holds."""
         return f"{self._root}.requests.cancel"
 
-    def worker_tasks(self, worker_id: str) -> str:
-        """Work addressed to one worker (decode assignments, prefill tasks)."""
-        return f"{self._root}.worker.{worker_id}.tasks"
+    def decode_tasks(self, worker_id: str) -> str:
+        """Scheduler -> one decode (or colocated) worker: its assignments. Apart from the prefill
+        workers' tasks, so NATS permissions can tell the two roles' work apart."""
+        return f"{self._root}.decode.{worker_id}.tasks"
+
+    def prefill_tasks(self, worker_id: str) -> str:
+        """Decode worker -> one prefill worker: a prompt to compute and send the KV of."""
+        return f"{self._root}.prefill.{worker_id}.tasks"
 
     def prefill_results(self, worker_id: str) -> str:
         """Prefill worker -> decode worker: the prefill of a request is done and its KV is on the wire."""

@@ -109,7 +109,7 @@ class KVFetcher:
             layout=self.rt.runner.layout, destination=plan.destination, decode_worker=self.rt.worker_id,
             arrival_time=seq.task.arrival_time, deadline=seq.task.deadline, priority=seq.task.priority,
             output_offset=seq.task.resume_tokens)
-        ack = await self.bus.request(self.subjects.worker_tasks(prefill_worker), task, 5.0, TaskAck)
+        ack = await self.bus.request(self.subjects.prefill_tasks(prefill_worker), task, 5.0, TaskAck)
         if not ack.ok:
             raise _Failed(ack.code or "UNAVAILABLE", ack.message, from_prefill=True)
 

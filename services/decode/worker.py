@@ -62,7 +62,7 @@ class DecodeWorker:
             return self.rt.blocks.leaked([s.block_table for s in self.loop.seqs.values()] + self.kv.quarantined)
 
     async def serve(self, stop: asyncio.Event) -> None:
-        subs = [await self.bus.subscribe(self.subjects.worker_tasks(self.rt.worker_id), self.on_assignment),
+        subs = [await self.bus.subscribe(self.subjects.decode_tasks(self.rt.worker_id), self.on_assignment),
                 await self.bus.subscribe(self.subjects.prefill_results(self.rt.worker_id), self.kv.on_prefill_result),
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
         try:

@@ -79,7 +79,7 @@ class PrefillWorker:
             return self.rt.blocks.leaked([t.seq.block_table for t in self.held.values() if t.blocks_held])
 
     async def serve(self, stop: asyncio.Event) -> None:
-        subs = [await self.bus.subscribe(self.subjects.worker_tasks(self.rt.worker_id), self.on_task),
+        subs = [await self.bus.subscribe(self.subjects.prefill_tasks(self.rt.worker_id), self.on_task),
                 await self.bus.subscribe(self.subjects.transfer_aborts(self.rt.worker_id), self.on_abort),
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
         try:

@@ -175,7 +175,7 @@ class SchedulerService:
     async def _offer(self, entry: Pending, decode_id: str, prefill_id: str) -> TaskAck:
         task = entry.task
         try:
-            return await self.bus.request(self.subjects.worker_tasks(decode_id),
+            return await self.bus.request(self.subjects.decode_tasks(decode_id),
                                           DecodeAssignment(task=task, prefill_worker=prefill_id),
                                           self.settings.dispatch_timeout_s, TaskAck)
         except NoResponders:  # gone since its last heartbeat: it holds nothing, try another

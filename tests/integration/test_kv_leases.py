@@ -70,7 +70,7 @@ def test_layout_mismatch_is_refused_before_any_transfer(disagg, nats):
 
     async def ask() -> TaskAck:
         async with NatsBus(nats.url, "test-layout") as bus:
-            return await bus.request(Subjects(disagg.cluster).worker_tasks(prefill.id), task, 5.0, TaskAck)
+            return await bus.request(Subjects(disagg.cluster).prefill_tasks(prefill.id), task, 5.0, TaskAck)
 
     ack = asyncio.run(ask())
     assert not ack.ok and ack.code == "FAILED_PRECONDITION" and "layout mismatch" in ack.message, ack

@@ -57,10 +57,25 @@ async def _strangers_and_other_roles(url: str, certs: dict, passwords: dict) -> 
         await scheduler.flush()
         await prefill.publish(s.submit, b"forged request")          # a prefill worker may not submit
         await prefill.subscribe(s.gateway_tokens("gw"), cb=on_submit)  # nor read anyone's token stream
+        await prefill.subscribe(s.decode_tasks("d"), cb=on_submit)     # nor the decode workers' prompts
         await prefill.flush()
+        decode_errors: list[str] = []
+        decode = await _connect(url, decode_errors, tls=_tls(certs), user="tandem-decode", password=passwords["decode"])
+        listener = await _connect(url, [], tls=_tls(certs), user="tandem-decode", password=passwords["decode"])
+        await listener.subscribe(s.decode_tasks("d"), cb=on_submit)   # a decode worker's own assignments
+        await listener.flush()
+        await decode.publish(s.decode_tasks("d"), b"forged assignment")   # a decode worker may not assign work
+        await decode.flush()
         await asyncio.sleep(0.5)
         assert got == []
-        assert any("permissions violation" in e.lower() for e in errors), errors
+        await scheduler.publish(s.decode_tasks("d"), b"assignment")     # the scheduler may
+        await scheduler.flush()
+        await asyncio.sleep(0.5)
+        await decode.close()
+        await listener.close()
+        assert got == [b"assignment"]
+        assert sum("permissions violation" in e.lower() for e in errors) >= 3, errors
+        assert any("permissions violation" in e.lower() for e in decode_errors), decode_errors
     finally:
         await scheduler.close()
         await prefill.close()

@@ -145,7 +145,7 @@ async def fake_worker(bus: InMemoryBus, worker_id: str, ack: TaskAck, log: list)
         log.append((worker_id, assignment))
         await respond(ack)
 
-    await bus.subscribe(Subjects(CLUSTER).worker_tasks(worker_id), on_task)
+    await bus.subscribe(Subjects(CLUSTER).decode_tasks(worker_id), on_task)
 
 
 async def submit(svc: SchedulerService, t: GenerateTask, timeout: float = 2.0) -> SubmitReply:
@@ -220,7 +220,7 @@ async def test_a_worker_that_never_confirms_is_named_so_the_gateway_can_move_the
     async def silent(assignment, respond) -> None:     # alive on the bus, but never answers
         pass
 
-    await bus.subscribe(Subjects(CLUSTER).worker_tasks("d1"), silent)
+    await bus.subscribe(Subjects(CLUSTER).decode_tasks("d1"), silent)
     svc.registry.update(beat("d1"))
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task(request_id="x"))

@@ -47,7 +47,9 @@ def permissions(role: str, cluster: str) -> dict:
 
 
 def new_passwords() -> dict[str, str]:
-    return {role: secrets.token_urlsafe(24) for role in ROLES}
+    """A fresh password per role: a letter, then 48 hex digits (192 random bits). nats-server reads
+    a $VARIABLE's value as a config token, so it must not look like a number (or hold quotes)."""
+    return {role: "t" + secrets.token_hex(24) for role in ROLES}
 
 
 def server_config(cluster: str, passwords: dict[str, str] | None = None, tls: dict | None = None) -> str:

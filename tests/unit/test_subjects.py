@@ -29,3 +29,4 @@ def test_per_worker_subjects_differ_by_worker():
     assert s.decode_tasks("w1") != s.decode_tasks("w2") != s.prefill_tasks("w2")
     assert s.decode_tasks("w1") != s.prefill_results("w1")
     assert s.gateway_tokens("g1") == "tandem.c.gateway.g1.tokens"
+

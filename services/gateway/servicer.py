@@ -123,13 +123,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                     chunk = await self._next_chunk(chunks, expected, decode_worker, context)
                 except WorkerLost as lost:   # move it: a new attempt goes on after the tokens sent
                     migrations += 1
-                    if migrations > self.settings.max_migrations:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{lost}; the request was already "
-                                            f"moved {self.settings.max_migrations} time(s), the limit")
-                    log.warning("%s: %s; moving it after %d token(s)", task.request_id, lost, len(sent))
-                    await self._end_attempt(task.request_id)
-                    task = resumed(task, valid.prompt_token_ids, sent, lost.worker)
-                    chunks = self.streams.open(task.request_id)
+                    task, chunks = await self._move(task, lost, valid.prompt_token_ids, sent, migrations, context)
                     decode_worker, why = "", f"{lost}, and "
                     continue
                 expected += 1
@@ -142,6 +136,17 @@ class TandemServicer(pb_grpc.TandemServicer):
             self.streams.close(task.request_id)
             if not ended:  # client gone, deadline passed or a failure: free what the workers hold
                 await self._cancel(task.request_id)
+
+    async def _move(self, task: GenerateTask, lost: WorkerLost, prompt: list[int], sent: list[int],
+                    migrations: int, context) -> tuple[GenerateTask, asyncio.Queue]:
+        """Ends the failed attempt and opens the next one (to be submitted), or UNAVAILABLE past the limit."""
+        if migrations > self.settings.max_migrations:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{lost}; the request was already "
+                                f"moved {self.settings.max_migrations} time(s), the limit")
+        log.warning("%s: %s; moving it after %d token(s)", task.request_id, lost, len(sent))
+        await self._end_attempt(task.request_id)
+        task = resumed(task, prompt, sent, lost.worker)
+        return task, self.streams.open(task.request_id)
 
     async def _end_attempt(self, attempt_id: str) -> None:
         await self._cancel(attempt_id)

@@ -180,6 +180,7 @@ def test_garbage_on_the_ucx_sockets(hostile):
             except ConnectionError:
                 pass
     print(f"UCX sockets hit: {ports}")
+    assert {w for w, _, _ in ports} == {w.id for w in stack.status().workers}, ports   # every worker was hit
     long = chat_request(long_document(300), 4)     # over the local-prefill threshold: KV over UCX
     chunks, _, _ = collect(stack.stub(), long)
     assert chunks[-1].timing.path == "disaggregated"

@@ -1,4 +1,4 @@
-"""The ranges every control message must keep, checked by messages.decode on receipt.
+"""The ranges every control message must keep, checked by wire.decode on receipt.
 
 Types are checked while a message is built; these are the values: a count is never negative, a
 time or a rate is a finite number (a difference of two hosts' clocks may be negative), a string or a list has a bounded size, and a few

@@ -7,7 +7,7 @@ from typing import Any, Awaitable, Callable, Optional, Protocol
 import nats
 import nats.errors
 
-from shared.messages import MessageError, decode, encode
+from shared.wire import MessageError, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.api import tandem_pb2 as pb
-from shared.messages import encode
+from shared.wire import encode
 from shared.subjects import Subjects
 from tests.integration.helpers import chat_request, collect, long_document
 from tests.integration.stack import start_stack

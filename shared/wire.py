@@ -1,0 +1,105 @@
+"""The one place control messages are encoded to and decoded from msgpack.
+
+A message is a map with its type name under "type"; unknown types, missing or mistyped fields,
+values out of range (shared.message_rules) and oversized payloads are rejected with MessageError.
+"""
+
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+import msgpack
+
+from shared import message_rules
+from shared.messages import MESSAGE_TYPES
+
+# NATS refuses payloads over its max_payload (1 MiB by default). Stay far below it so a
+# message that grows with its input fails here, loudly, instead of as a timeout there.
+MAX_MESSAGE_BYTES = 256 * 1024
+
+M = TypeVar("M")
+
+
+class MessageError(ValueError):
+    """A payload that is not a valid Tandem message."""
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def encode(message: Any) -> bytes:
+    """The only way a message becomes bytes."""
+    name = type(message).__name__
+    if MESSAGE_TYPES.get(name) is not type(message):
+        raise MessageError(f"not a wire message: {name}")
+    body = _to_plain(message)
+    body["type"] = name
+    data = msgpack.packb(body, use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"{name} is {len(data)} bytes, over the {MAX_MESSAGE_BYTES}-byte limit")
+    return data
+
+
+def _check(kind: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(kind):
+            return None
+        inner = [a for a in typing.get_args(kind) if a is not type(None)][0]
+        return _check(inner, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise MessageError(f"{where}: expected a list")
+        (item,) = typing.get_args(kind)
+        return [_check(item, v, f"{where}[]") for v in value]
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise MessageError(f"{where}: expected a map")
+        return _build(kind, value, where)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, bool):
+        raise MessageError(f"{where}: expected int, got bool")
+    if not isinstance(value, kind):
+        raise MessageError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls: type, body: dict, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in body:
+            values[f.name] = _check(hints[f.name], body[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise MessageError(f"{where}: missing field {f.name!r}")
+    message = cls(**values)
+    found = message_rules.problem(message)
+    if found:
+        raise MessageError(f"{where}: {found}")
+    return message
+
+
+def decode(data: bytes, expected: type[M] | None = None) -> M:
+    """The only way bytes become a message; `expected` narrows which type is acceptable."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"payload of {len(data)} bytes is over the limit")
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_map_len=256,
+                               max_array_len=message_rules.MAX_LIST, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MessageError(f"not msgpack: {exc}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("type"), str):
+        raise MessageError("not a typed message")
+    cls = MESSAGE_TYPES.get(body.pop("type"))
+    if cls is None:
+        raise MessageError("unknown message type")
+    if expected is not None and cls is not expected:
+        raise MessageError(f"expected {expected.__name__}, got {cls.__name__}")
+    return _build(cls, body, cls.__name__)

@@ -198,6 +198,7 @@ class WorkerHeartbeat:
     zone: str = ""              # topology label (rack, zone) from settings; host is the other one
     stopping: bool = False      # draining: take no new work
     max_num_seqs: int = 0       # running batch capacity
+    max_queue: int = 0          # requests held (running and waiting) beyond which it refuses new ones; 0 = unknown
     prefill_tokens_queued: int = 0      # prompt tokens accepted here and not computed yet
     prefill_tokens_per_s: float = 0.0   # measured prompt throughput; 0 = not measured yet
     decode_step_ms: float = 0.0         # measured time of a step while sequences decode (their ITL)

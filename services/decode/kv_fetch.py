@@ -77,8 +77,8 @@ class KVFetcher:
         except _Failed as failure:
             if not seq.cancel_reason:
                 seq.error = (failure.code, failure.message)
-                if failure.code == "UNAVAILABLE":          # the prefill worker failed, not the request:
-                    seq.failed_worker = prefill_worker     # the gateway places it again without it
+                if failure.code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):   # the prefill worker failed or
+                    seq.failed_worker = prefill_worker     # was full, not the request: the gateway places it again
             await self._abort_transfer(seq, receiver, inbox, prefill_worker, asked and not failure.from_prefill,
                                        failure.pieces_sent)
         except BusError:

@@ -3,7 +3,8 @@
 A decode worker that dies (or shuts down past its drain time), or a prefill worker that fails a
 prompt, does not fail the request: the gateway submits it again as a new attempt whose prompt is
 the original prompt plus every token already streamed, with `resume_tokens` saying how many of
-those are output. The new decode worker re-prefills that (from its prefix cache where it can),
+those are output. (A prefill worker that turns the prompt away as full is not a failure of the
+request either: it is placed again, by then knowing the worker is full.) The new decode worker re-prefills that (from its prefix cache where it can),
 primes its detokenizer with the output so the text goes on seamlessly, and samples the next
 position; greedy output is the same as an undisturbed run's, and seeded sampling is too (each
 position's draw depends only on the seed and the position).
@@ -16,11 +17,17 @@ from shared.messages import GenerateTask
 
 
 class WorkerLost(Exception):
-    """The worker serving a request failed, not the request: it may be placed again elsewhere."""
+    """The worker serving a request failed, not the request: it may be placed again elsewhere.
+    `code` RESOURCE_EXHAUSTED: the worker was full, not broken; it is not avoided next time."""
 
-    def __init__(self, message: str, worker: str):
+    def __init__(self, message: str, worker: str, code: str = "UNAVAILABLE"):
         super().__init__(message)
-        self.worker = worker
+        self.worker, self.code = worker, code
+
+    @property
+    def avoid(self) -> str:
+        """The worker the next attempt must not use ("" for none)."""
+        return "" if self.code == "RESOURCE_EXHAUSTED" else self.worker
 
 
 def new_attempt_id(request_id: str) -> str:

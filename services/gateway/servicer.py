@@ -141,11 +141,11 @@ class TandemServicer(pb_grpc.TandemServicer):
                     migrations: int, context) -> tuple[GenerateTask, asyncio.Queue]:
         """Ends the failed attempt and opens the next one (to be submitted), or UNAVAILABLE past the limit."""
         if migrations > self.settings.max_migrations:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{lost}; the request was already "
+            await context.abort(status_code(lost.code), f"{lost}; the request was already "
                                 f"moved {self.settings.max_migrations} time(s), the limit")
         log.warning("%s: %s; moving it after %d token(s)", task.request_id, lost, len(sent))
         await self._end_attempt(task.request_id)
-        task = resumed(task, prompt, sent, lost.worker)
+        task = resumed(task, prompt, sent, lost.avoid)
         return task, self.streams.open(task.request_id)
 
     async def _end_attempt(self, attempt_id: str) -> None:
@@ -212,7 +212,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s")
         if chunk.code and chunk.retry:
-            raise WorkerLost(chunk.message, chunk.failed_worker)
+            raise WorkerLost(chunk.message, chunk.failed_worker, chunk.code)
         if chunk.code:
             await context.abort(status_code(chunk.code), chunk.message)
         if chunk.index != expected:   # NATS delivers at most once: lost in a reconnect, say. Not the
@@ -233,7 +233,8 @@ class TandemServicer(pb_grpc.TandemServicer):
                 response.timing.CopyFrom(pb.Timing(
                     queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, kv_transfer_ms=t.kv_transfer_ms,
                     kv_exposed_ms=t.kv_exposed_ms, prefill_worker=t.prefill_worker, decode_worker=t.decode_worker,
-                    path=t.path, cached_tokens=t.cached_tokens, migrations=migrations))
+                    path=t.path, cached_tokens=t.cached_tokens))
+            response.timing.migrations = migrations
             response.timing.ttft_ms = ((first_at or now) - arrival) * 1000
             response.timing.total_ms = (now - arrival) * 1000
         return response

@@ -131,6 +131,8 @@ class PrefillWorker:
             self.held[task.request_id] = _Transfer(task, seq, sender)
             self.engine.add(seq)
             self.wakeup.set()
+        elif refusal[0] == "RESOURCE_EXHAUSTED":
+            self.announcer.nudge()   # the scheduler hears now that this worker is full
         if respond is not None:
             code, message = refusal or ("", "")
             await respond(TaskAck(ok=refusal is None, code=code, message=message))

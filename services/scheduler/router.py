@@ -2,11 +2,13 @@
 
 1. Decode: among workers that can hold the whole sequence now (KV blocks after their own prefix
    hit, a batch slot, and, with `max_itl_ms` set, a measured decode step time under it: more
-   sequences there would slow every token past the target), the emptiest by max(batch fill, KV fill) after placing it, so the
-   pool fills evenly. Workers within `decode_slack` of the emptiest count as equal.
+   sequences there would slow every token past the target), the emptiest by max(batch fill,
+   KV fill) after placing it, so the pool fills evenly. Workers within `decode_slack` of the
+   emptiest count as equal.
 2. Prefill: every (prefill worker, near-equal decode worker) pair is priced by the cost model
    (services.scheduler.cost): queued prompt work plus this prompt's uncached part, at the
-   worker's measured speed, plus moving the KV at the pair's topology bandwidth.
+   worker's measured speed, plus moving the KV at the pair's topology bandwidth. A prefill
+   worker whose queue is full, or whose KV budget cannot hold the prompt, is not a candidate.
 3. Mode: `disaggregated` always prefills on a prefill worker; `colocated` always on the decode
    worker; `auto` prefills locally when what is left after the decode worker's prefix cache is
    at most `local_prefill_tokens`, when no prefill worker is live, or when the prefill pool's
@@ -98,7 +100,7 @@ class Router:
         remote = self._remote_best(near, prompt, exclude)
         if self.policy.mode == "disaggregated":
             if remote is None:
-                raise NoWorker(self._no_prefill_reason(exclude))
+                self._no_prefill(prompt, exclude)
             return self._checked(remote)
         local = self._local_best(near, prompt)
         return self._auto(local, remote)
@@ -123,7 +125,8 @@ class Router:
         for w in decoders:
             cached = prompt.cached_tokens(w, self.registry.summary(w.worker_id))
             blocks = _needed_blocks(w, task, cached)
-            slots = not w.max_num_seqs or w.running + w.queued < w.max_num_seqs
+            held = w.running + w.queued
+            slots = (not w.max_num_seqs or held < w.max_num_seqs) and (not w.max_queue or held < w.max_queue)
             if _could_ever_fit(w, task) and slots and not self._too_slow(w) \
                     and blocks <= w.kv_blocks_total - w.kv_blocks_used:
                 room.append((_fill_after(w, blocks), w.worker_id, w, cached, blocks))
@@ -156,7 +159,7 @@ class Router:
     def _remote_best(self, near, prompt: PromptView, exclude: set[str]) -> Route | None:
         """The cheapest pair; on equal cost (to the millisecond) the emptier decode worker, as
         `near` is ordered."""
-        prefills = [p for p in self.registry.live("prefill") if p.worker_id not in exclude]
+        prefills = [p for p in self.registry.live("prefill") if p.worker_id not in exclude and _takes(p, prompt)]
         best, best_key = None, None
         for rank, (w, cached, blocks) in enumerate(near):
             for p in prefills:
@@ -183,6 +186,25 @@ class Router:
             return self._checked(local)
         return self._checked(remote)
 
-    def _no_prefill_reason(self, exclude: set[str]) -> str:
+    def _no_prefill(self, prompt: PromptView, exclude: set[str]) -> None:
+        """Raises why no prefill worker can take the prompt: none live, none with the decode pool's
+        KV layout (NoWorker), none whose KV budget holds it (TooLarge), or every queue full (NoRoom)."""
         prefills = [p for p in self.registry.live("prefill") if p.worker_id not in exclude]
-        return "no live prefill worker" + (" with a matching KV layout" if prefills else "")
+        if not prefills:
+            raise NoWorker("no live prefill worker")
+        layouts = [w.layout for w in self.registry.live("decode")]
+        if not any(p.layout in layouts for p in prefills):
+            raise NoWorker("no live prefill worker with a matching KV layout")
+        if not any(_holds(p, len(prompt.token_ids)) for p in prefills):
+            raise TooLarge(f"a {len(prompt.token_ids)}-token prompt does not fit any prefill worker's KV cache")
+        raise NoRoom("every prefill worker's queue is full")
+
+
+def _holds(worker: WorkerHeartbeat, prompt_len: int) -> bool:
+    return -(-prompt_len // max(1, worker.block_size)) <= worker.kv_blocks_total
+
+
+def _takes(prefill: WorkerHeartbeat, prompt: PromptView) -> bool:
+    """The prefill worker would accept the prompt now: its KV budget holds it and its queue has a place."""
+    full = prefill.max_queue and prefill.running + prefill.queued >= prefill.max_queue
+    return _holds(prefill, len(prompt.token_ids)) and not full

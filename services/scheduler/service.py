@@ -139,9 +139,11 @@ class SchedulerService:
             self._spawn(self._assign(entry, chosen))
 
     def _reserve(self, entry: Pending, chosen: Route) -> None:
-        prefill_on = chosen.prefill or chosen.decode
         self.registry.reserve(chosen.decode.worker_id, seqs=1, blocks=chosen.blocks)
-        self.registry.reserve(prefill_on.worker_id, prompt_tokens=chosen.compute_tokens)
+        if chosen.prefill:   # its queue's place is taken too, until its next heartbeat says
+            self.registry.reserve(chosen.prefill.worker_id, seqs=1, prompt_tokens=chosen.compute_tokens)
+        else:
+            self.registry.reserve(chosen.decode.worker_id, prompt_tokens=chosen.compute_tokens)
 
     async def _assign(self, entry: Pending, chosen: Route) -> None:
         """Hands the request to its decode worker; places it again if that one refuses."""

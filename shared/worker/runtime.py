@@ -28,6 +28,7 @@ class WorkerRuntime:
     max_model_len: int
     eos_token_ids: set[int]
     summary_limit: int = 1024
+    max_queue: int = 0
 
     def load_report(self) -> dict:
         """The heartbeat fields every model worker reports the same way: capacity, prompt work
@@ -35,7 +36,7 @@ class WorkerRuntime:
         with self.engine.lock:
             summary = self.blocks.prefix_summary(self.summary_limit)
         return dict(kv_blocks_used=self.blocks.used, kv_blocks_total=self.blocks.num_blocks,
-                    block_size=self.blocks.block_size, max_num_seqs=self.engine.max_num_seqs,
+                    block_size=self.blocks.block_size, max_num_seqs=self.engine.max_num_seqs, max_queue=self.max_queue,
                     prefill_tokens_queued=self.engine.prompt_tokens_queued(),
                     prefill_tokens_per_s=round(self.engine.prefill_tokens_per_s, 1),
                     decode_step_ms=round(self.engine.decode_step_s * 1000, 1),
@@ -69,7 +70,7 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     runtime = WorkerRuntime(settings.resolved_worker_id(role), role, settings.resolved_host(), runner,
-                            tokenizer, blocks, engine, max_len, eos_ids, settings.prefix_summary_limit)
+                            tokenizer, blocks, engine, max_len, eos_ids, settings.prefix_summary_limit, settings.max_queue)
     log.info("%s %s (pid %d) ready: model %s on %s/%s, %d threads, %d KV blocks of %d tokens, max_model_len %d",
              role, runtime.worker_id, os.getpid(), runner.layout.model, device, settings.dtype,
              torch.get_num_threads(), blocks.num_blocks, blocks.block_size, max_len)

@@ -32,13 +32,18 @@ def test_auto_mode_prefills_short_prompts_locally_and_long_ones_remotely(process
 
 
 def test_every_worker_serves_and_a_scheduler_replica_can_die(processes, nats):
-    stack = start_stack(processes, nats, "it-2x2", "disaggregated", prefill=2, decode=2, schedulers=2)
+    # Prefill workers hold one prompt at a time: requests wait in the schedulers' queues for a
+    # place, and one that two replicas (each with its own view) send to the same full worker is
+    # refused there and placed again: every request is served all the same.
+    stack = start_stack(processes, nats, "it-2x2", "disaggregated", prefill=2, decode=2, schedulers=2,
+                        role_env={"prefill": {"TANDEM_MAX_QUEUE": "1"}, "scheduler": {"TANDEM_QUEUE_TIMEOUT_S": "120"}})
     try:
         requests = [chat_request(f"{long_document(300)} Question {i}: which animal came first?", 8)
                     for i in range(8)]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             outcomes = list(pool.map(lambda r: collect(stack.stub(), r, timeout=300), requests))
         assert all(chunks[-1].finish_reason for chunks, _, _ in outcomes)
+        print("moves after a full prefill worker:", sum(chunks[-1].timing.migrations for chunks, _, _ in outcomes))
         served = {w.id: w.requests_served for w in stack.wait_idle().workers}
         assert len(served) == 4 and all(n > 0 for n in served.values()), served
 

@@ -202,6 +202,30 @@ def test_a_prefill_wait_over_the_limit_is_no_room():
     assert slow.route(task(7000)).prefill.worker_id == "p"
 
 
+def test_a_prefill_worker_that_would_refuse_the_prompt_is_not_a_candidate():
+    # p1 is cheaper, but its queue is full: the prompt goes to p2; with p2 full too, no room.
+    r = router(beat("d", kv_blocks_total=10_000), beat("p1", role="prefill", running=1, queued=3, max_queue=4),
+               beat("p2", role="prefill", prefill_tokens_queued=900, max_queue=4))
+    assert r.route(task(100)).prefill.worker_id == "p2"
+    r.registry.update(beat("p2", role="prefill", queued=4, max_queue=4))
+    with pytest.raises(NoRoom, match="prefill worker's queue is full"):
+        r.route(task(100))
+    # A prompt larger than p1's KV budget goes to p2, whose budget holds it; larger than both: too large.
+    r = router(beat("d", kv_blocks_total=10_000), beat("p1", role="prefill", kv_blocks_total=10),
+               beat("p2", role="prefill", kv_blocks_total=100, prefill_tokens_queued=900))
+    assert r.route(task(500)).prefill.worker_id == "p2"
+    with pytest.raises(TooLarge, match="prefill worker's KV cache"):
+        r.route(task(1700))
+    # Under auto, a full prefill pool leaves the local path.
+    r = router(beat("d"), beat("p", role="prefill", queued=4, max_queue=4), mode="auto")
+    assert r.route(task(1000)).prefill is None
+
+
+def test_a_decode_worker_whose_queue_is_full_is_not_a_candidate():
+    r = router(beat("d1", queued=2, max_queue=2, max_num_seqs=8), beat("d2", running=3), beat("p", role="prefill"))
+    assert r.route(task()).decode.worker_id == "d2"
+
+
 def test_equal_cost_pairs_go_to_the_emptier_decode_worker():
     r = router(beat("d1", running=2), beat("d2", running=1), beat("p", role="prefill"))
     assert r.route(task(500)).decode.worker_id == "d2"

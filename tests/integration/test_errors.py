@@ -1,6 +1,9 @@
 """Bad input, deadlines, cancellation and missing workers: a clear status, nothing leaked, nothing down."""
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -49,11 +52,42 @@ def test_services_survive_bad_input(disagg):
 
 
 def test_deadline_exceeded_frees_the_kv(disagg):
+    disagg.wait_idle()
     request = chat_request("Write a very long story.", 2000, ignore_eos=True)
     with pytest.raises(grpc.RpcError) as err:
         collect(disagg.stub(), request, timeout=1.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    seconds = _seconds_until_free(disagg)
+    print(f"deadline passed -> every pool free in ClusterStatus: {seconds:.2f}s")
+    assert seconds < 3   # the bar is a second: see the cancel test for the margin
+
+
+# A client process that streams a request and tells when its third chunk came.
+CLIENT = """
+import sys, grpc
+from shared.api import tandem_pb2 as pb, tandem_pb2_grpc as pb_grpc
+stub = pb_grpc.TandemStub(grpc.insecure_channel(sys.argv[1]))
+for i, _ in enumerate(stub.Generate(pb.GenerateRequest.FromString(bytes.fromhex(sys.argv[2])))):
+    if i == 2:
+        print("streaming", flush=True)
+"""
+
+
+def test_a_client_killed_mid_stream_frees_the_kv(disagg):
+    """The client's process dies (SIGKILL, no cancel sent): its connection drops, and that is a cancel."""
     disagg.wait_idle()
+    request = chat_request("Write a very long story.", 2000, ignore_eos=True)
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, disagg.address, request.SerializeToString().hex()],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert client.stdout.readline().strip() == "streaming"
+        _wait_until(lambda: _held(disagg, "decode"), "the decode worker never reported the blocks it holds")
+    finally:
+        client.kill()
+        client.wait()
+    seconds = _seconds_until_free(disagg)
+    print(f"client killed -> every pool free in ClusterStatus: {seconds:.2f}s")
+    assert seconds < 3
 
 
 def _held(stack, role: str) -> bool:

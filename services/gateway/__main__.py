@@ -35,7 +35,8 @@ def limits_of(settings: GatewaySettings, tokenizer) -> Limits:
     model_limit = int(getattr(config, "max_position_embeddings", 2048))
     return Limits(max_model_len=min(settings.max_model_len or model_limit, model_limit),
                   default_max_tokens=settings.default_max_tokens,
-                  max_tokens_limit=settings.max_tokens_limit, max_stop_strings=settings.max_stop_strings)
+                  max_tokens_limit=settings.max_tokens_limit, max_stop_strings=settings.max_stop_strings,
+                  max_prompt_tokens=settings.max_prompt_tokens)
 
 
 def listen(server: grpc.aio.Server, settings: GatewaySettings) -> int:

@@ -25,6 +25,7 @@ class Limits:
     default_max_tokens: int
     max_tokens_limit: int
     max_stop_strings: int
+    max_prompt_tokens: int = 0   # 0: any prompt that fits the context with its max_tokens
 
 
 @dataclass
@@ -91,6 +92,8 @@ def validate(request: pb.GenerateRequest, tokenizer, limits: Limits) -> ValidReq
     request_id = request_id_of(request)
     sampling = sampling_of(request, limits)
     ids = prompt_ids_of(request, tokenizer)
+    if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
+        raise InvalidRequest(f"the prompt is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}")
     if len(ids) + sampling.max_tokens > limits.max_model_len:
         raise InvalidRequest(f"prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_tokens}) "
                              f"exceeds the model's context of {limits.max_model_len} tokens")

@@ -56,6 +56,18 @@ def test_prompt_plus_max_tokens_must_fit_the_context(tokenizer):
         validate(request("word " * 8192, max_tokens=1), tokenizer, LIMITS)
 
 
+def test_a_prompt_over_the_prompt_limit_is_refused(tokenizer):
+    prompt = "word " * 100
+    n = len(tokenizer(prompt)["input_ids"])
+    limits = Limits(max_model_len=8192, default_max_tokens=8, max_tokens_limit=4096, max_stop_strings=16,
+                    max_prompt_tokens=n)
+    assert len(validate(request(prompt), tokenizer, limits).prompt_token_ids) == n   # exactly at the limit
+    longer = prompt + "and more words"
+    with pytest.raises(InvalidRequest, match=f"the prompt is {len(tokenizer(longer)['input_ids'])} tokens, "
+                                             f"over the limit of {n}"):
+        validate(request(longer), tokenizer, limits)
+
+
 def test_raw_prompt_is_tokenized(tokenizer):
     valid = validate(request("The capital of France is"), tokenizer, LIMITS)
     assert valid.prompt_token_ids == tokenizer("The capital of France is")["input_ids"]

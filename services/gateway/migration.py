@@ -16,18 +16,26 @@ import uuid
 from shared.messages import GenerateTask
 
 
+FULL_MOVES = 8   # times a request turned away by a full worker is placed again (a failed one: --max-migrations)
+
+
 class WorkerLost(Exception):
     """The worker serving a request failed, not the request: it may be placed again elsewhere.
-    `code` RESOURCE_EXHAUSTED: the worker was full, not broken; it is not avoided next time."""
+    `code` RESOURCE_EXHAUSTED: the worker was full, not broken; it is not avoided next time, and
+    such moves have a limit of their own (two schedulers may race for the last place of a worker)."""
 
     def __init__(self, message: str, worker: str, code: str = "UNAVAILABLE"):
         super().__init__(message)
         self.worker, self.code = worker, code
 
     @property
+    def full(self) -> bool:
+        return self.code == "RESOURCE_EXHAUSTED"
+
+    @property
     def avoid(self) -> str:
         """The worker the next attempt must not use ("" for none)."""
-        return "" if self.code == "RESOURCE_EXHAUSTED" else self.worker
+        return "" if self.full else self.worker
 
 
 def new_attempt_id(request_id: str) -> str:

@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from services.gateway.migration import WorkerLost, client_id, new_attempt_id, resumed
+from services.gateway.migration import FULL_MOVES, WorkerLost, client_id, new_attempt_id, resumed
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import InvalidRequest, Limits, validate
@@ -113,7 +113,8 @@ class TandemServicer(pb_grpc.TandemServicer):
                             arrival_time=arrival, deadline=arrival + remaining if remaining else 0.0,
                             priority=request.priority)
         chunks = self.streams.open(task.request_id)
-        ended, sent, migrations, first_at, decode_worker, why = False, [], 0, None, "", ""
+        ended, sent, first_at, decode_worker, why = False, [], None, "", ""
+        moves: collections.Counter[bool] = collections.Counter()   # full? -> times the request moved
         try:
             while not ended:
                 try:
@@ -122,8 +123,8 @@ class TandemServicer(pb_grpc.TandemServicer):
                         expected = 0
                     chunk = await self._next_chunk(chunks, expected, decode_worker, context)
                 except WorkerLost as lost:   # move it: a new attempt goes on after the tokens sent
-                    migrations += 1
-                    task, chunks = await self._move(task, lost, valid.prompt_token_ids, sent, migrations, context)
+                    moves[lost.full] += 1
+                    task, chunks = await self._move(task, lost, valid.prompt_token_ids, sent, moves[lost.full], context)
                     decode_worker, why = "", f"{lost}, and "
                     continue
                 expected += 1
@@ -131,18 +132,20 @@ class TandemServicer(pb_grpc.TandemServicer):
                 if first_at is None and chunk.token_ids:
                     first_at = time.time()
                 ended = bool(chunk.finish_reason)
-                yield self._response(valid.request_id, chunk, arrival, first_at, migrations)
+                yield self._response(valid.request_id, chunk, arrival, first_at, sum(moves.values()))
         finally:
             self.streams.close(task.request_id)
             if not ended:  # client gone, deadline passed or a failure: free what the workers hold
                 await self._cancel(task.request_id)
 
     async def _move(self, task: GenerateTask, lost: WorkerLost, prompt: list[int], sent: list[int],
-                    migrations: int, context) -> tuple[GenerateTask, asyncio.Queue]:
-        """Ends the failed attempt and opens the next one (to be submitted), or UNAVAILABLE past the limit."""
-        if migrations > self.settings.max_migrations:
+                    times: int, context) -> tuple[GenerateTask, asyncio.Queue]:
+        """Ends the failed attempt and opens the next one (to be submitted), the `times`th for
+        this reason; past the limit, the client gets the failure's status."""
+        limit = FULL_MOVES if lost.full else self.settings.max_migrations
+        if times > limit:
             await context.abort(status_code(lost.code), f"{lost}; the request was already "
-                                f"moved {self.settings.max_migrations} time(s), the limit")
+                                f"moved {limit} time(s), the limit")
         log.warning("%s: %s; moving it after %d token(s)", task.request_id, lost, len(sent))
         await self._end_attempt(task.request_id)
         task = resumed(task, prompt, sent, lost.avoid)

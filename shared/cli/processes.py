@@ -1,6 +1,5 @@
 """ProcessGroup: the child processes of an embedded stack, stopped together, never orphaned."""
 
-import ctypes
 import os
 import signal
 import socket
@@ -9,15 +8,26 @@ import sys
 import time
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
+# The child's first program: asks Linux for SIGTERM when the launcher dies, even by SIGKILL
+# (PR_SET_PDEATHSIG, 1), then becomes the service (exec keeps the pid). A fresh interpreter does
+# it, not a preexec_fn: a preexec_fn makes subprocess fork() instead of vfork(), and a fork() of a
+# process running gRPC's event engine can abort the child before it execs (seen in CI: "epoll_wait
+# error: Bad file descriptor", exit -6).
+_GUARD = """import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+except OSError:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
-def _die_with_parent() -> None:
-    # Linux: the child gets SIGTERM if the launcher dies, even by SIGKILL.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+def guarded(argv: list[str]) -> list[str]:
+    """`argv`, run so that it dies with this process (the launcher dying before the guard is set
+    is caught by the parent check)."""
+    return [sys.executable, "-S", "-c", _GUARD, str(os.getpid()), *argv]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -60,9 +70,8 @@ class ProcessGroup:
         log = open(self.log_dir / f"{name}.log", "ab")
         # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the services
         # in order (gateway first, NATS last) instead of all at once.
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                start_new_session=True)
+        proc = subprocess.Popen(guarded(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.children.append((name, proc))
         return proc

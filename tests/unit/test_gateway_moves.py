@@ -5,6 +5,7 @@ import asyncio
 
 import grpc
 from services.gateway import servicer as servicer_module
+from services.gateway.migration import FULL_MOVES
 from services.gateway.servicer import TandemServicer
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
@@ -133,13 +134,16 @@ async def test_a_failed_worker_is_avoided_by_the_next_attempt(tokenizer):
 
 
 async def test_past_the_migration_limit_the_client_gets_the_last_failures_code(tokenizer):
-    full = [failed("RESOURCE_EXHAUSTED", "p1")]
-    responses, context, cluster, _ = await generate([full, full, full], max_migrations=1, tokenizer=tokenizer)
-    assert responses == [] and len(cluster.tasks) == 2
-    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "moved 1 time(s)" in context.message
-    broken = [failed("UNAVAILABLE", "d1")]
-    _, context, _, _ = await generate([broken, broken], max_migrations=0, tokenizer=tokenizer)
-    assert context.code == grpc.StatusCode.UNAVAILABLE
+    full, broken = [failed("RESOURCE_EXHAUSTED", "p1")], [failed("UNAVAILABLE", "d1")]
+    # Turned away as full: a limit of its own, whatever --max-migrations says.
+    responses, context, cluster, _ = await generate([full] * (FULL_MOVES + 2), max_migrations=0, tokenizer=tokenizer)
+    assert responses == [] and len(cluster.tasks) == FULL_MOVES + 1
+    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"moved {FULL_MOVES} time(s)" in context.message
+    # A failed worker: --max-migrations; moves of the other kind do not use it up.
+    responses, context, cluster, _ = await generate([full, broken, full, broken, broken], max_migrations=1,
+                                                    tokenizer=tokenizer)
+    assert len(cluster.tasks) == 4 and context.code == grpc.StatusCode.UNAVAILABLE
+    assert "moved 1 time(s)" in context.message
 
 
 async def test_a_last_chunk_lost_in_a_nats_reconnect_resumes_from_the_tokens_sent(tokenizer, monkeypatch):

@@ -1,23 +1,39 @@
-"""Liveness: when each worker was last heard from, so a stream whose worker died fails fast instead of hanging."""
+"""Liveness: when each worker was last heard from, so a stream whose worker died moves (or fails)
+fast instead of hanging.
 
+A worker is dead when it has been silent for the timeout (missed heartbeats). `lost` can tell
+sooner: a worker silent for a second whose ping subject has no subscriber left on NATS has lost
+its connection, and a killed process loses it at once (the server sees the socket close). A worker
+that is only slow answers, or at least still listens, and gets the whole timeout; so does every
+worker for a timeout after this process's own NATS connection came back (subscriptions are still
+coming back then).
+"""
+
+import asyncio
 import time
 from typing import Callable
 
-from shared.messages import WorkerHeartbeat
+from shared.messages import Ping, TaskAck, WorkerHeartbeat
 from shared.subjects import Subjects
-from shared.transport.bus import MessageBus
+from shared.transport.bus import MessageBus, NoResponders
+
+QUICK_S = 1.0          # silent this long (two missed beats at the default interval): worth asking NATS
+PROBE_TIMEOUT_S = 0.25
 
 
 class Liveness:
     """Watches the heartbeat subject. `async with Liveness(bus, subjects, timeout_s) as live:`."""
 
     def __init__(self, bus: MessageBus, subjects: Subjects, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, quick_s: float = QUICK_S):
         self._bus = bus
         self._subjects = subjects
         self._timeout = timeout_s
+        self._quick = min(quick_s, timeout_s)
         self._clock = clock
         self._seen: dict[str, float] = {}
+        self._probes: dict[str, asyncio.Future] = {}   # worker -> the ping in flight (shared by every asker)
+        self._reconnects, self._settled_from = bus.reconnects, clock()
         self._sub = None
 
     async def __aenter__(self) -> "Liveness":
@@ -38,3 +54,31 @@ class Liveness:
         """
         seen = self._seen.setdefault(worker_id, self._clock())
         return self._clock() - seen <= self._timeout
+
+    async def lost(self, worker_id: str) -> bool:
+        """True when the worker is gone: silent for the timeout, or silent for `quick_s` and no
+        longer subscribed on NATS."""
+        if not self.alive(worker_id):
+            return True
+        if self._clock() - self._seen[worker_id] < self._quick or not self._settled():
+            return False
+        probe = self._probes.get(worker_id)
+        if probe is None:
+            probe = self._probes[worker_id] = asyncio.ensure_future(self._gone(worker_id))
+            probe.add_done_callback(lambda _: self._probes.pop(worker_id, None))
+        return await asyncio.shield(probe)
+
+    async def _gone(self, worker_id: str) -> bool:
+        try:
+            await self._bus.request(self._subjects.ping(worker_id), Ping(), PROBE_TIMEOUT_S, TaskAck)
+        except NoResponders:
+            return True
+        except Exception:   # it listens but is slow, or NATS is (or is down): the timeout decides
+            pass
+        return False
+
+    def _settled(self) -> bool:
+        """False for a timeout after this process's NATS connection came back."""
+        if self._bus.reconnects != self._reconnects:
+            self._reconnects, self._settled_from = self._bus.reconnects, self._clock()
+        return self._clock() - self._settled_from > self._timeout

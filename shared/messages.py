@@ -218,6 +218,11 @@ class StatusRequest:
 
 
 @dataclass
+class Ping:
+    """Asks a worker whether it is still there; it answers TaskAck(ok=True)."""
+
+
+@dataclass
 class StatusReply:
     mode: str
     ready: bool
@@ -227,4 +232,4 @@ class StatusReply:
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     GenerateTask, SubmitReply, DecodeAssignment, TaskAck, PrefillTask, PrefillResult,
-    TransferAbort, TokenChunk, CancelRequest, WorkerHeartbeat, Discover, StatusRequest, StatusReply)}
+    TransferAbort, TokenChunk, CancelRequest, WorkerHeartbeat, Discover, StatusRequest, StatusReply, Ping)}

@@ -31,16 +31,17 @@ def permissions(role: str, cluster: str) -> dict:
     s = Subjects(cluster)
     any_worker, any_gateway = "*", "*"
     table = {
-        "gateway": ([s.submit, s.status, s.cancel],
+        "gateway": ([s.submit, s.status, s.cancel, s.ping(any_worker)],
                     [s.gateway_tokens(any_gateway), s.heartbeat, inbox("gateway")]),
         "scheduler": ([s.discover, s.decode_tasks(any_worker), s.cancel],
                       [s.submit, s.status, s.heartbeat, s.cancel, inbox("scheduler")]),
         "prefill": ([s.heartbeat, s.prefill_results(any_worker)],
-                    [s.prefill_tasks(any_worker), s.transfer_aborts(any_worker), s.cancel, s.discover]),
+                    [s.prefill_tasks(any_worker), s.transfer_aborts(any_worker), s.cancel, s.discover,
+                     s.ping(any_worker)]),
         "decode": ([s.heartbeat, s.prefill_tasks(any_worker), s.transfer_aborts(any_worker),
-                    s.gateway_tokens(any_gateway)],
+                    s.gateway_tokens(any_gateway), s.ping(any_worker)],
                    [s.decode_tasks(any_worker), s.prefill_results(any_worker), s.cancel, s.discover,
-                    s.heartbeat, inbox("decode")]),
+                    s.heartbeat, s.ping(any_worker), inbox("decode")]),
     }
     publish, subscribe = table[role]
     return {"publish": publish, "subscribe": subscribe}

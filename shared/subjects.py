@@ -53,6 +53,10 @@ class Subjects:
         """Decode worker -> prefill worker: stop a KV transfer and free its blocks."""
         return f"{self._root}.worker.{worker_id}.transfer_aborts"
 
+    def ping(self, worker_id: str) -> str:
+        """Anyone -> one worker: are you still on NATS? (No responders there: its process is gone.)"""
+        return f"{self._root}.worker.{worker_id}.ping"
+
     def gateway_tokens(self, gateway_id: str) -> str:
         """Workers -> one gateway: the token stream chunks of the requests it holds."""
         return f"{self._root}.gateway.{gateway_id}.tokens"

@@ -109,7 +109,13 @@ class KVFetcher:
             layout=self.rt.runner.layout, destination=plan.destination, decode_worker=self.rt.worker_id,
             arrival_time=seq.task.arrival_time, deadline=seq.task.deadline, priority=seq.task.priority,
             output_offset=seq.task.resume_tokens)
-        ack = await self.bus.request(self.subjects.prefill_tasks(prefill_worker), task, 5.0, TaskAck)
+        asking = asyncio.ensure_future(self.bus.request(self.subjects.prefill_tasks(prefill_worker), task, 5.0, TaskAck))
+        while not asking.done():   # a worker killed as it was asked never answers: do not wait the 5 s out
+            await asyncio.wait([asking], timeout=0.25)
+            if not asking.done() and await self.liveness.lost(prefill_worker):
+                asking.cancel()
+                raise _Failed("UNAVAILABLE", f"prefill worker {prefill_worker} stopped responding")
+        ack = asking.result()
         if not ack.ok:
             raise _Failed(ack.code or "UNAVAILABLE", ack.message, from_prefill=True)
 
@@ -136,7 +142,7 @@ class KVFetcher:
                 raise _Failed("UNAVAILABLE", "the KV transfer from the prefill worker failed") from None
             if announced and time.monotonic() - max(announced, receiver.last_progress) > lease:
                 raise _Failed("UNAVAILABLE", f"the KV transfer stalled for {lease:.0f}s")
-            if not self.liveness.alive(prefill_worker):
+            if await self.liveness.lost(prefill_worker):
                 raise _Failed("UNAVAILABLE", f"prefill worker {prefill_worker} stopped responding")
             if time.monotonic() > deadline:
                 raise _Failed("UNAVAILABLE", f"prefill worker {prefill_worker} did not finish in time")

@@ -205,7 +205,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                 chunk = await asyncio.wait_for(chunks.get(), 0.5)
                 break
             except asyncio.TimeoutError:
-                if not self.liveness.alive(decode_worker):
+                if await self.liveness.lost(decode_worker):
                     raise WorkerLost(f"decode worker {decode_worker} stopped responding", decode_worker)
                 if self.bus.reconnects != reconnects and time.monotonic() - idle_since > LOST_AFTER_RECONNECT_S:
                     # NATS reconnected meanwhile: a chunk (the last one, even) may be lost, with

@@ -1,12 +1,13 @@
 """Workers announce themselves and their load on NATS: every interval, at once when a scheduler
-asks, and soon after a change worth telling (`nudge`: blocks freed by a cancel, say)."""
+asks, and soon after a change worth telling (`nudge`: blocks freed by a cancel, say). They answer
+a Ping too: while the process lives it has a subscription there (shared.liveness)."""
 
 import asyncio
 import logging
 from pathlib import Path
 from typing import Callable
 
-from shared.messages import Discover, WorkerHeartbeat
+from shared.messages import Discover, Ping, TaskAck, WorkerHeartbeat
 from shared.subjects import Subjects
 from shared.transport.bus import MessageBus
 
@@ -24,18 +25,21 @@ class Announcer:
         self._interval = interval_s
         self._alive = Path(alive_file) if alive_file else None
         self._task: asyncio.Task | None = None
-        self._sub = None
+        self._subs = []
         self._soon = asyncio.Event()
 
     async def __aenter__(self) -> "Announcer":
-        self._sub = await self._bus.subscribe(self._subjects.discover, self._on_discover)
+        worker_id = self._snapshot().worker_id
+        self._subs = [await self._bus.subscribe(self._subjects.discover, self._on_discover),
+                      await self._bus.subscribe(self._subjects.ping(worker_id), self._on_ping)]
         await self.announce()
         self._task = asyncio.create_task(self._loop())
         return self
 
     async def __aexit__(self, *exc) -> None:
         self._task.cancel()
-        await self._sub.unsubscribe()
+        for sub in self._subs:
+            await sub.unsubscribe()
         final = self._snapshot()
         final.stopping = True  # the scheduler drops us at once instead of after a timeout
         await self._bus.publish(self._subjects.heartbeat, final)
@@ -51,6 +55,10 @@ class Announcer:
 
     async def _on_discover(self, message: Discover, respond) -> None:
         await self.announce()
+
+    async def _on_ping(self, message: Ping, respond) -> None:
+        if respond is not None and isinstance(message, Ping):
+            await respond(TaskAck(ok=True))
 
     async def _loop(self) -> None:
         while True:

@@ -153,7 +153,7 @@ def test_garbage_on_every_nats_subject_is_dropped_and_counted(hostile, nats):
     workers = [w.id for w in stack.status().workers]
     subjects = [s.heartbeat, s.discover, s.submit, s.status, s.cancel, s.gateway_tokens(GATEWAY_ID)]
     for w in workers:
-        subjects += [s.decode_tasks(w), s.prefill_tasks(w), s.prefill_results(w), s.transfer_aborts(w)]
+        subjects += [s.decode_tasks(w), s.prefill_tasks(w), s.prefill_results(w), s.transfer_aborts(w), s.ping(w)]
     asyncio.run(_flood(nats.url, subjects))
     time.sleep(1.5)   # the counters travel in heartbeats
     status = stack.status()

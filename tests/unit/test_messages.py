@@ -3,7 +3,7 @@
 import msgpack
 import pytest
 
-from shared.messages import (MESSAGE_TYPES, CancelRequest, DecodeAssignment, Discover, GenerateTask,
+from shared.messages import (MESSAGE_TYPES, CancelRequest, DecodeAssignment, Discover, GenerateTask, Ping,
                              KVDestination, KVLayout, PrefillResult, PrefillTask, SamplingParams, StatusReply,
                              StatusRequest, SubmitReply, TaskAck, Timing, TokenChunk, TransferAbort,
                              WorkerHeartbeat)
@@ -39,6 +39,7 @@ SAMPLES = [
     beat("w1", running=2, kv_blocks_used=3, kv_blocks_total=10, stopping=True),
     Discover(scheduler_id="s"),
     StatusRequest(),
+    Ping(),
     StatusReply(mode="disaggregated", ready=True, workers=[beat("w1"), beat("w2", queued=4)]),
 ]
 

@@ -75,6 +75,13 @@ def _decode_workers(stack: Stack) -> list[pb.WorkerStatus]:
     return [w for w in stack.status().workers if w.role == "decode"]
 
 
+def _replaced(stack: Stack, launcher_pid: int, crashed_pid: int) -> bool:
+    """Two decode workers serve again, both the launcher's own children, neither the crashed one
+    (a stale entry, or a worker this launcher did not start, does not count)."""
+    pids = {w.pid for w in _decode_workers(stack)}
+    return len(pids) == 2 and crashed_pid not in pids and pids <= set(_children(launcher_pid))
+
+
 def _wait_until(check, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -110,8 +117,8 @@ def test_scale_decode_out_and_in_under_load(tmp_path):
             # decode-2 in its place.
             crashed = _decode_workers(stack)[0]
             os.kill(crashed.pid, signal.SIGKILL)
-            _wait_until(lambda: len(_decode_workers(stack)) == 2 and crashed.pid not in
-                        {w.pid for w in _decode_workers(stack)}, 150, "the crashed decode worker was not replaced")
+            _wait_until(lambda: _replaced(stack, launcher.pid, crashed.pid), 150,
+                        "the crashed decode worker was not replaced")
             load.wait_for(4)
 
             out = _tandem("scale", "decode=1", "--wait", "--control-socket", str(sock), "--timeout", "90")

@@ -37,8 +37,8 @@ def _sampling(m) -> str | None:
 def _task(m) -> str | None:
     if not m.request_id or not m.prompt_token_ids:
         return "empty request id or prompt"
-    if m.resume_tokens >= len(m.prompt_token_ids) or len(m.avoid_workers) > 64:
-        return "resume_tokens or avoid_workers out of range"
+    if m.resume_tokens >= len(m.prompt_token_ids) or len(m.avoid_workers) > 64 or m.moves > 64:
+        return "resume_tokens, avoid_workers or moves out of range"
     return None
 
 

@@ -34,6 +34,7 @@ class GenerateTask:
     # the client has already received; generation goes on after them.
     resume_tokens: int = 0
     avoid_workers: list[str] = field(default_factory=list)   # failed this request before: not again
+    moves: int = 0              # times it was placed again (a worker failed or was full): it waits first
 
 
 @dataclass

@@ -55,4 +55,4 @@ def resumed(task: GenerateTask, prompt: list[int], sent: list[int], failed_worke
                                    stop=list(task.sampling.stop))
     return dataclasses.replace(task, request_id=new_attempt_id(client_id(task.request_id)),
                                prompt_token_ids=prompt + sent, resume_tokens=len(sent), sampling=sampling,
-                               avoid_workers=avoid)
+                               avoid_workers=avoid, moves=task.moves + 1)

@@ -1,6 +1,9 @@
 """AdmissionQueue: requests waiting for room, highest priority first, first come first served
 among equals. Bounded in length and in waiting time, so overload is refused quickly (with a
 retry-after hint) instead of queueing without end.
+
+A request placed again (its worker failed, or was full; its client may be mid-stream) was admitted
+already: it goes ahead of new requests of its priority, and a full queue does not turn it away.
 """
 
 import heapq
@@ -29,7 +32,7 @@ class Pending:
     unconfirmed: bool = field(default=False, compare=False)   # a worker never confirmed it: it may hold it
 
     def __post_init__(self) -> None:
-        self.sort_key = (-self.priority, self.order)
+        self.sort_key = (-self.priority, 0 if self.task.moves else 1, self.order)
 
 
 class AdmissionQueue:
@@ -46,7 +49,7 @@ class AdmissionQueue:
 
     def offer(self, task: GenerateTask, respond) -> Pending | None:
         """Queues the task; None when the queue is full (refuse it)."""
-        if len(self._heap) >= self.max_pending:
+        if len(self._heap) >= self.max_pending and not task.moves:
             return None
         entry = Pending(task.priority, next(self._order), task, respond, self._clock(), set(task.avoid_workers))
         heapq.heappush(self._heap, entry)

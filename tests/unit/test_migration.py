@@ -16,4 +16,5 @@ def test_a_resumed_attempt_carries_the_sent_tokens_and_what_is_left_to_generate(
     third = resumed(second, [5, 6, 7], [20, 21, 22, 23], "p2")
     assert third.prompt_token_ids == [5, 6, 7, 20, 21, 22, 23] and third.resume_tokens == 4
     assert third.sampling.max_tokens == 6 and third.avoid_workers == ["d1", "p2"]
+    assert (first.moves, second.moves, third.moves) == (0, 1, 2)   # placed again: it waits ahead of new ones
     assert first.sampling.max_tokens == 10 and first.avoid_workers == []   # the earlier attempts unchanged

@@ -1,6 +1,7 @@
 """Registry, router and dispatch of the scheduler, over the in-memory bus."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -109,6 +110,16 @@ def test_queue_is_bounded_and_a_requeued_entry_keeps_its_place():
     assert queue.pop() is first
     queue.requeue(first)
     assert queue.head() is first
+
+
+def test_a_request_placed_again_goes_first_among_its_priority_and_past_a_full_queue():
+    queue = AdmissionQueue(max_pending=2, timeout_s=5, clock=Clock())
+    queue.offer(task(request_id="a"), None)
+    queue.offer(task(request_id="b", priority=1), None)
+    moved = dataclasses.replace(task(request_id="m"), moves=1)
+    assert queue.offer(moved, None) is not None      # admitted before: the bound is for new requests
+    assert queue.offer(task(request_id="c"), None) is None
+    assert [queue.pop().task.request_id for _ in range(3)] == ["b", "m", "a"]
 
 
 def test_queue_expires_long_waits_and_hints_when_to_retry():

@@ -1,9 +1,10 @@
 """The ranges every control message must keep, checked by wire.decode on receipt.
 
 Types are checked while a message is built; these are the values: a count is never negative, a
-time or a rate is a finite number (a difference of two hosts' clocks may be negative), a string or a list has a bounded size, and a few
-fields have ranges of their own (a sampling temperature, a resume point within its prompt). A
-message outside them is a MessageError like any malformed payload: logged, counted, dropped.
+time or a rate is a finite number (a difference of two hosts' clocks may be negative), a string
+or a list has a bounded size, and a few fields have ranges of their own (a sampling temperature,
+a resume point within its prompt). A message outside them is a MessageError like any malformed
+payload: logged, counted, dropped.
 """
 
 import dataclasses

@@ -3,11 +3,11 @@
 A decode worker that dies (or shuts down past its drain time), or a prefill worker that fails a
 prompt, does not fail the request: the gateway submits it again as a new attempt whose prompt is
 the original prompt plus every token already streamed, with `resume_tokens` saying how many of
-those are output. (A prefill worker that turns the prompt away as full is not a failure of the
-request either: it is placed again, by then knowing the worker is full.) The new decode worker re-prefills that (from its prefix cache where it can),
+those are output. The new decode worker re-prefills that (from its prefix cache where it can),
 primes its detokenizer with the output so the text goes on seamlessly, and samples the next
 position; greedy output is the same as an undisturbed run's, and seeded sampling is too (each
-position's draw depends only on the seed and the position).
+position's draw depends only on the seed and the position). A prefill worker that turns the
+prompt away as full has not failed either: the request is placed again, that worker not avoided.
 """
 
 import dataclasses

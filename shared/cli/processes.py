@@ -11,8 +11,8 @@ from pathlib import Path
 # The child's first program: asks Linux for SIGTERM when the launcher dies, even by SIGKILL
 # (PR_SET_PDEATHSIG, 1), then becomes the service (exec keeps the pid). A fresh interpreter does
 # it, not a preexec_fn: a preexec_fn makes subprocess fork() instead of vfork(), and a fork() of a
-# process running gRPC's event engine can abort the child before it execs (seen in CI: "epoll_wait
-# error: Bad file descriptor", exit -6).
+# process running gRPC's event engine can abort the child before it execs (seen in make test:
+# "epoll_wait error: Bad file descriptor", exit -6).
 _GUARD = """import ctypes, os, signal, sys
 try:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)

@@ -1,6 +1,8 @@
 """`tandem up`: NATS (unless given), one scheduler, prefill and decode workers and the gateway, as processes.
 
-While it runs, `tandem scale` reaches it on its control socket to add or retire workers.
+While it runs, `tandem scale` reaches it on its control socket to add or retire workers, and it
+restarts whatever crashes: a worker is replaced (its requests have moved), NATS, the scheduler and
+the gateway start again as they were (the others reconnect by themselves). A crash loop stops it.
 """
 
 import os
@@ -18,12 +20,13 @@ from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.cli.client import stream_generate, summary
 from shared.cli.control import ControlError, ControlServer, socket_path
-from shared.cli.pools import ScaleError, WorkerPools, WorkerSpec
+from shared.cli.pools import Restarts, ScaleError, WorkerPools, WorkerSpec
 from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
 from shared.nats_auth import ROLES, write_credentials
 
 DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM serving?"
 READY_TIMEOUT_S = 300
+SERVICES = ("nats", "scheduler", "gateway")   # one of each, restarted in place when it crashes
 
 
 def wait_until_serving(address: str, group: ProcessGroup, timeout: float, workers: int = 0) -> None:
@@ -156,8 +159,9 @@ def _serve(args, group: ProcessGroup, control: ControlServer, log_dir: Path, sto
 
 
 def _run_until_stopped(group: ProcessGroup, control: ControlServer, pools: WorkerPools, stopping: list) -> bool:
-    """Serves `tandem scale` until a signal (True) or a crashed service (False); retired workers may
-    exit, and a crashed worker is replaced (a crash loop, or any other service crashing, stops it)."""
+    """Serves `tandem scale` until a signal (True) or a crash loop (False); retired workers may
+    exit, a crashed worker is replaced, a crashed NATS, scheduler or gateway restarted."""
+    restarts = Restarts()
     while not stopping:
         try:
             for name, code, new in pools.replace_crashed():
@@ -166,11 +170,13 @@ def _run_until_stopped(group: ProcessGroup, control: ControlServer, pools: Worke
         except ScaleError as err:
             print(f"error: {err}; stopping the stack", file=sys.stderr)
             return False
-        if group.dead():
-            name, code = group.dead()[0]
-            print(f"error: {name} exited with code {code}; stopping the stack:\n{group.log_tail(name)}",
-                  file=sys.stderr)
-            return False
+        for name, code in group.dead():
+            if name not in SERVICES or not restarts.allow(name):
+                print(f"error: {name} exited with code {code}" + (", again" if name in SERVICES else "")
+                      + f"; stopping the stack:\n{group.log_tail(name)}", file=sys.stderr)
+                return False
+            print(f"{name} exited with code {code}; restarting it:\n{group.log_tail(name, 5)}", file=sys.stderr, flush=True)
+            group.restart(name)
         for name, code, killed in group.reap():
             how = "killed: it did not drain in time" if killed else f"exit code {code}"
             print(f"retired {name} is gone ({how})", flush=True)

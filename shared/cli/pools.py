@@ -24,6 +24,20 @@ class ScaleError(ValueError):
     """A scale request this stack cannot carry out; the message is for the user."""
 
 
+class Restarts:
+    """The crash-loop guard: a key (a pool, a service) may be restarted MAX_RESTARTS times within
+    RESTART_WINDOW_S; one more crash in the window means something is wrong that a restart will not fix."""
+
+    def __init__(self) -> None:
+        self._times: dict[str, list[float]] = {}
+
+    def allow(self, key: str) -> bool:
+        now = time.monotonic()
+        recent = [t for t in self._times.get(key, []) if now - t < RESTART_WINDOW_S]
+        self._times[key] = recent + ([now] if len(recent) < MAX_RESTARTS else [])
+        return len(recent) < MAX_RESTARTS
+
+
 def pool_of(role: str, mode: str) -> str:
     """The pool a role names: `decode` is the decode pool, or the colocated one in colocated mode."""
     if role == "decode" or (role == "colocated" and mode == "colocated"):
@@ -80,7 +94,7 @@ class WorkerPools:
     grace_s: float = field(default_factory=drain_grace_s)
     workers: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # pool -> (name, pid), oldest first
     spawned: dict[str, int] = field(default_factory=dict)  # pool -> workers ever started: names never repeat
-    restarts: dict[str, list[float]] = field(default_factory=dict)  # pool -> when crashed workers were replaced
+    restarts: Restarts = field(default_factory=Restarts)   # crashed workers replaced, per pool
 
     def resize(self, pool: str, count: int) -> tuple[list[dict], list[dict]]:
         """Starts or retires (newest first) workers until `pool` has `count`; returns (started, stopping)."""
@@ -104,12 +118,9 @@ class WorkerPools:
                 code = next((p.poll() for n, p in self.group.children if n == name), None)
                 if code is None:
                     continue
-                now = time.monotonic()
-                recent = [t for t in self.restarts.get(pool, []) if now - t < RESTART_WINDOW_S]
-                if len(recent) >= MAX_RESTARTS:
-                    raise ScaleError(f"{name} exited with code {code}, the {len(recent) + 1}th {pool} worker "
+                if not self.restarts.allow(pool):
+                    raise ScaleError(f"{name} exited with code {code}, the {MAX_RESTARTS + 1}th {pool} worker "
                                      f"to exit within {RESTART_WINDOW_S:.0f}s: not restarting it")
-                self.restarts[pool] = recent + [now]
                 members.remove((name, pid))
                 self.group.forget(name)
                 replaced.append((name, code, self._spawn(pool)["name"]))

@@ -65,8 +65,10 @@ class ProcessGroup:
         self.children: list[tuple[str, subprocess.Popen]] = []
         # Workers told to leave (scale-in): their exit is expected, not a crash; name -> (process, kill at).
         self.retired: dict[str, tuple[subprocess.Popen, float]] = {}
+        self._specs: dict[str, tuple[list[str], dict[str, str]]] = {}   # name -> how it was started
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        self._specs[name] = (argv, env)
         log = open(self.log_dir / f"{name}.log", "ab")
         # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the services
         # in order (gateway first, NATS last) instead of all at once.
@@ -86,6 +88,11 @@ class ProcessGroup:
     def forget(self, name: str) -> None:
         """Stops counting a child that exited (it was replaced): it is no longer a crash."""
         self.children = [(n, p) for n, p in self.children if n != name]
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Starts `name` again as it was started (same command, environment and log), after it exited."""
+        self.forget(name)
+        return self.spawn(name, *self._specs[name])
 
     def retire(self, name: str, grace_s: float) -> subprocess.Popen:
         """SIGTERMs `name` (it drains, then exits) and stops counting it as a member; SIGKILL after `grace_s`."""

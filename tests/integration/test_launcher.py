@@ -1,5 +1,5 @@
 """`tandem up`: starts the whole stack (here with --secure: NATS users per role), says ready,
-answers the demo, and Ctrl-C leaves no process and no secret behind."""
+answers the demo, starts again whatever crashes, and Ctrl-C leaves no process and no secret behind."""
 
 import asyncio
 import os
@@ -9,11 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import nats
 import psutil
 import pytest
 
 from shared.cli.processes import free_port
+from tests.integration.helpers import chat_request, collect
 from tests.integration.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -48,6 +50,22 @@ def _read_until(proc: subprocess.Popen, done, timeout: float) -> list[str]:
     return lines
 
 
+def _child(launcher_pid: int, marker: str) -> int:
+    return next(pid for pid in _children(launcher_pid) if marker in " ".join(psutil.Process(pid).cmdline()))
+
+
+def _seconds_until_serving(stack: Stack, timeout: float = 120) -> float:
+    started = time.monotonic()
+    while True:
+        try:
+            _, ids, _ = collect(stack.stub(), chat_request("Say hi.", 4), timeout=20)
+            assert ids
+            return time.monotonic() - started
+        except grpc.RpcError as err:
+            assert time.monotonic() - started < timeout, err
+            time.sleep(0.3)
+
+
 async def _nats_admits_strangers(port: int) -> bool:
     try:
         client = await nats.connect(f"nats://127.0.0.1:{port}", allow_reconnect=False, max_reconnect_attempts=0,
@@ -78,6 +96,17 @@ def test_tandem_up_secure_serves_and_stops_cleanly(tmp_path):
         secrets = Path(nats_argv[nats_argv.index("-c") + 1]).parent
         assert secrets.stat().st_mode & 0o077 == 0                 # the passwords: readable by their owner only
         assert not asyncio.run(_nats_admits_strangers(int(nats_argv[nats_argv.index("-p") + 1])))
+
+        # Whatever crashes is started again as it was (NATS on its port, with its users): serving goes on.
+        stack = Stack("default", f"127.0.0.1:{port}", None, "disaggregated")
+        for service, marker in (("scheduler", "services.scheduler"), ("NATS", "nats-server"),
+                                ("gateway", "services.gateway")):
+            victim = _child(launcher.pid, marker)
+            children.append(victim)
+            os.kill(victim, signal.SIGKILL)
+            print(f"{service} killed: serving again {_seconds_until_serving(stack):.1f}s later")
+            assert _child(launcher.pid, marker) != victim
+        children += _children(launcher.pid)
     finally:
         os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         rest, _ = launcher.communicate(timeout=60)

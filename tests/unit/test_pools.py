@@ -7,7 +7,7 @@ import time
 import pytest
 
 from shared.cli import scale
-from shared.cli.pools import ScaleError, WorkerPools, WorkerSpec, drain_grace_s
+from shared.cli.pools import Restarts, ScaleError, WorkerPools, WorkerSpec, drain_grace_s
 from shared.cli.processes import ProcessGroup
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -130,3 +130,16 @@ def test_a_crashed_worker_is_replaced_and_a_crash_loop_stops(group, monkeypatch)
         while time.monotonic() < deadline + 10:
             pools.replace_crashed()
             time.sleep(0.05)
+
+
+def test_a_service_restarts_as_it_was_started_and_a_crash_loop_is_refused(group, monkeypatch):
+    first = group.spawn("scheduler", SLEEPER, {"TANDEM_X": "1"})
+    first.kill()
+    first.wait()
+    assert group.dead() == [("scheduler", -signal.SIGKILL)]
+    again = group.restart("scheduler")
+    assert again.pid != first.pid and group.running() == ["scheduler"] and not group.dead()
+    monkeypatch.setattr("shared.cli.pools.MAX_RESTARTS", 2)
+    restarts = Restarts()
+    assert restarts.allow("nats") and restarts.allow("nats") and not restarts.allow("nats")
+    assert restarts.allow("gateway")                            # each service has its own count

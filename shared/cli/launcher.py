@@ -175,7 +175,8 @@ def _run_until_stopped(group: ProcessGroup, control: ControlServer, pools: Worke
                 print(f"error: {name} exited with code {code}" + (", again" if name in SERVICES else "")
                       + f"; stopping the stack:\n{group.log_tail(name)}", file=sys.stderr)
                 return False
-            print(f"{name} exited with code {code}; restarting it:\n{group.log_tail(name, 5)}", file=sys.stderr, flush=True)
+            print(f"{name} exited with code {code}; restarting it:\n{group.log_tail(name, 5)}",
+                  file=sys.stderr, flush=True)
             group.restart(name)
         for name, code, killed in group.reap():
             how = "killed: it did not drain in time" if killed else f"exit code {code}"

@@ -25,14 +25,15 @@ class Liveness:
     """Watches the heartbeat subject. `async with Liveness(bus, subjects, timeout_s) as live:`."""
 
     def __init__(self, bus: MessageBus, subjects: Subjects, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, quick_s: float = QUICK_S):
+                 clock: Callable[[], float] = time.monotonic):
         self._bus = bus
         self._subjects = subjects
         self._timeout = timeout_s
-        self._quick = min(quick_s, timeout_s)
+        self._quick = min(QUICK_S, timeout_s)
         self._clock = clock
         self._seen: dict[str, float] = {}
         self._probes: dict[str, asyncio.Future] = {}   # worker -> the ping in flight (shared by every asker)
+        self._probed: dict[str, float] = {}            # worker -> when a ping last found it still there
         self._reconnects, self._settled_from = bus.reconnects, clock()
         self._sub = None
 
@@ -56,17 +57,22 @@ class Liveness:
         return self._clock() - seen <= self._timeout
 
     async def lost(self, worker_id: str) -> bool:
-        """True when the worker is gone: silent for the timeout, or silent for `quick_s` and no
-        longer subscribed on NATS."""
+        """True when the worker is gone: silent for the timeout, or silent for QUICK_S and no
+        longer subscribed on NATS. One ping per worker per QUICK_S at most, however many ask."""
         if not self.alive(worker_id):
             return True
-        if self._clock() - self._seen[worker_id] < self._quick or not self._settled():
+        now = self._clock()
+        if now - self._seen[worker_id] < self._quick or now - self._probed.get(worker_id, 0.0) < self._quick \
+                or not self._settled():
             return False
         probe = self._probes.get(worker_id)
         if probe is None:
             probe = self._probes[worker_id] = asyncio.ensure_future(self._gone(worker_id))
             probe.add_done_callback(lambda _: self._probes.pop(worker_id, None))
-        return await asyncio.shield(probe)
+        gone = await asyncio.shield(probe)
+        if not gone:
+            self._probed[worker_id] = now
+        return gone
 
     async def _gone(self, worker_id: str) -> bool:
         try:

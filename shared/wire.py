@@ -5,6 +5,7 @@ values out of range (shared.message_rules) and oversized payloads are rejected w
 """
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, TypeVar
@@ -71,12 +72,18 @@ def _check(kind: Any, value: Any, where: str) -> Any:
     return value
 
 
-def _build(cls: type, body: dict, where: str) -> Any:
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
+    """Each field of a message type with its resolved type (resolving costs more than decoding)."""
     hints = typing.get_type_hints(cls)
+    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
+
+
+def _build(cls: type, body: dict, where: str) -> Any:
     values = {}
-    for f in dataclasses.fields(cls):
+    for f, kind in _fields(cls):
         if f.name in body:
-            values[f.name] = _check(hints[f.name], body[f.name], f"{where}.{f.name}")
+            values[f.name] = _check(kind, body[f.name], f"{where}.{f.name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise MessageError(f"{where}: missing field {f.name!r}")
     message = cls(**values)

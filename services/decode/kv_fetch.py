@@ -110,11 +110,13 @@ class KVFetcher:
             arrival_time=seq.task.arrival_time, deadline=seq.task.deadline, priority=seq.task.priority,
             output_offset=seq.task.resume_tokens)
         asking = asyncio.ensure_future(self.bus.request(self.subjects.prefill_tasks(prefill_worker), task, 5.0, TaskAck))
-        while not asking.done():   # a worker killed as it was asked never answers: do not wait the 5 s out
-            await asyncio.wait([asking], timeout=0.25)
-            if not asking.done() and await self.liveness.lost(prefill_worker):
-                asking.cancel()
-                raise _Failed("UNAVAILABLE", f"prefill worker {prefill_worker} stopped responding")
+        try:
+            while not asking.done():   # a worker killed as it was asked never answers: do not wait the 5 s out
+                await asyncio.wait([asking], timeout=0.25)
+                if not asking.done() and await self.liveness.lost(prefill_worker):
+                    raise _Failed("UNAVAILABLE", f"prefill worker {prefill_worker} stopped responding")
+        finally:
+            asking.cancel()   # gone, or this fetch was cancelled: nobody waits for the answer any more
         ack = asking.result()
         if not ack.ok:
             raise _Failed(ack.code or "UNAVAILABLE", ack.message, from_prefill=True)
@@ -186,7 +188,7 @@ class KVFetcher:
                      pieces_sent: int | None) -> None:
         """Takes off the wire the pieces the prefill worker sent before it heard of the abort."""
         deadline = time.monotonic() + self.settings.kv_lease_s
-        while pieces_sent is None and self.liveness.alive(prefill_worker) and time.monotonic() < deadline:
+        while pieces_sent is None and time.monotonic() < deadline and not await self.liveness.lost(prefill_worker):
             try:
                 news = await asyncio.wait_for(inbox.get(), 0.5)
             except asyncio.TimeoutError:

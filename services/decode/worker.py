@@ -41,8 +41,8 @@ class DecodeWorker:
         self.cancelled = RecentIds(ttl_s=120)
         self.served = 0
         self.stopping = False
-        self.announcer = Announcer(bus, self.subjects, self.snapshot, settings.heartbeat_interval_s,
-                                   settings.alive_file)
+        self.announcer = Announcer(bus, self.subjects, runtime.worker_id, self.snapshot,
+                                   settings.heartbeat_interval_s, settings.alive_file)
 
     def snapshot(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
@@ -111,8 +111,6 @@ class DecodeWorker:
             return ("CANCELLED", f"request {task.request_id} was cancelled before it started")
         if task.request_id in self.loop.seqs:
             return ("ALREADY_EXISTS", f"request {task.request_id} is already running")
-        if not 0 <= task.resume_tokens < len(task.prompt_token_ids):
-            return ("INVALID_ARGUMENT", f"resume_tokens {task.resume_tokens} is not within the prompt")
         if len(task.prompt_token_ids) + task.sampling.max_tokens > self.rt.max_model_len:
             return ("INVALID_ARGUMENT", f"prompt plus max_tokens exceeds {self.rt.max_model_len} tokens")
         if len(self.loop.seqs) >= self.settings.max_queue:

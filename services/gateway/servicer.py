@@ -132,7 +132,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                 if first_at is None and chunk.token_ids:
                     first_at = time.time()
                 ended = bool(chunk.finish_reason)
-                yield self._response(valid.request_id, chunk, arrival, first_at, sum(moves.values()))
+                yield self._response(valid.request_id, chunk, arrival, first_at, task.moves)
         finally:
             self.streams.close(task.request_id)
             if not ended:  # client gone, deadline passed or a failure: free what the workers hold

@@ -58,8 +58,8 @@ class PrefillWorker:
         self.wakeup = asyncio.Event()
         self.served = 0
         self.stopping = False
-        self.announcer = Announcer(bus, self.subjects, self.snapshot, settings.heartbeat_interval_s,
-                                   settings.alive_file)
+        self.announcer = Announcer(bus, self.subjects, runtime.worker_id, self.snapshot,
+                                   settings.heartbeat_interval_s, settings.alive_file)
 
     def snapshot(self) -> WorkerHeartbeat:
         queued = sum(1 for t in self.held.values() if t.seq.status is SeqStatus.WAITING and not t.seq.num_computed_tokens)

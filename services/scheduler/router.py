@@ -76,7 +76,7 @@ def _needed_blocks(worker: WorkerHeartbeat, task: GenerateTask, cached: int) -> 
 
 def _could_ever_fit(worker: WorkerHeartbeat, task: GenerateTask) -> bool:
     tokens = len(task.prompt_token_ids) + task.sampling.max_tokens
-    return tokens <= worker.max_model_len and -(-tokens // max(1, worker.block_size)) <= worker.kv_blocks_total
+    return tokens <= worker.max_model_len and _holds(worker, tokens)
 
 
 def _fill_after(worker: WorkerHeartbeat, blocks: int) -> float:
@@ -200,8 +200,9 @@ class Router:
         raise NoRoom("every prefill worker's queue is full")
 
 
-def _holds(worker: WorkerHeartbeat, prompt_len: int) -> bool:
-    return -(-prompt_len // max(1, worker.block_size)) <= worker.kv_blocks_total
+def _holds(worker: WorkerHeartbeat, tokens: int) -> bool:
+    """The worker's whole KV cache holds `tokens`."""
+    return -(-tokens // max(1, worker.block_size)) <= worker.kv_blocks_total
 
 
 def _takes(prefill: WorkerHeartbeat, prompt: PromptView) -> bool:

@@ -163,14 +163,16 @@ def _run_until_stopped(group: ProcessGroup, control: ControlServer, pools: Worke
     exit, a crashed worker is replaced, a crashed NATS, scheduler or gateway restarted."""
     restarts = Restarts()
     while not stopping:
+        dead = dict(group.dead())   # one look: a worker exiting after it is not taken for a service
         try:
-            for name, code, new in pools.replace_crashed():
+            for name, code, new in pools.replace_crashed(dead):
                 print(f"{name} exited with code {code}; started {new} in its place:\n{group.log_tail(name, 5)}",
                       file=sys.stderr, flush=True)
+                del dead[name]
         except ScaleError as err:
             print(f"error: {err}; stopping the stack", file=sys.stderr)
             return False
-        for name, code in group.dead():
+        for name, code in dead.items():
             if name not in SERVICES or not restarts.allow(name):
                 print(f"error: {name} exited with code {code}" + (", again" if name in SERVICES else "")
                       + f"; stopping the stack:\n{group.log_tail(name)}", file=sys.stderr)

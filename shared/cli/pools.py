@@ -108,14 +108,16 @@ class WorkerPools:
             stopping.append({"name": name, "pid": pid})
         return started, stopping
 
-    def replace_crashed(self) -> list[tuple[str, int, str]]:
+    def replace_crashed(self, dead: dict[str, int] | None = None) -> list[tuple[str, int, str]]:
         """Starts a new worker for each one that exited on its own (a crash, a kill): its requests
-        have moved to the others already, and the pool gets back to its size. (dead name, exit
-        code, new name) for each; ScaleError when a pool crash-loops (MAX_RESTARTS in the window)."""
+        have moved to the others already, and the pool gets back to its size. `dead`: the group's
+        exited children, name -> exit code (read now when not given). (dead name, exit code, new
+        name) for each; ScaleError when a pool crash-loops (MAX_RESTARTS in the window)."""
+        dead = dict(self.group.dead()) if dead is None else dead
         replaced = []
         for pool, members in self.workers.items():
             for name, pid in list(members):
-                code = next((p.poll() for n, p in self.group.children if n == name), None)
+                code = dead.get(name)
                 if code is None:
                     continue
                 if not self.restarts.allow(pool):

@@ -17,10 +17,11 @@ NUDGE_GAP_S = 0.05
 
 
 class Announcer:
-    def __init__(self, bus: MessageBus, subjects: Subjects, snapshot: Callable[[], WorkerHeartbeat],
-                 interval_s: float, alive_file: str = ""):
+    def __init__(self, bus: MessageBus, subjects: Subjects, worker_id: str,
+                 snapshot: Callable[[], WorkerHeartbeat], interval_s: float, alive_file: str = ""):
         self._bus = bus
         self._subjects = subjects
+        self._worker_id = worker_id
         self._snapshot = snapshot
         self._interval = interval_s
         self._alive = Path(alive_file) if alive_file else None
@@ -29,9 +30,8 @@ class Announcer:
         self._soon = asyncio.Event()
 
     async def __aenter__(self) -> "Announcer":
-        worker_id = self._snapshot().worker_id
         self._subs = [await self._bus.subscribe(self._subjects.discover, self._on_discover),
-                      await self._bus.subscribe(self._subjects.ping(worker_id), self._on_ping)]
+                      await self._bus.subscribe(self._subjects.ping(self._worker_id), self._on_ping)]
         await self.announce()
         self._task = asyncio.create_task(self._loop())
         return self

@@ -54,8 +54,11 @@ def test_services_survive_bad_input(disagg):
 def test_deadline_exceeded_frees_the_kv(disagg):
     disagg.wait_idle()
     request = chat_request("Write a very long story.", 2000, ignore_eos=True)
+    stream = disagg.stub().Generate(request, timeout=4)
+    assert next(stream).token_ids   # it decodes, and its blocks are held, when the deadline passes
+    _wait_until(lambda: _held(disagg, "decode"), "the decode worker never reported the blocks it holds", 3)
     with pytest.raises(grpc.RpcError) as err:
-        collect(disagg.stub(), request, timeout=1.5)
+        list(stream)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     seconds = _seconds_until_free(disagg)
     print(f"deadline passed -> every pool free in ClusterStatus: {seconds:.2f}s")

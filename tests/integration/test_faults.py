@@ -25,12 +25,13 @@ from tests.integration.stack import start_stack
 pytestmark = pytest.mark.slow
 
 
-def _worker(stack, role: str, busy: bool = True):
-    """The live worker of `role` that holds a request (running or queued)."""
+def _worker(stack, role: str, busy: bool = True, killed: frozenset[str] = frozenset()):
+    """The live worker of `role` that holds a request (running or queued); never one in `killed`
+    (the scheduler lists a killed worker until its heartbeats have been missing for 3 s)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for w in stack.status().workers:
-            if w.role == role and (not busy or w.running or w.queued):
+            if w.role == role and w.id not in killed and (not busy or w.running or w.queued):
                 return w
         time.sleep(0.05)
     raise AssertionError(f"no busy {role} worker: {stack.status()}")
@@ -54,11 +55,12 @@ def _stream_and_kill(stack, request, role: str, after_tokens: int, timeout: floa
     return responses, victim
 
 
-def _kill_mid_prefill(stack, request):
-    """Sends `request` (a long prompt); SIGKILLs the prefill worker computing it. (responses, killed)"""
+def _kill_mid_prefill(stack, request, killed: frozenset[str]):
+    """Sends `request` (a long prompt); SIGKILLs the prefill worker computing it (not one in
+    `killed`). (responses, killed)"""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(lambda: list(stack.stub().Generate(request, timeout=300)))
-        prefill = _worker(stack, "prefill")
+        prefill = _worker(stack, "prefill", killed=killed)
         os.kill(prefill.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         responses = pending.result()
@@ -71,10 +73,12 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
                         extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "64"})
     try:
         # 1. A prefill worker dies while it computes a long prompt, then the other one.
+        killed_ids: set[str] = set()
         for question, path in (("river", "disaggregated"), ("forest", "local")):
             # distinct from the first token: no prefix cache shortens the prefill we kill
             long = chat_request(f"About the {question}. {long_document(1200)} And near the {question}?", 8)
-            responses, killed = _kill_mid_prefill(stack, long)
+            responses, killed = _kill_mid_prefill(stack, long, frozenset(killed_ids))
+            killed_ids.add(killed.id)
             ids = [t for r in responses for t in r.token_ids]
             assert ids == hf_greedy(hf_model, tokenizer, long)
             timing = responses[-1].timing

@@ -155,10 +155,14 @@ def test_garbage_on_every_nats_subject_is_dropped_and_counted(hostile, nats):
     for w in workers:
         subjects += [s.decode_tasks(w), s.prefill_tasks(w), s.prefill_results(w), s.transfer_aborts(w), s.ping(w)]
     asyncio.run(_flood(nats.url, subjects))
-    time.sleep(1.5)   # the counters travel in heartbeats
-    status = stack.status()
-    assert all(w.messages_dropped > 0 for w in status.workers), status
-    assert status.scheduler_messages_dropped > 0 and status.gateway_messages_dropped > 0, status
+    deadline = time.monotonic() + 15   # the workers' counters travel in heartbeats
+    while True:
+        status = stack.status()
+        if all(w.messages_dropped > 0 for w in status.workers) and status.scheduler_messages_dropped > 0 \
+                and status.gateway_messages_dropped > 0:
+            break
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
     _still_serving(stack, reference)
 
 

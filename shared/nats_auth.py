@@ -20,9 +20,14 @@ from shared.subjects import Subjects
 ROLES = ("gateway", "scheduler", "prefill", "decode")
 
 
+def inbox_prefix(role: str) -> str:
+    """Where `role`'s requests ask for their answers (NatsBus(role=...) uses it)."""
+    return f"_INBOX.{role}"
+
+
 def inbox(role: str) -> str:
-    """The reply inboxes of `role`'s requests (NatsBus(role=...) asks for its answers there)."""
-    return f"_INBOX.{role}.>"
+    """The reply inboxes of `role`'s requests: what its NATS user may subscribe to."""
+    return inbox_prefix(role) + ".>"
 
 
 def permissions(role: str, cluster: str) -> dict:

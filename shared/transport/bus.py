@@ -7,6 +7,7 @@ from typing import Any, Awaitable, Callable, Optional, Protocol
 import nats
 import nats.errors
 
+from shared.nats_auth import inbox_prefix
 from shared.wire import MessageError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class NatsBus:
         self._name = name
         self._options = options or {}   # credentials and TLS (shared.settings.nats_options): never logged
         if role:   # answers come to _INBOX.<role>.…: the only inboxes this role's NATS user may read
-            self._options = {**self._options, "inbox_prefix": f"_INBOX.{role}"}
+            self._options = {**self._options, "inbox_prefix": inbox_prefix(role)}
         self._nc: nats.NATS | None = None
         self._closing = False
         self.dropped = 0

@@ -154,12 +154,13 @@ def test_only_an_announced_transfer_lands(prefill, decode):
     address = decode.call("address")["address"]
     before = decode.call("digest", table=dst, start=0, end=prompt)
     with KVPeer(LAYOUT, num_blocks=160, seed=99) as rogue:
-        forged = destination(address, dst)            # the right blocks, a tag nobody announced
-        rogue.call("send", prompt_len=prompt, src_table=src, destination=forged)
-        time.sleep(0.5)
-        assert decode.call("digest", table=dst, start=0, end=prompt) == before
-        announced = destination(address, dst)
+        announced = destination(address, dst)         # receives posted into dst, waiting for their tag
         decode.call("receive", prompt_len=prompt, destination=announced)
+        forged = destination(address, dst)            # the same blocks, a tag nobody announced
+        rogue.call("send", prompt_len=prompt, src_table=src, destination=forged, timeout_s=2)
+        waited = decode.call("wait", base_tag=announced["base_tag"], timeout_s=0.5)
+        assert waited["landed"] == 0 and not waited["complete"], waited
+        assert decode.call("digest", table=dst, start=0, end=prompt) == before
         sent = prefill.call("send", prompt_len=prompt, src_table=src, destination=announced)
         landed = decode.call("wait", base_tag=announced["base_tag"], timeout_s=30)
         assert sent["ok"] and landed["complete"], (sent, landed)

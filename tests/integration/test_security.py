@@ -111,8 +111,9 @@ def test_secure_stack_refuses_strangers_and_serves_with_auth_and_tls(processes, 
         wait_serving(stack.address, stack.group, names=stack.names, credentials=trusted)
         with grpc.secure_channel(stack.address, trusted) as channel:
             api = pb_grpc.TandemStub(channel)
+            deadline = time.monotonic() + 240
             while len(api.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).workers) < 2:   # the prefill one too
-                assert not stack.dead(), stack.dead()
+                assert not stack.dead() and time.monotonic() < deadline, stack.dead()
                 time.sleep(0.2)
             responses = list(api.Generate(chat_request(long_document(300), 4), timeout=120))
         assert responses[-1].finish_reason and responses[-1].timing.path == "disaggregated"   # KV moved, all roles spoke

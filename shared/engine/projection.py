@@ -6,8 +6,9 @@ torch's default (MKL sgemm on the transposed weight) slow at the row counts deco
 64 rows: 2-3x slower, and up to 4x on the 49k-row output head). Layers that read the same input
 are fused into one weight (q|k|v, gate|up), one call instead of several.
 
-Anything else (CUDA, int8 dynamic-quantized modules, a torch without oneDNN) calls the modules
-themselves.
+Anything else (CUDA, int8 dynamic-quantized modules, a torch without oneDNN, bfloat16 on a CPU
+oneDNN has no bf16 kernels for: AVX2 without AVX-512 or AVX-NE-CONVERT) calls the modules
+themselves; `path` says which ran.
 
 `invariant_row_counts` measures, on the projections in hand, which row counts give each row the
 same bits as a larger batch does (the GEMM kernel oneDNN or MKL picks depends on the row count);
@@ -21,6 +22,12 @@ from torch import nn
 
 PROBE_ROWS = 64  # the reference batch; row counts up to SMALL are probed against it
 SMALL = 16
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN computes bfloat16 natively on this CPU (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX);
+    elsewhere torch emulates bf16 matmuls through float32 and nothing is packed."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _packable(modules: list[nn.Module]) -> bool:
@@ -50,6 +57,11 @@ class Projection:
                 biases = [m.bias for m in modules]
                 self.bias = None if all(b is None for b in biases) else torch.cat(
                     [b if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, modules)])
+
+    @property
+    def path(self) -> str:
+        """Which kernels compute this projection: "onednn-packed" or "torch"."""
+        return "torch" if self.packed is None else "onednn-packed"
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.packed is None:

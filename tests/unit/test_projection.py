@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts
+from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts, onednn_bf16
 from shared.model_store import quantize_int8
 
 
@@ -16,9 +16,31 @@ def linears(*sizes: int, bias: bool = False) -> list[nn.Linear]:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_projection_matches_each_module(bias, dtype):
+    """Packed wherever oneDNN has kernels for the dtype on this CPU (float32 always; bfloat16 only
+    with AVX-512 or AVX-NE-CONVERT), the plain modules elsewhere: correct either way."""
     modules = [m.to(dtype) for m in linears(32, 16, 16, bias=bias)]
     projection = Projection(modules)
-    assert projection.packed is not None  # this CPU build has oneDNN
+    packable = dtype == torch.float32 or onednn_bf16()
+    assert projection.path == ("onednn-packed" if packable else "torch")
+    assert_matches_modules(projection, modules, dtype)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_unpacked_fallback_matches_each_module_on_any_cpu(monkeypatch, bias, dtype):
+    """The path an AVX2-only CPU takes for bfloat16 (oneDNN refuses to pack), forced on every CPU."""
+
+    def refuse(weight, batch_size):
+        raise RuntimeError("bf16 path needs the cpu support avx_ne_convert or avx512bw")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    modules = [m.to(dtype) for m in linears(32, 16, 16, bias=bias)]
+    projection = Projection(modules)
+    assert projection.packed is None and projection.path == "torch"
+    assert_matches_modules(projection, modules, dtype)
+
+
+def assert_matches_modules(projection: Projection, modules: list[nn.Module], dtype: torch.dtype) -> None:
     x = torch.randn(7, 48).to(dtype)
     with torch.inference_mode():
         outputs = projection(x)

@@ -70,7 +70,7 @@ bench-overload: kernels
 	$(PY) bench/overload.py
 
 proto: install
-	$(PY) -m shared.api.codegen
+	$(PY) proto/codegen.py
 
 clean:
 	rm -rf $(VENV) .venv-bench .pytest_cache *.egg-info

@@ -29,7 +29,7 @@ from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_cache import bytes_per_token  # noqa: E402
 from shared.engine.model_runner import ModelRunner  # noqa: E402
 from shared.engine.sequence import Sequence  # noqa: E402
-from shared.messages import GenerateTask, SamplingParams  # noqa: E402
+from shared.control.messages import GenerateTask, SamplingParams  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 NEW_TOKENS = 128

@@ -4,7 +4,7 @@ Part 1, transfer throughput: for prompts of 128 to 16,384 tokens of the default 
 of a synthetic Llama-3-8B-shaped KV (32 layers, 8 KV heads, head_dim 128, bf16: 128 KiB a
 token, as the real one), between two processes of this host:
   - ours: TransferPlan + KVSender + KVReceiver, packed on the prefill side, received straight
-    into scattered blocks of the decode pool (shared.kvtransfer.peer runs each side);
+    into scattered blocks of the decode pool (tests.fakes.kv_peer runs each side);
   - bare ucxx: one send of one buffer of the same size, same data plane settings;
   - memcpy: torch copy of the same bytes inside one process (the same-host physical limit);
   - NATS: the same bytes published in 1 MiB chunks through a local nats-server.
@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.engine.kv_cache import bytes_per_token  # noqa: E402
-from shared.kvtransfer.peer import KVPeer  # noqa: E402
-from shared.kvtransfer.plan import new_base_tag  # noqa: E402
-from shared.messages import KVLayout  # noqa: E402
+from tests.fakes.kv_peer import KVPeer  # noqa: E402
+from shared.dataplane.plan import new_base_tag  # noqa: E402
+from shared.control.messages import KVLayout  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BS = 16

@@ -7,11 +7,11 @@ from contextlib import AsyncExitStack
 from services.decode.settings import DecodeSettings
 from services.decode.worker import DecodeWorker
 from shared.lifecycle import stop_on_signals
-from shared.liveness import Liveness
-from shared.subjects import Subjects
+from shared.control.liveness import Liveness
+from shared.control.subjects import Subjects
 from shared.settings import load_settings, nats_options, setup_logging
-from shared.transport.bus import NatsBus
-from shared.transport.kv import UcxDataPlane
+from shared.control.bus import NatsBus
+from shared.dataplane.ucx import UcxDataPlane
 from shared.worker.runtime import load_runtime
 
 

@@ -14,13 +14,13 @@ import secrets
 import time
 
 from shared.engine.sequence import Sequence
-from shared.kvtransfer.plan import PlanError, TransferPlan, new_base_tag
-from shared.kvtransfer.receiver import KVReceiver
-from shared.liveness import Liveness
-from shared.messages import KVDestination, PrefillResult, PrefillTask, TaskAck, TransferAbort
-from shared.subjects import Subjects
-from shared.transport.bus import BusError, MessageBus
-from shared.transport.kv import DataPlane, KVTransferError, discard
+from shared.dataplane.plan import PlanError, TransferPlan, new_base_tag
+from shared.dataplane.receiver import KVReceiver
+from shared.control.liveness import Liveness
+from shared.control.messages import KVDestination, PrefillResult, PrefillTask, TaskAck, TransferAbort
+from shared.control.subjects import Subjects
+from shared.control.bus import BusError, MessageBus
+from shared.dataplane.ucx import DataPlane, KVTransferError, discard
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 

@@ -6,17 +6,17 @@ import asyncio
 import logging
 import os
 
-from services.decode.engine import DecodeLoop
+from services.decode.decode_loop import DecodeLoop
 from services.decode.kv_fetch import KVFetcher
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.model_runner import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
-from shared.liveness import Liveness
-from shared.messages import CancelRequest, DecodeAssignment, TaskAck, Timing, TokenChunk, WorkerHeartbeat
-from shared.recent import RecentIds
-from shared.subjects import Subjects
-from shared.transport.bus import MessageBus
-from shared.transport.kv import DataPlane
+from shared.control.liveness import Liveness
+from shared.control.messages import CancelRequest, DecodeAssignment, TaskAck, Timing, TokenChunk, WorkerHeartbeat
+from shared.control.recent import RecentIds
+from shared.control.subjects import Subjects
+from shared.control.bus import MessageBus
+from shared.dataplane.ucx import DataPlane
 from shared.worker.announcer import Announcer
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings

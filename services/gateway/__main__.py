@@ -16,10 +16,10 @@ from services.gateway.streams import StreamRouter
 from services.gateway.validation import Limits
 from shared import model_store
 from shared.lifecycle import stop_on_signals
-from shared.liveness import Liveness
+from shared.control.liveness import Liveness
 from shared.settings import load_settings, nats_options, setup_logging
-from shared.subjects import Subjects
-from shared.transport.bus import NatsBus
+from shared.control.subjects import Subjects
+from shared.control.bus import NatsBus
 
 log = logging.getLogger("gateway")
 

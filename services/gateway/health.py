@@ -5,9 +5,9 @@ import logging
 
 from grpc_health.v1 import health_pb2
 
-from shared.messages import StatusReply, StatusRequest
-from shared.subjects import Subjects
-from shared.transport.bus import BusError, MessageBus
+from shared.control.messages import StatusReply, StatusRequest
+from shared.control.subjects import Subjects
+from shared.control.bus import BusError, MessageBus
 
 log = logging.getLogger(__name__)
 

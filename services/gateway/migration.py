@@ -13,7 +13,7 @@ prompt away as full has not failed either: the request is placed again, that wor
 import dataclasses
 import uuid
 
-from shared.messages import GenerateTask
+from shared.control.messages import GenerateTask
 
 
 FULL_MOVES = 8   # times a request turned away by a full worker is placed again (a failed one: --max-migrations)

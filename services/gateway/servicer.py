@@ -15,11 +15,11 @@ from services.gateway.streams import StreamRouter
 from services.gateway.validation import InvalidRequest, Limits, validate
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
-from shared.messages import (CancelRequest, GenerateTask, StatusReply, StatusRequest, SubmitReply,
+from shared.control.messages import (CancelRequest, GenerateTask, StatusReply, StatusRequest, SubmitReply,
                              TokenChunk)
-from shared.liveness import Liveness
-from shared.subjects import Subjects
-from shared.transport.bus import BadReply, BusError, MessageBus, NoResponders, RequestTimeout
+from shared.control.liveness import Liveness
+from shared.control.subjects import Subjects
+from shared.control.bus import BadReply, BusError, MessageBus, NoResponders, RequestTimeout
 
 log = logging.getLogger(__name__)
 

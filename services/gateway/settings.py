@@ -2,7 +2,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from shared import message_rules as rules
+from shared.control import rules
 from shared.settings import CommonSettings
 
 

@@ -2,8 +2,8 @@
 
 import asyncio
 
-from shared.messages import TokenChunk
-from shared.transport.bus import MessageBus
+from shared.control.messages import TokenChunk
+from shared.control.bus import MessageBus
 
 
 class StreamRouter:

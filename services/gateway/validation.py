@@ -6,9 +6,9 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from shared import message_rules as rules
+from shared.control import rules
 from shared.api import tandem_pb2 as pb
-from shared.messages import SamplingParams
+from shared.control.messages import SamplingParams
 
 ROLES = ("system", "user", "assistant")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

@@ -8,8 +8,8 @@ from services.prefill.settings import PrefillSettings
 from services.prefill.worker import PrefillWorker
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
-from shared.transport.bus import NatsBus
-from shared.transport.kv import UcxDataPlane
+from shared.control.bus import NatsBus
+from shared.dataplane.ucx import UcxDataPlane
 from shared.worker.runtime import load_runtime
 
 

@@ -17,14 +17,14 @@ from dataclasses import asdict, dataclass
 
 from shared.engine.model_runner import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence
-from shared.kvtransfer.plan import PlanError, TransferPlan
-from shared.kvtransfer.sender import KVSender
+from shared.dataplane.plan import PlanError, TransferPlan
+from shared.dataplane.sender import KVSender
 from shared.lifecycle import wait_or_stop
-from shared.messages import (CancelRequest, GenerateTask, PrefillResult, PrefillTask, TaskAck,
+from shared.control.messages import (CancelRequest, GenerateTask, PrefillResult, PrefillTask, TaskAck,
                              TransferAbort, WorkerHeartbeat)
-from shared.subjects import Subjects
-from shared.transport.bus import MessageBus
-from shared.transport.kv import DataPlane, KVTransferError
+from shared.control.subjects import Subjects
+from shared.control.bus import MessageBus
+from shared.dataplane.ucx import DataPlane, KVTransferError
 from shared.worker.announcer import Announcer
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings

@@ -7,7 +7,7 @@ from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
-from shared.transport.bus import NatsBus
+from shared.control.bus import NatsBus
 
 
 async def run(settings: SchedulerSettings) -> None:

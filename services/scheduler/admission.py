@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shared.messages import GenerateTask
+from shared.control.messages import GenerateTask
 
 RATE_WINDOW_S = 10.0
 

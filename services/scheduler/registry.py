@@ -10,7 +10,7 @@ import dataclasses
 import time
 from typing import Callable
 
-from shared.messages import WorkerHeartbeat
+from shared.control.messages import WorkerHeartbeat
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from services.scheduler import cost
 from services.scheduler.cost import PromptView
 from services.scheduler.registry import WorkerRegistry
-from shared.messages import GenerateTask, WorkerHeartbeat
+from shared.control.messages import GenerateTask, WorkerHeartbeat
 
 
 class NoWorker(Exception):

@@ -18,10 +18,10 @@ from services.scheduler.admission import AdmissionQueue, Pending
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
-from shared.messages import (CancelRequest, DecodeAssignment, Discover, GenerateTask, StatusReply, StatusRequest,
+from shared.control.messages import (CancelRequest, DecodeAssignment, Discover, GenerateTask, StatusReply, StatusRequest,
                              SubmitReply, TaskAck, WorkerHeartbeat)
-from shared.subjects import Subjects
-from shared.transport.bus import BadReply, MessageBus, NoResponders, RequestTimeout
+from shared.control.subjects import Subjects
+from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
 
 log = logging.getLogger(__name__)
 

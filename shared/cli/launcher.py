@@ -22,7 +22,7 @@ from shared.cli.client import stream_generate, summary
 from shared.cli.control import ControlError, ControlServer, socket_path
 from shared.cli.pools import Restarts, ScaleError, WorkerPools, WorkerSpec
 from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
-from shared.nats_auth import ROLES, write_credentials
+from shared.control.nats_auth import ROLES, write_credentials
 
 DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM serving?"
 READY_TIMEOUT_S = 300

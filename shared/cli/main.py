@@ -4,7 +4,7 @@ import argparse
 import os
 import sys
 
-from shared import nats_auth
+from shared.control import nats_auth
 from shared.cli import bench, client, launcher, scale
 
 

@@ -2,12 +2,12 @@
 
 The pool is one tensor [layers, 2, slots, kv_heads, head_dim], slot = block * block_size + offset,
 so the keys (or values) of one layer over a run of consecutive blocks are one contiguous range:
-that is what a KV transfer writes into directly (see shared.kvtransfer).
+that is what a KV transfer writes into directly (see shared.dataplane).
 """
 
 import torch
 
-from shared.messages import KVLayout
+from shared.control.messages import KVLayout
 
 
 def layout_of(config, model: str, dtype: torch.dtype, block_size: int = 16) -> KVLayout:

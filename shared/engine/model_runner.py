@@ -26,7 +26,7 @@ from shared.engine.kv_cache import KVPool
 from shared.engine.layer_ops import KernelOps, layer_ops
 from shared.engine.paged_attention import PagedAttention
 from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts
-from shared.messages import KVLayout
+from shared.control.messages import KVLayout
 
 log = logging.getLogger(__name__)
 

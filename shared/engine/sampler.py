@@ -7,7 +7,7 @@ and the rest on a decode worker, or all of them in one colocated worker.
 
 import torch
 
-from shared.messages import SamplingParams
+from shared.control.messages import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1

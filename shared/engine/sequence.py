@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from shared.engine.detokenizer import Detokenizer
-from shared.messages import GenerateTask
+from shared.control.messages import GenerateTask
 
 
 class SeqStatus(enum.Enum):

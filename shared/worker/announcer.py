@@ -1,15 +1,15 @@
 """Workers announce themselves and their load on NATS: every interval, at once when a scheduler
 asks, and soon after a change worth telling (`nudge`: blocks freed by a cancel, say). They answer
-a Ping too: while the process lives it has a subscription there (shared.liveness)."""
+a Ping too: while the process lives it has a subscription there (shared.control.liveness)."""
 
 import asyncio
 import logging
 from pathlib import Path
 from typing import Callable
 
-from shared.messages import Discover, Ping, TaskAck, WorkerHeartbeat
-from shared.subjects import Subjects
-from shared.transport.bus import MessageBus
+from shared.control.messages import Discover, Ping, TaskAck, WorkerHeartbeat
+from shared.control.subjects import Subjects
+from shared.control.bus import MessageBus
 
 log = logging.getLogger(__name__)
 

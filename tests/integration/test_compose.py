@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
-from shared.nats_auth import env_file, new_passwords, server_config
+from shared.control.nats_auth import env_file, new_passwords, server_config
 from tests.integration.helpers import chat_request, collect
 from tests.integration.stack import NatsServer, Stack, wait_serving
 

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from shared.engine.kv_cache import bytes_per_token
-from shared.messages import KVLayout
+from shared.control.messages import KVLayout
 from tests.integration.helpers import chat_request, collect, long_document
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.api import tandem_pb2 as pb
-from shared.wire import encode
-from shared.subjects import Subjects
+from shared.control.wire import encode
+from shared.control.subjects import Subjects
 from tests.integration.helpers import chat_request, collect, long_document
 from tests.integration.stack import start_stack
 

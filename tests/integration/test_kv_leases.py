@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
-from shared.messages import KVDestination, KVLayout, PrefillTask, SamplingParams, TaskAck
-from shared.subjects import Subjects
-from shared.transport.bus import NatsBus
+from shared.control.messages import KVDestination, KVLayout, PrefillTask, SamplingParams, TaskAck
+from shared.control.subjects import Subjects
+from shared.control.bus import NatsBus
 from tests.integration.helpers import chat_request, long_document
 from tests.integration.stack import start_stack
 

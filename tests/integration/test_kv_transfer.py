@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from shared.kvtransfer.peer import KVPeer
-from shared.kvtransfer.plan import new_base_tag
-from shared.messages import KVLayout
+from tests.fakes.kv_peer import KVPeer
+from shared.dataplane.plan import new_base_tag
+from shared.control.messages import KVLayout
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import pytest
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.cli.processes import child_env, free_port, nats_server_binary, wait_for_port
-from shared.nats_auth import ROLES, new_passwords, server_config
+from shared.control.nats_auth import ROLES, new_passwords, server_config
 from shared.settings import CommonSettings, nats_options
-from shared.subjects import Subjects
+from shared.control.subjects import Subjects
 from tests.integration.certs import make_certs
 from tests.integration.helpers import chat_request, long_document
 from tests.integration.stack import NatsServer, start_stack, wait_serving

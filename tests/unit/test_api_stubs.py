@@ -1,8 +1,8 @@
-"""The committed gRPC stubs are what the proto generates (run `python -m shared.api.codegen` if not)."""
+"""The committed gRPC stubs are what the proto generates (run `make proto` if not)."""
 
 import pytest
 
-from shared.api import codegen
+from proto import codegen
 
 
 @pytest.fixture(scope="module")
@@ -18,4 +18,4 @@ def test_generates_every_stub(generated):
 @pytest.mark.parametrize("name", codegen.STUBS)
 def test_committed_stub_is_current(generated, name):
     committed = (codegen.OUT_DIR / name).read_text()
-    assert committed == generated[name], f"shared/api/{name} is stale: run `python -m shared.api.codegen`"
+    assert committed == generated[name], f"shared/api/{name} is stale: run `make proto`"

@@ -9,7 +9,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.engine import Engine
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sequence import SeqStatus, Sequence
-from shared.messages import GenerateTask, SamplingParams
+from shared.control.messages import GenerateTask, SamplingParams
 
 BLOCK, CHUNK = 16, 32
 

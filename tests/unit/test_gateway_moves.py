@@ -11,10 +11,10 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import Limits
 from shared.api import tandem_pb2 as pb
-from shared.liveness import Liveness
-from shared.messages import CancelRequest, GenerateTask, SubmitReply, TokenChunk
-from shared.subjects import Subjects
-from shared.transport.bus import InMemoryBus
+from shared.control.liveness import Liveness
+from shared.control.messages import CancelRequest, GenerateTask, SubmitReply, TokenChunk
+from shared.control.subjects import Subjects
+from tests.fakes.bus import InMemoryBus
 
 LOSE = "lose"
 LIMITS = Limits(max_model_len=2048, default_max_tokens=16, max_tokens_limit=1024, max_stop_strings=8)

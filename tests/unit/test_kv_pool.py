@@ -6,7 +6,7 @@ from transformers import LlamaConfig
 
 from shared.engine import kv_cache
 from shared.engine.kv_cache import KVPool
-from shared.messages import KVLayout
+from shared.control.messages import KVLayout
 
 BLOCK = 4
 LAYOUT = KVLayout(model="tiny", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=BLOCK)

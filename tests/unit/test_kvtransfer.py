@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from shared.engine.kv_cache import KVPool
-from shared.kvtransfer.plan import MAX_PIECES, PlanError, TransferPlan, new_base_tag
-from shared.kvtransfer.receiver import KVReceiver
-from shared.kvtransfer.sender import KVSender
-from shared.messages import KVDestination, KVLayout
-from shared.transport.kv import KVTransferError
-from shared.transport.kv_fake import InProcessDataPlane, LoopbackNetwork
+from shared.dataplane.plan import MAX_PIECES, PlanError, TransferPlan, new_base_tag
+from shared.dataplane.receiver import KVReceiver
+from shared.dataplane.sender import KVSender
+from shared.control.messages import KVDestination, KVLayout
+from shared.dataplane.ucx import KVTransferError
+from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 
 BS = 4
 LAYOUT = KVLayout(model="tiny", dtype="float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=BS)

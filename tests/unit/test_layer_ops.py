@@ -56,7 +56,7 @@ def test_bad_shapes_are_refused(ops):
 
 def test_store_kv_writes_the_rows_into_their_slots(ops):
     from shared.engine.kv_cache import KVPool
-    from shared.messages import KVLayout
+    from shared.control.messages import KVLayout
 
     fused, plain = ops
     layout = KVLayout(model="t", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)

@@ -1,10 +1,10 @@
 """Liveness over an in-memory bus and a fake clock: a worker is lost after its heartbeats stop for
 the timeout, or after a second when nothing listens on its ping subject any more."""
 
-from shared.liveness import Liveness
-from shared.messages import KVLayout, WorkerHeartbeat
-from shared.subjects import Subjects
-from shared.transport.bus import InMemoryBus
+from shared.control.liveness import Liveness
+from shared.control.messages import KVLayout, WorkerHeartbeat
+from shared.control.subjects import Subjects
+from tests.fakes.bus import InMemoryBus
 from shared.worker.announcer import Announcer
 
 SUBJECTS = Subjects("c")

@@ -3,11 +3,11 @@
 import msgpack
 import pytest
 
-from shared.messages import (MESSAGE_TYPES, CancelRequest, DecodeAssignment, Discover, GenerateTask, Ping,
+from shared.control.messages import (MESSAGE_TYPES, CancelRequest, DecodeAssignment, Discover, GenerateTask, Ping,
                              KVDestination, KVLayout, PrefillResult, PrefillTask, SamplingParams, StatusReply,
                              StatusRequest, SubmitReply, TaskAck, Timing, TokenChunk, TransferAbort,
                              WorkerHeartbeat)
-from shared.wire import MAX_MESSAGE_BYTES, MessageError, decode, encode
+from shared.control.wire import MAX_MESSAGE_BYTES, MessageError, decode, encode
 
 SAMPLING = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=2**63 - 1,
                           stop=["\n\n", "日本"], ignore_eos=True)

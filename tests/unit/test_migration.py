@@ -1,7 +1,7 @@
 """The next attempt of a request whose worker failed: the output sent so far becomes prompt."""
 
 from services.gateway.migration import client_id, resumed
-from shared.messages import GenerateTask, SamplingParams
+from shared.control.messages import GenerateTask, SamplingParams
 
 
 def test_a_resumed_attempt_carries_the_sent_tokens_and_what_is_left_to_generate():

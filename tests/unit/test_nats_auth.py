@@ -4,7 +4,7 @@ import re
 import subprocess
 
 from shared.cli.processes import child_env, nats_server_binary
-from shared.nats_auth import ROLES, env_file, new_passwords, server_config
+from shared.control.nats_auth import ROLES, env_file, new_passwords, server_config
 
 
 def _server_accepts(config: str, tmp_path, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -6,7 +6,7 @@ from services.scheduler import cost
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Policy, Router, TooLarge
 from shared.engine.block_manager import granule_keys
-from shared.messages import GenerateTask, KVLayout, SamplingParams, WorkerHeartbeat
+from shared.control.messages import GenerateTask, KVLayout, SamplingParams, WorkerHeartbeat
 
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
 G = 32   # prefix granularity of the fake workers (2 blocks of 16)

@@ -3,7 +3,7 @@
 import torch
 
 from shared.engine.sampler import sample, step_seed
-from shared.messages import SamplingParams
+from shared.control.messages import SamplingParams
 
 VOCAB = 512
 

@@ -9,10 +9,10 @@ from services.scheduler.admission import AdmissionQueue
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
-from shared.messages import (CancelRequest, DecodeAssignment, GenerateTask, KVLayout, SamplingParams, StatusReply,
+from shared.control.messages import (CancelRequest, DecodeAssignment, GenerateTask, KVLayout, SamplingParams, StatusReply,
                              StatusRequest, SubmitReply, TaskAck, WorkerHeartbeat)
-from shared.subjects import Subjects
-from shared.transport.bus import InMemoryBus
+from shared.control.subjects import Subjects
+from tests.fakes.bus import InMemoryBus
 
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
 CLUSTER = "unit"

@@ -1,6 +1,6 @@
 """Subjects are namespaced by cluster, so two stacks can share one NATS server."""
 
-from shared.subjects import Subjects
+from shared.control.subjects import Subjects
 
 
 def all_subjects(s: Subjects) -> list[str]:

@@ -5,10 +5,11 @@ import asyncio
 import pytest
 import torch
 
-from shared.messages import CancelRequest, Discover, TaskAck
-from shared.transport.bus import InMemoryBus, NoResponders, RequestTimeout
-from shared.transport.kv import KVTransferError, discard
-from shared.transport.kv_fake import InProcessDataPlane, LoopbackNetwork
+from shared.control.messages import CancelRequest, Discover, TaskAck
+from shared.control.bus import NoResponders, RequestTimeout
+from tests.fakes.bus import InMemoryBus
+from shared.dataplane.ucx import KVTransferError, discard
+from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 
 
 async def test_publish_reaches_every_plain_subscriber_decoded():
@@ -196,7 +197,7 @@ async def test_a_message_larger_than_its_receive_fails_both_ends():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_ucx_sees_every_kv_dtype_as_its_bytes(dtype):
-    from shared.transport.kv import _ucx_view
+    from shared.dataplane.ucx import _ucx_view
 
     tensor = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype)
     view = _ucx_view(tensor)
@@ -214,7 +215,7 @@ async def test_discard_takes_late_pieces_off_the_wire_and_releases_the_rest():
 
 
 def test_endpoint_lanes_are_read_from_ucx_print_info():
-    from shared.transport.ucx_info import parse_lanes, transport_summary
+    from shared.dataplane.ucx_info import parse_lanes, transport_summary
 
     info = """#
 # UCP endpoint 0x7f

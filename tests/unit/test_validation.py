@@ -118,8 +118,8 @@ def test_seeds_above_63_bits_are_kept_not_folded(tokenizer):
 def test_the_most_a_valid_request_may_ask_passes_the_wire_checks(tokenizer):
     """What the gateway accepts, the scheduler and workers must accept: a GenerateTask at every
     edge the validation allows survives encode -> decode (its range checks) unchanged."""
-    from shared.messages import GenerateTask
-    from shared.wire import decode, encode
+    from shared.control.messages import GenerateTask
+    from shared.control.wire import decode, encode
 
     edge = request(request_id="r" * 128, max_tokens=4096, temperature=1000.0, top_p=1e-30, top_k=2**20,
                    seed=2**64 - 1, stop=["x" * 256] * 16, ignore_eos=True)

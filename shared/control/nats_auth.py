@@ -15,7 +15,7 @@ import os
 import secrets
 from pathlib import Path
 
-from shared.subjects import Subjects
+from shared.control.subjects import Subjects
 
 ROLES = ("gateway", "scheduler", "prefill", "decode")
 
@@ -69,7 +69,7 @@ def server_config(cluster: str, passwords: dict[str, str] | None = None, tls: di
         users.append(f"    {{user: {json.dumps('tandem-' + role)}, password: {password}, permissions: {{"
                      f"publish: {json.dumps(allowed['publish'])}, subscribe: {json.dumps(allowed['subscribe'])}, "
                      f"allow_responses: true}}}}")
-    lines = ["# Tandem: one NATS user per role, each allowed only its own subjects (shared/nats_auth.py).",
+    lines = ["# Tandem: one NATS user per role, each allowed only its own subjects (shared/control/nats_auth.py).",
              "authorization {", "  users = [", *users, "  ]", "}"]
     if tls:
         lines += ["tls {", f"  cert_file: {json.dumps(tls['cert_file'])}", f"  key_file: {json.dumps(tls['key_file'])}"]

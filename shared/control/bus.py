@@ -1,4 +1,5 @@
-"""The control-plane bus: typed messages over NATS, behind a small interface with an in-memory fake."""
+"""The control-plane bus: typed messages over NATS, behind a small interface (the in-memory fake
+for unit tests is tests/fakes/bus.py)."""
 
 import asyncio
 import logging
@@ -7,8 +8,8 @@ from typing import Any, Awaitable, Callable, Optional, Protocol
 import nats
 import nats.errors
 
-from shared.nats_auth import inbox_prefix
-from shared.wire import MessageError, decode, encode
+from shared.control.nats_auth import inbox_prefix
+from shared.control.wire import MessageError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -135,67 +136,3 @@ class NatsBus:
         async def respond(answer: Any) -> None:
             await self._nc.publish(reply_subject, encode(answer))
         return respond
-
-
-class _FakeSubscription:
-    def __init__(self, bus: "InMemoryBus", subject: str, entry: tuple):
-        self._bus, self._subject, self._entry = bus, subject, entry
-
-    async def unsubscribe(self) -> None:
-        self._bus._subs[self._subject].remove(self._entry)
-
-
-class InMemoryBus:
-    """A bus in one process for unit tests: same encoding, same queue-group semantics, no server."""
-
-    def __init__(self) -> None:
-        self._subs: dict[str, list[tuple[str, Handler]]] = {}
-        self._next_in_group: dict[tuple[str, str], int] = {}
-        self.published: list[tuple[str, Any]] = []
-        self.dropped = 0
-        self.reconnects = 0
-
-    async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
-        entry = (queue, handler)
-        self._subs.setdefault(subject, []).append(entry)
-        return _FakeSubscription(self, subject, entry)
-
-    def _targets(self, subject: str) -> list[Handler]:
-        entries = self._subs.get(subject, [])
-        chosen = [h for q, h in entries if not q]
-        for group in sorted({q for q, _ in entries if q}):
-            members = [h for q, h in entries if q == group]
-            turn = self._next_in_group.get((subject, group), 0)
-            self._next_in_group[(subject, group)] = turn + 1
-            chosen.append(members[turn % len(members)])
-        return chosen
-
-    async def publish(self, subject: str, message: Any) -> None:
-        data = encode(message)
-        self.published.append((subject, decode(data)))
-        for handler in self._targets(subject):
-            await self._call(handler, decode(data), None)
-
-    @staticmethod
-    async def _call(handler: Handler, message: Any, respond: Optional[Respond]) -> None:
-        try:
-            await handler(message, respond)
-        except Exception:  # as NatsBus: a failing handler is logged, the sender never sees it
-            log.exception("handler failed")
-
-    async def request(self, subject: str, message: Any, timeout: float, expected: type) -> Any:
-        targets = self._targets(subject)
-        if not targets:
-            raise NoResponders(f"nobody listens on {subject}")
-        answer: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        async def respond(reply: Any) -> None:
-            if not answer.done():
-                answer.set_result(encode(reply))
-
-        handling = asyncio.create_task(self._call(targets[0], decode(encode(message)), respond))
-        try:
-            return decode(await asyncio.wait_for(answer, timeout), expected)
-        except asyncio.TimeoutError:
-            handling.cancel()
-            raise RequestTimeout(f"no answer on {subject} within {timeout:.1f}s") from None

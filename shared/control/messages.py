@@ -1,7 +1,7 @@
 """Every control-plane message: the typed dataclasses the services exchange over NATS.
 
 Messages carry descriptors and token ids, never tensors: KV bytes travel over UCX. They become
-bytes and back only in shared.wire (msgpack, with every field's type and range checked).
+bytes and back only in shared.control.wire (msgpack, with every field's type and range checked).
 """
 
 from dataclasses import dataclass, field
@@ -82,7 +82,7 @@ class KVDestination:
 
     The KV of tokens [skip_tokens, prompt length) lands in `block_ids` (the decode worker holds
     the prefix before skip_tokens in its prefix cache). It is sent in segments of
-    `segment_tokens`, each as soon as the prefill has computed it; see shared.kvtransfer.plan.
+    `segment_tokens`, each as soon as the prefill has computed it; see shared.dataplane.plan.
     """
 
     ucx_address: bytes          # the decode worker's UCX worker address

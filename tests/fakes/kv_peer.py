@@ -18,11 +18,11 @@ import msgpack
 import torch
 
 from shared.engine.kv_cache import KVPool
-from shared.kvtransfer.plan import TransferPlan
-from shared.kvtransfer.receiver import KVReceiver
-from shared.kvtransfer.sender import KVSender
-from shared.messages import KVDestination, KVLayout
-from shared.transport.kv import UcxDataPlane, discard
+from shared.dataplane.plan import TransferPlan
+from shared.dataplane.receiver import KVReceiver
+from shared.dataplane.sender import KVSender
+from shared.control.messages import KVDestination, KVLayout
+from shared.dataplane.ucx import UcxDataPlane, discard
 
 
 class _Peer:

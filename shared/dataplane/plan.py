@@ -14,7 +14,7 @@ a segment is sent as soon as the prefill has computed all its tokens (chunk-wise
 from dataclasses import dataclass
 
 from shared.engine.kv_cache import bytes_per_token
-from shared.messages import KVDestination, KVLayout
+from shared.control.messages import KVDestination, KVLayout
 
 TAG_BITS = 24               # low bits of a tag: the piece index
 MAX_PIECES = 1 << TAG_BITS

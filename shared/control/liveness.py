@@ -13,9 +13,9 @@ import asyncio
 import time
 from typing import Callable
 
-from shared.messages import Ping, TaskAck, WorkerHeartbeat
-from shared.subjects import Subjects
-from shared.transport.bus import MessageBus, NoResponders
+from shared.control.messages import Ping, TaskAck, WorkerHeartbeat
+from shared.control.subjects import Subjects
+from shared.control.bus import MessageBus, NoResponders
 
 QUICK_S = 1.0          # silent this long (two missed beats at the default interval): worth asking NATS
 PROBE_TIMEOUT_S = 0.25

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.kv_cache import KVPool
-from shared.kvtransfer.plan import Segment, TransferPlan
-from shared.transport.kv import DataPlane, KVTransferError
+from shared.dataplane.plan import Segment, TransferPlan
+from shared.dataplane.ucx import DataPlane, KVTransferError
 
 
 @dataclass

@@ -4,7 +4,7 @@ import asyncio
 
 import torch
 
-from shared.transport.kv import KVTransferError, TransferCounters, _nbytes
+from shared.dataplane.ucx import KVTransferError, TransferCounters, _nbytes
 
 
 class LoopbackNetwork:

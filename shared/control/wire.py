@@ -1,7 +1,7 @@
 """The one place control messages are encoded to and decoded from msgpack.
 
 A message is a map with its type name under "type"; unknown types, missing or mistyped fields,
-values out of range (shared.message_rules) and oversized payloads are rejected with MessageError.
+values out of range (shared.control.rules) and oversized payloads are rejected with MessageError.
 """
 
 import dataclasses
@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from shared import message_rules
-from shared.messages import MESSAGE_TYPES
+from shared.control import rules as message_rules
+from shared.control.messages import MESSAGE_TYPES
 
 # NATS refuses payloads over its max_payload (1 MiB by default). Stay far below it so a
 # message that grows with its input fails here, loudly, instead of as a timeout there.

@@ -11,8 +11,8 @@ import logging
 import time
 
 from shared.engine.kv_cache import KVPool
-from shared.kvtransfer.plan import TransferPlan
-from shared.transport.kv import DataPlane, KVTransferError
+from shared.dataplane.plan import TransferPlan
+from shared.dataplane.ucx import DataPlane, KVTransferError
 
 log = logging.getLogger(__name__)
 

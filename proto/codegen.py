@@ -1,6 +1,6 @@
 """Generates the gRPC Python stubs in shared/api from proto/tandem/v1/tandem.proto.
 
-Run `python -m shared.api.codegen` after editing the proto (needs grpcio-tools, a dev dependency).
+Run `python proto/codegen.py` (or `make proto`) after editing the proto (needs grpcio-tools, a dev dependency).
 The stubs are committed; tests/unit/test_api_stubs.py fails when they are stale.
 """
 
@@ -9,10 +9,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = ROOT / "proto"
 PROTO = "tandem/v1/tandem.proto"
-OUT_DIR = Path(__file__).resolve().parent
+OUT_DIR = ROOT / "shared" / "api"
 STUBS = ("tandem_pb2.py", "tandem_pb2.pyi", "tandem_pb2_grpc.py")
 
 

@@ -3,7 +3,7 @@
 The receiving (decode) side owns the destination buffer and posts a tagged receive into it;
 the sending (prefill) side sends the packed KV with that tag to the receiver's UCX worker
 address. Tags are 64-bit ids chosen by the receiver per transfer, so concurrent transfers
-on one endpoint never mix. `InProcessDataPlane` (shared.transport.kv_fake) is the fake for unit tests.
+on one endpoint never mix. `InProcessDataPlane` (tests.fakes.dataplane) is the fake for unit tests.
 """
 
 import asyncio
@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy
 import torch
 
-from shared.transport import ucx_info, ucx_progress
+from shared.dataplane import ucx_info, ucx_progress
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class UcxDataPlane:
     and worker heartbeats instead, and a failed endpoint is dropped and reopened.
 
     Progress is driven from the event loop ("blocking": woken by the UCX worker's event fd,
-    re-armed after every wake-up by shared.transport.ucx_progress)
+    re-armed after every wake-up by shared.dataplane.ucx_progress)
     rather than by ucxx's default progress thread: on a few cores that thread competes with the
     model and its peer's, and one transfer in many pieces ran at half the speed it reaches here.
     """

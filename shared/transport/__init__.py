@@ -1,1 +1,0 @@
-"""Transports: the NATS control-plane bus and the UCX KV data plane, each with a test fake."""

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install kernels up test test-fast proto bench-engine bench-kv bench bench-tax bench-scale bench-overload clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-kv bench bench-tax bench-scale bench-overload clean
 
 install: $(STAMP)
 
@@ -25,7 +25,16 @@ kernels: install
 up: kernels
 	$(VENV)/bin/tandem up
 
-test: kernels
+# ruff lints and checks the format (settings in pyproject.toml); `make format` rewrites it.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint kernels
 	$(PY) -m pytest -q
 
 test-fast: kernels

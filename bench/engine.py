@@ -24,12 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shared import model_store  # noqa: E402
+from shared.control.messages import GenerateTask, SamplingParams  # noqa: E402
 from shared.engine.block_manager import BlockManager  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_cache import bytes_per_token  # noqa: E402
 from shared.engine.model_runner import ModelRunner  # noqa: E402
 from shared.engine.sequence import Sequence  # noqa: E402
-from shared.control.messages import GenerateTask, SamplingParams  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 NEW_TOKENS = 128
@@ -41,6 +41,7 @@ def median_of(fn, repeats: int) -> float:
 
 # -- the machine -------------------------------------------------------------------------------
 
+
 def memory_bandwidth() -> float:
     x = torch.ones(256 * 2**20)  # 1 GiB of float32
     x.sum()
@@ -49,6 +50,7 @@ def memory_bandwidth() -> float:
         t = time.perf_counter()
         x.sum()
         return x.numel() * 4 / (time.perf_counter() - t)
+
     return median_of(once, 5)
 
 
@@ -63,6 +65,7 @@ def weights_read(model) -> float:
         for weight in tensors:
             weight.sum()
         return total / (time.perf_counter() - t)
+
     once()
     return median_of(once, 5)
 
@@ -75,11 +78,14 @@ def gemm_peak() -> float:
         t = time.perf_counter()
         a @ b
         return 2 * 2048**3 / (time.perf_counter() - t)
+
     return median_of(once, 5)
 
 
 def int8_peak() -> float:
-    layer = model_store.quantize_int8(torch.nn.Sequential(torch.nn.Linear(2048, 2048, bias=False)))[0]
+    layer = model_store.quantize_int8(torch.nn.Sequential(torch.nn.Linear(2048, 2048, bias=False)))[
+        0
+    ]
     x = torch.randn(256, 2048)
     layer(x)
 
@@ -87,21 +93,29 @@ def int8_peak() -> float:
         t = time.perf_counter()
         layer(x)
         return 2 * 256 * 2048 * 2048 / (time.perf_counter() - t)
+
     return median_of(once, 5)
 
 
 # -- the engine --------------------------------------------------------------------------------
 
+
 class EngineBench:
     def __init__(self, model, name: str, chunk: int = 128, max_batch_tokens: int = 512):
         self.runner = ModelRunner(model, name, "cpu", pool_blocks=6000, block_size=16, chunk=chunk)
         self.blocks = BlockManager(6000, 16, cache_granularity=chunk)
-        self.engine = Engine(self.runner, self.blocks, max_num_seqs=64, max_batch_tokens=max_batch_tokens)
+        self.engine = Engine(
+            self.runner, self.blocks, max_num_seqs=64, max_batch_tokens=max_batch_tokens
+        )
 
     def seq(self, ids: list[int], max_tokens: int, prefill_only: bool = False) -> Sequence:
-        task = GenerateTask(request_id=str(id(ids)) + str(time.perf_counter_ns()), prompt_token_ids=ids,
-                            sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                            reply_subject="", arrival_time=time.time())
+        task = GenerateTask(
+            request_id=str(id(ids)) + str(time.perf_counter_ns()),
+            prompt_token_ids=ids,
+            sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            reply_subject="",
+            arrival_time=time.time(),
+        )
         return Sequence(task, None, set(), 8192, prefill_only=prefill_only)
 
     def run(self, prompts: list[list[int]], max_tokens: int, prefill_only: bool = False) -> dict:
@@ -121,19 +135,27 @@ class EngineBench:
             self.engine.release(s)
         all_first = max(first.values())
         decode_steps = [dt for dt, running in steps if running == len(prompts)]
-        return {"prefill_s": all_first - started, "decode_s": end - all_first,
-                "ttft_s": [first[s.request_id] - started for s in seqs],
-                "step_ms": 1000 * statistics.median(decode_steps) if decode_steps else None,
-                "outputs": [s.output_ids for s in seqs]}
+        return {
+            "prefill_s": all_first - started,
+            "decode_s": end - all_first,
+            "ttft_s": [first[s.request_id] - started for s in seqs],
+            "step_ms": 1000 * statistics.median(decode_steps) if decode_steps else None,
+            "outputs": [s.output_ids for s in seqs],
+        }
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
 def prompts_for(tokenizer, n: int) -> list[list[int]]:
-    return [chat_ids(tokenizer, f"Write story number {i} about a dragon who learns to fly.") for i in range(n)]
+    return [
+        chat_ids(tokenizer, f"Write story number {i} about a dragon who learns to fly.")
+        for i in range(n)
+    ]
 
 
 def engine_decode(bench: EngineBench, tokenizer, concurrency: list[int]) -> dict:
@@ -142,7 +164,10 @@ def engine_decode(bench: EngineBench, tokenizer, concurrency: list[int]) -> dict
     for n in concurrency:
         r = bench.run(prompts_for(tokenizer, n), NEW_TOKENS)
         out[n] = {"tokens_per_s": n * (NEW_TOKENS - 1) / r["decode_s"], "step_ms": r["step_ms"]}
-        print(f"  engine n={n}: {out[n]['tokens_per_s']:.1f} tok/s, step {r['step_ms']:.1f} ms", flush=True)
+        print(
+            f"  engine n={n}: {out[n]['tokens_per_s']:.1f} tok/s, step {r['step_ms']:.1f} ms",
+            flush=True,
+        )
     return out
 
 
@@ -153,13 +178,22 @@ def hf_decode(model, tokenizer, concurrency: list[int]) -> dict:
         texts = [tokenizer.decode(p) for p in prompts_for(tokenizer, n)]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.inference_mode():
-            model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            model.generate(
+                **enc, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.eos_token_id
+            )
             t = time.perf_counter()
-            model.generate(**enc, max_new_tokens=1, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            model.generate(
+                **enc, max_new_tokens=1, do_sample=False, pad_token_id=tokenizer.eos_token_id
+            )
             prefill = time.perf_counter() - t
             t = time.perf_counter()
-            model.generate(**enc, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                           pad_token_id=tokenizer.eos_token_id)
+            model.generate(
+                **enc,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
             total = time.perf_counter() - t
         out[n] = {"tokens_per_s": n * (NEW_TOKENS - 1) / (total - prefill)}
         print(f"  HF n={n}: {out[n]['tokens_per_s']:.1f} tok/s", flush=True)
@@ -169,9 +203,21 @@ def hf_decode(model, tokenizer, concurrency: list[int]) -> dict:
 def llama_cpp(python: str) -> dict | None:
     if not python or not Path(python).exists():
         return None
-    done = subprocess.run([python, str(ROOT / "bench" / "llama_cpp_stream.py"), "--model",
-                           str(model_store.default_model_path()), "--threads", str(torch.get_num_threads()),
-                           "--tokens", str(NEW_TOKENS)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            python,
+            str(ROOT / "bench" / "llama_cpp_stream.py"),
+            "--model",
+            str(model_store.default_model_path()),
+            "--threads",
+            str(torch.get_num_threads()),
+            "--tokens",
+            str(NEW_TOKENS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         print("  llama.cpp failed:", done.stderr[-500:], flush=True)
         return None
@@ -186,30 +232,49 @@ def prefill(bench: EngineBench, tokenizer) -> dict:
     out = {}
     for length in (128, 512, 2048):
         alone = bench.run([base[:length]], 1, prefill_only=True)
-        batch = bench.run([[7 + i] + base[i + 1:i + length] for i in range(4)], 1, prefill_only=True)
-        out[length] = {"alone_tokens_per_s": length / alone["prefill_s"],
-                       "batched4_tokens_per_s": 4 * length / batch["prefill_s"]}
-        print(f"  prefill {length}: alone {out[length]['alone_tokens_per_s']:.0f} tok/s, "
-              f"4 batched {out[length]['batched4_tokens_per_s']:.0f} tok/s", flush=True)
+        batch = bench.run(
+            [[7 + i] + base[i + 1 : i + length] for i in range(4)], 1, prefill_only=True
+        )
+        out[length] = {
+            "alone_tokens_per_s": length / alone["prefill_s"],
+            "batched4_tokens_per_s": 4 * length / batch["prefill_s"],
+        }
+        print(
+            f"  prefill {length}: alone {out[length]['alone_tokens_per_s']:.0f} tok/s, "
+            f"4 batched {out[length]['batched4_tokens_per_s']:.0f} tok/s",
+            flush=True,
+        )
     return out
 
 
 def prefix_cache(bench: EngineBench, tokenizer) -> dict:
-    shared_prefix = tokenizer(" ".join(f"Fact {i}: rivers flow to the sea." for i in range(120)))["input_ids"][:1000]
+    shared_prefix = tokenizer(" ".join(f"Fact {i}: rivers flow to the sea." for i in range(120)))[
+        "input_ids"
+    ][:1000]
     first = bench.run([shared_prefix + tokenizer(" Question one?")["input_ids"]], 1)["ttft_s"][0]
     # Keep the first request's blocks cached: run the second while they are still in the pool.
-    second = bench.run([shared_prefix + tokenizer(" Question two, longer?")["input_ids"]], 1)["ttft_s"][0]
-    print(f"  prefix cache: first {first * 1000:.0f} ms, second {second * 1000:.0f} ms ({first / second:.1f}x)",
-          flush=True)
-    return {"prefix_tokens": len(shared_prefix), "first_ttft_ms": first * 1000, "second_ttft_ms": second * 1000,
-            "speedup": first / second}
+    second = bench.run([shared_prefix + tokenizer(" Question two, longer?")["input_ids"]], 1)[
+        "ttft_s"
+    ][0]
+    print(
+        f"  prefix cache: first {first * 1000:.0f} ms, second {second * 1000:.0f} ms ({first / second:.1f}x)",
+        flush=True,
+    )
+    return {
+        "prefix_tokens": len(shared_prefix),
+        "first_ttft_ms": first * 1000,
+        "second_ttft_ms": second * 1000,
+        "speedup": first / second,
+    }
 
 
 def accuracy(native, other, tokenizer) -> dict:
     """Teacher-forced agreement of `other`'s next-token choice with fp32's, and the mean KL."""
-    texts = ["The history of the Roman Empire spans many centuries, from its founding to its fall.",
-             "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
-             "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)"]
+    texts = [
+        "The history of the Roman Empire spans many centuries, from its founding to its fall.",
+        "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
+    ]
     agree = total = 0
     kl = []
     with torch.inference_mode():
@@ -218,8 +283,13 @@ def accuracy(native, other, tokenizer) -> dict:
             a, b = native(ids).logits[0].float(), other(ids).logits[0].float()
             agree += int((a.argmax(-1) == b.argmax(-1)).sum())
             total += a.shape[0]
-            kl.append(float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
-                                                       reduction="batchmean")))
+            kl.append(
+                float(
+                    torch.nn.functional.kl_div(
+                        b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean"
+                    )
+                )
+            )
     return {"top1_agreement": agree / total, "mean_kl": statistics.mean(kl), "positions": total}
 
 
@@ -230,7 +300,10 @@ def weight_bytes(model) -> int:
     for module in model.modules():
         if isinstance(module, Int8Linear):  # one byte a weight
             total += module.weight().numel()
-        elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and module is not model.model.embed_tokens:
+        elif (
+            isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+            and module is not model.model.embed_tokens
+        ):
             total += module.weight.numel() * module.weight.element_size()
     return total  # the embedding table is read one row per token: not counted
 
@@ -250,16 +323,23 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, key in (("Tandem engine (fp32, exact)", "engine_native"), ("Tandem engine (bf16)", "engine_bf16"),
-                       ("Tandem engine (int8 weights)", "engine_int8"),
-                       ("HF generate (fp32, padded batch)", "hf")):
+    for label, key in (
+        ("Tandem engine (fp32, exact)", "engine_native"),
+        ("Tandem engine (bf16)", "engine_bf16"),
+        ("Tandem engine (int8 weights)", "engine_int8"),
+        ("HF generate (fp32, padded batch)", "hf"),
+    ):
         series = results["decode"].get(key)
         if series:
             xs = sorted(int(n) for n in series)
             ax.plot(xs, [series[str(n)]["tokens_per_s"] for n in xs], marker="o", label=label)
     if results["decode"].get("llama_cpp"):
-        ax.axhline(results["decode"]["llama_cpp"]["tokens_per_s"], color="gray", linestyle="--",
-                   label="llama.cpp (Q4_1, one stream)")
+        ax.axhline(
+            results["decode"]["llama_cpp"]["tokens_per_s"],
+            color="gray",
+            linestyle="--",
+            label="llama.cpp (Q4_1, one stream)",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent sequences")
     ax.set_ylabel("output tokens/s (all streams)")
@@ -272,65 +352,105 @@ def plot(results: dict, path: Path) -> None:
 
 def table(results: dict) -> str:
     d = results["decode"]
-    lines = ["| concurrency | engine fp32 tok/s | engine bf16 tok/s | engine int8 tok/s | HF fp32 tok/s "
-             "| fp32 / HF | bf16 / HF | int8 / HF |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| concurrency | engine fp32 tok/s | engine bf16 tok/s | engine int8 tok/s | HF fp32 tok/s "
+        "| fp32 / HF | bf16 / HF | int8 / HF |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for n in sorted(int(k) for k in d["engine_native"]):
-        e, b, q, h = (d[k][str(n)]["tokens_per_s"] for k in ("engine_native", "engine_bf16", "engine_int8", "hf"))
-        lines.append(f"| {n} | {e:.1f} | {b:.1f} | {q:.1f} | {h:.1f} | {e / h:.2f}x | {b / h:.2f}x | {q / h:.2f}x |")
+        e, b, q, h = (
+            d[k][str(n)]["tokens_per_s"]
+            for k in ("engine_native", "engine_bf16", "engine_int8", "hf")
+        )
+        lines.append(
+            f"| {n} | {e:.1f} | {b:.1f} | {q:.1f} | {h:.1f} | {e / h:.2f}x | {b / h:.2f}x | {q / h:.2f}x |"
+        )
     m, r = results["machine"], results["roofline"]
-    lines += ["", f"llama.cpp one stream (Q4_1): {d['llama_cpp']['tokens_per_s']:.1f} tok/s"
-              if d.get("llama_cpp") else "llama.cpp: not measured (no bench venv)",
-              f"memory read bandwidth {m['bandwidth_gbs']:.1f} GB/s (one 1 GiB array; the model's weights, read "
-              f"tensor by tensor: {m['weights_read_gbs']:.1f} GB/s); fp32 GEMM peak {m['gemm_gflops']:.0f} GFLOP/s; "
-              f"int8 linear peak {m['int8_gflops']:.0f} GFLOP/s; threads {m['threads']}",
-              f"batch-1 roofline: fp32 {r['native']['bytes_per_step'] / 1e6:.0f} MB/step -> "
-              f"{r['native']['roofline_ms']:.1f} ms; achieved {r['native']['step_ms']:.1f} ms "
-              f"({r['native']['ratio']:.2f}x the roofline); bf16 {r['bf16']['roofline_ms']:.1f} ms roofline, "
-              f"{r['bf16']['step_ms']:.1f} ms achieved ({r['bf16']['ratio']:.2f}x); int8 {r['int8']['roofline_ms']:.1f} ms "
-              f"roofline, {r['int8']['step_ms']:.1f} ms achieved ({r['int8']['ratio']:.2f}x)",
-              f"batch-1 fp32 step against a plain read of its weights tensor by tensor "
-              f"({r['native']['weights_read_ms']:.1f} ms): {r['native']['ratio_to_weights_read']:.2f}x",
-              f"batch 32: {results['flops']['native_gflops']:.0f} GFLOP/s achieved "
-              f"({results['flops']['fraction_of_peak']:.0%} of the fp32 GEMM peak)",
-              "", "| prompt tokens | prefill alone tok/s | prefill 4 batched tok/s |", "| --- | --- | --- |"]
+    lines += [
+        "",
+        f"llama.cpp one stream (Q4_1): {d['llama_cpp']['tokens_per_s']:.1f} tok/s"
+        if d.get("llama_cpp")
+        else "llama.cpp: not measured (no bench venv)",
+        f"memory read bandwidth {m['bandwidth_gbs']:.1f} GB/s (one 1 GiB array; the model's weights, read "
+        f"tensor by tensor: {m['weights_read_gbs']:.1f} GB/s); fp32 GEMM peak {m['gemm_gflops']:.0f} GFLOP/s; "
+        f"int8 linear peak {m['int8_gflops']:.0f} GFLOP/s; threads {m['threads']}",
+        f"batch-1 roofline: fp32 {r['native']['bytes_per_step'] / 1e6:.0f} MB/step -> "
+        f"{r['native']['roofline_ms']:.1f} ms; achieved {r['native']['step_ms']:.1f} ms "
+        f"({r['native']['ratio']:.2f}x the roofline); bf16 {r['bf16']['roofline_ms']:.1f} ms roofline, "
+        f"{r['bf16']['step_ms']:.1f} ms achieved ({r['bf16']['ratio']:.2f}x); int8 {r['int8']['roofline_ms']:.1f} ms "
+        f"roofline, {r['int8']['step_ms']:.1f} ms achieved ({r['int8']['ratio']:.2f}x)",
+        f"batch-1 fp32 step against a plain read of its weights tensor by tensor "
+        f"({r['native']['weights_read_ms']:.1f} ms): {r['native']['ratio_to_weights_read']:.2f}x",
+        f"batch 32: {results['flops']['native_gflops']:.0f} GFLOP/s achieved "
+        f"({results['flops']['fraction_of_peak']:.0%} of the fp32 GEMM peak)",
+        "",
+        "| prompt tokens | prefill alone tok/s | prefill 4 batched tok/s |",
+        "| --- | --- | --- |",
+    ]
     for length, p in results["prefill"].items():
-        lines.append(f"| {length} | {p['alone_tokens_per_s']:.0f} | {p['batched4_tokens_per_s']:.0f} |")
+        lines.append(
+            f"| {length} | {p['alone_tokens_per_s']:.0f} | {p['batched4_tokens_per_s']:.0f} |"
+        )
     pc, acc = results["prefix_cache"], results["accuracy"]
-    lines += ["", f"prefix cache: {pc['prefix_tokens']}-token shared prefix, first TTFT {pc['first_ttft_ms']:.0f} ms, "
-              f"second {pc['second_ttft_ms']:.0f} ms ({pc['speedup']:.1f}x sooner)",
-              *(f"{name} vs fp32: top-1 agreement {a['top1_agreement']:.1%} over {a['positions']} positions, "
-                f"mean KL {a['mean_kl']:.4f}" for name, a in acc.items())]
+    lines += [
+        "",
+        f"prefix cache: {pc['prefix_tokens']}-token shared prefix, first TTFT {pc['first_ttft_ms']:.0f} ms, "
+        f"second {pc['second_ttft_ms']:.0f} ms ({pc['speedup']:.1f}x sooner)",
+        *(
+            f"{name} vs fp32: top-1 agreement {a['top1_agreement']:.1%} over {a['positions']} positions, "
+            f"mean KL {a['mean_kl']:.4f}"
+            for name, a in acc.items()
+        ),
+    ]
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--llama-python", default=str(ROOT / ".venv-bench" / "bin" / "python"),
-                        help="a Python with llama-cpp-python installed (make bench-engine makes one)")
+    parser.add_argument(
+        "--llama-python",
+        default=str(ROOT / ".venv-bench" / "bin" / "python"),
+        help="a Python with llama-cpp-python installed (make bench-engine makes one)",
+    )
     parser.add_argument("--quick", action="store_true", help="concurrency 1 and 8 only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     concurrency = [1, 8] if args.quick else [1, 8, 32, 64]
-    model_dir = model_store.prepare("", os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"))
+    model_dir = model_store.prepare(
+        "", os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models")
+    )
     tokenizer = model_store.load_tokenizer(model_dir)
     native = model_store.load_model(model_dir, "cpu", "float32")
     bf16 = model_store.load_model(model_dir, "cpu", "bfloat16")
     int8 = model_store.load_model(model_dir, "cpu", "float32", "int8")
-    results = {"machine": {"threads": args.threads, "cpu": os.uname().machine}, "decode": {}, "new_tokens": NEW_TOKENS}
+    results = {
+        "machine": {"threads": args.threads, "cpu": os.uname().machine},
+        "decode": {},
+        "new_tokens": NEW_TOKENS,
+    }
     print("machine ...", flush=True)
-    results["machine"].update(bandwidth_gbs=memory_bandwidth() / 1e9, weights_read_gbs=weights_read(native) / 1e9,
-                              gemm_gflops=gemm_peak() / 1e9, int8_gflops=int8_peak() / 1e9)
+    results["machine"].update(
+        bandwidth_gbs=memory_bandwidth() / 1e9,
+        weights_read_gbs=weights_read(native) / 1e9,
+        gemm_gflops=gemm_peak() / 1e9,
+        int8_gflops=int8_peak() / 1e9,
+    )
     print("decode ...", flush=True)
     native_bench = EngineBench(native, "native")
-    for key, fn in (("engine_native", lambda: engine_decode(native_bench, tokenizer, concurrency)),
-                    ("engine_bf16", lambda: engine_decode(EngineBench(bf16, "bf16"), tokenizer, concurrency)),
-                    ("engine_int8", lambda: engine_decode(EngineBench(int8, "int8"), tokenizer, concurrency)),
-                    ("hf", lambda: hf_decode(native, tokenizer, concurrency))):
+    for key, fn in (
+        ("engine_native", lambda: engine_decode(native_bench, tokenizer, concurrency)),
+        ("engine_bf16", lambda: engine_decode(EngineBench(bf16, "bf16"), tokenizer, concurrency)),
+        ("engine_int8", lambda: engine_decode(EngineBench(int8, "int8"), tokenizer, concurrency)),
+        ("hf", lambda: hf_decode(native, tokenizer, concurrency)),
+    ):
         results["decode"][key] = {str(n): v for n, v in fn().items()}
     results["decode"]["llama_cpp"] = llama_cpp(args.llama_python)
     print("prefill ...", flush=True)
-    results["prefill"] = {str(k): v for k, v in prefill(EngineBench(native, "native", max_batch_tokens=2048), tokenizer).items()}
+    results["prefill"] = {
+        str(k): v
+        for k, v in prefill(EngineBench(native, "native", max_batch_tokens=2048), tokenizer).items()
+    }
     results["prefix_cache"] = prefix_cache(EngineBench(native, "native"), tokenizer)
     bandwidth = results["machine"]["bandwidth_gbs"] * 1e9
     context = len(prompts_for(tokenizer, 1)[0]) + NEW_TOKENS // 2
@@ -338,18 +458,30 @@ def main() -> int:
     for key, model in (("native", native), ("bf16", bf16), ("int8", int8)):
         per_step = weight_bytes(model) + context * bytes_per_token(native_bench.runner.layout)
         step = results["decode"][f"engine_{key}"]["1"]["step_ms"]
-        results["roofline"][key] = {"bytes_per_step": per_step, "roofline_ms": 1000 * per_step / bandwidth,
-                                    "step_ms": step, "ratio": step / (1000 * per_step / bandwidth)}
+        results["roofline"][key] = {
+            "bytes_per_step": per_step,
+            "roofline_ms": 1000 * per_step / bandwidth,
+            "step_ms": step,
+            "ratio": step / (1000 * per_step / bandwidth),
+        }
     read_ms = 1000 * weight_bytes(native) / (results["machine"]["weights_read_gbs"] * 1e9)
-    results["roofline"]["native"].update(weights_read_ms=read_ms,
-                                         ratio_to_weights_read=results["roofline"]["native"]["step_ms"] / read_ms)
+    results["roofline"]["native"].update(
+        weights_read_ms=read_ms,
+        ratio_to_weights_read=results["roofline"]["native"]["step_ms"] / read_ms,
+    )
     if "32" in results["decode"]["engine_native"]:
         step = results["decode"]["engine_native"]["32"]["step_ms"] / 1000
         achieved = flops_per_token(native) * 32 / step / 1e9
-        results["flops"] = {"native_gflops": achieved, "fraction_of_peak": achieved / results["machine"]["gemm_gflops"]}
+        results["flops"] = {
+            "native_gflops": achieved,
+            "fraction_of_peak": achieved / results["machine"]["gemm_gflops"],
+        }
     else:
         results["flops"] = {"native_gflops": 0.0, "fraction_of_peak": 0.0}
-    results["accuracy"] = {"bf16": accuracy(native, bf16, tokenizer), "int8": accuracy(native, int8, tokenizer)}
+    results["accuracy"] = {
+        "bf16": accuracy(native, bf16, tokenizer),
+        "int8": accuracy(native, int8, tokenizer),
+    }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "engine.json").write_text(json.dumps(results, indent=2))
     (OUT / "engine.md").write_text(table(results) + "\n")

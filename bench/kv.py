@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from shared.control.messages import KVLayout  # noqa: E402
+from shared.dataplane.plan import new_base_tag  # noqa: E402
 from shared.engine.kv_cache import bytes_per_token  # noqa: E402
 from tests.fakes.kv_peer import KVPeer  # noqa: E402
-from shared.dataplane.plan import new_base_tag  # noqa: E402
-from shared.control.messages import KVLayout  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BS = 16
@@ -49,14 +49,24 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def ours(prefill: KVPeer, decode: KVPeer, tokens: int, segment: int, rng: random.Random, runs: int) -> float:
+def ours(
+    prefill: KVPeer, decode: KVPeer, tokens: int, segment: int, rng: random.Random, runs: int
+) -> float:
     n = -(-tokens // BS)
     src = fragmented(n, prefill_blocks(tokens), rng, runs)
     dst = fragmented(n, decode_blocks(tokens), rng, runs)
-    dest = dict(ucx_address=decode.call("address")["address"], base_tag=new_base_tag(rng.getrandbits(39)),
-                block_ids=dst, skip_tokens=0, segment_tokens=segment, lease_s=60.0)
+    dest = dict(
+        ucx_address=decode.call("address")["address"],
+        base_tag=new_base_tag(rng.getrandbits(39)),
+        block_ids=dst,
+        skip_tokens=0,
+        segment_tokens=segment,
+        lease_s=60.0,
+    )
     decode.call("receive", prompt_len=tokens, destination=dest)
-    sent = prefill.call("send", prompt_len=tokens, src_table=src, destination=dest, timeout_s=60.0, wait_s=120)
+    sent = prefill.call(
+        "send", prompt_len=tokens, src_table=src, destination=dest, timeout_s=60.0, wait_s=120
+    )
     landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=60.0, wait_s=120)
     assert sent["ok"] and landed["complete"], (sent, landed)
     return landed["last_landed"] - sent["started"]
@@ -70,7 +80,7 @@ def fragmented(n: int, num_blocks: int, rng: random.Random, runs: int = 4) -> li
     sizes = [b - a for a, b in zip([0] + cuts, cuts + [n])]
     spare = num_blocks - n
     gaps = sorted(rng.sample(range(1, spare + 1), runs - 1)) if runs > 1 else []
-    gaps = [b - a for a, b in zip([0] + gaps, gaps)]          # each at least 1 block
+    gaps = [b - a for a, b in zip([0] + gaps, gaps)]  # each at least 1 block
     out, pos = [], rng.randrange(0, spare - sum(gaps) + 1)
     for size, gap in zip(sizes, gaps + [0]):
         out += range(pos, pos + size)
@@ -81,14 +91,16 @@ def fragmented(n: int, num_blocks: int, rng: random.Random, runs: int = 4) -> li
 def bare(prefill: KVPeer, decode: KVPeer, nbytes: int, rng: random.Random) -> float:
     tag = new_base_tag(rng.getrandbits(39))
     decode.call("receive_bare", tag=tag, nbytes=nbytes)
-    sent = prefill.call("send_bare", address=decode.call("address")["address"], tag=tag, nbytes=nbytes, wait_s=120)
+    sent = prefill.call(
+        "send_bare", address=decode.call("address")["address"], tag=tag, nbytes=nbytes, wait_s=120
+    )
     landed = decode.call("wait_bare", tag=tag, timeout_s=60.0, wait_s=120)
     return landed["landed"] - sent["started"]
 
 
 def memcpy(nbytes: int) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(2)   # touched: no page faults in the copy
+    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(2)  # touched: no page faults in the copy
     started = time.perf_counter()
     dst.copy_(src)
     return time.perf_counter() - started
@@ -153,49 +165,80 @@ def transfer_table(lengths: list[int], repeats: int, nats_url: str, segment: int
     rows = []
     rng = random.Random(0)
     for name, layout in LAYOUTS.items():
-        with KVPeer(layout, prefill_blocks(0), seed=1) as prefill, KVPeer(layout, decode_blocks(0)) as decode:
+        with (
+            KVPeer(layout, prefill_blocks(0), seed=1) as prefill,
+            KVPeer(layout, decode_blocks(0)) as decode,
+        ):
             for tokens in lengths:
                 nbytes = tokens * bytes_per_token(layout)
-                ours(prefill, decode, tokens, segment, rng, 1)   # warm: endpoints, first-touch
+                ours(prefill, decode, tokens, segment, rng, 1)  # warm: endpoints, first-touch
                 bare(prefill, decode, nbytes, rng)
-                t_ours = median([ours(prefill, decode, tokens, segment, rng, 1) for _ in range(repeats)])
-                t_frag = median([ours(prefill, decode, tokens, segment, rng, 4) for _ in range(repeats)])
+                t_ours = median(
+                    [ours(prefill, decode, tokens, segment, rng, 1) for _ in range(repeats)]
+                )
+                t_frag = median(
+                    [ours(prefill, decode, tokens, segment, rng, 4) for _ in range(repeats)]
+                )
                 t_bare = median([bare(prefill, decode, nbytes, rng) for _ in range(repeats)])
                 t_copy = median([memcpy(nbytes) for _ in range(repeats)])
-                t_nats = median([asyncio.run(nats_push(nats_url, nbytes)) for _ in range(max(1, repeats // 2))])
+                t_nats = median(
+                    [asyncio.run(nats_push(nats_url, nbytes)) for _ in range(max(1, repeats // 2))]
+                )
                 transport = prefill.call("counters")["transports"]
-                row = dict(layout=name, tokens=tokens, bytes=nbytes, transport=transport,
-                           ours_ms=t_ours * 1e3, frag_ms=t_frag * 1e3, bare_ms=t_bare * 1e3, memcpy_ms=t_copy * 1e3,
-                           nats_ms=t_nats * 1e3)
+                row = dict(
+                    layout=name,
+                    tokens=tokens,
+                    bytes=nbytes,
+                    transport=transport,
+                    ours_ms=t_ours * 1e3,
+                    frag_ms=t_frag * 1e3,
+                    bare_ms=t_bare * 1e3,
+                    memcpy_ms=t_copy * 1e3,
+                    nats_ms=t_nats * 1e3,
+                )
                 for key in ("ours", "frag", "bare", "memcpy", "nats"):
                     row[f"{key}_gbps"] = nbytes / row[f"{key}_ms"] / 1e6
                 row["ours_vs_bare"] = row["ours_gbps"] / row["bare_gbps"]
                 row["ours_vs_memcpy"] = row["ours_gbps"] / row["memcpy_gbps"]
                 row["frag_vs_bare"] = row["frag_gbps"] / row["bare_gbps"]
                 rows.append(row)
-                print(f"{name:26s} {tokens:6d} tok {nbytes / 2**20:8.1f} MiB  ours {row['ours_gbps']:5.2f} GB/s  "
-                      f"(4 runs {row['frag_gbps']:5.2f})  "
-                      f"bare {row['bare_gbps']:5.2f}  memcpy {row['memcpy_gbps']:5.2f}  nats {row['nats_gbps']:5.2f}  "
-                      f"ours/bare {row['ours_vs_bare']:.2f}  ours/memcpy {row['ours_vs_memcpy']:.2f}  [{transport}]",
-                      flush=True)
+                print(
+                    f"{name:26s} {tokens:6d} tok {nbytes / 2**20:8.1f} MiB  ours {row['ours_gbps']:5.2f} GB/s  "
+                    f"(4 runs {row['frag_gbps']:5.2f})  "
+                    f"bare {row['bare_gbps']:5.2f}  memcpy {row['memcpy_gbps']:5.2f}  nats {row['nats_gbps']:5.2f}  "
+                    f"ours/bare {row['ours_vs_bare']:.2f}  ours/memcpy {row['ours_vs_memcpy']:.2f}  [{transport}]",
+                    flush=True,
+                )
     return rows
 
 
 def ttft_runs(prompt_tokens: int, repeats: int) -> list[dict]:
     """One embedded stack per setting; the same prompt, max_tokens=1."""
+    import grpc
+
     from shared.api import tandem_pb2 as pb
     from shared.api import tandem_pb2_grpc as pb_grpc
     from shared.cli.launcher import start_stack, wait_until_serving
     from shared.cli.processes import ProcessGroup, free_port
-    import grpc
 
     rows = []
     text = prompt_text(prompt_tokens)
-    for label, segment in (("overlap (1024-token segments)", 1024), ("no overlap (one segment)", 16384)):
+    for label, segment in (
+        ("overlap (1024-token segments)", 1024),
+        ("no overlap (one segment)", 16384),
+    ):
         os.environ["TANDEM_KV_SEGMENT_TOKENS"] = str(segment)
         os.environ["TANDEM_MAX_MODEL_LEN"] = "8192"
-        args = Namespace(nats_url="", mode="disaggregated", prefill=1, decode=1, cluster=f"bench-kv-{segment}",
-                         model="", model_cache="~/.cache/tandem/models", grpc_port=free_port())
+        args = Namespace(
+            nats_url="",
+            mode="disaggregated",
+            prefill=1,
+            decode=1,
+            cluster=f"bench-kv-{segment}",
+            model="",
+            model_cache="~/.cache/tandem/models",
+            grpc_port=free_port(),
+        )
         with ProcessGroup(Path(tempfile.mkdtemp(prefix="tandem-bench-kv-"))) as group:
             address = start_stack(args, group).address
             wait_until_serving(address, group, 300)
@@ -203,18 +246,32 @@ def ttft_runs(prompt_tokens: int, repeats: int) -> list[dict]:
                 stub = pb_grpc.TandemStub(channel)
                 for i in range(repeats + 1):
                     # a different first word each time: no prefix-cache hit on either worker
-                    request = pb.GenerateRequest(prompt=f"Run {i} of {label}. " + text,
-                                                 sampling=pb.SamplingParams(max_tokens=1))
+                    request = pb.GenerateRequest(
+                        prompt=f"Run {i} of {label}. " + text,
+                        sampling=pb.SamplingParams(max_tokens=1),
+                    )
                     last = list(stub.Generate(request, timeout=600))[-1]
                     if i == 0:
                         continue  # warm-up
                     t = last.timing
-                    rows.append(dict(setting=label, segment_tokens=segment, prompt_tokens=last.usage.prompt_tokens,
-                                     ttft_ms=t.ttft_ms, prefill_ms=t.prefill_ms, kv_transfer_ms=t.kv_transfer_ms,
-                                     kv_exposed_ms=t.kv_exposed_ms, exposed_share=t.kv_exposed_ms / t.ttft_ms))
-                    print(f"{label:30s} TTFT {t.ttft_ms:8.1f} ms  prefill {t.prefill_ms:8.1f}  transfer span "
-                          f"{t.kv_transfer_ms:7.1f}  exposed {t.kv_exposed_ms:6.1f} ms "
-                          f"({100 * t.kv_exposed_ms / t.ttft_ms:.2f}% of TTFT)", flush=True)
+                    rows.append(
+                        dict(
+                            setting=label,
+                            segment_tokens=segment,
+                            prompt_tokens=last.usage.prompt_tokens,
+                            ttft_ms=t.ttft_ms,
+                            prefill_ms=t.prefill_ms,
+                            kv_transfer_ms=t.kv_transfer_ms,
+                            kv_exposed_ms=t.kv_exposed_ms,
+                            exposed_share=t.kv_exposed_ms / t.ttft_ms,
+                        )
+                    )
+                    print(
+                        f"{label:30s} TTFT {t.ttft_ms:8.1f} ms  prefill {t.prefill_ms:8.1f}  transfer span "
+                        f"{t.kv_transfer_ms:7.1f}  exposed {t.kv_exposed_ms:6.1f} ms "
+                        f"({100 * t.kv_exposed_ms / t.ttft_ms:.2f}% of TTFT)",
+                        flush=True,
+                    )
             group.stop()
     return rows
 
@@ -225,33 +282,68 @@ def prompt_text(tokens: int) -> str:
 
     tokenizer = model_store.load_tokenizer(model_store.prepare("", "~/.cache/tandem/models"))
     rng = random.Random(1)
-    words = ["river", "stone", "light", "forest", "signal", "market", "winter", "engine", "garden", "letter",
-             "silver", "harbor", "window", "number", "planet", "memory", "bridge", "orange", "paper", "thunder"]
+    words = [
+        "river",
+        "stone",
+        "light",
+        "forest",
+        "signal",
+        "market",
+        "winter",
+        "engine",
+        "garden",
+        "letter",
+        "silver",
+        "harbor",
+        "window",
+        "number",
+        "planet",
+        "memory",
+        "bridge",
+        "orange",
+        "paper",
+        "thunder",
+    ]
     text = " ".join(rng.choice(words) for _ in range(tokens * 2))
-    ids = tokenizer(text)["input_ids"][:tokens - 16]
+    ids = tokenizer(text)["input_ids"][: tokens - 16]
     return tokenizer.decode(ids)
 
 
 def write_markdown(transfers: list[dict], ttft: list[dict], path: Path, command: str) -> None:
-    lines = ["# KV data plane benchmark", "", f"Command: `{command}` (one run, this machine: "
-             f"{os.cpu_count()} cores). Throughput in GB/s (10^9 bytes/s); each cell the median of its repeats.", "",
-             "## Transfer between two processes on one host", "",
-             "\"ours\" receives into one run of consecutive decode blocks from one run of prefill blocks (the "
-             "block allocator's normal case: no copy on either side); \"ours, 4 runs\" into 4 runs from 4 runs "
-             "(a pool with churn: more pieces, and pieces that cross a prefill run are gathered once).", "",
-             "| KV | tokens | MiB | ours | ours, 4 runs | bare ucxx | memcpy | NATS 1 MiB chunks | ours / bare | "
-             "4 runs / bare | ours / memcpy | transport |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "# KV data plane benchmark",
+        "",
+        f"Command: `{command}` (one run, this machine: "
+        f"{os.cpu_count()} cores). Throughput in GB/s (10^9 bytes/s); each cell the median of its repeats.",
+        "",
+        "## Transfer between two processes on one host",
+        "",
+        '"ours" receives into one run of consecutive decode blocks from one run of prefill blocks (the '
+        'block allocator\'s normal case: no copy on either side); "ours, 4 runs" into 4 runs from 4 runs '
+        "(a pool with churn: more pieces, and pieces that cross a prefill run are gathered once).",
+        "",
+        "| KV | tokens | MiB | ours | ours, 4 runs | bare ucxx | memcpy | NATS 1 MiB chunks | ours / bare | "
+        "4 runs / bare | ours / memcpy | transport |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in transfers:
-        lines.append(f"| {r['layout']} | {r['tokens']} | {r['bytes'] / 2**20:.1f} | {r['ours_gbps']:.2f} | "
-                     f"{r['frag_gbps']:.2f} | {r['bare_gbps']:.2f} | {r['memcpy_gbps']:.2f} | {r['nats_gbps']:.2f} | "
-                     f"{r['ours_vs_bare']:.2f} | {r['frag_vs_bare']:.2f} | {r['ours_vs_memcpy']:.2f} | {r['transport']} |")
-    lines += ["", "## What the transfer adds to the time to first token", "",
-              "| setting | prompt tokens | TTFT ms | prefill ms | transfer span ms | exposed ms | exposed / TTFT |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines.append(
+            f"| {r['layout']} | {r['tokens']} | {r['bytes'] / 2**20:.1f} | {r['ours_gbps']:.2f} | "
+            f"{r['frag_gbps']:.2f} | {r['bare_gbps']:.2f} | {r['memcpy_gbps']:.2f} | {r['nats_gbps']:.2f} | "
+            f"{r['ours_vs_bare']:.2f} | {r['frag_vs_bare']:.2f} | {r['ours_vs_memcpy']:.2f} | {r['transport']} |"
+        )
+    lines += [
+        "",
+        "## What the transfer adds to the time to first token",
+        "",
+        "| setting | prompt tokens | TTFT ms | prefill ms | transfer span ms | exposed ms | exposed / TTFT |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in ttft:
-        lines.append(f"| {r['setting']} | {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['prefill_ms']:.1f} | "
-                     f"{r['kv_transfer_ms']:.1f} | {r['kv_exposed_ms']:.1f} | {100 * r['exposed_share']:.2f}% |")
+        lines.append(
+            f"| {r['setting']} | {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['prefill_ms']:.1f} | "
+            f"{r['kv_transfer_ms']:.1f} | {r['kv_exposed_ms']:.1f} | {100 * r['exposed_share']:.2f}% |"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -265,9 +357,13 @@ def plot(transfers: list[dict], path: Path) -> None:
     for ax, name in zip(axes[0], LAYOUTS):
         rows = [r for r in transfers if r["layout"] == name]
         tokens = [r["tokens"] for r in rows]
-        for key, label in (("ours", "ours (pool to pool)"), ("frag", "ours, 4 runs each side"),
-                           ("bare", "bare ucxx, one buffer"),
-                           ("memcpy", "memcpy, one process"), ("nats", "NATS, 1 MiB chunks")):
+        for key, label in (
+            ("ours", "ours (pool to pool)"),
+            ("frag", "ours, 4 runs each side"),
+            ("bare", "bare ucxx, one buffer"),
+            ("memcpy", "memcpy, one process"),
+            ("nats", "NATS, 1 MiB chunks"),
+        ):
             ax.plot(tokens, [r[f"{key}_gbps"] for r in rows], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -295,14 +391,20 @@ def main() -> int:
     lengths = [int(t) for t in args.tokens.split(",")]
     with ProcessGroup(Path(tempfile.mkdtemp(prefix="tandem-bench-nats-"))) as group:
         port = free_port()
-        group.spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], dict(os.environ))
+        group.spawn(
+            "nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], dict(os.environ)
+        )
         assert wait_for_port("127.0.0.1", port, 15), group.log_tail("nats")
-        transfers = transfer_table(lengths, args.repeats, f"nats://127.0.0.1:{port}", args.segment_tokens)
+        transfers = transfer_table(
+            lengths, args.repeats, f"nats://127.0.0.1:{port}", args.segment_tokens
+        )
         group.stop()
     ttft = [] if args.skip_ttft else ttft_runs(args.ttft_tokens, args.ttft_repeats)
     RESULTS.mkdir(exist_ok=True)
     command = "python bench/kv.py " + " ".join(sys.argv[1:])
-    (RESULTS / "kv.json").write_text(json.dumps({"command": command, "transfers": transfers, "ttft": ttft}, indent=1))
+    (RESULTS / "kv.json").write_text(
+        json.dumps({"command": command, "transfers": transfers, "ttft": ttft}, indent=1)
+    )
     write_markdown(transfers, ttft, RESULTS / "kv.md", command.strip())
     plot(transfers, RESULTS / "kv.png")
     print(f"wrote {RESULTS}/kv.json, kv.md, kv.png")

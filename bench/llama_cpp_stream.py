@@ -18,8 +18,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    llm = Llama(model_path=args.model, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads,
-                n_batch=512, verbose=False)
+    llm = Llama(
+        model_path=args.model,
+        n_ctx=1024,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_batch=512,
+        verbose=False,
+    )
     prompt = llm.tokenize(b"Write a long story about a dragon who learns to fly.")
     rates = []
     for repeat in range(args.repeats + 1):  # the first run warms up
@@ -34,7 +40,15 @@ def main() -> None:
         if repeat:
             rates.append((count - 1) / (time.perf_counter() - started))
     rates.sort()
-    print(json.dumps({"tokens_per_s": rates[len(rates) // 2], "n_tokens": args.tokens, "threads": args.threads}))
+    print(
+        json.dumps(
+            {
+                "tokens_per_s": rates[len(rates) // 2],
+                "n_tokens": args.tokens,
+                "threads": args.threads,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

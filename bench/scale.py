@@ -32,7 +32,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def tandem(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "shared.cli.main", *args], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "shared.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if out.returncode:
         raise RuntimeError(out.stdout + out.stderr)
     return out.stdout
@@ -40,9 +45,30 @@ def tandem(*args: str) -> str:
 
 def launch(port: int, sock: Path, log_dir: str) -> subprocess.Popen:
     env = {**os.environ, "TANDEM_TORCH_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "up", "--prefill", "1", "--decode", "1",
-                             "--no-demo", "--grpc-port", str(port), "--log-dir", log_dir, "--control-socket", str(sock)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shared.cli.main",
+            "up",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--no-demo",
+            "--grpc-port",
+            str(port),
+            "--log-dir",
+            log_dir,
+            "--control-socket",
+            str(sock),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -52,7 +78,9 @@ def launch(port: int, sock: Path, log_dir: str) -> subprocess.Popen:
 
 
 def tokens_between(records, start: float, end: float) -> int:
-    return sum(n for r in records for t, n in zip(r.chunk_times, r.chunk_tokens) if start <= t < end)
+    return sum(
+        n for r in records for t, n in zip(r.chunk_times, r.chunk_tokens) if start <= t < end
+    )
 
 
 def main() -> int:
@@ -63,7 +91,9 @@ def main() -> int:
     args = parser.parse_args()
     tokenizer = model_store.load_tokenizer(model_store.prepare("", "~/.cache/tandem/models"))
     port, sock = free_port(), Path(tempfile.mkdtemp()) / "control.sock"
-    specs = list(request_specs(Workload(Uniform(32, 96), Fixed(64), tag="scale", seed=3), tokenizer, 8000))
+    specs = list(
+        request_specs(Workload(Uniform(32, 96), Fixed(64), tag="scale", seed=3), tokenizer, 8000)
+    )
     proc = launch(port, sock, tempfile.mkdtemp(prefix="tandem-bench-scale-"))
     try:
         records, marks = asyncio.run(run(f"127.0.0.1:{port}", sock, specs, args))
@@ -77,18 +107,24 @@ def main() -> int:
 async def run(address: str, sock: Path, specs: list, args):
     """The load runs until phase 3 ends; then it stops sending and the streams in flight finish."""
     stop_at = {}
-    load = asyncio.create_task(run_workload(address, _Lazy(specs, stop_at), concurrency=args.concurrency,
-                                            timeout_s=600))
+    load = asyncio.create_task(
+        run_workload(address, _Lazy(specs, stop_at), concurrency=args.concurrency, timeout_s=600)
+    )
     clock, marks = time.perf_counter, {}
     await asyncio.sleep(args.warmup_s)
-    for phase, command in (("1 decode worker", "decode=2"), ("2 decode workers", "decode=1"),
-                           ("1 decode worker again", None)):
+    for phase, command in (
+        ("1 decode worker", "decode=2"),
+        ("2 decode workers", "decode=1"),
+        ("1 decode worker again", None),
+    ):
         start = clock()
         await asyncio.sleep(args.phase_s)
         marks[phase] = (start, clock())
         if command:
             started = clock()
-            await asyncio.to_thread(tandem, "scale", command, "--wait", "--control-socket", str(sock))
+            await asyncio.to_thread(
+                tandem, "scale", command, "--wait", "--control-socket", str(sock)
+            )
             marks[f"scale {command}"] = (started, clock())
     stop_at["end"] = True
     records = await load
@@ -115,20 +151,43 @@ def report(records, marks: dict, args) -> None:
     rows = []
     for phase, (start, end) in marks.items():
         tokens = tokens_between(records, start, end)
-        rows.append({"phase": phase, "seconds": end - start, "tokens": tokens, "tokens_per_s": tokens / (end - start)})
+        rows.append(
+            {
+                "phase": phase,
+                "seconds": end - start,
+                "tokens": tokens,
+                "tokens_per_s": tokens / (end - start),
+            }
+        )
     base = rows[0]["tokens_per_s"]
-    lines = ["# Scaling a saturated embedded stack under load", "",
-             f"Command: `python bench/scale.py --concurrency {args.concurrency} --phase-s {args.phase_s:.0f}` "
-             "(`make bench-scale`); one run, 2 cores, 1 torch thread a worker, auto mode.", "",
-             "| phase | seconds | output tokens | tokens/s | vs phase 1 |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['phase']} | {r['seconds']:.1f} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
-              f"{r['tokens_per_s'] / base:.2f}x |" for r in rows]
-    lines += ["", f"Requests: {len(records)} sent, {len(records) - len(failed)} completed, {len(failed)} failed"
-              + (f" ({sorted({r.status for r in failed})})" if failed else "") + "."]
+    lines = [
+        "# Scaling a saturated embedded stack under load",
+        "",
+        f"Command: `python bench/scale.py --concurrency {args.concurrency} --phase-s {args.phase_s:.0f}` "
+        "(`make bench-scale`); one run, 2 cores, 1 torch thread a worker, auto mode.",
+        "",
+        "| phase | seconds | output tokens | tokens/s | vs phase 1 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r['phase']} | {r['seconds']:.1f} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
+        f"{r['tokens_per_s'] / base:.2f}x |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        f"Requests: {len(records)} sent, {len(records) - len(failed)} completed, {len(failed)} failed"
+        + (f" ({sorted({r.status for r in failed})})" if failed else "")
+        + ".",
+    ]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scale.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "scale.json").write_text(json.dumps({"args": vars(args), "phases": rows, "requests": len(records),
-                                                    "failed": len(failed)}, indent=1))
+    (RESULTS / "scale.json").write_text(
+        json.dumps(
+            {"args": vars(args), "phases": rows, "requests": len(records), "failed": len(failed)},
+            indent=1,
+        )
+    )
     print("\n".join(lines))
 
 

@@ -16,20 +16,32 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.cli.launcher import wait_until_serving  # noqa: E402
-from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port  # noqa: E402
+from shared.cli.processes import (  # noqa: E402
+    ProcessGroup,
+    child_env,
+    free_port,
+    nats_server_binary,
+    wait_for_port,
+)
 
 
 @dataclass
 class Worker:
-    role: str                     # prefill, decode or colocated
-    cores: str = ""               # taskset -c list; empty = every core
+    role: str  # prefill, decode or colocated
+    cores: str = ""  # taskset -c list; empty = every core
     threads: int = 1
     env: dict = field(default_factory=dict)
 
 
 class BenchStack:
-    def __init__(self, name: str, mode: str, workers: list[Worker], scheduler_env: dict | None = None,
-                 common_env: dict | None = None):
+    def __init__(
+        self,
+        name: str,
+        mode: str,
+        workers: list[Worker],
+        scheduler_env: dict | None = None,
+        common_env: dict | None = None,
+    ):
         self.name, self.mode, self.workers = name, mode, workers
         self.scheduler_env = scheduler_env or {}
         self.common_env = common_env or {}
@@ -50,22 +62,40 @@ class BenchStack:
 
     def _start(self) -> None:
         port, grpc_port = free_port(), free_port()
-        self.group.spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], child_env({}))
+        self.group.spawn(
+            "nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], child_env({})
+        )
         if not wait_for_port("127.0.0.1", port, 15):
             raise RuntimeError("nats-server did not start")
-        common = {"TANDEM_NATS_URL": f"nats://127.0.0.1:{port}", "TANDEM_CLUSTER": self.name, **self.common_env}
+        common = {
+            "TANDEM_NATS_URL": f"nats://127.0.0.1:{port}",
+            "TANDEM_CLUSTER": self.name,
+            **self.common_env,
+        }
         py = [sys.executable, "-m"]
-        self.group.spawn("scheduler", py + ["services.scheduler"],
-                         child_env({**common, "TANDEM_MODE": self.mode, **self.scheduler_env}))
+        self.group.spawn(
+            "scheduler",
+            py + ["services.scheduler"],
+            child_env({**common, "TANDEM_MODE": self.mode, **self.scheduler_env}),
+        )
         for i, w in enumerate(self.workers):
             pin = ["taskset", "-c", w.cores] if w.cores and shutil.which("taskset") else []
             service = "services.prefill" if w.role == "prefill" else "services.decode"
-            env = {**common, "TANDEM_TORCH_THREADS": str(w.threads),
-                   "TANDEM_COLOCATED": "1" if w.role == "colocated" else "0", **w.env}
+            env = {
+                **common,
+                "TANDEM_TORCH_THREADS": str(w.threads),
+                "TANDEM_COLOCATED": "1" if w.role == "colocated" else "0",
+                **w.env,
+            }
             self.group.spawn(f"{w.role}-{i}", pin + py + [service], child_env(env))
-        self.group.spawn("gateway", py + ["services.gateway"], child_env({**common, "TANDEM_GRPC_PORT": str(grpc_port)}))
+        self.group.spawn(
+            "gateway",
+            py + ["services.gateway"],
+            child_env({**common, "TANDEM_GRPC_PORT": str(grpc_port)}),
+        )
         self.address = f"127.0.0.1:{grpc_port}"
         wait_until_serving(self.address, self.group, 300, workers=len(self.workers))
+
 
 def cores() -> int:
     return len(os.sched_getaffinity(0))

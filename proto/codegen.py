@@ -21,16 +21,25 @@ def generate() -> dict[str, str]:
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", str(PROTO_DIR / PROTO)]
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            str(PROTO_DIR / PROTO),
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError("protoc failed on " + PROTO)
         out = Path(tmp) / "tandem" / "v1"
         texts = {name: (out / name).read_text() for name in STUBS}
     # protoc writes an absolute import of the proto package; the stubs live in shared.api.
     texts["tandem_pb2_grpc.py"] = re.sub(
-        r"^from tandem\.v1 import tandem_pb2", "from shared.api import tandem_pb2",
-        texts["tandem_pb2_grpc.py"], flags=re.M)
+        r"^from tandem\.v1 import tandem_pb2",
+        "from shared.api import tandem_pb2",
+        texts["tandem_pb2_grpc.py"],
+        flags=re.M,
+    )
     return texts
 
 

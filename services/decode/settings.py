@@ -7,7 +7,12 @@ from shared.worker.settings import WorkerSettings
 class DecodeSettings(WorkerSettings):
     """Settings of a decode worker (flags or TANDEM_* variables)."""
 
-    colocated: bool = field(default=False, metadata={"help": "announce as a colocated worker: prefill and decode here, no KV transfer"})
+    colocated: bool = field(
+        default=False,
+        metadata={
+            "help": "announce as a colocated worker: prefill and decode here, no KV transfer"
+        },
+    )
 
     @property
     def role(self) -> str:

@@ -8,15 +8,22 @@ import os
 
 from services.decode.decode_loop import DecodeLoop
 from services.decode.kv_fetch import KVFetcher
+from shared.control.bus import MessageBus
+from shared.control.liveness import Liveness
+from shared.control.messages import (
+    CancelRequest,
+    DecodeAssignment,
+    TaskAck,
+    Timing,
+    TokenChunk,
+    WorkerHeartbeat,
+)
+from shared.control.recent import RecentIds
+from shared.control.subjects import Subjects
+from shared.dataplane.ucx import DataPlane
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.model_runner import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
-from shared.control.liveness import Liveness
-from shared.control.messages import CancelRequest, DecodeAssignment, TaskAck, Timing, TokenChunk, WorkerHeartbeat
-from shared.control.recent import RecentIds
-from shared.control.subjects import Subjects
-from shared.control.bus import MessageBus
-from shared.dataplane.ucx import DataPlane
 from shared.worker.announcer import Announcer
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
@@ -25,8 +32,14 @@ log = logging.getLogger(__name__)
 
 
 class DecodeWorker:
-    def __init__(self, settings: WorkerSettings, runtime: WorkerRuntime, bus: MessageBus, plane: DataPlane,
-                 liveness: Liveness):
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        runtime: WorkerRuntime,
+        bus: MessageBus,
+        plane: DataPlane,
+        liveness: Liveness,
+    ):
         self.settings = settings
         self.rt = runtime
         self.bus = bus
@@ -36,44 +49,75 @@ class DecodeWorker:
         self.executor = EngineExecutor()
         self.loop = DecodeLoop(runtime.engine, self.executor, self._publish, self._finish)
         self.kv = KVFetcher(settings, runtime, bus, plane, liveness)
-        self.fetches: dict[str, asyncio.Task] = {}     # request id -> its remote-prefill task
+        self.fetches: dict[str, asyncio.Task] = {}  # request id -> its remote-prefill task
         # A cancel can overtake its assignment (the gateway gave up while the scheduler placed it).
         self.cancelled = RecentIds(ttl_s=120)
         self.served = 0
         self.stopping = False
-        self.announcer = Announcer(bus, self.subjects, runtime.worker_id, self.snapshot,
-                                   settings.heartbeat_interval_s, settings.alive_file)
+        self.announcer = Announcer(
+            bus,
+            self.subjects,
+            runtime.worker_id,
+            self.snapshot,
+            settings.heartbeat_interval_s,
+            settings.alive_file,
+        )
 
     def snapshot(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
-            worker_id=self.rt.worker_id, role=self.rt.role, host=self.rt.host, pid=os.getpid(),
-            ucx_address=self.plane.address, layout=self.rt.runner.layout,
+            worker_id=self.rt.worker_id,
+            role=self.rt.role,
+            host=self.rt.host,
+            pid=os.getpid(),
+            ucx_address=self.plane.address,
+            layout=self.rt.runner.layout,
             max_model_len=self.rt.max_model_len,
             running=self.loop.count(SeqStatus.RUNNING, SeqStatus.KV_READY),
             queued=self.loop.count(SeqStatus.WAITING_KV, SeqStatus.WAITING),
-            requests_served=self.served, **self.rt.load_report(), messages_dropped=self.bus.dropped,
+            requests_served=self.served,
+            **self.rt.load_report(),
+            messages_dropped=self.bus.dropped,
             kv_bytes_sent=self.plane.counters.bytes_sent,
             kv_bytes_received=self.plane.counters.bytes_received,
-            kv_transfers_failed=self.plane.counters.transfers_failed, kv_blocks_leaked=self._leaked(),
-            kv_transport=",".join(sorted(self.kv.transports)), zone=self.settings.zone, stopping=self.stopping)
+            kv_transfers_failed=self.plane.counters.transfers_failed,
+            kv_blocks_leaked=self._leaked(),
+            kv_transport=",".join(sorted(self.kv.transports)),
+            zone=self.settings.zone,
+            stopping=self.stopping,
+        )
 
     def _leaked(self) -> int:
         with self.rt.engine.lock:
-            return self.rt.blocks.leaked([s.block_table for s in self.loop.seqs.values()] + self.kv.quarantined)
+            return self.rt.blocks.leaked(
+                [s.block_table for s in self.loop.seqs.values()] + self.kv.quarantined
+            )
 
     async def serve(self, stop: asyncio.Event) -> None:
-        subs = [await self.bus.subscribe(self.subjects.decode_tasks(self.rt.worker_id), self.on_assignment),
-                await self.bus.subscribe(self.subjects.prefill_results(self.rt.worker_id), self.kv.on_prefill_result),
-                await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
+        subs = [
+            await self.bus.subscribe(
+                self.subjects.decode_tasks(self.rt.worker_id), self.on_assignment
+            ),
+            await self.bus.subscribe(
+                self.subjects.prefill_results(self.rt.worker_id), self.kv.on_prefill_result
+            ),
+            await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
+        ]
         try:
             async with self.announcer as announcer:
                 await self.loop.run(stop)
                 self.stopping = True  # no new work; the scheduler drops this worker now
                 await announcer.announce()
-                log.info("draining %d request(s) for up to %.0fs", len(self.loop.seqs), self.settings.drain_timeout_s)
+                log.info(
+                    "draining %d request(s) for up to %.0fs",
+                    len(self.loop.seqs),
+                    self.settings.drain_timeout_s,
+                )
                 await self.loop.drain(self.settings.drain_timeout_s)
-                await self.loop.abort_all("UNAVAILABLE", "the decode worker shut down before the request finished",
-                                          failed_worker=self.rt.worker_id)   # the gateway moves them elsewhere
+                await self.loop.abort_all(
+                    "UNAVAILABLE",
+                    "the decode worker shut down before the request finished",
+                    failed_worker=self.rt.worker_id,
+                )  # the gateway moves them elsewhere
         finally:
             for task in [*self.fetches.values(), *self.kv.drains]:
                 task.cancel()
@@ -88,7 +132,9 @@ class DecodeWorker:
         refusal = self._refusal(assignment)
         if refusal is None:
             detokenizer = Detokenizer(self.rt.tokenizer, task.sampling.stop)
-            detokenizer.prime(task.prompt_token_ids[len(task.prompt_token_ids) - task.resume_tokens:])
+            detokenizer.prime(
+                task.prompt_token_ids[len(task.prompt_token_ids) - task.resume_tokens :]
+            )
             seq = Sequence(task, detokenizer, self.rt.eos_token_ids, self.rt.max_model_len)
             if not assignment.prefill_worker:
                 seq.prefill_worker = self.rt.worker_id
@@ -96,9 +142,14 @@ class DecodeWorker:
             elif self.rt.engine.admit(seq):  # the prompt's blocks, reserved before its KV comes
                 seq.status = SeqStatus.WAITING_KV
                 self.loop.add(seq, local_prefill=False)
-                self.fetches[seq.request_id] = asyncio.create_task(self._fetch_kv(seq, assignment.prefill_worker))
+                self.fetches[seq.request_id] = asyncio.create_task(
+                    self._fetch_kv(seq, assignment.prefill_worker)
+                )
             else:
-                refusal = ("RESOURCE_EXHAUSTED", f"decode worker {self.rt.worker_id} has no KV blocks free")
+                refusal = (
+                    "RESOURCE_EXHAUSTED",
+                    f"decode worker {self.rt.worker_id} has no KV blocks free",
+                )
         if respond is not None:
             code, message = refusal or ("", "")
             await respond(TaskAck(ok=refusal is None, code=code, message=message))
@@ -112,11 +163,20 @@ class DecodeWorker:
         if task.request_id in self.loop.seqs:
             return ("ALREADY_EXISTS", f"request {task.request_id} is already running")
         if len(task.prompt_token_ids) + task.sampling.max_tokens > self.rt.max_model_len:
-            return ("INVALID_ARGUMENT", f"prompt plus max_tokens exceeds {self.rt.max_model_len} tokens")
+            return (
+                "INVALID_ARGUMENT",
+                f"prompt plus max_tokens exceeds {self.rt.max_model_len} tokens",
+            )
         if len(self.loop.seqs) >= self.settings.max_queue:
             return ("RESOURCE_EXHAUSTED", f"decode worker {self.rt.worker_id} is full")
-        if self.rt.blocks.blocks_for(len(task.prompt_token_ids) + task.sampling.max_tokens) > self.rt.blocks.num_blocks:
-            return ("RESOURCE_EXHAUSTED", f"the request needs more KV than decode worker {self.rt.worker_id} has")
+        if (
+            self.rt.blocks.blocks_for(len(task.prompt_token_ids) + task.sampling.max_tokens)
+            > self.rt.blocks.num_blocks
+        ):
+            return (
+                "RESOURCE_EXHAUSTED",
+                f"the request needs more KV than decode worker {self.rt.worker_id} has",
+            )
         return None
 
     # -- remote prefill --------------------------------------------------------------------
@@ -134,7 +194,7 @@ class DecodeWorker:
             self.cancelled.add(message.request_id)
             return
         seq.cancel_reason = message.reason or "cancelled"
-        seq.news.set()   # a transfer in flight aborts itself
+        seq.news.set()  # a transfer in flight aborts itself
         self.loop.wakeup.set()
 
     # -- output ----------------------------------------------------------------------------
@@ -147,13 +207,23 @@ class DecodeWorker:
     async def _publish(self, seq: Sequence, out: StepOutput) -> None:
         extra = {}
         if out.finish_reason:
-            extra = dict(prompt_tokens=seq.prompt_len - seq.output_offset, completion_tokens=seq.position,
-                         timing=Timing(queue_ms=seq.queue_ms, prefill_ms=seq.prefill_ms,
-                                       kv_transfer_ms=seq.kv_transfer_ms, kv_exposed_ms=seq.kv_exposed_ms,
-                                       prefill_worker=seq.prefill_worker, decode_worker=self.rt.worker_id,
-                                       path="local" if seq.prefill_worker == self.rt.worker_id else "disaggregated",
-                                       cached_tokens=seq.cached_tokens))
-        chunk = self._chunk(seq, token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason, **extra)
+            extra = dict(
+                prompt_tokens=seq.prompt_len - seq.output_offset,
+                completion_tokens=seq.position,
+                timing=Timing(
+                    queue_ms=seq.queue_ms,
+                    prefill_ms=seq.prefill_ms,
+                    kv_transfer_ms=seq.kv_transfer_ms,
+                    kv_exposed_ms=seq.kv_exposed_ms,
+                    prefill_worker=seq.prefill_worker,
+                    decode_worker=self.rt.worker_id,
+                    path="local" if seq.prefill_worker == self.rt.worker_id else "disaggregated",
+                    cached_tokens=seq.cached_tokens,
+                ),
+            )
+        chunk = self._chunk(
+            seq, token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason, **extra
+        )
         await self.bus.publish(seq.task.reply_subject, chunk)
 
     async def _finish(self, seq: Sequence) -> None:
@@ -161,13 +231,22 @@ class DecodeWorker:
         if seq.status is SeqStatus.FINISHED and seq.error is None and not seq.cancel_reason:
             self.served += 1
             return
-        self.announcer.nudge()   # its blocks are free: the scheduler and ClusterStatus hear it now
+        self.announcer.nudge()  # its blocks are free: the scheduler and ClusterStatus hear it now
         if seq.cancel_reason:
-            chunk = self._chunk(seq, finish_reason="cancelled", prompt_tokens=seq.prompt_len - seq.output_offset,
-                                completion_tokens=seq.position)
+            chunk = self._chunk(
+                seq,
+                finish_reason="cancelled",
+                prompt_tokens=seq.prompt_len - seq.output_offset,
+                completion_tokens=seq.position,
+            )
         else:
-            chunk = self._chunk(seq, code=seq.error[0], message=seq.error[1], retry=bool(seq.failed_worker),
-                                failed_worker=seq.failed_worker)
+            chunk = self._chunk(
+                seq,
+                code=seq.error[0],
+                message=seq.error[1],
+                retry=bool(seq.failed_worker),
+                failed_worker=seq.failed_worker,
+            )
         try:
             await self.bus.publish(seq.task.reply_subject, chunk)
         except Exception as err:

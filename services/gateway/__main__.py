@@ -15,11 +15,11 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import Limits
 from shared import model_store
-from shared.lifecycle import stop_on_signals
-from shared.control.liveness import Liveness
-from shared.settings import load_settings, nats_options, setup_logging
-from shared.control.subjects import Subjects
 from shared.control.bus import NatsBus
+from shared.control.liveness import Liveness
+from shared.control.subjects import Subjects
+from shared.lifecycle import stop_on_signals
+from shared.settings import load_settings, nats_options, setup_logging
 
 log = logging.getLogger("gateway")
 
@@ -33,10 +33,13 @@ def limits_of(settings: GatewaySettings, tokenizer) -> Limits:
 
     config = AutoConfig.from_pretrained(tokenizer.name_or_path)
     model_limit = int(getattr(config, "max_position_embeddings", 2048))
-    return Limits(max_model_len=min(settings.max_model_len or model_limit, model_limit),
-                  default_max_tokens=settings.default_max_tokens,
-                  max_tokens_limit=settings.max_tokens_limit, max_stop_strings=settings.max_stop_strings,
-                  max_prompt_tokens=settings.max_prompt_tokens)
+    return Limits(
+        max_model_len=min(settings.max_model_len or model_limit, model_limit),
+        default_max_tokens=settings.default_max_tokens,
+        max_tokens_limit=settings.max_tokens_limit,
+        max_stop_strings=settings.max_stop_strings,
+        max_prompt_tokens=settings.max_prompt_tokens,
+    )
 
 
 def listen(server: grpc.aio.Server, settings: GatewaySettings) -> int:
@@ -45,10 +48,16 @@ def listen(server: grpc.aio.Server, settings: GatewaySettings) -> int:
     address = f"{settings.grpc_host}:{settings.grpc_port}"
     if not settings.grpc_tls_cert:
         return server.add_insecure_port(address)
-    client_ca = Path(settings.grpc_tls_client_ca).read_bytes() if settings.grpc_tls_client_ca else None
-    key_and_cert = (Path(settings.grpc_tls_key).read_bytes(), Path(settings.grpc_tls_cert).read_bytes())
-    credentials = grpc.ssl_server_credentials([key_and_cert],
-                                              root_certificates=client_ca, require_client_auth=client_ca is not None)
+    client_ca = (
+        Path(settings.grpc_tls_client_ca).read_bytes() if settings.grpc_tls_client_ca else None
+    )
+    key_and_cert = (
+        Path(settings.grpc_tls_key).read_bytes(),
+        Path(settings.grpc_tls_cert).read_bytes(),
+    )
+    credentials = grpc.ssl_server_credentials(
+        [key_and_cert], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
     return server.add_secure_port(address, credentials)
 
 
@@ -58,22 +67,43 @@ async def run(settings: GatewaySettings) -> None:
     subjects = Subjects(settings.cluster)
     async with AsyncExitStack() as stack:
         bus = await stack.enter_async_context(
-            NatsBus(settings.nats_url, settings.gateway_id, nats_options(settings), role="gateway"))
-        streams = await stack.enter_async_context(StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id)))
-        liveness = await stack.enter_async_context(Liveness(bus, subjects, settings.worker_timeout_s))
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", settings.max_request_bytes)])
+            NatsBus(settings.nats_url, settings.gateway_id, nats_options(settings), role="gateway")
+        )
+        streams = await stack.enter_async_context(
+            StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id))
+        )
+        liveness = await stack.enter_async_context(
+            Liveness(bus, subjects, settings.worker_timeout_s)
+        )
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", settings.max_request_bytes)]
+        )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        add_to_server(TandemServicer(settings, bus, streams, tokenizer, limits_of(settings, tokenizer), liveness),
-                      server)
+        add_to_server(
+            TandemServicer(
+                settings, bus, streams, tokenizer, limits_of(settings, tokenizer), liveness
+            ),
+            server,
+        )
         port = listen(server, settings)
         await server.start()
-        log.info("%s listening on %s:%d (%s, cluster %r)", settings.gateway_id, settings.grpc_host, port,
-                 "TLS" + (" with client certificates" if settings.grpc_tls_client_ca else "") if settings.grpc_tls_cert
-                 else "plaintext", settings.cluster)
+        log.info(
+            "%s listening on %s:%d (%s, cluster %r)",
+            settings.gateway_id,
+            settings.grpc_host,
+            port,
+            "TLS" + (" with client certificates" if settings.grpc_tls_client_ca else "")
+            if settings.grpc_tls_cert
+            else "plaintext",
+            settings.cluster,
+        )
         async with ReadinessProbe(bus, subjects, health_servicer):
             await stop.wait()
-            log.info("stopping: no new requests; streams in flight get up to %.0fs", settings.drain_timeout_s)
+            log.info(
+                "stopping: no new requests; streams in flight get up to %.0fs",
+                settings.drain_timeout_s,
+            )
         await server.stop(grace=settings.drain_timeout_s)
         log.info("stopped")
 

@@ -5,9 +5,9 @@ import logging
 
 from grpc_health.v1 import health_pb2
 
+from shared.control.bus import BusError, MessageBus
 from shared.control.messages import StatusReply, StatusRequest
 from shared.control.subjects import Subjects
-from shared.control.bus import BusError, MessageBus
 
 log = logging.getLogger(__name__)
 
@@ -15,7 +15,9 @@ SERVICES = ("", "tandem.v1.Tandem")
 
 
 class ReadinessProbe:
-    def __init__(self, bus: MessageBus, subjects: Subjects, health_servicer, interval_s: float = 1.0):
+    def __init__(
+        self, bus: MessageBus, subjects: Subjects, health_servicer, interval_s: float = 1.0
+    ):
         self._bus = bus
         self._subjects = subjects
         self._health = health_servicer
@@ -36,7 +38,11 @@ class ReadinessProbe:
         if serving == self._serving:
             return
         self._serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for service in SERVICES:
             await self._health.set(service, status)
         log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
@@ -44,7 +50,9 @@ class ReadinessProbe:
     async def _loop(self) -> None:
         while True:
             try:
-                reply = await self._bus.request(self._subjects.status, StatusRequest(), 1.0, StatusReply)
+                reply = await self._bus.request(
+                    self._subjects.status, StatusRequest(), 1.0, StatusReply
+                )
                 await self._set(reply.ready)
             except BusError:
                 await self._set(False)

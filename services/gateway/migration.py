@@ -15,8 +15,7 @@ import uuid
 
 from shared.control.messages import GenerateTask
 
-
-FULL_MOVES = 8   # times a request turned away by a full worker is placed again (a failed one: --max-migrations)
+FULL_MOVES = 8  # times a request turned away by a full worker is placed again (a failed one: --max-migrations)
 
 
 class WorkerLost(Exception):
@@ -47,12 +46,25 @@ def client_id(attempt_id: str) -> str:
     return attempt_id.rsplit(".", 1)[0]
 
 
-def resumed(task: GenerateTask, prompt: list[int], sent: list[int], failed_worker: str) -> GenerateTask:
+def resumed(
+    task: GenerateTask, prompt: list[int], sent: list[int], failed_worker: str
+) -> GenerateTask:
     """The next attempt of `task` after `failed_worker` failed it, `sent` being the output the
     client has received (`prompt`, the original prompt)."""
-    avoid = task.avoid_workers + ([failed_worker] if failed_worker and failed_worker not in task.avoid_workers else [])
-    sampling = dataclasses.replace(task.sampling, max_tokens=task.sampling.max_tokens + task.resume_tokens - len(sent),
-                                   stop=list(task.sampling.stop))
-    return dataclasses.replace(task, request_id=new_attempt_id(client_id(task.request_id)),
-                               prompt_token_ids=prompt + sent, resume_tokens=len(sent), sampling=sampling,
-                               avoid_workers=avoid, moves=task.moves + 1)
+    avoid = task.avoid_workers + (
+        [failed_worker] if failed_worker and failed_worker not in task.avoid_workers else []
+    )
+    sampling = dataclasses.replace(
+        task.sampling,
+        max_tokens=task.sampling.max_tokens + task.resume_tokens - len(sent),
+        stop=list(task.sampling.stop),
+    )
+    return dataclasses.replace(
+        task,
+        request_id=new_attempt_id(client_id(task.request_id)),
+        prompt_token_ids=prompt + sent,
+        resume_tokens=len(sent),
+        sampling=sampling,
+        avoid_workers=avoid,
+        moves=task.moves + 1,
+    )

@@ -10,25 +10,86 @@ from shared.settings import CommonSettings
 class GatewaySettings(CommonSettings):
     """Settings of the gateway (flags or TANDEM_* variables)."""
 
-    grpc_host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC API listens on (0.0.0.0 only when configured)"})
+    grpc_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address the gRPC API listens on (0.0.0.0 only when configured)"},
+    )
     grpc_port: int = field(default=50051, metadata={"help": "gRPC port; 0 = any free port"})
-    grpc_tls_cert: str = field(default="", metadata={"help": "server certificate (PEM); set = the gRPC API speaks TLS only"})
-    grpc_tls_key: str = field(default="", metadata={"help": "the server certificate's private key (PEM)"})
-    grpc_tls_client_ca: str = field(default="", metadata={"help": "CA (PEM) client certificates must be signed by; set = clients must show one"})
-    model: str = field(default="", metadata={"help": "the model the workers serve (its tokenizer and chat template are used here)"})
-    model_cache: str = field(default="~/.cache/tandem/models", metadata={"help": "where converted GGUF models are cached"})
-    max_model_len: int = field(default=0, metadata={"help": "longest prompt + output; 0 = the model's own limit"})
-    max_prompt_tokens: int = field(default=0, metadata={"help": "longest prompt, in tokens; 0 = up to the context (max_model_len)"})
-    default_max_tokens: int = field(default=256, metadata={"help": "max_tokens when a request leaves it unset"})
-    max_tokens_limit: int = field(default=4096, metadata={"help": "the largest max_tokens a request may ask for"})
-    max_stop_strings: int = field(default=16, metadata={"help": "how many stop strings a request may give"})
-    submit_timeout_s: float = field(default=20.0, metadata={"help": "how long the scheduler may take to place a request"})
-    stream_idle_timeout_s: float = field(default=300.0, metadata={"help": "a stream silent this long fails with UNAVAILABLE"})
-    worker_timeout_s: float = field(default=3.0, metadata={"help": "a decode worker silent this long is taken for dead: its streams move to another"})
-    drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM: new requests are refused at once, streams in flight get this long to finish"})
-    max_request_bytes: int = field(default=1 << 20, metadata={"help": "the largest request message accepted; larger ones get RESOURCE_EXHAUSTED"})
-    max_streams_per_client: int = field(default=256, metadata={"help": "concurrent streams one client address may hold; more get RESOURCE_EXHAUSTED"})
-    max_migrations: int = field(default=2, metadata={"help": "times a request may move to another worker after the one serving it failed; past it, UNAVAILABLE"})
+    grpc_tls_cert: str = field(
+        default="",
+        metadata={"help": "server certificate (PEM); set = the gRPC API speaks TLS only"},
+    )
+    grpc_tls_key: str = field(
+        default="", metadata={"help": "the server certificate's private key (PEM)"}
+    )
+    grpc_tls_client_ca: str = field(
+        default="",
+        metadata={
+            "help": "CA (PEM) client certificates must be signed by; set = clients must show one"
+        },
+    )
+    model: str = field(
+        default="",
+        metadata={
+            "help": "the model the workers serve (its tokenizer and chat template are used here)"
+        },
+    )
+    model_cache: str = field(
+        default="~/.cache/tandem/models",
+        metadata={"help": "where converted GGUF models are cached"},
+    )
+    max_model_len: int = field(
+        default=0, metadata={"help": "longest prompt + output; 0 = the model's own limit"}
+    )
+    max_prompt_tokens: int = field(
+        default=0,
+        metadata={"help": "longest prompt, in tokens; 0 = up to the context (max_model_len)"},
+    )
+    default_max_tokens: int = field(
+        default=256, metadata={"help": "max_tokens when a request leaves it unset"}
+    )
+    max_tokens_limit: int = field(
+        default=4096, metadata={"help": "the largest max_tokens a request may ask for"}
+    )
+    max_stop_strings: int = field(
+        default=16, metadata={"help": "how many stop strings a request may give"}
+    )
+    submit_timeout_s: float = field(
+        default=20.0, metadata={"help": "how long the scheduler may take to place a request"}
+    )
+    stream_idle_timeout_s: float = field(
+        default=300.0, metadata={"help": "a stream silent this long fails with UNAVAILABLE"}
+    )
+    worker_timeout_s: float = field(
+        default=3.0,
+        metadata={
+            "help": "a decode worker silent this long is taken for dead: its streams move to another"
+        },
+    )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "on SIGTERM: new requests are refused at once, streams in flight get this long to finish"
+        },
+    )
+    max_request_bytes: int = field(
+        default=1 << 20,
+        metadata={
+            "help": "the largest request message accepted; larger ones get RESOURCE_EXHAUSTED"
+        },
+    )
+    max_streams_per_client: int = field(
+        default=256,
+        metadata={
+            "help": "concurrent streams one client address may hold; more get RESOURCE_EXHAUSTED"
+        },
+    )
+    max_migrations: int = field(
+        default=2,
+        metadata={
+            "help": "times a request may move to another worker after the one serving it failed; past it, UNAVAILABLE"
+        },
+    )
     gateway_id: str = field(default="", metadata={"help": "unique id; empty = random"})
 
     def __post_init__(self) -> None:
@@ -39,15 +100,24 @@ class GatewaySettings(CommonSettings):
             raise ValueError("drain_timeout_s must be >= 0")
         if self.max_request_bytes < 1024 or self.max_streams_per_client < 1:
             raise ValueError("max_request_bytes must be >= 1024 and max_streams_per_client >= 1")
-        if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key) or (self.grpc_tls_client_ca and not self.grpc_tls_cert):
-            raise ValueError("grpc_tls_cert and grpc_tls_key go together; grpc_tls_client_ca needs them")
+        if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key) or (
+            self.grpc_tls_client_ca and not self.grpc_tls_cert
+        ):
+            raise ValueError(
+                "grpc_tls_cert and grpc_tls_key go together; grpc_tls_client_ca needs them"
+            )
         if not 0 <= self.max_migrations <= 16:
             raise ValueError("max_migrations must be in 0..16")
-        if not (self.max_tokens_limit <= rules.MAX_LIST and self.max_stop_strings <= rules.MAX_STOP_STRINGS):
-            raise ValueError(f"max_tokens_limit must be <= {rules.MAX_LIST}, max_stop_strings <= {rules.MAX_STOP_STRINGS}")
+        if not (
+            self.max_tokens_limit <= rules.MAX_LIST
+            and self.max_stop_strings <= rules.MAX_STOP_STRINGS
+        ):
+            raise ValueError(
+                f"max_tokens_limit must be <= {rules.MAX_LIST}, max_stop_strings <= {rules.MAX_STOP_STRINGS}"
+            )
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
         if not self.gateway_id:
             self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.gateway_id):   # one NATS subject token
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.gateway_id):  # one NATS subject token
             raise ValueError(f"gateway_id must be 1-64 of A-Z a-z 0-9 _ -, got {self.gateway_id!r}")

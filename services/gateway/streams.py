@@ -2,8 +2,8 @@
 
 import asyncio
 
-from shared.control.messages import TokenChunk
 from shared.control.bus import MessageBus
+from shared.control.messages import TokenChunk
 
 
 class StreamRouter:

@@ -6,8 +6,8 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from shared.control import rules
 from shared.api import tandem_pb2 as pb
+from shared.control import rules
 from shared.control.messages import SamplingParams
 
 ROLES = ("system", "user", "assistant")
@@ -25,7 +25,7 @@ class Limits:
     default_max_tokens: int
     max_tokens_limit: int
     max_stop_strings: int
-    max_prompt_tokens: int = 0   # 0: any prompt that fits the context with its max_tokens
+    max_prompt_tokens: int = 0  # 0: any prompt that fits the context with its max_tokens
 
 
 @dataclass
@@ -49,7 +49,9 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
     if max_tokens == 0:
         raise InvalidRequest("max_tokens must be at least 1")
     if max_tokens > limits.max_tokens_limit:
-        raise InvalidRequest(f"max_tokens {max_tokens} is above the limit of {limits.max_tokens_limit}")
+        raise InvalidRequest(
+            f"max_tokens {max_tokens} is above the limit of {limits.max_tokens_limit}"
+        )
     if not math.isfinite(s.temperature) or not 0 <= s.temperature <= rules.MAX_TEMPERATURE:
         raise InvalidRequest(f"temperature must be a number in [0, {rules.MAX_TEMPERATURE:.0f}]")
     if s.top_k > rules.MAX_TOP_K:
@@ -62,9 +64,15 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
     if any(not stop or len(stop) > MAX_STOP_CHARS for stop in s.stop):
         raise InvalidRequest(f"stop strings must be 1-{MAX_STOP_CHARS} characters")
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
-    return SamplingParams(max_tokens=max_tokens, temperature=float(s.temperature), top_p=float(top_p),
-                          top_k=int(s.top_k), seed=seed, stop=list(s.stop),
-                          ignore_eos=s.ignore_eos)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(s.temperature),
+        top_p=float(top_p),
+        top_k=int(s.top_k),
+        seed=seed,
+        stop=list(s.stop),
+        ignore_eos=s.ignore_eos,
+    )
 
 
 def prompt_ids_of(request: pb.GenerateRequest, tokenizer) -> list[int]:
@@ -93,8 +101,12 @@ def validate(request: pb.GenerateRequest, tokenizer, limits: Limits) -> ValidReq
     sampling = sampling_of(request, limits)
     ids = prompt_ids_of(request, tokenizer)
     if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
-        raise InvalidRequest(f"the prompt is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}")
+        raise InvalidRequest(
+            f"the prompt is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}"
+        )
     if len(ids) + sampling.max_tokens > limits.max_model_len:
-        raise InvalidRequest(f"prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_tokens}) "
-                             f"exceeds the model's context of {limits.max_model_len} tokens")
+        raise InvalidRequest(
+            f"prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_tokens}) "
+            f"exceeds the model's context of {limits.max_model_len} tokens"
+        )
     return ValidRequest(request_id, ids, sampling)

@@ -6,10 +6,10 @@ from contextlib import AsyncExitStack
 
 from services.prefill.settings import PrefillSettings
 from services.prefill.worker import PrefillWorker
-from shared.lifecycle import stop_on_signals
-from shared.settings import load_settings, nats_options, setup_logging
 from shared.control.bus import NatsBus
 from shared.dataplane.ucx import UcxDataPlane
+from shared.lifecycle import stop_on_signals
+from shared.settings import load_settings, nats_options, setup_logging
 from shared.worker.runtime import load_runtime
 
 
@@ -18,9 +18,16 @@ async def run(settings: PrefillSettings) -> None:
     runtime = await asyncio.to_thread(load_runtime, settings, "prefill")
     async with AsyncExitStack() as stack:
         bus = await stack.enter_async_context(
-            NatsBus(settings.nats_url, runtime.worker_id, nats_options(settings), role="prefill"))
-        plane = await stack.enter_async_context(UcxDataPlane(
-            settings.ucx_net_devices, settings.ucx_tls, settings.ucx_error_handling, settings.ucx_progress_mode))
+            NatsBus(settings.nats_url, runtime.worker_id, nats_options(settings), role="prefill")
+        )
+        plane = await stack.enter_async_context(
+            UcxDataPlane(
+                settings.ucx_net_devices,
+                settings.ucx_tls,
+                settings.ucx_error_handling,
+                settings.ucx_progress_mode,
+            )
+        )
         await PrefillWorker(settings, runtime, bus, plane).serve(stop)
 
 

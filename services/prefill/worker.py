@@ -15,16 +15,23 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from shared.engine.model_runner import EngineExecutor
-from shared.engine.sequence import SeqStatus, Sequence
+from shared.control.bus import MessageBus
+from shared.control.messages import (
+    CancelRequest,
+    GenerateTask,
+    PrefillResult,
+    PrefillTask,
+    TaskAck,
+    TransferAbort,
+    WorkerHeartbeat,
+)
+from shared.control.subjects import Subjects
 from shared.dataplane.plan import PlanError, TransferPlan
 from shared.dataplane.sender import KVSender
-from shared.lifecycle import wait_or_stop
-from shared.control.messages import (CancelRequest, GenerateTask, PrefillResult, PrefillTask, TaskAck,
-                             TransferAbort, WorkerHeartbeat)
-from shared.control.subjects import Subjects
-from shared.control.bus import MessageBus
 from shared.dataplane.ucx import DataPlane, KVTransferError
+from shared.engine.model_runner import EngineExecutor
+from shared.engine.sequence import SeqStatus, Sequence
+from shared.lifecycle import wait_or_stop
 from shared.worker.announcer import Announcer
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
@@ -40,12 +47,14 @@ class _Transfer:
     blocks_held: bool = True
     first_token: int = -1
     computed_at: float = 0.0
-    abort_reason: str = ""      # set by a TransferAbort; acted on between engine steps
-    finished: bool = False      # every segment is on the wire and the decode worker was told
+    abort_reason: str = ""  # set by a TransferAbort; acted on between engine steps
+    finished: bool = False  # every segment is on the wire and the decode worker was told
 
 
 class PrefillWorker:
-    def __init__(self, settings: WorkerSettings, runtime: WorkerRuntime, bus: MessageBus, plane: DataPlane):
+    def __init__(
+        self, settings: WorkerSettings, runtime: WorkerRuntime, bus: MessageBus, plane: DataPlane
+    ):
         self.settings = settings
         self.rt = runtime
         self.engine = runtime.engine
@@ -53,35 +62,62 @@ class PrefillWorker:
         self.plane = plane
         self.subjects = Subjects(settings.cluster)
         self.executor = EngineExecutor()
-        self.held: dict[str, _Transfer] = {}      # request id -> its transfer, until its KV has left
+        self.held: dict[str, _Transfer] = {}  # request id -> its transfer, until its KV has left
         self.finishing: set[asyncio.Task] = set()
         self.wakeup = asyncio.Event()
         self.served = 0
         self.stopping = False
-        self.announcer = Announcer(bus, self.subjects, runtime.worker_id, self.snapshot,
-                                   settings.heartbeat_interval_s, settings.alive_file)
+        self.announcer = Announcer(
+            bus,
+            self.subjects,
+            runtime.worker_id,
+            self.snapshot,
+            settings.heartbeat_interval_s,
+            settings.alive_file,
+        )
 
     def snapshot(self) -> WorkerHeartbeat:
-        queued = sum(1 for t in self.held.values() if t.seq.status is SeqStatus.WAITING and not t.seq.num_computed_tokens)
+        queued = sum(
+            1
+            for t in self.held.values()
+            if t.seq.status is SeqStatus.WAITING and not t.seq.num_computed_tokens
+        )
         return WorkerHeartbeat(
-            worker_id=self.rt.worker_id, role="prefill", host=self.rt.host, pid=os.getpid(),
-            ucx_address=self.plane.address, layout=self.rt.runner.layout,
-            max_model_len=self.rt.max_model_len, running=len(self.held) - queued, queued=queued,
-            requests_served=self.served, **self.rt.load_report(), messages_dropped=self.bus.dropped,
+            worker_id=self.rt.worker_id,
+            role="prefill",
+            host=self.rt.host,
+            pid=os.getpid(),
+            ucx_address=self.plane.address,
+            layout=self.rt.runner.layout,
+            max_model_len=self.rt.max_model_len,
+            running=len(self.held) - queued,
+            queued=queued,
+            requests_served=self.served,
+            **self.rt.load_report(),
+            messages_dropped=self.bus.dropped,
             kv_bytes_sent=self.plane.counters.bytes_sent,
             kv_bytes_received=self.plane.counters.bytes_received,
             kv_transfers_failed=self.plane.counters.transfers_failed,
             kv_blocks_leaked=self._leaked(),
-            kv_transport=self.plane.transports(), zone=self.settings.zone, stopping=self.stopping)
+            kv_transport=self.plane.transports(),
+            zone=self.settings.zone,
+            stopping=self.stopping,
+        )
 
     def _leaked(self) -> int:
         with self.engine.lock:
-            return self.rt.blocks.leaked([t.seq.block_table for t in self.held.values() if t.blocks_held])
+            return self.rt.blocks.leaked(
+                [t.seq.block_table for t in self.held.values() if t.blocks_held]
+            )
 
     async def serve(self, stop: asyncio.Event) -> None:
-        subs = [await self.bus.subscribe(self.subjects.prefill_tasks(self.rt.worker_id), self.on_task),
-                await self.bus.subscribe(self.subjects.transfer_aborts(self.rt.worker_id), self.on_abort),
-                await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
+        subs = [
+            await self.bus.subscribe(self.subjects.prefill_tasks(self.rt.worker_id), self.on_task),
+            await self.bus.subscribe(
+                self.subjects.transfer_aborts(self.rt.worker_id), self.on_abort
+            ),
+            await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
+        ]
         try:
             async with self.announcer as announcer:
                 while not stop.is_set():
@@ -92,8 +128,12 @@ class PrefillWorker:
                 await announcer.announce()
                 await self._drain(self.settings.drain_timeout_s)
                 for t in list(self.held.values()):
-                    if t.seq.status is not SeqStatus.FINISHED:  # not computed in time: tell its decode worker
-                        await self._abort(t, "UNAVAILABLE", f"prefill worker {self.rt.worker_id} shut down")
+                    if (
+                        t.seq.status is not SeqStatus.FINISHED
+                    ):  # not computed in time: tell its decode worker
+                        await self._abort(
+                            t, "UNAVAILABLE", f"prefill worker {self.rt.worker_id} shut down"
+                        )
         finally:
             for sub in subs:
                 await sub.unsubscribe()
@@ -105,8 +145,10 @@ class PrefillWorker:
         """Computes and sends the prompts already accepted, for up to `timeout_s`."""
         log.info("draining %d prompt(s) for up to %.0fs", len(self.held), timeout_s)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(t.seq.status is not SeqStatus.FINISHED and not t.sender.aborted
-                                                  for t in self.held.values()):
+        while time.monotonic() < deadline and any(
+            t.seq.status is not SeqStatus.FINISHED and not t.sender.aborted
+            for t in self.held.values()
+        ):
             if not await self._iterate():
                 self.wakeup.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -122,17 +164,23 @@ class PrefillWorker:
             except PlanError as err:
                 refusal = ("INVALID_ARGUMENT", f"bad KV destination: {err}")
         if refusal is None:
-            request = GenerateTask(request_id=task.request_id, prompt_token_ids=task.prompt_token_ids,
-                                   sampling=task.sampling, reply_subject="", arrival_time=task.arrival_time,
-                                   deadline=task.deadline, priority=task.priority,
-                                   resume_tokens=task.output_offset)
+            request = GenerateTask(
+                request_id=task.request_id,
+                prompt_token_ids=task.prompt_token_ids,
+                sampling=task.sampling,
+                reply_subject="",
+                arrival_time=task.arrival_time,
+                deadline=task.deadline,
+                priority=task.priority,
+                resume_tokens=task.output_offset,
+            )
             seq = Sequence(request, None, set(), self.rt.max_model_len, prefill_only=True)
             sender = KVSender(self.plane, self.rt.runner.pool, plan, task.destination.lease_s)
             self.held[task.request_id] = _Transfer(task, seq, sender)
             self.engine.add(seq)
             self.wakeup.set()
         elif refusal[0] == "RESOURCE_EXHAUSTED":
-            self.announcer.nudge()   # the scheduler hears now that this worker is full
+            self.announcer.nudge()  # the scheduler hears now that this worker is full
         if respond is not None:
             code, message = refusal or ("", "")
             await respond(TaskAck(ok=refusal is None, code=code, message=message))
@@ -141,9 +189,11 @@ class PrefillWorker:
         if self.stopping:
             return ("UNAVAILABLE", f"prefill worker {self.rt.worker_id} is shutting down")
         if task.layout != self.rt.runner.layout:
-            return ("FAILED_PRECONDITION",
-                    f"KV layout mismatch: decode has {asdict(task.layout)}, "
-                    f"prefill {self.rt.worker_id} has {asdict(self.rt.runner.layout)}")
+            return (
+                "FAILED_PRECONDITION",
+                f"KV layout mismatch: decode has {asdict(task.layout)}, "
+                f"prefill {self.rt.worker_id} has {asdict(self.rt.runner.layout)}",
+            )
         if task.request_id in self.held:
             return ("ALREADY_EXISTS", f"request {task.request_id} is already here")
         if len(self.held) >= self.settings.max_queue:
@@ -161,10 +211,18 @@ class PrefillWorker:
     async def on_abort(self, message: TransferAbort, respond) -> None:
         """The decode worker gave up on this transfer: stop it and free its blocks now."""
         t = self.held.get(message.request_id)
-        if t is not None and t.task.destination.base_tag == message.base_tag and not t.sender.aborted:
-            log.info("%s: transfer aborted by its decode worker: %s", message.request_id, message.reason)
+        if (
+            t is not None
+            and t.task.destination.base_tag == message.base_tag
+            and not t.sender.aborted
+        ):
+            log.info(
+                "%s: transfer aborted by its decode worker: %s", message.request_id, message.reason
+            )
             t.abort_reason = message.reason or "aborted"
-            t.seq.cancel_reason = t.seq.cancel_reason or t.abort_reason   # a step computing it may stop
+            t.seq.cancel_reason = (
+                t.seq.cancel_reason or t.abort_reason
+            )  # a step computing it may stop
             self.wakeup.set()
 
     # -- the loop -------------------------------------------------------------------------------
@@ -202,11 +260,17 @@ class PrefillWorker:
     async def _ship(self) -> None:
         """Puts every segment whose tokens are computed on the wire: first the pieces that go
         straight from the pool, then, gathered while those travel, the others."""
-        ready = [(t, seg) for t in self.held.values() if not t.sender.aborted
-                 for seg in t.sender.ready(t.seq.num_computed_tokens)]
+        ready = [
+            (t, seg)
+            for t in self.held.values()
+            if not t.sender.aborted
+            for seg in t.sender.ready(t.seq.num_computed_tokens)
+        ]
         if not ready:
             return
-        staged = await self.executor.run(lambda: [t.sender.stage(seg, t.seq.block_table) for t, seg in ready])
+        staged = await self.executor.run(
+            lambda: [t.sender.stage(seg, t.seq.block_table) for t, seg in ready]
+        )
         live = [(t, st) for (t, _), st in zip(ready, staged) if not t.sender.aborted]
         for t, st in live:
             t.sender.send(st.direct)
@@ -222,12 +286,22 @@ class PrefillWorker:
 
     async def _finish(self, t: _Transfer) -> None:
         """The whole prompt is computed and on the wire: tell the decode worker its first token."""
-        await self._publish(t, PrefillResult(
-            request_id=t.task.request_id, base_tag=t.task.destination.base_tag, ok=True,
-            first_token=t.first_token, kv_bytes=t.sender.plan.nbytes, queue_ms=t.seq.queue_ms,
-            prefill_ms=t.seq.prefill_ms, prefill_worker=self.rt.worker_id,
-            transport=self.plane.transport_to(t.task.destination.ucx_address), computed_at=t.computed_at,
-            cached_tokens=t.seq.cached_tokens))
+        await self._publish(
+            t,
+            PrefillResult(
+                request_id=t.task.request_id,
+                base_tag=t.task.destination.base_tag,
+                ok=True,
+                first_token=t.first_token,
+                kv_bytes=t.sender.plan.nbytes,
+                queue_ms=t.seq.queue_ms,
+                prefill_ms=t.seq.prefill_ms,
+                prefill_worker=self.rt.worker_id,
+                transport=self.plane.transport_to(t.task.destination.ucx_address),
+                computed_at=t.computed_at,
+                cached_tokens=t.seq.cached_tokens,
+            ),
+        )
         self._await_sends(t)
 
     def _await_sends(self, t: _Transfer) -> None:
@@ -244,7 +318,9 @@ class PrefillWorker:
         except KVTransferError as err:
             if not t.sender.aborted:
                 t.sender.aborted = True
-                log.error("KV of %s to %s not sent: %s", t.task.request_id, t.task.decode_worker, err)
+                log.error(
+                    "KV of %s to %s not sent: %s", t.task.request_id, t.task.decode_worker, err
+                )
                 await self._publish(t, self._failure(t, "UNAVAILABLE", "KV transfer failed"))
         finally:
             self._release(t)
@@ -273,12 +349,20 @@ class PrefillWorker:
             self._release(t)
 
     def _failure(self, t: _Transfer, code: str, message: str) -> PrefillResult:
-        return PrefillResult(request_id=t.task.request_id, base_tag=t.task.destination.base_tag, ok=False,
-                             code=code, message=message, pieces_sent=t.sender.pieces_sent,
-                             prefill_worker=self.rt.worker_id)
+        return PrefillResult(
+            request_id=t.task.request_id,
+            base_tag=t.task.destination.base_tag,
+            ok=False,
+            code=code,
+            message=message,
+            pieces_sent=t.sender.pieces_sent,
+            prefill_worker=self.rt.worker_id,
+        )
 
     async def _publish(self, t: _Transfer, result: PrefillResult) -> None:
         try:
             await self.bus.publish(self.subjects.prefill_results(t.task.decode_worker), result)
         except Exception as err:  # NATS down: the decode worker's lease ends the transfer
-            log.warning("could not tell %s about %s: %s", t.task.decode_worker, t.task.request_id, err)
+            log.warning(
+                "could not tell %s about %s: %s", t.task.decode_worker, t.task.request_id, err
+            )

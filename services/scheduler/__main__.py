@@ -5,14 +5,16 @@ import sys
 
 from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
+from shared.control.bus import NatsBus
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
-from shared.control.bus import NatsBus
 
 
 async def run(settings: SchedulerSettings) -> None:
     stop = stop_on_signals()
-    async with NatsBus(settings.nats_url, "scheduler", nats_options(settings), role="scheduler") as bus:
+    async with NatsBus(
+        settings.nats_url, "scheduler", nats_options(settings), role="scheduler"
+    ) as bus:
         await SchedulerService(settings, bus).serve(stop)
 
 

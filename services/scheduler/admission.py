@@ -10,8 +10,9 @@ import heapq
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from shared.control.messages import GenerateTask
 
@@ -24,25 +25,31 @@ class Pending:
     priority: int = field(compare=False)
     order: int = field(compare=False)
     task: GenerateTask = field(compare=False)
-    respond: Any = field(compare=False)          # how to answer the gateway; None when nobody waits
+    respond: Any = field(compare=False)  # how to answer the gateway; None when nobody waits
     enqueued_at: float = field(compare=False)
-    tried: set = field(default_factory=set, compare=False)   # workers that refused or failed it
+    tried: set = field(default_factory=set, compare=False)  # workers that refused or failed it
     attempts: int = field(default=0, compare=False)
-    refusal: tuple[str, str] | None = field(default=None, compare=False)   # the last worker's (code, message)
-    unconfirmed: bool = field(default=False, compare=False)   # a worker never confirmed it: it may hold it
+    refusal: tuple[str, str] | None = field(
+        default=None, compare=False
+    )  # the last worker's (code, message)
+    unconfirmed: bool = field(
+        default=False, compare=False
+    )  # a worker never confirmed it: it may hold it
 
     def __post_init__(self) -> None:
         self.sort_key = (-self.priority, 0 if self.task.moves else 1, self.order)
 
 
 class AdmissionQueue:
-    def __init__(self, max_pending: int, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, max_pending: int, timeout_s: float, clock: Callable[[], float] = time.monotonic
+    ):
         self.max_pending = max_pending
         self.timeout_s = timeout_s
         self._clock = clock
         self._heap: list[Pending] = []
         self._order = itertools.count()
-        self._placed: deque[float] = deque()   # when requests were placed, the last RATE_WINDOW_S
+        self._placed: deque[float] = deque()  # when requests were placed, the last RATE_WINDOW_S
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -51,7 +58,9 @@ class AdmissionQueue:
         """Queues the task; None when the queue is full (refuse it)."""
         if len(self._heap) >= self.max_pending and not task.moves:
             return None
-        entry = Pending(task.priority, next(self._order), task, respond, self._clock(), set(task.avoid_workers))
+        entry = Pending(
+            task.priority, next(self._order), task, respond, self._clock(), set(task.avoid_workers)
+        )
         heapq.heappush(self._heap, entry)
         return entry
 

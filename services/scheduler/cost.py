@@ -19,12 +19,12 @@ equal, while a much shorter queue elsewhere still wins over a long one next door
 
 from dataclasses import dataclass, field
 
-from shared.engine.block_manager import granule_keys
 from shared.control.messages import KVLayout, WorkerHeartbeat
+from shared.engine.block_manager import granule_keys
 
-SAME_HOST_BYTES_PER_S = 8e9      # UCX over shared memory / cma: 5-9 GB/s measured (bench/results/kv.md)
-SAME_ZONE_BYTES_PER_S = 1.25e9   # one 10 GbE hop
-CROSS_ZONE_BYTES_PER_S = 0.3e9   # across racks or zones: shared, oversubscribed links
+SAME_HOST_BYTES_PER_S = 8e9  # UCX over shared memory / cma: 5-9 GB/s measured (bench/results/kv.md)
+SAME_ZONE_BYTES_PER_S = 1.25e9  # one 10 GbE hop
+CROSS_ZONE_BYTES_PER_S = 0.3e9  # across racks or zones: shared, oversubscribed links
 UNMEASURED_TOKENS_PER_S = 1000.0  # a worker's prompt speed before it has measured its own
 # The prompt length at which attention doubles a prompt token's cost; the measured speed comes
 # mostly from shorter prompts. On the CPU engine, 2,048-token prompts run at 0.69x the speed of
@@ -35,7 +35,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def kv_bytes_per_token(layout: KVLayout) -> int:
-    return layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * DTYPE_BYTES.get(layout.dtype, 4)
+    return (
+        layout.num_layers
+        * 2
+        * layout.num_kv_heads
+        * layout.head_dim
+        * DTYPE_BYTES.get(layout.dtype, 4)
+    )
 
 
 def bandwidth(a: WorkerHeartbeat, b: WorkerHeartbeat) -> float:
@@ -47,7 +53,9 @@ def bandwidth(a: WorkerHeartbeat, b: WorkerHeartbeat) -> float:
 
 
 def prompt_speed(worker: WorkerHeartbeat) -> float:
-    return worker.prefill_tokens_per_s if worker.prefill_tokens_per_s > 0 else UNMEASURED_TOKENS_PER_S
+    return (
+        worker.prefill_tokens_per_s if worker.prefill_tokens_per_s > 0 else UNMEASURED_TOKENS_PER_S
+    )
 
 
 @dataclass

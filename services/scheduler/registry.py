@@ -8,7 +8,7 @@ emptiest half a second ago; the worker's next heartbeat replaces the estimate wi
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from shared.control.messages import WorkerHeartbeat
 
@@ -30,7 +30,9 @@ class WorkerRegistry:
         if beat.stopping:
             self._workers.pop(beat.worker_id, None)
         else:
-            self._workers[beat.worker_id] = WorkerEntry(beat, self._clock(), frozenset(beat.prefix_summary))
+            self._workers[beat.worker_id] = WorkerEntry(
+                beat, self._clock(), frozenset(beat.prefix_summary)
+            )
 
     def drop(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -39,21 +41,29 @@ class WorkerRegistry:
         now = self._clock()
         for worker_id in [w for w, e in self._workers.items() if now - e.seen_at > self._timeout]:
             del self._workers[worker_id]
-        return sorted((e.beat for e in self._workers.values() if role is None or e.beat.role == role),
-                      key=lambda b: b.worker_id)
+        return sorted(
+            (e.beat for e in self._workers.values() if role is None or e.beat.role == role),
+            key=lambda b: b.worker_id,
+        )
 
     def summary(self, worker_id: str) -> frozenset[int]:
         entry = self._workers.get(worker_id)
         return entry.summary if entry else frozenset()
 
-    def reserve(self, worker_id: str, seqs: int = 0, blocks: int = 0, prompt_tokens: int = 0) -> None:
+    def reserve(
+        self, worker_id: str, seqs: int = 0, blocks: int = 0, prompt_tokens: int = 0
+    ) -> None:
         """Counts work just placed on a worker until its next heartbeat reports it."""
         entry = self._workers.get(worker_id)
         if entry is None:
             return
         b = entry.beat
-        entry.beat = dataclasses.replace(b, queued=b.queued + seqs, kv_blocks_used=b.kv_blocks_used + blocks,
-                                         prefill_tokens_queued=b.prefill_tokens_queued + prompt_tokens)
+        entry.beat = dataclasses.replace(
+            b,
+            queued=b.queued + seqs,
+            kv_blocks_used=b.kv_blocks_used + blocks,
+            prefill_tokens_queued=b.prefill_tokens_queued + prompt_tokens,
+        )
 
     def mark_full(self, worker_id: str) -> None:
         """The worker refused work as full: no room there until its next heartbeat says otherwise."""

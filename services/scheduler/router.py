@@ -54,18 +54,18 @@ class Policy:
     prefill_busy_s: float = 30.0
     max_prefill_wait_s: float = 60.0
     decode_slack: float = 0.05
-    max_itl_ms: float = 0.0       # 0 = no latency bound, only memory and batch slots
+    max_itl_ms: float = 0.0  # 0 = no latency bound, only memory and batch slots
 
 
 @dataclass
 class Route:
     decode: WorkerHeartbeat
-    prefill: WorkerHeartbeat | None   # None: prefill on the decode worker
-    decode_cached: int = 0            # prompt tokens the decode worker's prefix cache holds
-    blocks: int = 0                   # KV blocks the sequence takes on the decode worker
-    compute_tokens: int = 0           # prompt tokens the chosen prefill computes
-    cost_s: float = 0.0               # the cost model's estimate (see cost.py)
-    queued_s: float = 0.0             # of which: waiting behind prompt work already queued there
+    prefill: WorkerHeartbeat | None  # None: prefill on the decode worker
+    decode_cached: int = 0  # prompt tokens the decode worker's prefix cache holds
+    blocks: int = 0  # KV blocks the sequence takes on the decode worker
+    compute_tokens: int = 0  # prompt tokens the chosen prefill computes
+    cost_s: float = 0.0  # the cost model's estimate (see cost.py)
+    queued_s: float = 0.0  # of which: waiting behind prompt work already queued there
 
 
 def _needed_blocks(worker: WorkerHeartbeat, task: GenerateTask, cached: int) -> int:
@@ -108,34 +108,56 @@ class Router:
     # -- decode -------------------------------------------------------------------------------
 
     def _decoders(self, task: GenerateTask, exclude: set[str]) -> list[WorkerHeartbeat]:
-        roles = {"colocated": ("colocated",), "disaggregated": ("decode",)}.get(self.policy.mode,
-                                                                              ("decode", "colocated"))
-        decoders = [w for w in self.registry.live() if w.role in roles and w.worker_id not in exclude]
+        roles = {"colocated": ("colocated",), "disaggregated": ("decode",)}.get(
+            self.policy.mode, ("decode", "colocated")
+        )
+        decoders = [
+            w for w in self.registry.live() if w.role in roles and w.worker_id not in exclude
+        ]
         if not decoders:
             raise NoWorker(f"no live {' or '.join(roles)} worker")
         if not any(_could_ever_fit(w, task) for w in decoders):
-            raise TooLarge(f"{len(task.prompt_token_ids)} prompt + {task.sampling.max_tokens} new tokens "
-                           f"do not fit any worker's context or KV cache")
+            raise TooLarge(
+                f"{len(task.prompt_token_ids)} prompt + {task.sampling.max_tokens} new tokens "
+                f"do not fit any worker's context or KV cache"
+            )
         return decoders
 
-    def _near_equal(self, decoders: list[WorkerHeartbeat], task: GenerateTask,
-                    prompt: PromptView) -> list[tuple[WorkerHeartbeat, int, int]]:
+    def _near_equal(
+        self, decoders: list[WorkerHeartbeat], task: GenerateTask, prompt: PromptView
+    ) -> list[tuple[WorkerHeartbeat, int, int]]:
         """(worker, cached tokens, blocks needed) of the workers with room, emptiest first."""
         room = []
         for w in decoders:
             cached = prompt.cached_tokens(w, self.registry.summary(w.worker_id))
             blocks = _needed_blocks(w, task, cached)
             held = w.running + w.queued
-            slots = (not w.max_num_seqs or held < w.max_num_seqs) and (not w.max_queue or held < w.max_queue)
-            if _could_ever_fit(w, task) and slots and not self._too_slow(w) \
-                    and blocks <= w.kv_blocks_total - w.kv_blocks_used:
+            slots = (not w.max_num_seqs or held < w.max_num_seqs) and (
+                not w.max_queue or held < w.max_queue
+            )
+            if (
+                _could_ever_fit(w, task)
+                and slots
+                and not self._too_slow(w)
+                and blocks <= w.kv_blocks_total - w.kv_blocks_used
+            ):
                 room.append((_fill_after(w, blocks), w.worker_id, w, cached, blocks))
         if not room:
-            raise NoRoom("every decode worker's batch or KV cache is full"
-                         + (f", or its tokens slower than {self.policy.max_itl_ms:.0f} ms" if self.policy.max_itl_ms else ""))
+            raise NoRoom(
+                "every decode worker's batch or KV cache is full"
+                + (
+                    f", or its tokens slower than {self.policy.max_itl_ms:.0f} ms"
+                    if self.policy.max_itl_ms
+                    else ""
+                )
+            )
         room.sort(key=lambda r: r[:2])
         best = room[0][0]
-        return [(w, cached, blocks) for fill, _, w, cached, blocks in room if fill <= best + self.policy.decode_slack]
+        return [
+            (w, cached, blocks)
+            for fill, _, w, cached, blocks in room
+            if fill <= best + self.policy.decode_slack
+        ]
 
     def _too_slow(self, w: WorkerHeartbeat) -> bool:
         """The worker's tokens will come slower than the ITL target once the sequences already
@@ -152,37 +174,63 @@ class Router:
         def local(entry) -> Route:
             w, cached, blocks = entry
             compute = len(prompt.token_ids) - cached
-            return Route(w, None, cached, blocks, compute, cost.prefill_wait_s(w, compute, len(prompt.token_ids)),
-                         cost.prefill_wait_s(w, 0))
-        return min(enumerate(local(e) for e in near), key=lambda ir: (round(ir[1].cost_s, 3), ir[0]))[1]
+            return Route(
+                w,
+                None,
+                cached,
+                blocks,
+                compute,
+                cost.prefill_wait_s(w, compute, len(prompt.token_ids)),
+                cost.prefill_wait_s(w, 0),
+            )
+
+        return min(
+            enumerate(local(e) for e in near), key=lambda ir: (round(ir[1].cost_s, 3), ir[0])
+        )[1]
 
     def _remote_best(self, near, prompt: PromptView, exclude: set[str]) -> Route | None:
         """The cheapest pair; on equal cost (to the millisecond) the emptier decode worker, as
         `near` is ordered."""
-        prefills = [p for p in self.registry.live("prefill") if p.worker_id not in exclude and _takes(p, prompt)]
+        prefills = [
+            p
+            for p in self.registry.live("prefill")
+            if p.worker_id not in exclude and _takes(p, prompt)
+        ]
         best, best_key = None, None
         for rank, (w, cached, blocks) in enumerate(near):
             for p in prefills:
                 if p.layout != w.layout:
                     continue
-                compute = len(prompt.token_ids) - prompt.cached_tokens(p, self.registry.summary(p.worker_id))
+                compute = len(prompt.token_ids) - prompt.cached_tokens(
+                    p, self.registry.summary(p.worker_id)
+                )
                 moved = len(prompt.token_ids) - cached
-                total = cost.prefill_wait_s(p, compute, len(prompt.token_ids)) + cost.transfer_s(p, w, moved)
+                total = cost.prefill_wait_s(p, compute, len(prompt.token_ids)) + cost.transfer_s(
+                    p, w, moved
+                )
                 key = (round(total, 3), rank, p.worker_id)
                 if best_key is None or key < best_key:
-                    best, best_key = Route(w, p, cached, blocks, compute, total, cost.prefill_wait_s(p, 0)), key
+                    best, best_key = (
+                        Route(w, p, cached, blocks, compute, total, cost.prefill_wait_s(p, 0)),
+                        key,
+                    )
         return best
 
     def _checked(self, route: Route) -> Route:
         if route.queued_s > self.policy.max_prefill_wait_s:
-            raise NoRoom(f"the prompt work queued ahead ({route.queued_s:.0f}s) is over "
-                         f"{self.policy.max_prefill_wait_s:.0f}s")
+            raise NoRoom(
+                f"the prompt work queued ahead ({route.queued_s:.0f}s) is over "
+                f"{self.policy.max_prefill_wait_s:.0f}s"
+            )
         return route
 
     def _auto(self, local: Route, remote: Route | None) -> Route:
         if local.compute_tokens <= self.policy.local_prefill_tokens or remote is None:
             return self._checked(local)
-        if remote.cost_s > self.policy.prefill_busy_s and cost.local_prefill_cost_s(local) < remote.cost_s:
+        if (
+            remote.cost_s > self.policy.prefill_busy_s
+            and cost.local_prefill_cost_s(local) < remote.cost_s
+        ):
             return self._checked(local)
         return self._checked(remote)
 
@@ -196,7 +244,9 @@ class Router:
         if not any(p.layout in layouts for p in prefills):
             raise NoWorker("no live prefill worker with a matching KV layout")
         if not any(_holds(p, len(prompt.token_ids)) for p in prefills):
-            raise TooLarge(f"a {len(prompt.token_ids)}-token prompt does not fit any prefill worker's KV cache")
+            raise TooLarge(
+                f"a {len(prompt.token_ids)}-token prompt does not fit any prefill worker's KV cache"
+            )
         raise NoRoom("every prefill worker's queue is full")
 
 

@@ -18,10 +18,19 @@ from services.scheduler.admission import AdmissionQueue, Pending
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
-from shared.control.messages import (CancelRequest, DecodeAssignment, Discover, GenerateTask, StatusReply, StatusRequest,
-                             SubmitReply, TaskAck, WorkerHeartbeat)
-from shared.control.subjects import Subjects
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
+from shared.control.messages import (
+    CancelRequest,
+    DecodeAssignment,
+    Discover,
+    GenerateTask,
+    StatusReply,
+    StatusRequest,
+    SubmitReply,
+    TaskAck,
+    WorkerHeartbeat,
+)
+from shared.control.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +50,19 @@ class SchedulerService:
         self._closing = False
 
     async def serve(self, stop: asyncio.Event) -> None:
-        subs = [await self.bus.subscribe(self.subjects.heartbeat, self.on_heartbeat),
-                await self.bus.subscribe(self.subjects.submit, self.on_submit, queue="schedulers"),
-                await self.bus.subscribe(self.subjects.status, self.on_status, queue="schedulers"),
-                await self.bus.subscribe(self.subjects.cancel, self.on_cancel)]
+        subs = [
+            await self.bus.subscribe(self.subjects.heartbeat, self.on_heartbeat),
+            await self.bus.subscribe(self.subjects.submit, self.on_submit, queue="schedulers"),
+            await self.bus.subscribe(self.subjects.status, self.on_status, queue="schedulers"),
+            await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
+        ]
         await self.bus.publish(self.subjects.discover, Discover(scheduler_id=self.scheduler_id))
-        log.info("%s up in %s mode on cluster %r", self.scheduler_id, self.settings.mode, self.settings.cluster)
+        log.info(
+            "%s up in %s mode on cluster %r",
+            self.scheduler_id,
+            self.settings.mode,
+            self.settings.cluster,
+        )
         tickers = [asyncio.create_task(self._tick())]
         if self.settings.alive_file:
             tickers.append(asyncio.create_task(self._keep_alive()))
@@ -57,7 +73,7 @@ class SchedulerService:
                 ticker.cancel()
             for sub in subs:
                 await sub.unsubscribe()
-            self._closing = True   # from here on nothing is placed: what waits is handed back
+            self._closing = True  # from here on nothing is placed: what waits is handed back
             while len(self.queue):
                 self._hand_back(self.queue.pop())
             while self._inflight:
@@ -76,15 +92,20 @@ class SchedulerService:
             await asyncio.sleep(0.1)
             try:
                 for entry in self.queue.expired():
-                    self._refuse(entry, "RESOURCE_EXHAUSTED",
-                                 f"no worker had room within {self.settings.queue_timeout_s:.0f}s", retry=True)
+                    self._refuse(
+                        entry,
+                        "RESOURCE_EXHAUSTED",
+                        f"no worker had room within {self.settings.queue_timeout_s:.0f}s",
+                        retry=True,
+                    )
                 self.pump()
             except Exception:  # a bug: log it, keep expiring and placing
                 log.exception("scheduler tick failed")
 
     def ready(self) -> bool:
         roles = {"colocated": [("colocated",)], "disaggregated": [("prefill",), ("decode",)]}.get(
-            self.settings.mode, [("decode", "colocated")])
+            self.settings.mode, [("decode", "colocated")]
+        )
         return all(any(self.registry.live(r) for r in alternatives) for alternatives in roles)
 
     async def on_heartbeat(self, beat: WorkerHeartbeat, respond) -> None:
@@ -93,17 +114,36 @@ class SchedulerService:
 
     async def on_status(self, request: StatusRequest, respond) -> None:
         if respond is not None:
-            await respond(StatusReply(mode=self.settings.mode, ready=self.ready(), workers=self.registry.live(),
-                                      messages_dropped=self.bus.dropped))
+            await respond(
+                StatusReply(
+                    mode=self.settings.mode,
+                    ready=self.ready(),
+                    workers=self.registry.live(),
+                    messages_dropped=self.bus.dropped,
+                )
+            )
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
         if self._closing:
-            await self._answer(respond, SubmitReply(ok=False, code="UNAVAILABLE", resubmit=True,
-                                                    message="the scheduler is shutting down"))
+            await self._answer(
+                respond,
+                SubmitReply(
+                    ok=False,
+                    code="UNAVAILABLE",
+                    resubmit=True,
+                    message="the scheduler is shutting down",
+                ),
+            )
         elif self.queue.offer(task, respond) is None:
-            await self._answer(respond, SubmitReply(
-                ok=False, code="RESOURCE_EXHAUSTED", retry_after_ms=self.queue.retry_after_ms(),
-                message=f"the scheduler's queue is full ({self.settings.max_pending} requests waiting)"))
+            await self._answer(
+                respond,
+                SubmitReply(
+                    ok=False,
+                    code="RESOURCE_EXHAUSTED",
+                    retry_after_ms=self.queue.retry_after_ms(),
+                    message=f"the scheduler's queue is full ({self.settings.max_pending} requests waiting)",
+                ),
+            )
         else:
             self.pump()
 
@@ -120,19 +160,32 @@ class SchedulerService:
         """Places queued requests in order while workers have room; the head waits when none has."""
         while not self._closing and (entry := self.queue.head()) is not None:
             if entry.task.deadline and time.time() > entry.task.deadline:
-                self._refuse(self.queue.pop(), "DEADLINE_EXCEEDED", "the deadline passed while it waited for room")
+                self._refuse(
+                    self.queue.pop(),
+                    "DEADLINE_EXCEEDED",
+                    "the deadline passed while it waited for room",
+                )
                 continue
             try:
                 chosen = self.router.route(entry.task, entry.tried)
             except NoRoom:
                 return
-            except NoWorker as err:   # every worker that could take it refused: say why the last one did
+            except (
+                NoWorker
+            ) as err:  # every worker that could take it refused: say why the last one did
                 code, message = entry.refusal or (err.code, str(err))
-                self._refuse(self.queue.pop(), code, message, retry=code == "RESOURCE_EXHAUSTED" and err.retry)
+                self._refuse(
+                    self.queue.pop(),
+                    code,
+                    message,
+                    retry=code == "RESOURCE_EXHAUSTED" and err.retry,
+                )
                 continue
             except Exception:  # a bug: this request fails, the others go on
                 log.exception("routing %s failed", entry.task.request_id)
-                self._refuse(self.queue.pop(), "INTERNAL", "the scheduler failed to route the request")
+                self._refuse(
+                    self.queue.pop(), "INTERNAL", "the scheduler failed to route the request"
+                )
                 continue
             self.queue.pop()
             self._reserve(entry, chosen)
@@ -140,8 +193,10 @@ class SchedulerService:
 
     def _reserve(self, entry: Pending, chosen: Route) -> None:
         self.registry.reserve(chosen.decode.worker_id, seqs=1, blocks=chosen.blocks)
-        if chosen.prefill:   # its queue's place is taken too, until its next heartbeat says
-            self.registry.reserve(chosen.prefill.worker_id, seqs=1, prompt_tokens=chosen.compute_tokens)
+        if chosen.prefill:  # its queue's place is taken too, until its next heartbeat says
+            self.registry.reserve(
+                chosen.prefill.worker_id, seqs=1, prompt_tokens=chosen.compute_tokens
+            )
         else:
             self.registry.reserve(chosen.decode.worker_id, prompt_tokens=chosen.compute_tokens)
 
@@ -154,16 +209,26 @@ class SchedulerService:
             ack = await self._offer(entry, decode_id, prefill_id)
         except Exception:  # a bug or a broken connection: this request fails, nothing hangs
             log.exception("assigning %s to %s failed", entry.task.request_id, decode_id)
-            ack = TaskAck(ok=False, code="UNAVAILABLE", message="the scheduler could not reach the decode worker")
+            ack = TaskAck(
+                ok=False,
+                code="UNAVAILABLE",
+                message="the scheduler could not reach the decode worker",
+            )
             entry.attempts = MAX_DISPATCH_ATTEMPTS
         if ack.ok:
             self.queue.placed()
-            await self._answer(entry.respond, SubmitReply(ok=True, prefill_worker=prefill_id, decode_worker=decode_id))
-        elif ack.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE") and entry.attempts < MAX_DISPATCH_ATTEMPTS:
+            await self._answer(
+                entry.respond,
+                SubmitReply(ok=True, prefill_worker=prefill_id, decode_worker=decode_id),
+            )
+        elif (
+            ack.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
+            and entry.attempts < MAX_DISPATCH_ATTEMPTS
+        ):
             if ack.code == "RESOURCE_EXHAUSTED":
-                self.registry.mark_full(decode_id)   # wait for its next heartbeat, or go elsewhere
+                self.registry.mark_full(decode_id)  # wait for its next heartbeat, or go elsewhere
             else:
-                entry.tried.add(decode_id)           # draining or gone
+                entry.tried.add(decode_id)  # draining or gone
             entry.refusal = (ack.code, ack.message)
             if self._closing:
                 self._hand_back(entry)
@@ -171,37 +236,71 @@ class SchedulerService:
                 self.queue.requeue(entry)
                 self.pump()
         else:
-            self._refuse(entry, ack.code or "UNAVAILABLE", ack.message, retry=ack.code == "RESOURCE_EXHAUSTED",
-                         failed_worker=decode_id if entry.unconfirmed else "")
+            self._refuse(
+                entry,
+                ack.code or "UNAVAILABLE",
+                ack.message,
+                retry=ack.code == "RESOURCE_EXHAUSTED",
+                failed_worker=decode_id if entry.unconfirmed else "",
+            )
 
     async def _offer(self, entry: Pending, decode_id: str, prefill_id: str) -> TaskAck:
         task = entry.task
         try:
-            return await self.bus.request(self.subjects.decode_tasks(decode_id),
-                                          DecodeAssignment(task=task, prefill_worker=prefill_id),
-                                          self.settings.dispatch_timeout_s, TaskAck)
+            return await self.bus.request(
+                self.subjects.decode_tasks(decode_id),
+                DecodeAssignment(task=task, prefill_worker=prefill_id),
+                self.settings.dispatch_timeout_s,
+                TaskAck,
+            )
         except NoResponders:  # gone since its last heartbeat: it holds nothing, try another
             self.registry.drop(decode_id)
-            return TaskAck(ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} is gone")
+            return TaskAck(
+                ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} is gone"
+            )
         except (RequestTimeout, BadReply):
             # It may have taken the request after all: trying another could run it twice.
             log.warning("decode worker %s did not confirm %s in time", decode_id, task.request_id)
             entry.attempts = MAX_DISPATCH_ATTEMPTS
-            entry.unconfirmed = True   # the gateway moves it on (a new attempt id), cancelling this one
-            await self.bus.publish(self.subjects.cancel, CancelRequest(task.request_id, "dispatch timed out"))
-            return TaskAck(ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} did not answer in time")
+            entry.unconfirmed = (
+                True  # the gateway moves it on (a new attempt id), cancelling this one
+            )
+            await self.bus.publish(
+                self.subjects.cancel, CancelRequest(task.request_id, "dispatch timed out")
+            )
+            return TaskAck(
+                ok=False,
+                code="UNAVAILABLE",
+                message=f"decode worker {decode_id} did not answer in time",
+            )
 
     # -- answers ------------------------------------------------------------------------------
 
-    def _refuse(self, entry: Pending, code: str, message: str, retry: bool = False, failed_worker: str = "") -> None:
-        reply = SubmitReply(ok=False, code=code, message=message, failed_worker=failed_worker,
-                            retry_after_ms=self.queue.retry_after_ms() if retry else 0)
+    def _refuse(
+        self, entry: Pending, code: str, message: str, retry: bool = False, failed_worker: str = ""
+    ) -> None:
+        reply = SubmitReply(
+            ok=False,
+            code=code,
+            message=message,
+            failed_worker=failed_worker,
+            retry_after_ms=self.queue.retry_after_ms() if retry else 0,
+        )
         self._spawn(self._answer(entry.respond, reply))
 
     def _hand_back(self, entry: Pending) -> None:
         """Shutting down: the gateway submits the request again, and another scheduler takes it."""
-        self._spawn(self._answer(entry.respond, SubmitReply(ok=False, code="UNAVAILABLE", resubmit=True,
-                                                            message="the scheduler is shutting down")))
+        self._spawn(
+            self._answer(
+                entry.respond,
+                SubmitReply(
+                    ok=False,
+                    code="UNAVAILABLE",
+                    resubmit=True,
+                    message="the scheduler is shutting down",
+                ),
+            )
+        )
 
     async def _answer(self, respond, reply: SubmitReply) -> None:
         if respond is None:

@@ -11,33 +11,92 @@ MODES = ("auto", "disaggregated", "colocated")
 class SchedulerSettings(CommonSettings):
     """Settings of the scheduler (flags or TANDEM_* variables)."""
 
-    mode: str = field(default=Policy.mode, metadata={"help": "auto (short prompts, or all when the prefill pool is busy, prefilled on the decode worker), disaggregated (always a prefill worker) or colocated (colocated workers only)"})
-    local_prefill_tokens: int = field(default=Policy.local_prefill_tokens, metadata={"help": "auto mode: prompts with at most this many tokens to compute after the decode worker's prefix cache are prefilled there"})
-    prefill_busy_s: float = field(default=Policy.prefill_busy_s, metadata={"help": "auto mode: when the best prefill worker's expected wait is over this, prefill on the decode worker if that is sooner"})
-    max_prefill_wait_s: float = field(default=Policy.max_prefill_wait_s, metadata={"help": "a request whose prefill worker has more than this much prompt work queued ahead waits in the scheduler's queue for room"})
-    decode_slack: float = field(default=Policy.decode_slack, metadata={"help": "decode workers whose fill differs by at most this are equals; the cost model (prefix cache, topology) picks among them"})
-    max_itl_ms: float = field(default=Policy.max_itl_ms, metadata={"help": "a decode worker whose measured step time (the gap between its sequences' tokens) is over this takes no new sequences until it falls, so admission bounds latency, not only memory; 0 = off"})
-    max_pending: int = field(default=256, metadata={"help": "requests waiting for room at most; beyond, new ones get RESOURCE_EXHAUSTED at once"})
-    queue_timeout_s: float = field(default=5.0, metadata={"help": "a request that found no room this long gets RESOURCE_EXHAUSTED with a retry-after hint"})
-    worker_timeout_s: float = field(default=3.0, metadata={"help": "a worker silent this long is dropped"})
-    dispatch_timeout_s: float = field(default=5.0, metadata={"help": "how long a worker may take to accept an assignment"})
-    alive_file: str = field(default="", metadata={"help": "touched every second, for container health checks; empty = none"})
+    mode: str = field(
+        default=Policy.mode,
+        metadata={
+            "help": "auto (short prompts, or all when the prefill pool is busy, prefilled on the decode worker), disaggregated (always a prefill worker) or colocated (colocated workers only)"
+        },
+    )
+    local_prefill_tokens: int = field(
+        default=Policy.local_prefill_tokens,
+        metadata={
+            "help": "auto mode: prompts with at most this many tokens to compute after the decode worker's prefix cache are prefilled there"
+        },
+    )
+    prefill_busy_s: float = field(
+        default=Policy.prefill_busy_s,
+        metadata={
+            "help": "auto mode: when the best prefill worker's expected wait is over this, prefill on the decode worker if that is sooner"
+        },
+    )
+    max_prefill_wait_s: float = field(
+        default=Policy.max_prefill_wait_s,
+        metadata={
+            "help": "a request whose prefill worker has more than this much prompt work queued ahead waits in the scheduler's queue for room"
+        },
+    )
+    decode_slack: float = field(
+        default=Policy.decode_slack,
+        metadata={
+            "help": "decode workers whose fill differs by at most this are equals; the cost model (prefix cache, topology) picks among them"
+        },
+    )
+    max_itl_ms: float = field(
+        default=Policy.max_itl_ms,
+        metadata={
+            "help": "a decode worker whose measured step time (the gap between its sequences' tokens) is over this takes no new sequences until it falls, so admission bounds latency, not only memory; 0 = off"
+        },
+    )
+    max_pending: int = field(
+        default=256,
+        metadata={
+            "help": "requests waiting for room at most; beyond, new ones get RESOURCE_EXHAUSTED at once"
+        },
+    )
+    queue_timeout_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "a request that found no room this long gets RESOURCE_EXHAUSTED with a retry-after hint"
+        },
+    )
+    worker_timeout_s: float = field(
+        default=3.0, metadata={"help": "a worker silent this long is dropped"}
+    )
+    dispatch_timeout_s: float = field(
+        default=5.0, metadata={"help": "how long a worker may take to accept an assignment"}
+    )
+    alive_file: str = field(
+        default="",
+        metadata={"help": "touched every second, for container health checks; empty = none"},
+    )
     scheduler_id: str = field(default="", metadata={"help": "unique id; empty = random"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("worker_timeout_s", "dispatch_timeout_s", "queue_timeout_s", "prefill_busy_s",
-                     "max_prefill_wait_s"):
+        for name in (
+            "worker_timeout_s",
+            "dispatch_timeout_s",
+            "queue_timeout_s",
+            "prefill_busy_s",
+            "max_prefill_wait_s",
+        ):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):  # NaN too
                 raise ValueError(f"{name} must be a positive number")
         if not (self.max_itl_ms >= 0 and math.isfinite(self.max_itl_ms)):
             raise ValueError("max_itl_ms must be >= 0 (0 = off)")
         if self.local_prefill_tokens < 0 or self.max_pending < 1 or not 0 <= self.decode_slack <= 1:
-            raise ValueError("local_prefill_tokens must be >= 0, max_pending >= 1, decode_slack in [0, 1]")
+            raise ValueError(
+                "local_prefill_tokens must be >= 0, max_pending >= 1, decode_slack in [0, 1]"
+            )
 
     def policy(self) -> Policy:
-        return Policy(mode=self.mode, local_prefill_tokens=self.local_prefill_tokens,
-                      prefill_busy_s=self.prefill_busy_s, max_prefill_wait_s=self.max_prefill_wait_s,
-                      decode_slack=self.decode_slack, max_itl_ms=self.max_itl_ms)
+        return Policy(
+            mode=self.mode,
+            local_prefill_tokens=self.local_prefill_tokens,
+            prefill_busy_s=self.prefill_busy_s,
+            max_prefill_wait_s=self.max_prefill_wait_s,
+            decode_slack=self.decode_slack,
+            max_itl_ms=self.max_itl_ms,
+        )

@@ -18,7 +18,27 @@ from shared.benchmark.runner import run_workload
 from shared.benchmark.slo import SLO, SLOError
 from shared.benchmark.workload import RequestSpec, Workload, poisson_arrivals, request_specs
 
-__all__ = ["GatewayUnreachable", "LengthSpecError", "Progress", "PromptBuilder", "PromptError", "RequestRecord",
-           "RequestSpec", "SLO", "SLOError", "Stats", "Summary", "Workload", "load_records", "parse_lengths",
-           "parse_output_lengths", "poisson_arrivals", "request_metrics", "request_specs", "run_workload", "summarize",
-           "table", "write_json"]
+__all__ = [
+    "GatewayUnreachable",
+    "LengthSpecError",
+    "Progress",
+    "PromptBuilder",
+    "PromptError",
+    "RequestRecord",
+    "RequestSpec",
+    "SLO",
+    "SLOError",
+    "Stats",
+    "Summary",
+    "Workload",
+    "load_records",
+    "parse_lengths",
+    "parse_output_lengths",
+    "poisson_arrivals",
+    "request_metrics",
+    "request_specs",
+    "run_workload",
+    "summarize",
+    "table",
+    "write_json",
+]

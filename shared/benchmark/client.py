@@ -26,24 +26,25 @@ class GatewayUnreachable(ConnectionError):
 class RequestRecord:
     """What happened to one request. `chunk_times[i]` is when the i-th response that carried
     tokens arrived and `chunk_tokens[i]` how many it carried."""
+
     index: int
     request_id: str
     tag: str
-    prompt_len: int          # the target; `prompt_tokens` is what the gateway counted
-    output_len: int          # max_tokens asked for
+    prompt_len: int  # the target; `prompt_tokens` is what the gateway counted
+    output_len: int  # max_tokens asked for
     priority: int
     prefix: int | None
     sent_at: float
     ended_at: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
-    status: str = OK         # a grpc.StatusCode name
+    status: str = OK  # a grpc.StatusCode name
     error: str = ""
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timing: dict = field(default_factory=dict)  # the gateway's Timing, field by field
-    retry_after_ms: int | None = None          # RESOURCE_EXHAUSTED's hint, when given
+    retry_after_ms: int | None = None  # RESOURCE_EXHAUSTED's hint, when given
 
     @property
     def ok(self) -> bool:
@@ -58,8 +59,10 @@ async def wait_ready(channel: grpc.aio.Channel, address: str, timeout_s: float) 
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout_s)
     except asyncio.TimeoutError:
-        raise GatewayUnreachable(f"no gateway answered at {address} within {timeout_s:.0f}s "
-                                 "(start one with `tandem up`, or pass --address)") from None
+        raise GatewayUnreachable(
+            f"no gateway answered at {address} within {timeout_s:.0f}s "
+            "(start one with `tandem up`, or pass --address)"
+        ) from None
 
 
 async def probe(address: str, timeout_s: float = 10.0) -> dict:
@@ -68,24 +71,40 @@ async def probe(address: str, timeout_s: float = 10.0) -> dict:
     async with open_channel(address) as channel:
         await wait_ready(channel, address, timeout_s)
         try:
-            status = await pb_grpc.TandemStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=timeout_s)
+            status = await pb_grpc.TandemStub(channel).ClusterStatus(
+                pb.ClusterStatusRequest(), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError:
             return {}
-    return {"mode": status.mode, "workers": [{"id": w.id, "role": w.role, "host": w.host} for w in status.workers]}
+    return {
+        "mode": status.mode,
+        "workers": [{"id": w.id, "role": w.role, "host": w.host} for w in status.workers],
+    }
 
 
 def request_of(spec: RequestSpec) -> pb.GenerateRequest:
     # Greedy with ignore_eos: every request generates exactly output_len tokens.
     sampling = pb.SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
-    return pb.GenerateRequest(request_id=spec.request_id, prompt=spec.prompt, sampling=sampling,
-                              priority=spec.priority)
+    return pb.GenerateRequest(
+        request_id=spec.request_id, prompt=spec.prompt, sampling=sampling, priority=spec.priority
+    )
 
 
-async def send(stub: pb_grpc.TandemStub, spec: RequestSpec, timeout_s: float | None = None) -> RequestRecord:
+async def send(
+    stub: pb_grpc.TandemStub, spec: RequestSpec, timeout_s: float | None = None
+) -> RequestRecord:
     """Sends one request and records its stream; a failure is recorded, never raised
     (cancellation aside)."""
-    record = RequestRecord(spec.index, spec.request_id, spec.tag, spec.prompt_len, spec.output_len,
-                           spec.priority, spec.prefix, sent_at=time.perf_counter())
+    record = RequestRecord(
+        spec.index,
+        spec.request_id,
+        spec.tag,
+        spec.prompt_len,
+        spec.output_len,
+        spec.priority,
+        spec.prefix,
+        sent_at=time.perf_counter(),
+    )
     call = stub.Generate(request_of(spec), timeout=timeout_s)
     try:
         async for response in call:
@@ -106,10 +125,14 @@ def _observe(record: RequestRecord, response: pb.GenerateResponse, now: float) -
         record.chunk_times.append(now)
         record.chunk_tokens.append(len(response.token_ids))
     if response.finish_reason:
-        record.finish_reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
+        record.finish_reason = (
+            pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
+        )
         record.prompt_tokens = response.usage.prompt_tokens
         record.completion_tokens = response.usage.completion_tokens
-        record.timing = {f.name: getattr(response.timing, f.name) for f in response.timing.DESCRIPTOR.fields}
+        record.timing = {
+            f.name: getattr(response.timing, f.name) for f in response.timing.DESCRIPTOR.fields
+        }
 
 
 def _failed(record: RequestRecord, err: grpc.aio.AioRpcError) -> None:

@@ -81,7 +81,9 @@ def read_rows(path: str) -> tuple[tuple[int, ...], ...]:
         if not cells:
             continue
         if len(cells) > 2:
-            raise LengthSpecError(f"{path}:{number}: expected one length or 'prompt_len output_len', got {line!r}")
+            raise LengthSpecError(
+                f"{path}:{number}: expected one length or 'prompt_len output_len', got {line!r}"
+            )
         rows.append(tuple(_positive(cell, f"{path}:{number}") for cell in cells))
     if not rows:
         raise LengthSpecError(f"file:{path}: no lengths in it")
@@ -103,7 +105,9 @@ def parse_output_lengths(spec: str | None, prompt: Lengths, default: str = "fixe
     A file the prompt lengths already read is not read again, so draw_pair sees one set of rows
     and keeps each pair together."""
     paired = isinstance(prompt, FromFile) and len(prompt.rows[0]) == 2
-    if (spec is None and paired) or (isinstance(prompt, FromFile) and spec == f"file:{prompt.path}"):
+    if (spec is None and paired) or (
+        isinstance(prompt, FromFile) and spec == f"file:{prompt.path}"
+    ):
         return FromFile(prompt.path, prompt.rows, 1)
     return parse_lengths(spec or default, column=1)
 

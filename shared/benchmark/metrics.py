@@ -25,7 +25,14 @@ from shared.benchmark.client import RequestRecord
 from shared.benchmark.slo import SLO
 
 PERCENTILES = (50, 90, 99)
-SERVER_TIMINGS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "kv_exposed_ms", "ttft_ms", "total_ms")
+SERVER_TIMINGS = (
+    "queue_ms",
+    "prefill_ms",
+    "kv_transfer_ms",
+    "kv_exposed_ms",
+    "ttft_ms",
+    "total_ms",
+)
 
 
 @dataclass
@@ -35,7 +42,9 @@ class RequestMetrics:
     tpot_ms: float | None
     itl_ms: list[float]
     output_tokens: int
-    max_itl_ms: float | None = None   # the longest wait for new tokens: a whole gap, not split over its tokens
+    max_itl_ms: float | None = (
+        None  # the longest wait for new tokens: a whole gap, not split over its tokens
+    )
 
 
 def itl_ms(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:
@@ -52,8 +61,14 @@ def request_metrics(record: RequestRecord) -> RequestMetrics:
     e2e = (record.ended_at - record.sent_at) * 1000
     tpot = (e2e - ttft) / (output - 1) if ttft is not None and output > 1 else None
     gaps = [(b - a) * 1000 for a, b in zip(record.chunk_times, record.chunk_times[1:])]
-    return RequestMetrics(ttft, e2e, tpot, itl_ms(record.chunk_times, record.chunk_tokens), output,
-                          max(gaps) if gaps else None)
+    return RequestMetrics(
+        ttft,
+        e2e,
+        tpot,
+        itl_ms(record.chunk_times, record.chunk_tokens),
+        output,
+        max(gaps) if gaps else None,
+    )
 
 
 @dataclass
@@ -77,22 +92,22 @@ class Summary:
     requests: int
     completed: int
     failed: int
-    failures: dict[str, int]        # status code -> count
+    failures: dict[str, int]  # status code -> count
     finish_reasons: dict[str, int]
     duration_s: float
-    prompt_tokens: int              # as the gateway counted them (usage), completed requests
-    output_tokens: int              # as received, completed requests
-    prompt_len_mismatches: int      # completed requests whose usage.prompt_tokens != the target
-    request_throughput: float       # completed requests / s
-    output_throughput: float        # output tokens / s
-    total_token_throughput: float   # (prompt + output tokens) / s
+    prompt_tokens: int  # as the gateway counted them (usage), completed requests
+    output_tokens: int  # as received, completed requests
+    prompt_len_mismatches: int  # completed requests whose usage.prompt_tokens != the target
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # output tokens / s
+    total_token_throughput: float  # (prompt + output tokens) / s
     ttft_ms: Stats
     tpot_ms: Stats
     itl_ms: Stats
     e2e_ms: Stats
     slo: dict[str, float] = field(default_factory=dict)
-    slo_met: int | None = None      # completed requests that met every objective; None without an SLO
-    goodput: float | None = None    # slo_met / s
+    slo_met: int | None = None  # completed requests that met every objective; None without an SLO
+    goodput: float | None = None  # slo_met / s
     server: dict = field(default_factory=dict)  # the gateway's own timings and paths
 
     def to_dict(self) -> dict:
@@ -105,8 +120,9 @@ def duration_of(records: Sequence[RequestRecord]) -> float:
     return max(r.ended_at for r in records) - min(r.sent_at for r in records)
 
 
-def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
-              duration_s: float | None = None) -> Summary:
+def summarize(
+    records: Sequence[RequestRecord], slo: SLO | None = None, duration_s: float | None = None
+) -> Summary:
     """The summary of `records` (any subset of a run: one class, one priority)."""
     done = [r for r in records if r.ok]
     per = [request_metrics(r) for r in done]
@@ -114,21 +130,33 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
     rate = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
     prompt_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(m.output_tokens for m in per)
-    slo_met = sum(slo.met(m.ttft_ms, m.tpot_ms, m.max_itl_ms, m.e2e_ms) for m in per) if slo and slo.given() else None
+    slo_met = (
+        sum(slo.met(m.ttft_ms, m.tpot_ms, m.max_itl_ms, m.e2e_ms) for m in per)
+        if slo and slo.given()
+        else None
+    )
     return Summary(
-        requests=len(records), completed=len(done), failed=len(records) - len(done),
+        requests=len(records),
+        completed=len(done),
+        failed=len(records) - len(done),
         failures=dict(Counter(r.status for r in records if not r.ok)),
-        finish_reasons=dict(Counter(r.finish_reason for r in done)), duration_s=duration,
-        prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+        finish_reasons=dict(Counter(r.finish_reason for r in done)),
+        duration_s=duration,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
         prompt_len_mismatches=sum(r.prompt_tokens != r.prompt_len for r in done),
-        request_throughput=rate(len(done)), output_throughput=rate(output_tokens),
+        request_throughput=rate(len(done)),
+        output_throughput=rate(output_tokens),
         total_token_throughput=rate(prompt_tokens + output_tokens),
         ttft_ms=Stats.of([m.ttft_ms for m in per if m.ttft_ms is not None]),
         tpot_ms=Stats.of([m.tpot_ms for m in per if m.tpot_ms is not None]),
         itl_ms=Stats.of([v for m in per for v in m.itl_ms]),
         e2e_ms=Stats.of([m.e2e_ms for m in per]),
-        slo=slo.given() if slo else {}, slo_met=slo_met,
-        goodput=None if slo_met is None else rate(slo_met), server=server_summary(done))
+        slo=slo.given() if slo else {},
+        slo_met=slo_met,
+        goodput=None if slo_met is None else rate(slo_met),
+        server=server_summary(done),
+    )
 
 
 def server_summary(done: Sequence[RequestRecord]) -> dict:

@@ -32,10 +32,12 @@ def pyplot():
 
 def latency_values(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
     per = [request_metrics(r) for r in records if r.ok]
-    return {"TTFT": [m.ttft_ms for m in per if m.ttft_ms is not None],
-            "TPOT": [m.tpot_ms for m in per if m.tpot_ms is not None],
-            "ITL": [v for m in per for v in m.itl_ms],
-            "E2E": [m.e2e_ms for m in per]}
+    return {
+        "TTFT": [m.ttft_ms for m in per if m.ttft_ms is not None],
+        "TPOT": [m.tpot_ms for m in per if m.tpot_ms is not None],
+        "ITL": [v for m in per for v in m.itl_ms],
+        "E2E": [m.e2e_ms for m in per],
+    }
 
 
 def write_plots(out_dir: Path, stem: str, records: Sequence[RequestRecord]) -> list[Path]:
@@ -59,7 +61,11 @@ def _cdfs(plt, values: dict[str, list[float]], title: str):
             ax.legend(loc="lower right")
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        ax.set(title=name, xlabel="ms", ylabel="fraction of " + ("tokens" if name == "ITL" else "requests"))
+        ax.set(
+            title=name,
+            xlabel="ms",
+            ylabel="fraction of " + ("tokens" if name == "ITL" else "requests"),
+        )
         ax.grid(alpha=0.3)
     fig.suptitle(f"{title}: latency CDFs (completed requests)")
     fig.tight_layout()

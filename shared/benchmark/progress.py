@@ -12,8 +12,13 @@ WIDTH = 30
 
 
 class Progress:
-    def __init__(self, total: int | None, duration_s: float | None = None, stream: TextIO | None = None,
-                 label: str = ""):
+    def __init__(
+        self,
+        total: int | None,
+        duration_s: float | None = None,
+        stream: TextIO | None = None,
+        label: str = "",
+    ):
         self.total = total
         self.duration_s = duration_s
         self.stream = stream or sys.stderr
@@ -46,8 +51,10 @@ class Progress:
         filled = int(WIDTH * fraction)
         count = f"{self.done}/{self.total}" if self.total else f"{self.done}"
         clock = f"{elapsed:.1f}/{self.duration_s:.0f} s" if self.duration_s else f"{elapsed:.1f} s"
-        return (f"{self.label}[{'#' * filled}{'.' * (WIDTH - filled)}] {count} done, "
-                f"{self.failed} failed, {self.in_flight} in flight, {clock}")
+        return (
+            f"{self.label}[{'#' * filled}{'.' * (WIDTH - filled)}] {count} done, "
+            f"{self.failed} failed, {self.in_flight} in flight, {clock}"
+        )
 
     def _fraction(self, elapsed: float) -> float:
         if self.total:

@@ -35,7 +35,9 @@ def word_vocabulary(tokenizer) -> list[str]:
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     words = [text for (i, text), ids in zip(candidates, encoded) if list(ids) == [i]]
     if len(words) < MIN_WORDS:
-        raise PromptError(f"the tokenizer has only {len(words)} plain word tokens; cannot build prompts from it")
+        raise PromptError(
+            f"the tokenizer has only {len(words)} plain word tokens; cannot build prompts from it"
+        )
     return words
 
 
@@ -43,7 +45,9 @@ def _marked_words(tokenizer) -> list[tuple[int, str]]:
     """Byte-level BPE and SentencePiece mark a leading space in the token itself ('Ġword',
     '▁word'): reading the vocabulary is much faster than decoding every id."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    found = sorted((i, " " + token[1:]) for token, i in vocab.items() if MARKED_WORD.fullmatch(token))
+    found = sorted(
+        (i, " " + token[1:]) for token, i in vocab.items() if MARKED_WORD.fullmatch(token)
+    )
     return found if len(found) >= MIN_WORDS else []
 
 
@@ -67,15 +71,19 @@ class PromptBuilder:
     def prefixes(self, tokens: int, number: int) -> list[str]:
         """`number` distinct texts of `tokens` tokens each (specials included), to start prompts with."""
         if tokens <= self.specials:
-            raise PromptError(f"a shared prefix needs more than the tokenizer's {self.specials} special tokens")
+            raise PromptError(
+                f"a shared prefix needs more than the tokenizer's {self.specials} special tokens"
+            )
         return [self.build(tokens) for _ in range(number)]
 
     def build(self, tokens: int, prefix: str = "") -> str:
         """`prefix` followed by random words, `tokens` tokens in all (as token_count counts)."""
         floor = self.count(prefix) if prefix else self.specials
         if tokens <= floor:
-            raise PromptError(f"a prompt of {tokens} tokens cannot hold its {floor}-token prefix "
-                              "and any text of its own")
+            raise PromptError(
+                f"a prompt of {tokens} tokens cannot hold its {floor}-token prefix "
+                "and any text of its own"
+            )
         return self.fit(prefix, [self._word() for _ in range(tokens - floor)], tokens)
 
     def fit(self, prefix: str, body: list[str], tokens: int) -> str:
@@ -90,7 +98,7 @@ class PromptBuilder:
             elif len(body) == 1:  # the prefix and a single word are too long already
                 break
             else:
-                del body[max(1, len(body) + missing):]
+                del body[max(1, len(body) + missing) :]
         raise PromptError(f"could not fit a prompt to exactly {tokens} tokens with this tokenizer")
 
     def _word(self) -> str:

@@ -20,10 +20,17 @@ from shared.benchmark.workload import RequestSpec
 CONNECT_TIMEOUT_S = 10.0
 
 
-async def run_workload(address: str, requests: Iterable[RequestSpec], *, arrivals: Iterable[float] | None = None,
-                       concurrency: int | None = None, duration_s: float | None = None,
-                       timeout_s: float | None = None, progress: Progress | None = None,
-                       connect_timeout_s: float = CONNECT_TIMEOUT_S) -> list[RequestRecord]:
+async def run_workload(
+    address: str,
+    requests: Iterable[RequestSpec],
+    *,
+    arrivals: Iterable[float] | None = None,
+    concurrency: int | None = None,
+    duration_s: float | None = None,
+    timeout_s: float | None = None,
+    progress: Progress | None = None,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+) -> list[RequestRecord]:
     """Sends `requests` and returns one record per request sent, in send order. Raises
     GatewayUnreachable when no gateway answers at `address`; a failed request is a record, not an
     exception. `requests` may be a lazy iterator, endless when duration_s is set, but a list is
@@ -32,11 +39,20 @@ async def run_workload(address: str, requests: Iterable[RequestSpec], *, arrival
         raise ValueError("concurrency must be at least 1")
     async with open_channel(address) as channel:
         await wait_ready(channel, address, connect_timeout_s)
-        return await _launch(pb_grpc.TandemStub(channel), requests, arrivals, concurrency, duration_s,
-                             timeout_s, progress)
+        return await _launch(
+            pb_grpc.TandemStub(channel),
+            requests,
+            arrivals,
+            concurrency,
+            duration_s,
+            timeout_s,
+            progress,
+        )
 
 
-async def _launch(stub, requests, arrivals, concurrency, duration_s, timeout_s, progress) -> list[RequestRecord]:
+async def _launch(
+    stub, requests, arrivals, concurrency, duration_s, timeout_s, progress
+) -> list[RequestRecord]:
     loop = asyncio.get_running_loop()
     start = loop.time()
     deadline = start + duration_s if duration_s else None
@@ -72,8 +88,13 @@ async def _wait_turn(at: float, deadline: float | None, slots: asyncio.Semaphore
     return True
 
 
-async def _one(stub, spec: RequestSpec, timeout_s: float | None, slots: asyncio.Semaphore | None,
-               progress: Progress | None) -> RequestRecord:
+async def _one(
+    stub,
+    spec: RequestSpec,
+    timeout_s: float | None,
+    slots: asyncio.Semaphore | None,
+    progress: Progress | None,
+) -> RequestRecord:
     if progress:
         progress.started_one()
     try:
@@ -84,4 +105,3 @@ async def _one(stub, spec: RequestSpec, timeout_s: float | None, slots: asyncio.
     if progress:
         progress.finished_one(record.ok)
     return record
-

@@ -11,9 +11,11 @@ A request with a single output token has no TPOT or ITL: those objectives cannot
 
 from dataclasses import asdict, dataclass, fields
 
-SLO_HELP = ("service-level objectives for goodput, any of ttft_ms, tpot_ms, itl_ms, e2e_ms, e.g. "
-            "ttft_ms=500,itl_ms=50: a request counts when it completed with TTFT, TPOT and E2E at most "
-            "these and its largest inter-token latency at most itl_ms")
+SLO_HELP = (
+    "service-level objectives for goodput, any of ttft_ms, tpot_ms, itl_ms, e2e_ms, e.g. "
+    "ttft_ms=500,itl_ms=50: a request counts when it completed with TTFT, TPOT and E2E at most "
+    "these and its largest inter-token latency at most itl_ms"
+)
 
 
 class SLOError(ValueError):
@@ -35,7 +37,9 @@ class SLO:
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")
             if not sep or key.strip() not in known:
-                raise SLOError(f"{item!r}: expected one of {', '.join(sorted(known))} as name=milliseconds")
+                raise SLOError(
+                    f"{item!r}: expected one of {', '.join(sorted(known))} as name=milliseconds"
+                )
             try:
                 values[key.strip()] = float(value)
             except ValueError:
@@ -47,11 +51,20 @@ class SLO:
     def given(self) -> dict[str, float]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
-    def met(self, ttft_ms: float | None, tpot_ms: float | None, max_itl_ms: float | None,
-            e2e_ms: float | None) -> bool:
+    def met(
+        self,
+        ttft_ms: float | None,
+        tpot_ms: float | None,
+        max_itl_ms: float | None,
+        e2e_ms: float | None,
+    ) -> bool:
         """Whether a completed request's latencies meet every objective given (None: not measured)."""
-        return (_within(ttft_ms, self.ttft_ms) and _within(tpot_ms, self.tpot_ms)
-                and _within(max_itl_ms, self.itl_ms) and _within(e2e_ms, self.e2e_ms))
+        return (
+            _within(ttft_ms, self.ttft_ms)
+            and _within(tpot_ms, self.tpot_ms)
+            and _within(max_itl_ms, self.itl_ms)
+            and _within(e2e_ms, self.e2e_ms)
+        )
 
 
 def _within(value: float | None, limit: float | None) -> bool:

@@ -20,13 +20,14 @@ _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 @dataclass(frozen=True)
 class RequestSpec:
     """One request to send: raw-text prompt of `prompt_len` tokens, exactly `output_len` tokens back."""
+
     index: int
     request_id: str
     prompt: str
     prompt_len: int
     output_len: int
     priority: int = 0
-    tag: str = ""             # the workload it belongs to, for per-class summaries
+    tag: str = ""  # the workload it belongs to, for per-class summaries
     prefix: int | None = None  # which shared prefix the prompt starts with
 
 
@@ -45,8 +46,10 @@ class Workload:
             raise ValueError("shared_prefix_tokens must be >= 0 and num_prefixes >= 1")
         shortest = shortest_length(self.prompt_lengths)
         if self.shared_prefix_tokens and shortest <= self.shared_prefix_tokens:
-            raise ValueError(f"prompts of {shortest} tokens cannot hold a shared prefix of "
-                             f"{self.shared_prefix_tokens} tokens and text of their own")
+            raise ValueError(
+                f"prompts of {shortest} tokens cannot hold a shared prefix of "
+                f"{self.shared_prefix_tokens} tokens and text of their own"
+            )
 
     def rng(self, purpose: str) -> random.Random:
         return random.Random(f"{self.seed}:{self.tag}:{purpose}")
@@ -60,20 +63,34 @@ def shortest_length(lengths: Lengths) -> int:
     return lengths.value
 
 
-def request_specs(workload: Workload, tokenizer, count: int | None = None,
-             builder: PromptBuilder | None = None) -> Iterator[RequestSpec]:
+def request_specs(
+    workload: Workload, tokenizer, count: int | None = None, builder: PromptBuilder | None = None
+) -> Iterator[RequestSpec]:
     """`count` request specs (endless when None), built lazily: a prompt is made when it is asked for."""
     builder = builder or PromptBuilder(tokenizer, workload.rng("words"))
-    prefixes = (builder.prefixes(workload.shared_prefix_tokens, workload.num_prefixes)
-                if workload.shared_prefix_tokens else [])
+    prefixes = (
+        builder.prefixes(workload.shared_prefix_tokens, workload.num_prefixes)
+        if workload.shared_prefix_tokens
+        else []
+    )
     lengths_rng, prefix_rng = workload.rng("lengths"), workload.rng("prefixes")
     id_stem = _ID_UNSAFE.sub("-", f"bench-{workload.tag}" if workload.tag else "bench")[:100]
     for index in itertools.count() if count is None else range(count):
-        prompt_len, output_len = draw_pair(workload.prompt_lengths, workload.output_lengths, lengths_rng)
+        prompt_len, output_len = draw_pair(
+            workload.prompt_lengths, workload.output_lengths, lengths_rng
+        )
         which = prefix_rng.randrange(len(prefixes)) if prefixes else None
         prompt = builder.build(prompt_len, prefixes[which] if prefixes else "")
-        yield RequestSpec(index, f"{id_stem}-{index}", prompt, prompt_len, output_len,
-                          workload.priority, workload.tag, which)
+        yield RequestSpec(
+            index,
+            f"{id_stem}-{index}",
+            prompt,
+            prompt_len,
+            output_len,
+            workload.priority,
+            workload.tag,
+            which,
+        )
 
 
 def poisson_arrivals(rate: float, seed: int | str = 0) -> Iterator[float]:

@@ -25,34 +25,92 @@ LENGTHS_HELP = "fixed:N, uniform:A-B (inclusive) or file:PATH (one length a line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="127.0.0.1:50051", help="the gateway (default 127.0.0.1:50051)")
-    p.add_argument("--rate", type=float, default=math.inf,
-                   help="requests per second, Poisson arrivals (seeded exponential gaps); default inf: all at once")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="at most C requests in flight; without --rate, a closed loop keeping C busy")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help=f"requests to send (default {DEFAULT_REQUESTS}; unlimited when only --duration is given)")
-    p.add_argument("--duration", type=float, default=None,
-                   help="stop sending new requests after this many seconds (those in flight finish)")
-    p.add_argument("--prompt-len", default="fixed:256", help=f"prompt tokens: {LENGTHS_HELP} (default fixed:256)")
-    p.add_argument("--output-len", default=None,
-                   help="output tokens, generated exactly (ignore_eos, greedy): same forms (default fixed:64, "
-                        "or the second column when --prompt-len names a pair file)")
-    p.add_argument("--shared-prefix-tokens", type=int, default=0,
-                   help="each prompt starts with one of --num-prefixes prefixes of this many tokens")
-    p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (default 1)")
+    p.add_argument(
+        "--address", default="127.0.0.1:50051", help="the gateway (default 127.0.0.1:50051)"
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (seeded exponential gaps); default inf: all at once",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="at most C requests in flight; without --rate, a closed loop keeping C busy",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help=f"requests to send (default {DEFAULT_REQUESTS}; unlimited when only --duration is given)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="stop sending new requests after this many seconds (those in flight finish)",
+    )
+    p.add_argument(
+        "--prompt-len",
+        default="fixed:256",
+        help=f"prompt tokens: {LENGTHS_HELP} (default fixed:256)",
+    )
+    p.add_argument(
+        "--output-len",
+        default=None,
+        help="output tokens, generated exactly (ignore_eos, greedy): same forms (default fixed:64, "
+        "or the second column when --prompt-len names a pair file)",
+    )
+    p.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
+        help="each prompt starts with one of --num-prefixes prefixes of this many tokens",
+    )
+    p.add_argument(
+        "--num-prefixes", type=int, default=1, help="distinct shared prefixes (default 1)"
+    )
     p.add_argument("--slo", default="", help=SLO_HELP)
-    p.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts, prefixes and arrivals (default 0)")
-    p.add_argument("--priority", type=int, default=0, help="GenerateRequest.priority of every request")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds (default 600)")
-    p.add_argument("--connect-timeout", type=float, default=10.0,
-                   help="seconds to wait for the gateway to answer at all (default 10)")
-    p.add_argument("--model", default="", help="the served model, for its tokenizer (default SmolLM2-135M-Instruct)")
-    p.add_argument("--model-cache", default=os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"),
-                   help="where converted GGUF models are cached (env TANDEM_MODEL_CACHE)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds lengths, prompts, prefixes and arrivals (default 0)",
+    )
+    p.add_argument(
+        "--priority", type=int, default=0, help="GenerateRequest.priority of every request"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="per-request deadline in seconds (default 600)",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for the gateway to answer at all (default 10)",
+    )
+    p.add_argument(
+        "--model",
+        default="",
+        help="the served model, for its tokenizer (default SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--model-cache",
+        default=os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"),
+        help="where converted GGUF models are cached (env TANDEM_MODEL_CACHE)",
+    )
     p.add_argument("--out-dir", default="bench/results/serving", help="results directory")
-    p.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the results")
-    p.add_argument("--label", default="", help="the run's name in the results (default: the start time)")
+    p.add_argument(
+        "--warmup", type=int, default=0, help="requests sent first and left out of the results"
+    )
+    p.add_argument(
+        "--label", default="", help="the run's name in the results (default: the start time)"
+    )
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     p.set_defaults(run=bench_command)
 
@@ -84,8 +142,15 @@ def bench_command(args) -> int:
 
 def workload_of(args) -> Workload:
     prompt = parse_lengths(args.prompt_len, column=0)
-    return Workload(prompt, parse_output_lengths(args.output_len, prompt, default="fixed:64"),
-                    args.shared_prefix_tokens, args.num_prefixes, args.priority, tag="", seed=args.seed)
+    return Workload(
+        prompt,
+        parse_output_lengths(args.output_len, prompt, default="fixed:64"),
+        args.shared_prefix_tokens,
+        args.num_prefixes,
+        args.priority,
+        tag="",
+        seed=args.seed,
+    )
 
 
 def check_limits(args) -> None:
@@ -97,7 +162,12 @@ def check_limits(args) -> None:
         raise ValueError("--num-requests must be at least 1")
     if args.duration is not None and not args.duration > 0:
         raise ValueError("--duration must be > 0 seconds")
-    if args.duration is not None and args.num_requests is None and math.isinf(args.rate) and args.concurrency is None:
+    if (
+        args.duration is not None
+        and args.num_requests is None
+        and math.isinf(args.rate)
+        and args.concurrency is None
+    ):
         raise ValueError("--duration needs --rate or --concurrency (else it sends without limit)")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
@@ -105,9 +175,13 @@ def check_limits(args) -> None:
 
 async def run(args, workload: Workload):
     """Warm-up, then the measured run; returns the measured records and the cluster's description."""
-    cluster = await probe(args.address, args.connect_timeout)  # fails fast, before the tokenizer loads
-    tokenizer = await asyncio.to_thread(model_store.load_tokenizer,
-                                        await asyncio.to_thread(model_store.prepare, args.model, args.model_cache))
+    cluster = await probe(
+        args.address, args.connect_timeout
+    )  # fails fast, before the tokenizer loads
+    tokenizer = await asyncio.to_thread(
+        model_store.load_tokenizer,
+        await asyncio.to_thread(model_store.prepare, args.model, args.model_cache),
+    )
     count = args.num_requests or (None if args.duration else DEFAULT_REQUESTS)
     specs = request_specs(workload, tokenizer, None if count is None else args.warmup + count)
     if count is not None:  # built up front, so no prompt is tokenized while requests stream
@@ -123,9 +197,16 @@ async def drive(args, specs, total: int | None, duration: float | None, label: s
     progress = Progress(total, duration, label=label)
     arrivals = None if math.isinf(args.rate) else poisson_arrivals(args.rate, args.seed)
     try:
-        return await run_workload(args.address, specs, arrivals=arrivals, concurrency=args.concurrency,
-                                  duration_s=duration, timeout_s=args.request_timeout, progress=progress,
-                                  connect_timeout_s=args.connect_timeout)
+        return await run_workload(
+            args.address,
+            specs,
+            arrivals=arrivals,
+            concurrency=args.concurrency,
+            duration_s=duration,
+            timeout_s=args.request_timeout,
+            progress=progress,
+            connect_timeout_s=args.connect_timeout,
+        )
     finally:
         progress.close()
 

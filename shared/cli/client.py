@@ -7,14 +7,26 @@ import grpc
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 
-FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                pb.FINISH_REASON_CANCELLED: "cancelled"}
+FINISH_NAMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
 
 
-def stream_generate(address: str, prompt: str, max_tokens: int, temperature: float, chat: bool = True,
-                    out=sys.stdout, timeout: float | None = None) -> pb.GenerateResponse:
+def stream_generate(
+    address: str,
+    prompt: str,
+    max_tokens: int,
+    temperature: float,
+    chat: bool = True,
+    out=sys.stdout,
+    timeout: float | None = None,
+) -> pb.GenerateResponse:
     """Streams the answer to `out` as it arrives; returns the last chunk (usage and timing)."""
-    request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature))
+    request = pb.GenerateRequest(
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    )
     if chat:
         request.messages.add(role="user", content=prompt)
     else:
@@ -31,15 +43,19 @@ def stream_generate(address: str, prompt: str, max_tokens: int, temperature: flo
 
 def summary(last: pb.GenerateResponse) -> str:
     t = last.timing
-    return (f"[{FINISH_NAMES.get(last.finish_reason, '?')}: {last.usage.prompt_tokens} prompt + "
-            f"{last.usage.completion_tokens} generated tokens; ttft {t.ttft_ms:.0f} ms, total {t.total_ms:.0f} ms, "
-            f"prefill {t.prefill_ms:.0f} ms on {t.prefill_worker}, KV transfer {t.kv_transfer_ms:.1f} ms, "
-            f"decode on {t.decode_worker}]")
+    return (
+        f"[{FINISH_NAMES.get(last.finish_reason, '?')}: {last.usage.prompt_tokens} prompt + "
+        f"{last.usage.completion_tokens} generated tokens; ttft {t.ttft_ms:.0f} ms, total {t.total_ms:.0f} ms, "
+        f"prefill {t.prefill_ms:.0f} ms on {t.prefill_worker}, KV transfer {t.kv_transfer_ms:.1f} ms, "
+        f"decode on {t.decode_worker}]"
+    )
 
 
 def generate_command(args) -> int:
     try:
-        last = stream_generate(args.address, args.prompt, args.max_tokens, args.temperature, chat=not args.raw)
+        last = stream_generate(
+            args.address, args.prompt, args.max_tokens, args.temperature, chat=not args.raw
+        )
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
@@ -48,15 +64,47 @@ def generate_command(args) -> int:
 
 
 def status_table(response: pb.ClusterStatusResponse) -> str:
-    rows = [("WORKER", "ROLE", "HOST", "ZONE", "PID", "RUNNING", "QUEUED", "KV BLOCKS", "LEAKED", "SERVED",
-             "KV SENT", "KV RECEIVED", "KV FAILED", "KV TRANSPORT")]
+    rows = [
+        (
+            "WORKER",
+            "ROLE",
+            "HOST",
+            "ZONE",
+            "PID",
+            "RUNNING",
+            "QUEUED",
+            "KV BLOCKS",
+            "LEAKED",
+            "SERVED",
+            "KV SENT",
+            "KV RECEIVED",
+            "KV FAILED",
+            "KV TRANSPORT",
+        )
+    ]
     for w in response.workers:
-        rows.append((w.id, w.role, w.host, w.zone or "-", str(w.pid), str(w.running), str(w.queued),
-                     f"{w.kv_blocks_used}/{w.kv_blocks_total}", str(w.kv_blocks_leaked), str(w.requests_served),
-                     _bytes(w.kv_bytes_sent), _bytes(w.kv_bytes_received), str(w.kv_transfers_failed),
-                     w.kv_transport or "-"))
+        rows.append(
+            (
+                w.id,
+                w.role,
+                w.host,
+                w.zone or "-",
+                str(w.pid),
+                str(w.running),
+                str(w.queued),
+                f"{w.kv_blocks_used}/{w.kv_blocks_total}",
+                str(w.kv_blocks_leaked),
+                str(w.requests_served),
+                _bytes(w.kv_bytes_sent),
+                _bytes(w.kv_bytes_received),
+                str(w.kv_transfers_failed),
+                w.kv_transport or "-",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
+    ]
     return f"mode: {response.mode}\n" + "\n".join(lines)
 
 
@@ -71,7 +119,9 @@ def _bytes(n: int) -> str:
 def status_command(args) -> int:
     try:
         with grpc.insecure_channel(args.address) as channel:
-            response = pb_grpc.TandemStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+            response = pb_grpc.TandemStub(channel).ClusterStatus(
+                pb.ClusterStatusRequest(), timeout=5
+            )
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

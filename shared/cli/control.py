@@ -19,8 +19,8 @@ from typing import Protocol
 from shared.settings import CommonSettings
 
 MAX_LINE = 64 * 1024
-ANSWER_TIMEOUT_S = 2.0     # a client that connects and says nothing must not stall the launcher's loop
-_SUN_PATH_MAX = 107        # sockaddr_un.sun_path holds 108 bytes, NUL included
+ANSWER_TIMEOUT_S = 2.0  # a client that connects and says nothing must not stall the launcher's loop
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
 
 
 class ControlError(RuntimeError):
@@ -45,7 +45,9 @@ def socket_path(cluster: str, override: str = "", env=os.environ) -> Path:
     if override:
         return Path(override).expanduser()
     try:
-        CommonSettings(cluster=cluster)  # the one rule for cluster names; it also keeps `/` out of the path
+        CommonSettings(
+            cluster=cluster
+        )  # the one rule for cluster names; it also keeps `/` out of the path
     except ValueError as err:
         raise ControlError(str(err)) from None
     return runtime_dir(env) / f"{cluster}.sock"
@@ -104,14 +106,20 @@ class ControlServer:
                 try:
                     self._answer(conn, handler)
                 except Exception as err:  # a bug answering one client must not stop the stack
-                    print(f"control socket: could not answer a request: {type(err).__name__}: {err}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"control socket: could not answer a request: {type(err).__name__}: {err}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
     def _answer(self, conn: socket.socket, handler: Handler) -> None:
         conn.settimeout(ANSWER_TIMEOUT_S)
         try:
             if not _same_user(conn):
-                reply = {"ok": False, "error": "only the user who started the launcher may control it"}
+                reply = {
+                    "ok": False,
+                    "error": "only the user who started the launcher may control it",
+                }
             else:
                 reply = dispatch(decode(read_line(conn)), handler)
         except ValueError as err:
@@ -149,13 +157,20 @@ def dispatch(request: dict, handler: Handler) -> dict:
     except ValueError as err:
         return {"ok": False, "error": str(err)}
     except Exception:
-        traceback.print_exc(file=sys.stderr)  # the traceback stays here; the client gets a pointer to it
-        return {"ok": False, "error": "the launcher failed to carry out the request; see its output"}
+        traceback.print_exc(
+            file=sys.stderr
+        )  # the traceback stays here; the client gets a pointer to it
+        return {
+            "ok": False,
+            "error": "the launcher failed to carry out the request; see its output",
+        }
 
 
 def _listen(path: Path) -> socket.socket:
     if len(os.fsencode(path)) > _SUN_PATH_MAX:
-        raise ControlError(f"control socket path too long for a Unix socket ({_SUN_PATH_MAX} bytes): {path}")
+        raise ControlError(
+            f"control socket path too long for a Unix socket ({_SUN_PATH_MAX} bytes): {path}"
+        )
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -195,14 +210,18 @@ def _remove_stale(path: Path) -> None:
             return
         except OSError as err:
             raise ControlError(f"cannot tell whether {path} is in use: {err}") from None
-    raise ControlError(f"another tandem launcher is running with control socket {path}; "
-                       "stop it first, or give this one another --cluster or --control-socket")
+    raise ControlError(
+        f"another tandem launcher is running with control socket {path}; "
+        "stop it first, or give this one another --cluster or --control-socket"
+    )
 
 
 def _same_user(conn: socket.socket) -> bool:
     if not hasattr(socket, "SO_PEERCRED"):
         return True  # the file mode alone keeps others out
-    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    _, uid, _ = struct.unpack(
+        "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
     return uid in (os.getuid(), 0)
 
 
@@ -216,14 +235,18 @@ def call(path: Path, request: dict, timeout: float = 10.0) -> dict:
         try:
             sock.connect(str(path))
         except (FileNotFoundError, ConnectionRefusedError):
-            raise ControlError(f"no tandem launcher is listening on {path} "
-                               "(is `tandem up` running, with this --cluster or --control-socket?)") from None
+            raise ControlError(
+                f"no tandem launcher is listening on {path} "
+                "(is `tandem up` running, with this --cluster or --control-socket?)"
+            ) from None
         except OSError as err:
             raise ControlError(f"cannot reach the launcher at {path}: {err}") from None
         try:
             sock.sendall(encode(request))
             return decode(read_line(sock))
         except TimeoutError:
-            raise ControlError(f"the launcher did not answer within {timeout:.0f}s (is it still starting?)") from None
+            raise ControlError(
+                f"the launcher did not answer within {timeout:.0f}s (is it still starting?)"
+            ) from None
         except (OSError, ValueError) as err:
             raise ControlError(f"bad answer from the launcher at {path}: {err}") from None

@@ -21,12 +21,18 @@ from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.cli.client import stream_generate, summary
 from shared.cli.control import ControlError, ControlServer, socket_path
 from shared.cli.pools import Restarts, ScaleError, WorkerPools, WorkerSpec
-from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
+from shared.cli.processes import (
+    ProcessGroup,
+    child_env,
+    free_port,
+    nats_server_binary,
+    wait_for_port,
+)
 from shared.control.nats_auth import ROLES, write_credentials
 
 DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM serving?"
 READY_TIMEOUT_S = 300
-SERVICES = ("nats", "scheduler", "gateway")   # one of each, restarted in place when it crashes
+SERVICES = ("nats", "scheduler", "gateway")  # one of each, restarted in place when it crashes
 
 
 def wait_until_serving(address: str, group: ProcessGroup, timeout: float, workers: int = 0) -> None:
@@ -42,7 +48,10 @@ def wait_until_serving(address: str, group: ProcessGroup, timeout: float, worker
             try:
                 reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING and (
-                        not workers or len(api.ClusterStatus(pb.ClusterStatusRequest(), timeout=2).workers) >= workers):
+                    not workers
+                    or len(api.ClusterStatus(pb.ClusterStatusRequest(), timeout=2).workers)
+                    >= workers
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -59,22 +68,37 @@ def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> W
         config = ["-c", str(conf)]
     if not nats_url:
         port, monitor = free_port(), free_port()
-        group.spawn("nats", [nats_server_binary(), *config, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
-                    child_env({}))
+        group.spawn(
+            "nats",
+            [nats_server_binary(), *config, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
+            child_env({}),
+        )
         if not wait_for_port("127.0.0.1", port, 15):
             raise RuntimeError("nats-server did not start:\n" + group.log_tail("nats"))
         nats_url = f"nats://127.0.0.1:{port}"
-    common = {"TANDEM_NATS_URL": nats_url, "TANDEM_CLUSTER": args.cluster, "TANDEM_MODEL": args.model,
-              "TANDEM_MODEL_CACHE": args.model_cache}
+    common = {
+        "TANDEM_NATS_URL": nats_url,
+        "TANDEM_CLUSTER": args.cluster,
+        "TANDEM_MODEL": args.model,
+        "TANDEM_MODEL_CACHE": args.model_cache,
+    }
     python = [sys.executable, "-m"]
-    group.spawn("scheduler", python + ["services.scheduler"],
-                child_env({**common, "TANDEM_MODE": args.mode, **role_env["scheduler"]}))
-    pools = WorkerPools(group, args.mode, worker_specs(args, common, role_env), f"127.0.0.1:{args.grpc_port}")
+    group.spawn(
+        "scheduler",
+        python + ["services.scheduler"],
+        child_env({**common, "TANDEM_MODE": args.mode, **role_env["scheduler"]}),
+    )
+    pools = WorkerPools(
+        group, args.mode, worker_specs(args, common, role_env), f"127.0.0.1:{args.grpc_port}"
+    )
     if args.mode != "colocated":
         pools.resize("prefill", args.prefill)
     pools.resize("decode", args.decode)
-    group.spawn("gateway", python + ["services.gateway"],
-                child_env({**common, "TANDEM_GRPC_PORT": str(args.grpc_port), **role_env["gateway"]}))
+    group.spawn(
+        "gateway",
+        python + ["services.gateway"],
+        child_env({**common, "TANDEM_GRPC_PORT": str(args.grpc_port), **role_env["gateway"]}),
+    )
     return pools
 
 
@@ -86,9 +110,15 @@ def worker_specs(args, common: dict[str, str], role_env: dict[str, dict]) -> dic
         worker_env["TANDEM_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
     colocated = {"TANDEM_COLOCATED": "1" if args.mode == "colocated" else "0"}
     python = [sys.executable, "-m"]
-    return {"prefill": WorkerSpec(python + ["services.prefill"], child_env({**worker_env, **role_env["prefill"]})),
-            "decode": WorkerSpec(python + ["services.decode"],
-                                 child_env({**worker_env, **colocated, **role_env["decode"]}))}
+    return {
+        "prefill": WorkerSpec(
+            python + ["services.prefill"], child_env({**worker_env, **role_env["prefill"]})
+        ),
+        "decode": WorkerSpec(
+            python + ["services.decode"],
+            child_env({**worker_env, **colocated, **role_env["decode"]}),
+        ),
+    }
 
 
 def up_command(args) -> int:
@@ -96,8 +126,11 @@ def up_command(args) -> int:
         print("error: --prefill and --decode must be at least 1", file=sys.stderr)
         return 2
     if args.secure and args.nats_url:
-        print("error: --secure starts a NATS server of its own; for yours, give each service its "
-              "credentials (TANDEM_NATS_USER, TANDEM_NATS_PASSWORD_FILE; see README)", file=sys.stderr)
+        print(
+            "error: --secure starts a NATS server of its own; for yours, give each service its "
+            "credentials (TANDEM_NATS_USER, TANDEM_NATS_PASSWORD_FILE; see README)",
+            file=sys.stderr,
+        )
         return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -117,8 +150,19 @@ def up_command(args) -> int:
         with ControlServer(socket_path(args.cluster, args.control_socket)) as control:
             print("preparing the model (the first run converts the GGUF once) ...", flush=True)
             model_store.prepare(args.model, args.model_cache)
-            with tempfile.TemporaryDirectory(prefix="tandem-secrets-") as secrets, ProcessGroup(log_dir) as group:
-                return _serve(args, group, control, log_dir, stopping, started, Path(secrets) if args.secure else None)
+            with (
+                tempfile.TemporaryDirectory(prefix="tandem-secrets-") as secrets,
+                ProcessGroup(log_dir) as group,
+            ):
+                return _serve(
+                    args,
+                    group,
+                    control,
+                    log_dir,
+                    stopping,
+                    started,
+                    Path(secrets) if args.secure else None,
+                )
     except ControlError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -127,22 +171,43 @@ def up_command(args) -> int:
         return 130
 
 
-def _serve(args, group: ProcessGroup, control: ControlServer, log_dir: Path, stopping: list, started: list,
-           secrets_dir: Path | None) -> int:
+def _serve(
+    args,
+    group: ProcessGroup,
+    control: ControlServer,
+    log_dir: Path,
+    stopping: list,
+    started: list,
+    secrets_dir: Path | None,
+) -> int:
     try:
         pools = start_stack(args, group, secrets_dir)
         address = pools.address
         print(f"starting {args.mode} stack, logs in {log_dir} ...", flush=True)
-        wait_until_serving(address, group, READY_TIMEOUT_S,
-                           workers=args.decode + (args.prefill if args.mode != "colocated" else 0))
+        wait_until_serving(
+            address,
+            group,
+            READY_TIMEOUT_S,
+            workers=args.decode + (args.prefill if args.mode != "colocated" else 0),
+        )
     except (RuntimeError, TimeoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    sizes = (f"{args.prefill} prefill, {args.decode} decode" if args.mode != "colocated"
-             else f"{args.decode} colocated")
-    print(f"tandem is ready: gRPC API on {address} ({args.mode}; {sizes}"
-          + ("; NATS: one user per role" if secrets_dir else "") + "). Ctrl-C stops it.", flush=True)
-    print(f"control socket {control.path}: `tandem scale decode=N` adds or retires workers", flush=True)
+    sizes = (
+        f"{args.prefill} prefill, {args.decode} decode"
+        if args.mode != "colocated"
+        else f"{args.decode} colocated"
+    )
+    print(
+        f"tandem is ready: gRPC API on {address} ({args.mode}; {sizes}"
+        + ("; NATS: one user per role" if secrets_dir else "")
+        + "). Ctrl-C stops it.",
+        flush=True,
+    )
+    print(
+        f"control socket {control.path}: `tandem scale decode=N` adds or retires workers",
+        flush=True,
+    )
     if not args.no_demo:
         print(f"demo> {DEMO_PROMPT}", flush=True)
         try:
@@ -158,27 +223,39 @@ def _serve(args, group: ProcessGroup, control: ControlServer, log_dir: Path, sto
     return 0
 
 
-def _run_until_stopped(group: ProcessGroup, control: ControlServer, pools: WorkerPools, stopping: list) -> bool:
+def _run_until_stopped(
+    group: ProcessGroup, control: ControlServer, pools: WorkerPools, stopping: list
+) -> bool:
     """Serves `tandem scale` until a signal (True) or a crash loop (False); retired workers may
     exit, a crashed worker is replaced, a crashed NATS, scheduler or gateway restarted."""
     restarts = Restarts()
     while not stopping:
-        dead = dict(group.dead())   # one look: a worker exiting after it is not taken for a service
+        dead = dict(group.dead())  # one look: a worker exiting after it is not taken for a service
         try:
             for name, code, new in pools.replace_crashed(dead):
-                print(f"{name} exited with code {code}; started {new} in its place:\n{group.log_tail(name, 5)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{name} exited with code {code}; started {new} in its place:\n{group.log_tail(name, 5)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 del dead[name]
         except ScaleError as err:
             print(f"error: {err}; stopping the stack", file=sys.stderr)
             return False
         for name, code in dead.items():
             if name not in SERVICES or not restarts.allow(name):
-                print(f"error: {name} exited with code {code}" + (", again" if name in SERVICES else "")
-                      + f"; stopping the stack:\n{group.log_tail(name)}", file=sys.stderr)
+                print(
+                    f"error: {name} exited with code {code}"
+                    + (", again" if name in SERVICES else "")
+                    + f"; stopping the stack:\n{group.log_tail(name)}",
+                    file=sys.stderr,
+                )
                 return False
-            print(f"{name} exited with code {code}; restarting it:\n{group.log_tail(name, 5)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{name} exited with code {code}; restarting it:\n{group.log_tail(name, 5)}",
+                file=sys.stderr,
+                flush=True,
+            )
             group.restart(name)
         for name, code, killed in group.reap():
             how = "killed: it did not drain in time" if killed else f"exit code {code}"

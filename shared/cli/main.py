@@ -4,47 +4,85 @@ import argparse
 import os
 import sys
 
-from shared.control import nats_auth
 from shared.cli import bench, client, launcher, scale
+from shared.control import nats_auth
 
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
     sub = top.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="start an embedded stack: NATS, scheduler, prefill, decode, gateway")
+    up = sub.add_parser(
+        "up", help="start an embedded stack: NATS, scheduler, prefill, decode, gateway"
+    )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    up.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers (default 1)")
+    up.add_argument(
+        "--decode", type=int, default=1, help="decode (or colocated) workers (default 1)"
+    )
     up.add_argument("--grpc-port", type=int, default=50051, help="gateway port (default 50051)")
     up.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
-    up.add_argument("--model", default="", help="HF model directory or .gguf file (default SmolLM2-135M-Instruct)")
-    up.add_argument("--mode", choices=("auto", "disaggregated", "colocated"), default="auto",
-                    help="auto (default): short prompts prefilled on the decode worker, long ones on a prefill "
-                         "worker; disaggregated or colocated force one path")
+    up.add_argument(
+        "--model",
+        default="",
+        help="HF model directory or .gguf file (default SmolLM2-135M-Instruct)",
+    )
+    up.add_argument(
+        "--mode",
+        choices=("auto", "disaggregated", "colocated"),
+        default="auto",
+        help="auto (default): short prompts prefilled on the decode worker, long ones on a prefill "
+        "worker; disaggregated or colocated force one path",
+    )
     up.add_argument("--cluster", default="default", help="cluster name (NATS subject namespace)")
-    up.add_argument("--model-cache", default=os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"),
-                    help="where converted GGUF models are cached (env TANDEM_MODEL_CACHE)")
-    up.add_argument("--log-dir", default="", help="service logs go here (default: a new temporary directory)")
+    up.add_argument(
+        "--model-cache",
+        default=os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"),
+        help="where converted GGUF models are cached (env TANDEM_MODEL_CACHE)",
+    )
+    up.add_argument(
+        "--log-dir", default="", help="service logs go here (default: a new temporary directory)"
+    )
     up.add_argument("--no-demo", action="store_true", help="skip the demo request")
-    up.add_argument("--control-socket", default="", help="where `tandem scale` reaches this launcher "
-                    "(default $XDG_RUNTIME_DIR/tandem/<cluster>.sock, or ~/.cache/tandem/run/<cluster>.sock)")
-    up.add_argument("--secure", action="store_true", help="the NATS server it starts admits one user per role, "
-                    "each allowed only its own subjects, with fresh passwords (files readable by you only)")
+    up.add_argument(
+        "--control-socket",
+        default="",
+        help="where `tandem scale` reaches this launcher "
+        "(default $XDG_RUNTIME_DIR/tandem/<cluster>.sock, or ~/.cache/tandem/run/<cluster>.sock)",
+    )
+    up.add_argument(
+        "--secure",
+        action="store_true",
+        help="the NATS server it starts admits one user per role, "
+        "each allowed only its own subjects, with fresh passwords (files readable by you only)",
+    )
     up.set_defaults(run=launcher.up_command)
 
-    conf = sub.add_parser("nats-config", help="print a nats-server config: one user per role, limited to its subjects")
-    conf.add_argument("--cluster", default="default", help="the cluster the services use (default: default)")
-    conf.add_argument("--tls-dir", default="", help="NATS over TLS: the server's server.pem and server.key "
-                      "are in this directory (as the server sees it; deploy/make-certs.sh makes them)")
-    conf.add_argument("--new-env", action="store_true",
-                      help="print a compose .env of fresh passwords instead (the config reads them from there)")
+    conf = sub.add_parser(
+        "nats-config", help="print a nats-server config: one user per role, limited to its subjects"
+    )
+    conf.add_argument(
+        "--cluster", default="default", help="the cluster the services use (default: default)"
+    )
+    conf.add_argument(
+        "--tls-dir",
+        default="",
+        help="NATS over TLS: the server's server.pem and server.key "
+        "are in this directory (as the server sees it; deploy/make-certs.sh makes them)",
+    )
+    conf.add_argument(
+        "--new-env",
+        action="store_true",
+        help="print a compose .env of fresh passwords instead (the config reads them from there)",
+    )
     conf.set_defaults(run=nats_config_command)
 
     gen = sub.add_parser("generate", help="stream an answer from the gateway")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    gen.add_argument(
+        "--raw", action="store_true", help="send the prompt as raw text, without the chat template"
+    )
     gen.add_argument("--address", default="127.0.0.1:50051")
     gen.set_defaults(run=client.generate_command)
 
@@ -52,16 +90,33 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default="127.0.0.1:50051")
     status.set_defaults(run=client.status_command)
 
-    bench.add_arguments(sub.add_parser("bench", help="the serving benchmark: latency and throughput of a gateway"))
+    bench.add_arguments(
+        sub.add_parser("bench", help="the serving benchmark: latency and throughput of a gateway")
+    )
 
-    scale_ = sub.add_parser("scale", help="add or retire workers of a running `tandem up` on this machine")
-    scale_.add_argument("targets", nargs="+", metavar="ROLE=COUNT",
-                        help="prefill=N and/or decode=M (decode is the colocated pool in colocated mode)")
-    scale_.add_argument("--cluster", default="default", help="the cluster `tandem up` was started with")
-    scale_.add_argument("--control-socket", default="", help="the launcher's socket, if `tandem up` was given one")
-    scale_.add_argument("--wait", action="store_true",
-                        help="wait until new workers are in ClusterStatus and retired ones have exited")
-    scale_.add_argument("--timeout", type=float, default=180.0, help="seconds --wait waits at most (default 180)")
+    scale_ = sub.add_parser(
+        "scale", help="add or retire workers of a running `tandem up` on this machine"
+    )
+    scale_.add_argument(
+        "targets",
+        nargs="+",
+        metavar="ROLE=COUNT",
+        help="prefill=N and/or decode=M (decode is the colocated pool in colocated mode)",
+    )
+    scale_.add_argument(
+        "--cluster", default="default", help="the cluster `tandem up` was started with"
+    )
+    scale_.add_argument(
+        "--control-socket", default="", help="the launcher's socket, if `tandem up` was given one"
+    )
+    scale_.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait until new workers are in ClusterStatus and retired ones have exited",
+    )
+    scale_.add_argument(
+        "--timeout", type=float, default=180.0, help="seconds --wait waits at most (default 180)"
+    )
     scale_.set_defaults(run=scale.scale_command)
     return top
 
@@ -70,7 +125,11 @@ def nats_config_command(args) -> int:
     if args.new_env:
         print(nats_auth.env_file(nats_auth.new_passwords()), end="")
         return 0
-    tls = {"cert_file": f"{args.tls_dir}/server.pem", "key_file": f"{args.tls_dir}/server.key"} if args.tls_dir else None
+    tls = (
+        {"cert_file": f"{args.tls_dir}/server.pem", "key_file": f"{args.tls_dir}/server.key"}
+        if args.tls_dir
+        else None
+    )
     print(nats_auth.server_config(args.cluster, tls=tls), end="")
     return 0
 

@@ -14,9 +14,9 @@ from shared.cli.processes import ProcessGroup
 from shared.worker.settings import WorkerSettings
 
 POOLS = ("prefill", "decode")
-MAX_WORKERS = 64          # per pool: a typo must not fork hundreds of model-loading processes
-EXIT_MARGIN_S = 15.0      # beyond the drain timeout: closing the bus and the KV plane
-MAX_RESTARTS = 5          # crashed workers replaced per pool within RESTART_WINDOW_S; more is a crash loop
+MAX_WORKERS = 64  # per pool: a typo must not fork hundreds of model-loading processes
+EXIT_MARGIN_S = 15.0  # beyond the drain timeout: closing the bus and the KV plane
+MAX_RESTARTS = 5  # crashed workers replaced per pool within RESTART_WINDOW_S; more is a crash loop
 RESTART_WINDOW_S = 300.0
 
 
@@ -89,12 +89,16 @@ class WorkerSpec:
 class WorkerPools:
     group: ProcessGroup
     mode: str
-    specs: dict[str, WorkerSpec]     # pool -> how to start one of its workers
-    address: str                     # the gateway, for clients that wait for ClusterStatus
+    specs: dict[str, WorkerSpec]  # pool -> how to start one of its workers
+    address: str  # the gateway, for clients that wait for ClusterStatus
     grace_s: float = field(default_factory=drain_grace_s)
-    workers: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # pool -> (name, pid), oldest first
-    spawned: dict[str, int] = field(default_factory=dict)  # pool -> workers ever started: names never repeat
-    restarts: Restarts = field(default_factory=Restarts)   # crashed workers replaced, per pool
+    workers: dict[str, list[tuple[str, int]]] = field(
+        default_factory=dict
+    )  # pool -> (name, pid), oldest first
+    spawned: dict[str, int] = field(
+        default_factory=dict
+    )  # pool -> workers ever started: names never repeat
+    restarts: Restarts = field(default_factory=Restarts)  # crashed workers replaced, per pool
 
     def resize(self, pool: str, count: int) -> tuple[list[dict], list[dict]]:
         """Starts or retires (newest first) workers until `pool` has `count`; returns (started, stopping)."""
@@ -121,8 +125,10 @@ class WorkerPools:
                 if code is None:
                     continue
                 if not self.restarts.allow(pool):
-                    raise ScaleError(f"{name} exited with code {code}, the {MAX_RESTARTS + 1}th {pool} worker "
-                                     f"to exit within {RESTART_WINDOW_S:.0f}s: not restarting it")
+                    raise ScaleError(
+                        f"{name} exited with code {code}, the {MAX_RESTARTS + 1}th {pool} worker "
+                        f"to exit within {RESTART_WINDOW_S:.0f}s: not restarting it"
+                    )
                 members.remove((name, pid))
                 self.group.forget(name)
                 replaced.append((name, code, self._spawn(pool)["name"]))
@@ -147,25 +153,38 @@ class WorkerPools:
             started += more
             stopping += fewer
         if started or stopping:
-            print(f"scaled to {self._counts_text()}: started {_names(started)}; stopping {_names(stopping)}",
-                  file=sys.stdout, flush=True)
+            print(
+                f"scaled to {self._counts_text()}: started {_names(started)}; stopping {_names(stopping)}",
+                file=sys.stdout,
+                flush=True,
+            )
         return {"started": started, "stopping": stopping, **self.status()}
 
     def status(self) -> dict:
-        retiring = [{"name": name, "pid": proc.pid} for name, (proc, _) in self.group.retired.items()
-                    if proc.poll() is None]
-        return {"mode": self.mode, "address": self.address,
-                "counts": {self.label(pool): len(members) for pool, members in self.workers.items()},
-                "workers": {self.label(pool): [{"name": n, "pid": p} for n, p in members]
-                            for pool, members in self.workers.items()},
-                "retiring": retiring}
+        retiring = [
+            {"name": name, "pid": proc.pid}
+            for name, (proc, _) in self.group.retired.items()
+            if proc.poll() is None
+        ]
+        return {
+            "mode": self.mode,
+            "address": self.address,
+            "counts": {self.label(pool): len(members) for pool, members in self.workers.items()},
+            "workers": {
+                self.label(pool): [{"name": n, "pid": p} for n, p in members]
+                for pool, members in self.workers.items()
+            },
+            "retiring": retiring,
+        }
 
     def label(self, pool: str) -> str:
         """What users call the pool: the decode pool of a colocated stack holds colocated workers."""
         return "colocated" if pool == "decode" and self.mode == "colocated" else pool
 
     def _counts_text(self) -> str:
-        return ", ".join(f"{len(members)} {self.label(pool)}" for pool, members in self.workers.items())
+        return ", ".join(
+            f"{len(members)} {self.label(pool)}" for pool, members in self.workers.items()
+        )
 
 
 def _names(workers: list[dict]) -> str:

@@ -65,15 +65,21 @@ class ProcessGroup:
         self.children: list[tuple[str, subprocess.Popen]] = []
         # Workers told to leave (scale-in): their exit is expected, not a crash; name -> (process, kill at).
         self.retired: dict[str, tuple[subprocess.Popen, float]] = {}
-        self._specs: dict[str, tuple[list[str], dict[str, str]]] = {}   # name -> how it was started
+        self._specs: dict[str, tuple[list[str], dict[str, str]]] = {}  # name -> how it was started
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         self._specs[name] = (argv, env)
-        log = open(self.log_dir / f"{name}.log", "ab")
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child holds it; closed below)
         # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the services
         # in order (gateway first, NATS last) instead of all at once.
-        proc = subprocess.Popen(guarded(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            guarded(argv),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         self.children.append((name, proc))
         return proc
@@ -118,7 +124,11 @@ class ProcessGroup:
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self.log_dir / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+        return (
+            "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            if path.exists()
+            else ""
+        )
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the services (gateway first) and let them drain; NATS goes last; SIGKILL what is left."""

@@ -38,10 +38,14 @@ def parse_targets(tokens: list[str]) -> dict[str, int]:
 
 
 def describe(reply: dict) -> str:
-    lines = [f"started {w['name']} (pid {w['pid']}): loading the model; it takes work once it announces"
-             for w in reply["started"]]
-    lines += [f"stopping {w['name']} (pid {w['pid']}): finishing its requests, then exiting"
-              for w in reply["stopping"]]
+    lines = [
+        f"started {w['name']} (pid {w['pid']}): loading the model; it takes work once it announces"
+        for w in reply["started"]
+    ]
+    lines += [
+        f"stopping {w['name']} (pid {w['pid']}): finishing its requests, then exiting"
+        for w in reply["stopping"]
+    ]
     counts = ", ".join(f"{n} {pool}" for pool, n in reply["counts"].items())
     return "\n".join(lines + [f"workers now: {counts}" + ("" if lines else " (unchanged)")])
 
@@ -61,7 +65,10 @@ def scale_command(args) -> int:
         print(describe(reply), flush=True)
         if args.wait:
             wait_settled(path, reply, args.timeout)
-            print("settled: the scheduler sees the new workers, and the retired ones have exited", flush=True)
+            print(
+                "settled: the scheduler sees the new workers, and the retired ones have exited",
+                flush=True,
+            )
     except (control.ControlError, TimeoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -80,8 +87,10 @@ def wait_settled(path, reply: dict, timeout: float, poll_s: float = 0.5) -> None
         if not pending:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not settled within {timeout:.0f}s; still waiting for pid(s) "
-                               f"{sorted(pending)} (`tandem status` shows the workers the scheduler knows)")
+            raise TimeoutError(
+                f"not settled within {timeout:.0f}s; still waiting for pid(s) "
+                f"{sorted(pending)} (`tandem status` shows the workers the scheduler knows)"
+            )
         time.sleep(poll_s)
 
 

@@ -3,7 +3,8 @@ for unit tests is tests/fakes/bus.py)."""
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Optional, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import nats
 import nats.errors
@@ -14,7 +15,7 @@ from shared.control.wire import MessageError, decode, encode
 log = logging.getLogger(__name__)
 
 Respond = Callable[[Any], Awaitable[None]]
-Handler = Callable[[Any, Optional[Respond]], Awaitable[None]]
+Handler = Callable[[Any, Respond | None], Awaitable[None]]
 
 
 def redacted(url: str) -> str:
@@ -44,8 +45,8 @@ class Subscription(Protocol):
 
 
 class MessageBus(Protocol):
-    dropped: int      # malformed or out-of-range messages received and dropped (a metric)
-    reconnects: int   # times the connection came back (messages in flight then may be lost)
+    dropped: int  # malformed or out-of-range messages received and dropped (a metric)
+    reconnects: int  # times the connection came back (messages in flight then may be lost)
 
     async def publish(self, subject: str, message: Any) -> None: ...
 
@@ -61,8 +62,10 @@ class NatsBus:
         self._url = url
         self._shown_url = redacted(url)
         self._name = name
-        self._options = options or {}   # credentials and TLS (shared.settings.nats_options): never logged
-        if role:   # answers come to _INBOX.<role>.…: the only inboxes this role's NATS user may read
+        self._options = (
+            options or {}
+        )  # credentials and TLS (shared.settings.nats_options): never logged
+        if role:  # answers come to _INBOX.<role>.…: the only inboxes this role's NATS user may read
             self._options = {**self._options, "inbox_prefix": inbox_prefix(role)}
         self._nc: nats.NATS | None = None
         self._closing = False
@@ -71,10 +74,16 @@ class NatsBus:
 
     async def __aenter__(self) -> "NatsBus":
         self._nc = await nats.connect(
-            servers=[self._url], name=self._name, max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5, connect_timeout=5,
-            error_cb=self._on_error, disconnected_cb=self._on_disconnect,
-            reconnected_cb=self._on_reconnect, **self._options)
+            servers=[self._url],
+            name=self._name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnect,
+            reconnected_cb=self._on_reconnect,
+            **self._options,
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -91,7 +100,7 @@ class NatsBus:
 
     async def _on_disconnect(self) -> None:
         if not self._closing:
-                log.warning("disconnected from NATS at %s", self._shown_url)
+            log.warning("disconnected from NATS at %s", self._shown_url)
 
     async def _on_reconnect(self) -> None:
         self.reconnects += 1
@@ -113,7 +122,7 @@ class NatsBus:
             raise RequestTimeout(f"no answer on {subject} within {timeout:.1f}s") from None
         try:
             return decode(reply.data, expected)
-        except MessageError as err:   # a malformed answer is no answer
+        except MessageError as err:  # a malformed answer is no answer
             self.dropped += 1
             raise BadReply(f"malformed answer on {subject}: {err}") from None
 
@@ -123,7 +132,12 @@ class NatsBus:
                 message = decode(msg.data)
             except MessageError as err:
                 self.dropped += 1
-                log.warning("dropped a malformed message on %s (%d so far): %s", msg.subject, self.dropped, err)
+                log.warning(
+                    "dropped a malformed message on %s (%d so far): %s",
+                    msg.subject,
+                    self.dropped,
+                    err,
+                )
                 return
             try:
                 await handler(message, self._responder(msg.reply) if msg.reply else None)
@@ -135,4 +149,5 @@ class NatsBus:
     def _responder(self, reply_subject: str) -> Respond:
         async def respond(answer: Any) -> None:
             await self._nc.publish(reply_subject, encode(answer))
+
         return respond

@@ -11,29 +11,36 @@ coming back then).
 
 import asyncio
 import time
-from typing import Callable
+from collections.abc import Callable
 
+from shared.control.bus import MessageBus, NoResponders
 from shared.control.messages import Ping, TaskAck, WorkerHeartbeat
 from shared.control.subjects import Subjects
-from shared.control.bus import MessageBus, NoResponders
 
-QUICK_S = 1.0          # silent this long (two missed beats at the default interval): worth asking NATS
+QUICK_S = 1.0  # silent this long (two missed beats at the default interval): worth asking NATS
 PROBE_TIMEOUT_S = 0.25
 
 
 class Liveness:
     """Watches the heartbeat subject. `async with Liveness(bus, subjects, timeout_s) as live:`."""
 
-    def __init__(self, bus: MessageBus, subjects: Subjects, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        bus: MessageBus,
+        subjects: Subjects,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._bus = bus
         self._subjects = subjects
         self._timeout = timeout_s
         self._quick = min(QUICK_S, timeout_s)
         self._clock = clock
         self._seen: dict[str, float] = {}
-        self._probes: dict[str, asyncio.Future] = {}   # worker -> the ping in flight (shared by every asker)
-        self._probed: dict[str, float] = {}            # worker -> when a ping last found it still there
+        self._probes: dict[
+            str, asyncio.Future
+        ] = {}  # worker -> the ping in flight (shared by every asker)
+        self._probed: dict[str, float] = {}  # worker -> when a ping last found it still there
         self._reconnects, self._settled_from = bus.reconnects, clock()
         self._sub = None
 
@@ -62,8 +69,11 @@ class Liveness:
         if not self.alive(worker_id):
             return True
         now = self._clock()
-        if now - self._seen[worker_id] < self._quick or now - self._probed.get(worker_id, 0.0) < self._quick \
-                or not self._settled():
+        if (
+            now - self._seen[worker_id] < self._quick
+            or now - self._probed.get(worker_id, 0.0) < self._quick
+            or not self._settled()
+        ):
             return False
         probe = self._probes.get(worker_id)
         if probe is None:
@@ -76,10 +86,12 @@ class Liveness:
 
     async def _gone(self, worker_id: str) -> bool:
         try:
-            await self._bus.request(self._subjects.ping(worker_id), Ping(), PROBE_TIMEOUT_S, TaskAck)
+            await self._bus.request(
+                self._subjects.ping(worker_id), Ping(), PROBE_TIMEOUT_S, TaskAck
+            )
         except NoResponders:
             return True
-        except Exception:   # it listens but is slow, or NATS is (or is down): the timeout decides
+        except Exception:  # it listens but is slow, or NATS is (or is down): the timeout decides
             pass
         return False
 

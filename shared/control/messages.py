@@ -5,7 +5,6 @@ bytes and back only in shared.control.wire (msgpack, with every field's type and
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass
@@ -26,27 +25,29 @@ class GenerateTask:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    reply_subject: str          # where the TokenChunks go
-    arrival_time: float         # unix time the gateway accepted it
-    deadline: float = 0.0       # unix time after which nobody should work on it; 0 = none
-    priority: int = 0           # higher first; first come, first served among equals
+    reply_subject: str  # where the TokenChunks go
+    arrival_time: float  # unix time the gateway accepted it
+    deadline: float = 0.0  # unix time after which nobody should work on it; 0 = none
+    priority: int = 0  # higher first; first come, first served among equals
     # A migrated request (its worker died): the last resume_tokens of prompt_token_ids are output
     # the client has already received; generation goes on after them.
     resume_tokens: int = 0
-    avoid_workers: list[str] = field(default_factory=list)   # failed this request before: not again
-    moves: int = 0              # times it was placed again (a worker failed or was full): it waits first
+    avoid_workers: list[str] = field(default_factory=list)  # failed this request before: not again
+    moves: int = 0  # times it was placed again (a worker failed or was full): it waits first
 
 
 @dataclass
 class SubmitReply:
     ok: bool
-    code: str = ""              # a gRPC status code name when not ok
+    code: str = ""  # a gRPC status code name when not ok
     message: str = ""
-    prefill_worker: str = ""    # empty: prefilled on the decode worker
+    prefill_worker: str = ""  # empty: prefilled on the decode worker
     decode_worker: str = ""
-    retry_after_ms: int = 0     # with RESOURCE_EXHAUSTED: when trying again may succeed
-    resubmit: bool = False      # this scheduler is shutting down: another one may take the request
-    failed_worker: str = ""     # the worker it was given to failed to confirm: place it again without it
+    retry_after_ms: int = 0  # with RESOURCE_EXHAUSTED: when trying again may succeed
+    resubmit: bool = False  # this scheduler is shutting down: another one may take the request
+    failed_worker: str = (
+        ""  # the worker it was given to failed to confirm: place it again without it
+    )
 
 
 @dataclass
@@ -85,12 +86,12 @@ class KVDestination:
     `segment_tokens`, each as soon as the prefill has computed it; see shared.dataplane.plan.
     """
 
-    ucx_address: bytes          # the decode worker's UCX worker address
-    base_tag: int               # piece i of the transfer travels with UCX tag base_tag + i
+    ucx_address: bytes  # the decode worker's UCX worker address
+    base_tag: int  # piece i of the transfer travels with UCX tag base_tag + i
     block_ids: list[int]
     skip_tokens: int = 0
     segment_tokens: int = 1024
-    lease_s: float = 30.0       # a transfer that makes no progress this long is aborted by either side
+    lease_s: float = 30.0  # a transfer that makes no progress this long is aborted by either side
 
 
 @dataclass
@@ -106,7 +107,7 @@ class PrefillTask:
     arrival_time: float
     deadline: float = 0.0
     priority: int = 0
-    output_offset: int = 0      # output tokens before this prompt's first (a migrated request)
+    output_offset: int = 0  # output tokens before this prompt's first (a migrated request)
 
 
 @dataclass
@@ -121,10 +122,10 @@ class PrefillResult:
     message: str = ""
     first_token: int = -1
     kv_bytes: int = 0
-    pieces_sent: int = 0        # on an abort: pieces handed to UCX before it stopped
-    transport: str = ""         # the UCX transports that carry the bytes, e.g. "sysv+posix+cma"
-    computed_at: float = 0.0    # unix time the prompt's last chunk was computed
-    cached_tokens: int = 0      # prompt tokens the prefill worker's prefix cache served
+    pieces_sent: int = 0  # on an abort: pieces handed to UCX before it stopped
+    transport: str = ""  # the UCX transports that carry the bytes, e.g. "sysv+posix+cma"
+    computed_at: float = 0.0  # unix time the prompt's last chunk was computed
+    cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache served
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     prefill_worker: str = ""
@@ -148,8 +149,8 @@ class Timing:
     kv_exposed_ms: float = 0.0
     prefill_worker: str = ""
     decode_worker: str = ""
-    path: str = ""              # "disaggregated" or "local"
-    cached_tokens: int = 0      # prompt tokens served from a prefix cache
+    path: str = ""  # "disaggregated" or "local"
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache
 
 
 @dataclass
@@ -157,17 +158,17 @@ class TokenChunk:
     """Worker -> gateway: new tokens of one request; the last one has finish_reason or an error code."""
 
     request_id: str
-    index: int                  # 0, 1, 2, ... per request, so the gateway can spot a gap
+    index: int  # 0, 1, 2, ... per request, so the gateway can spot a gap
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str = ""     # "", "stop", "length" or "cancelled"
-    code: str = ""              # a gRPC status code name when the request failed
+    finish_reason: str = ""  # "", "stop", "length" or "cancelled"
+    code: str = ""  # a gRPC status code name when the request failed
     message: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    timing: Optional[Timing] = None
-    retry: bool = False         # with a code: a worker failed, not the request; it may be placed again
-    failed_worker: str = ""     # with retry: the worker to avoid
+    timing: Timing | None = None
+    retry: bool = False  # with a code: a worker failed, not the request; it may be placed again
+    failed_worker: str = ""  # with retry: the worker to avoid
 
 
 @dataclass
@@ -179,7 +180,7 @@ class CancelRequest:
 @dataclass
 class WorkerHeartbeat:
     worker_id: str
-    role: str                   # prefill, decode or colocated
+    role: str  # prefill, decode or colocated
     host: str
     pid: int
     ucx_address: bytes
@@ -194,18 +195,22 @@ class WorkerHeartbeat:
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
     kv_transfers_failed: int = 0
-    kv_blocks_leaked: int = 0   # held by no live request or transfer: must stay 0
-    kv_transport: str = ""      # the UCX transports this worker's KV travels on, e.g. "sysv/cma"
-    zone: str = ""              # topology label (rack, zone) from settings; host is the other one
-    stopping: bool = False      # draining: take no new work
-    max_num_seqs: int = 0       # running batch capacity
-    max_queue: int = 0          # requests held (running and waiting) beyond which it refuses new ones; 0 = unknown
-    prefill_tokens_queued: int = 0      # prompt tokens accepted here and not computed yet
-    prefill_tokens_per_s: float = 0.0   # measured prompt throughput; 0 = not measured yet
-    decode_step_ms: float = 0.0         # measured time of a step while sequences decode (their ITL)
-    prefix_granularity: int = 0         # tokens per prefix-cache granule (the summary's unit)
-    prefix_summary: list[int] = field(default_factory=list)  # granule keys cached here (granule_keys)
-    messages_dropped: int = 0           # control messages received malformed or out of range
+    kv_blocks_leaked: int = 0  # held by no live request or transfer: must stay 0
+    kv_transport: str = ""  # the UCX transports this worker's KV travels on, e.g. "sysv/cma"
+    zone: str = ""  # topology label (rack, zone) from settings; host is the other one
+    stopping: bool = False  # draining: take no new work
+    max_num_seqs: int = 0  # running batch capacity
+    max_queue: int = (
+        0  # requests held (running and waiting) beyond which it refuses new ones; 0 = unknown
+    )
+    prefill_tokens_queued: int = 0  # prompt tokens accepted here and not computed yet
+    prefill_tokens_per_s: float = 0.0  # measured prompt throughput; 0 = not measured yet
+    decode_step_ms: float = 0.0  # measured time of a step while sequences decode (their ITL)
+    prefix_granularity: int = 0  # tokens per prefix-cache granule (the summary's unit)
+    prefix_summary: list[int] = field(
+        default_factory=list
+    )  # granule keys cached here (granule_keys)
+    messages_dropped: int = 0  # control messages received malformed or out of range
 
 
 @dataclass
@@ -228,9 +233,25 @@ class StatusReply:
     mode: str
     ready: bool
     workers: list[WorkerHeartbeat] = field(default_factory=list)
-    messages_dropped: int = 0   # by this scheduler
+    messages_dropped: int = 0  # by this scheduler
 
 
-MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    GenerateTask, SubmitReply, DecodeAssignment, TaskAck, PrefillTask, PrefillResult,
-    TransferAbort, TokenChunk, CancelRequest, WorkerHeartbeat, Discover, StatusRequest, StatusReply, Ping)}
+MESSAGE_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        GenerateTask,
+        SubmitReply,
+        DecodeAssignment,
+        TaskAck,
+        PrefillTask,
+        PrefillResult,
+        TransferAbort,
+        TokenChunk,
+        CancelRequest,
+        WorkerHeartbeat,
+        Discover,
+        StatusRequest,
+        StatusReply,
+        Ping,
+    )
+}

@@ -36,17 +36,42 @@ def permissions(role: str, cluster: str) -> dict:
     s = Subjects(cluster)
     any_worker, any_gateway = "*", "*"
     table = {
-        "gateway": ([s.submit, s.status, s.cancel, s.ping(any_worker)],
-                    [s.gateway_tokens(any_gateway), s.heartbeat, inbox("gateway")]),
-        "scheduler": ([s.discover, s.decode_tasks(any_worker), s.cancel],
-                      [s.submit, s.status, s.heartbeat, s.cancel, inbox("scheduler")]),
-        "prefill": ([s.heartbeat, s.prefill_results(any_worker)],
-                    [s.prefill_tasks(any_worker), s.transfer_aborts(any_worker), s.cancel, s.discover,
-                     s.ping(any_worker)]),
-        "decode": ([s.heartbeat, s.prefill_tasks(any_worker), s.transfer_aborts(any_worker),
-                    s.gateway_tokens(any_gateway), s.ping(any_worker)],
-                   [s.decode_tasks(any_worker), s.prefill_results(any_worker), s.cancel, s.discover,
-                    s.heartbeat, s.ping(any_worker), inbox("decode")]),
+        "gateway": (
+            [s.submit, s.status, s.cancel, s.ping(any_worker)],
+            [s.gateway_tokens(any_gateway), s.heartbeat, inbox("gateway")],
+        ),
+        "scheduler": (
+            [s.discover, s.decode_tasks(any_worker), s.cancel],
+            [s.submit, s.status, s.heartbeat, s.cancel, inbox("scheduler")],
+        ),
+        "prefill": (
+            [s.heartbeat, s.prefill_results(any_worker)],
+            [
+                s.prefill_tasks(any_worker),
+                s.transfer_aborts(any_worker),
+                s.cancel,
+                s.discover,
+                s.ping(any_worker),
+            ],
+        ),
+        "decode": (
+            [
+                s.heartbeat,
+                s.prefill_tasks(any_worker),
+                s.transfer_aborts(any_worker),
+                s.gateway_tokens(any_gateway),
+                s.ping(any_worker),
+            ],
+            [
+                s.decode_tasks(any_worker),
+                s.prefill_results(any_worker),
+                s.cancel,
+                s.discover,
+                s.heartbeat,
+                s.ping(any_worker),
+                inbox("decode"),
+            ],
+        ),
     }
     publish, subscribe = table[role]
     return {"publish": publish, "subscribe": subscribe}
@@ -58,21 +83,37 @@ def new_passwords() -> dict[str, str]:
     return {role: "t" + secrets.token_hex(24) for role in ROLES}
 
 
-def server_config(cluster: str, passwords: dict[str, str] | None = None, tls: dict | None = None) -> str:
+def server_config(
+    cluster: str, passwords: dict[str, str] | None = None, tls: dict | None = None
+) -> str:
     """A nats-server config: one user per role (`tandem-<role>`) with its permissions. Without
     `passwords`, each is read from the server's environment ($TANDEM_NATS_<ROLE>_PASSWORD).
     `tls`: {'cert_file', 'key_file', optional 'ca_file' (then clients must show a certificate)}."""
     users = []
     for role in ROLES:
-        password = json.dumps(passwords[role]) if passwords else f"$TANDEM_NATS_{role.upper()}_PASSWORD"
+        password = (
+            json.dumps(passwords[role]) if passwords else f"$TANDEM_NATS_{role.upper()}_PASSWORD"
+        )
         allowed = permissions(role, cluster)
-        users.append(f"    {{user: {json.dumps('tandem-' + role)}, password: {password}, permissions: {{"
-                     f"publish: {json.dumps(allowed['publish'])}, subscribe: {json.dumps(allowed['subscribe'])}, "
-                     f"allow_responses: true}}}}")
-    lines = ["# Tandem: one NATS user per role, each allowed only its own subjects (shared/control/nats_auth.py).",
-             "authorization {", "  users = [", *users, "  ]", "}"]
+        users.append(
+            f"    {{user: {json.dumps('tandem-' + role)}, password: {password}, permissions: {{"
+            f"publish: {json.dumps(allowed['publish'])}, subscribe: {json.dumps(allowed['subscribe'])}, "
+            f"allow_responses: true}}}}"
+        )
+    lines = [
+        "# Tandem: one NATS user per role, each allowed only its own subjects (shared/control/nats_auth.py).",
+        "authorization {",
+        "  users = [",
+        *users,
+        "  ]",
+        "}",
+    ]
     if tls:
-        lines += ["tls {", f"  cert_file: {json.dumps(tls['cert_file'])}", f"  key_file: {json.dumps(tls['key_file'])}"]
+        lines += [
+            "tls {",
+            f"  cert_file: {json.dumps(tls['cert_file'])}",
+            f"  key_file: {json.dumps(tls['key_file'])}",
+        ]
         if tls.get("ca_file"):
             lines += [f"  ca_file: {json.dumps(tls['ca_file'])}", "  verify: true"]
         lines += ["}"]
@@ -86,10 +127,18 @@ def write_credentials(directory: Path, cluster: str) -> tuple[Path, dict[str, di
     passwords = new_passwords()
     config = _private(directory / "nats.conf", server_config(cluster, passwords))
     # A password or token in the launcher's own environment must not win over the role's file.
-    role_env = {role: {"TANDEM_NATS_USER": f"tandem-{role}", "TANDEM_NATS_PASSWORD": "", "TANDEM_NATS_TOKEN": "",
-                       "TANDEM_NATS_TOKEN_FILE": "",
-                       "TANDEM_NATS_PASSWORD_FILE": str(_private(directory / f"{role}.password", passwords[role]))}
-                for role in ROLES}
+    role_env = {
+        role: {
+            "TANDEM_NATS_USER": f"tandem-{role}",
+            "TANDEM_NATS_PASSWORD": "",
+            "TANDEM_NATS_TOKEN": "",
+            "TANDEM_NATS_TOKEN_FILE": "",
+            "TANDEM_NATS_PASSWORD_FILE": str(
+                _private(directory / f"{role}.password", passwords[role])
+            ),
+        }
+        for role in ROLES
+    }
     return config, role_env
 
 

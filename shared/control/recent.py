@@ -2,11 +2,13 @@
 
 import time
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 
 class RecentIds:
-    def __init__(self, ttl_s: float, max_size: int = 10_000, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, ttl_s: float, max_size: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ):
         self._ttl = ttl_s
         self._max = max_size
         self._clock = clock
@@ -23,5 +25,7 @@ class RecentIds:
 
     def _prune(self) -> None:
         horizon = self._clock() - self._ttl
-        while self._ids and (len(self._ids) > self._max or next(iter(self._ids.values())) < horizon):
+        while self._ids and (
+            len(self._ids) > self._max or next(iter(self._ids.values())) < horizon
+        ):
             self._ids.popitem(last=False)

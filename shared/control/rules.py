@@ -9,28 +9,36 @@ payload: logged, counted, dropped.
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-MAX_STR = 64 * 1024                # characters of one string field (the largest: a chunk's text)
-MAX_LIST = 1 << 20                 # items of one list field (the largest: a prompt's token ids)
-MAX_UINT = (1 << 64) - 1           # prefix-summary keys are unsigned 64-bit
+MAX_STR = 64 * 1024  # characters of one string field (the largest: a chunk's text)
+MAX_LIST = 1 << 20  # items of one list field (the largest: a prompt's token ids)
+MAX_UINT = (1 << 64) - 1  # prefix-summary keys are unsigned 64-bit
 INT32 = (-(1 << 31), (1 << 31) - 1)
 TOKEN_ID_LIMIT = 1 << 31
-MAX_TEMPERATURE = 1000.0           # the gateway refuses more (its validation must stay within these)
+MAX_TEMPERATURE = 1000.0  # the gateway refuses more (its validation must stay within these)
 MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 64
 
 # int fields that may be negative, and how far
-SIGNED = {("GenerateTask", "priority"): INT32, ("PrefillTask", "priority"): INT32,
-          ("PrefillResult", "first_token"): (-1, TOKEN_ID_LIMIT - 1)}
+SIGNED = {
+    ("GenerateTask", "priority"): INT32,
+    ("PrefillTask", "priority"): INT32,
+    ("PrefillResult", "first_token"): (-1, TOKEN_ID_LIMIT - 1),
+}
 TOKEN_LISTS = {"prompt_token_ids", "token_ids"}
 
 
 def _sampling(m) -> str | None:
     if not 1 <= m.max_tokens <= MAX_LIST:
         return "max_tokens out of range"
-    if not 0 <= m.temperature <= MAX_TEMPERATURE or not 0 < m.top_p <= 1 or m.top_k > MAX_TOP_K \
-            or len(m.stop) > MAX_STOP_STRINGS:
+    if (
+        not 0 <= m.temperature <= MAX_TEMPERATURE
+        or not 0 < m.top_p <= 1
+        or m.top_k > MAX_TOP_K
+        or len(m.stop) > MAX_STOP_STRINGS
+    ):
         return "sampling parameters out of range"
     return None
 
@@ -53,12 +61,20 @@ def _layout(m) -> str | None:
 
 
 def _destination(m) -> str | None:
-    return None if m.segment_tokens >= 1 and 0 < m.lease_s <= 3600 else "segment_tokens or lease_s out of range"
+    return (
+        None
+        if m.segment_tokens >= 1 and 0 < m.lease_s <= 3600
+        else "segment_tokens or lease_s out of range"
+    )
 
 
 EXTRA: dict[str, Callable[[Any], str | None]] = {
-    "SamplingParams": _sampling, "GenerateTask": _task, "PrefillTask": _prefill_task, "KVLayout": _layout,
-    "KVDestination": _destination}
+    "SamplingParams": _sampling,
+    "GenerateTask": _task,
+    "PrefillTask": _prefill_task,
+    "KVLayout": _layout,
+    "KVDestination": _destination,
+}
 
 
 def _field_problem(kind: str, name: str, value: Any) -> str | None:
@@ -67,7 +83,9 @@ def _field_problem(kind: str, name: str, value: Any) -> str | None:
     if isinstance(value, int):
         low, high = SIGNED.get((kind, name), (0, MAX_UINT))
         return None if low <= value <= high else f"{name} out of range"
-    if isinstance(value, float):   # times may differ in sign across hosts' clocks: finite is the rule
+    if isinstance(
+        value, float
+    ):  # times may differ in sign across hosts' clocks: finite is the rule
         return None if math.isfinite(value) else f"{name} is not a finite number"
     if isinstance(value, (str, bytes)):
         return None if len(value) <= MAX_STR else f"{name} is too long"

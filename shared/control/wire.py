@@ -98,8 +98,14 @@ def decode(data: bytes, expected: type[M] | None = None) -> M:
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"payload of {len(data)} bytes is over the limit")
     try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_map_len=256,
-                               max_array_len=message_rules.MAX_LIST, max_ext_len=0)
+        body = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_map_len=256,
+            max_array_len=message_rules.MAX_LIST,
+            max_ext_len=0,
+        )
     except Exception as exc:  # msgpack raises several unrelated types
         raise MessageError(f"not msgpack: {exc}") from None
     if not isinstance(body, dict) or not isinstance(body.get("type"), str):

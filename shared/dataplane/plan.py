@@ -13,10 +13,10 @@ a segment is sent as soon as the prefill has computed all its tokens (chunk-wise
 
 from dataclasses import dataclass
 
-from shared.engine.kv_cache import bytes_per_token
 from shared.control.messages import KVDestination, KVLayout
+from shared.engine.kv_cache import bytes_per_token
 
-TAG_BITS = 24               # low bits of a tag: the piece index
+TAG_BITS = 24  # low bits of a tag: the piece index
 MAX_PIECES = 1 << TAG_BITS
 
 
@@ -26,13 +26,13 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Piece:
-    index: int       # tag = base_tag + index
+    index: int  # tag = base_tag + index
     segment: int
     layer: int
-    kv: int          # 0 = keys, 1 = values
-    start: int       # token positions [start, end) of the prompt
+    kv: int  # 0 = keys, 1 = values
+    start: int  # token positions [start, end) of the prompt
     end: int
-    dst_slot: int    # first slot of the destination run in the decode pool
+    dst_slot: int  # first slot of the destination run in the decode pool
 
     @property
     def tokens(self) -> int:
@@ -56,17 +56,23 @@ class TransferPlan:
     def __init__(self, layout: KVLayout, prompt_len: int, destination: KVDestination):
         bs, skip = layout.block_size, destination.skip_tokens
         if skip < 0 or skip % bs or skip >= prompt_len:
-            raise PlanError(f"skip_tokens {skip} must be a multiple of {bs} below the prompt length")
+            raise PlanError(
+                f"skip_tokens {skip} must be a multiple of {bs} below the prompt length"
+            )
         if destination.segment_tokens <= 0 or destination.segment_tokens % bs:
             raise PlanError(f"segment_tokens must be a positive multiple of the block size {bs}")
         if len(destination.block_ids) != -(-prompt_len // bs) - skip // bs:
-            raise PlanError(f"{len(destination.block_ids)} destination blocks for tokens {skip}..{prompt_len}")
+            raise PlanError(
+                f"{len(destination.block_ids)} destination blocks for tokens {skip}..{prompt_len}"
+            )
         if destination.base_tag % MAX_PIECES or not 0 < destination.base_tag < 1 << 64:
             raise PlanError("base_tag must be a positive 64-bit tag with its low bits clear")
         self.layout = layout
         self.prompt_len = prompt_len
         self.destination = destination
-        self.token_bytes = bytes_per_token(layout) // (2 * layout.num_layers)   # one layer, keys or values
+        self.token_bytes = bytes_per_token(layout) // (
+            2 * layout.num_layers
+        )  # one layer, keys or values
         self.segments = self._segments()
         self.pieces = [p for seg in self.segments for p in seg.pieces]
         if len(self.pieces) > MAX_PIECES:
@@ -88,7 +94,11 @@ class TransferPlan:
 
     def _runs(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """(start, end, first decode slot) of token ranges whose decode blocks are consecutive."""
-        bs, skip, ids = self.layout.block_size, self.destination.skip_tokens, self.destination.block_ids
+        bs, skip, ids = (
+            self.layout.block_size,
+            self.destination.skip_tokens,
+            self.destination.block_ids,
+        )
         runs: list[tuple[int, int, int]] = []
         pos = start
         while pos < end:

@@ -10,9 +10,9 @@ import asyncio
 import logging
 import time
 
-from shared.engine.kv_cache import KVPool
 from shared.dataplane.plan import TransferPlan
 from shared.dataplane.ucx import DataPlane, KVTransferError
+from shared.engine.kv_cache import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +28,19 @@ class KVReceiver:
         self.plan = plan
         self.landed = 0
         self.landed_bytes = 0
-        self.last_progress = 0.0             # monotonic time a piece last landed
-        self.first_landed = 0.0              # wall time the first piece landed
-        self.last_landed = 0.0               # wall time the latest piece landed
+        self.last_progress = 0.0  # monotonic time a piece last landed
+        self.first_landed = 0.0  # wall time the first piece landed
+        self.last_landed = 0.0  # wall time the latest piece landed
         self.done = asyncio.Event()
-        self._tasks: dict[int, asyncio.Future] = {}   # tag -> its posted receive
+        self._tasks: dict[int, asyncio.Future] = {}  # tag -> its posted receive
         self._failure: BaseException | None = None
 
     def start(self) -> None:
         """Posts the receive of every piece (call before the prefill worker may send)."""
-        pieces = [(self.plan.tag(p), self.pool.span(p.layer, p.kv, p.dst_slot, p.tokens)) for p in self.plan.pieces]
+        pieces = [
+            (self.plan.tag(p), self.pool.span(p.layer, p.kv, p.dst_slot, p.tokens))
+            for p in self.plan.pieces
+        ]
         for (tag, _), future in zip(pieces, self.plane.post_receives(pieces)):
             future.add_done_callback(self._on_landed)
             self._tasks[tag] = future
@@ -64,9 +67,15 @@ class KVReceiver:
         """Raises if a receive failed, or if the transfer started and then stalled for a lease."""
         if self._failure is not None:
             raise KVTransferError(f"a KV piece was not received: {self._failure!r}")
-        if self.last_progress and not self.complete and time.monotonic() - self.last_progress > lease_s:
-            raise TransferStalled(f"no KV piece landed for {lease_s:.0f}s "
-                                  f"({self.landed}/{len(self.plan.pieces)} pieces in)")
+        if (
+            self.last_progress
+            and not self.complete
+            and time.monotonic() - self.last_progress > lease_s
+        ):
+            raise TransferStalled(
+                f"no KV piece landed for {lease_s:.0f}s "
+                f"({self.landed}/{len(self.plan.pieces)} pieces in)"
+            )
 
     async def abort(self, timeout_s: float) -> bool:
         """Ends every receive still posted; True when none can write into the pool any more."""
@@ -77,8 +86,10 @@ class KVReceiver:
         if pending:
             _, still = await asyncio.wait(pending, timeout=timeout_s)
             if still:
-                log.error("%d KV receive(s) did not end after release; their blocks stay out of use",
-                          len(still))
+                log.error(
+                    "%d KV receive(s) did not end after release; their blocks stay out of use",
+                    len(still),
+                )
                 return False
         return True
 
@@ -87,6 +98,10 @@ class KVReceiver:
         out = []
         for piece in self.plan.pieces[:pieces_sent]:
             task = self._tasks[self.plan.tag(piece)]
-            if task.done() and not task.cancelled() and isinstance(task.exception(), KVTransferError):
+            if (
+                task.done()
+                and not task.cancelled()
+                and isinstance(task.exception(), KVTransferError)
+            ):
                 out.append((self.plan.tag(piece), self.plan.piece_bytes(piece)))
         return out

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.kv_cache import KVPool
 from shared.dataplane.plan import Segment, TransferPlan
 from shared.dataplane.ucx import DataPlane, KVTransferError
+from shared.engine.kv_cache import KVPool
 
 
 @dataclass
@@ -32,8 +32,10 @@ class KVSender:
         self.pool = pool
         self.plan = plan
         self.timeout_s = timeout_s
-        self.next_segment = 0          # the first segment not staged yet
-        self.pieces_sent = 0           # pieces [0, pieces_sent) may be on the wire (the decode side drains them on abort)
+        self.next_segment = 0  # the first segment not staged yet
+        self.pieces_sent = (
+            0  # pieces [0, pieces_sent) may be on the wire (the decode side drains them on abort)
+        )
         self.bytes_sent = 0
         self.aborted = False
         self.sends: list[asyncio.Task] = []
@@ -45,7 +47,7 @@ class KVSender:
     def ready(self, computed_tokens: int) -> list[Segment]:
         """Segments whose every token is computed and that are not staged yet."""
         out = []
-        for seg in self.plan.segments[self.next_segment:]:
+        for seg in self.plan.segments[self.next_segment :]:
             if seg.end > computed_tokens:
                 break
             out.append(seg)
@@ -54,14 +56,18 @@ class KVSender:
     def stage(self, segment: Segment, block_table: list[int]) -> Staged:
         """Engine thread, no copy: views of the pool for the pieces that are one run of slots here,
         and the slots of the others, to be gathered (`gather`) while the first ones travel."""
-        sources: dict[tuple[int, int], int | torch.Tensor] = {}   # token range -> first slot, or slots
+        sources: dict[
+            tuple[int, int], int | torch.Tensor
+        ] = {}  # token range -> first slot, or slots
         staged = Staged(segment)
         for p in segment.pieces:
             where = sources.get((p.start, p.end))
             if where is None:
                 where = sources[(p.start, p.end)] = self._first_slot(block_table, p.start, p.end)
             if isinstance(where, int):
-                staged.direct.append((self.plan.tag(p), self.pool.span(p.layer, p.kv, where, p.tokens)))
+                staged.direct.append(
+                    (self.plan.tag(p), self.pool.span(p.layer, p.kv, where, p.tokens))
+                )
             else:
                 staged.scattered.append((self.plan.tag(p), p.layer, p.kv, where))
         self.next_segment = segment.index + 1
@@ -69,8 +75,13 @@ class KVSender:
 
     def gather(self, staged: Staged) -> list[tuple[int, torch.Tensor]]:
         """Engine thread: the one copy on this side, of the pieces whose slots are not consecutive."""
-        out = [(tag, self.pool.kv[layer, kv].index_select(0, slots)) for tag, layer, kv, slots in staged.scattered]
-        if out and self.pool.kv.is_cuda:  # UCX reads them on its own streams: the copies must have landed
+        out = [
+            (tag, self.pool.kv[layer, kv].index_select(0, slots))
+            for tag, layer, kv, slots in staged.scattered
+        ]
+        if (
+            out and self.pool.kv.is_cuda
+        ):  # UCX reads them on its own streams: the copies must have landed
             torch.cuda.current_stream().synchronize()
         return out
 
@@ -86,7 +97,9 @@ class KVSender:
         """Puts pieces on the wire; the task ends when all have left."""
         if not sources:
             return None
-        self.pieces_sent = max(self.pieces_sent, max(tag for tag, _ in sources) - self.plan.destination.base_tag + 1)
+        self.pieces_sent = max(
+            self.pieces_sent, max(tag for tag, _ in sources) - self.plan.destination.base_tag + 1
+        )
         task = asyncio.create_task(self._send_all(sources))
         self.sends.append(task)
         return task
@@ -100,4 +113,8 @@ class KVSender:
         results = await asyncio.gather(*self.sends, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            raise errors[0] if isinstance(errors[0], KVTransferError) else KVTransferError(repr(errors[0]))
+            raise (
+                errors[0]
+                if isinstance(errors[0], KVTransferError)
+                else KVTransferError(repr(errors[0]))
+            )

@@ -20,7 +20,7 @@ from shared.dataplane import ucx_info, ucx_progress
 
 log = logging.getLogger(__name__)
 
-_EMPTY = numpy.zeros(0, dtype=numpy.uint8)     # what release() sends to end a posted receive
+_EMPTY = numpy.zeros(0, dtype=numpy.uint8)  # what release() sends to end a posted receive
 
 
 class KVTransferError(Exception):
@@ -32,17 +32,21 @@ class TransferCounters:
     bytes_sent: int = 0
     bytes_received: int = 0
     transfers_failed: int = 0
-    receives_released: int = 0     # posted receives ended by release() instead of data
+    receives_released: int = 0  # posted receives ended by release() instead of data
 
 
 class DataPlane(Protocol):
     address: bytes
     counters: TransferCounters
 
-    async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
+    async def send(
+        self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float
+    ) -> None:
         """Sends `buffer` to the peer's receive posted with `tag`."""
 
-    async def send_many(self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float) -> None:
+    async def send_many(
+        self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float
+    ) -> None:
         """Sends every (tag, buffer) at once; returns when all have left, `timeout` in all."""
 
     async def receive(self, tag: int, buffer: torch.Tensor) -> int:
@@ -70,7 +74,9 @@ async def discard(plane: DataPlane, pieces: list[tuple[int, int]], timeout: floa
     released."""
     if not pieces:
         return
-    scratch = torch.empty(max(n for _, n in pieces), dtype=torch.uint8)   # the bytes are garbage anyway
+    scratch = torch.empty(
+        max(n for _, n in pieces), dtype=torch.uint8
+    )  # the bytes are garbage anyway
     futures = plane.post_receives([(tag, scratch[:n]) for tag, n in pieces])
     _, pending = await asyncio.wait(futures, timeout=timeout)
     if pending:
@@ -106,39 +112,50 @@ class UcxDataPlane:
 
     MAX_ENDPOINTS = 256
 
-    def __init__(self, net_devices: str = "lo", tls: str = "", error_handling: bool = False,
-                 progress_mode: str = "blocking"):
+    def __init__(
+        self,
+        net_devices: str = "lo",
+        tls: str = "",
+        error_handling: bool = False,
+        progress_mode: str = "blocking",
+    ):
         self._options = {"NET_DEVICES": net_devices}
         self._progress_mode = progress_mode
         if tls:
             self._options["TLS"] = tls
         self._error_handling = error_handling
         self._endpoints: OrderedDict[bytes, object] = OrderedDict()
-        self._retired: list = []            # endpoints of failed peers, never closed (see forget)
+        self._retired: list = []  # endpoints of failed peers, never closed (see forget)
         self._connecting: dict[bytes, asyncio.Lock] = {}
-        self._posted: dict[int, object] = {}                  # tag -> the UCX receive request posted with it
+        self._posted: dict[int, object] = {}  # tag -> the UCX receive request posted with it
         self._completing: set[asyncio.Task] = set()
-        self._verdicts: dict[int, asyncio.Future] = {}        # tag -> True when release() ended it empty
+        self._verdicts: dict[int, asyncio.Future] = {}  # tag -> True when release() ended it empty
         # ucxx cannot cancel one posted request: a send that timed out may still be read, so its
         # buffer must outlive it (a gathered copy, or a view that keeps the pool alive anyway).
         self._abandoned: list[torch.Tensor] = []
         self.counters = TransferCounters()
         self.address = b""
-        self._peer_transports: dict[bytes, str] = {}   # peer -> what UCX chose to reach it
+        self._peer_transports: dict[bytes, str] = {}  # peer -> what UCX chose to reach it
         self._progress = None
 
     async def __aenter__(self) -> "UcxDataPlane":
         import ucxx
 
         self._ucxx = ucxx
-        ucxx.init(options=self._options, env_takes_precedence=True, progress_mode=self._progress_mode)
-        if self._progress_mode == "blocking":   # ours: ucxx's own spins a core after the first event
+        ucxx.init(
+            options=self._options, env_takes_precedence=True, progress_mode=self._progress_mode
+        )
+        if self._progress_mode == "blocking":  # ours: ucxx's own spins a core after the first event
             self._progress = ucx_progress.install(ucxx, asyncio.get_running_loop())
         self.address = ucxx.get_worker_address().tobytes()
-        log.info("UCX data plane up: UCX %s, options %s, %s progress, peer-failure mode %s, transports %s",
-                 ".".join(map(str, ucxx.get_ucx_version())), self._options, self._progress_mode,
-                 "on (tcp only)" if self._error_handling else "off (shared memory on one host)",
-                 _active_transports(ucxx))
+        log.info(
+            "UCX data plane up: UCX %s, options %s, %s progress, peer-failure mode %s, transports %s",
+            ".".join(map(str, ucxx.get_ucx_version())),
+            self._options,
+            self._progress_mode,
+            "on (tcp only)" if self._error_handling else "off (shared memory on one host)",
+            _active_transports(ucxx),
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -173,10 +190,13 @@ class UcxDataPlane:
 
                 address = UCXAddress.create_from_buffer(peer_address)
                 ep = await self._ucxx.create_endpoint_from_worker_address(
-                    address, endpoint_error_handling=self._error_handling)
+                    address, endpoint_error_handling=self._error_handling
+                )
                 self._endpoints[peer_address] = ep
                 self._note_transport(peer_address, ep)
-                while len(self._endpoints) > self.MAX_ENDPOINTS:  # peers that restarted have new addresses
+                while (
+                    len(self._endpoints) > self.MAX_ENDPOINTS
+                ):  # peers that restarted have new addresses
                     self.forget(next(iter(self._endpoints)))
             self._connecting.pop(peer_address, None)
             return ep
@@ -188,10 +208,19 @@ class UcxDataPlane:
         lanes = ucx_info.endpoint_lanes(ep.ucp_endpoint)
         summary = ucx_info.transport_summary(lanes)
         self._peer_transports[peer_address] = summary
-        log.info("KV endpoint to peer %s: %s (lanes: %s)", peer_address[:8].hex(), summary, "; ".join(lanes) or "?")
+        log.info(
+            "KV endpoint to peer %s: %s (lanes: %s)",
+            peer_address[:8].hex(),
+            summary,
+            "; ".join(lanes) or "?",
+        )
         if summary.startswith("tcp") and not self._error_handling:
-            log.warning("KV bytes to peer %s go over %s: not shared memory (another host, or UCX could not use "
-                        "sysv/posix/cma here)", peer_address[:8].hex(), summary)
+            log.warning(
+                "KV bytes to peer %s go over %s: not shared memory (another host, or UCX could not use "
+                "sysv/posix/cma here)",
+                peer_address[:8].hex(),
+                summary,
+            )
 
     def transport_to(self, peer_address: bytes) -> str:
         return self._peer_transports.get(peer_address, "")
@@ -208,10 +237,14 @@ class UcxDataPlane:
             self._retired.append(ep)
             self._peer_transports.pop(peer_address, None)
 
-    async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
+    async def send(
+        self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float
+    ) -> None:
         await self.send_many(peer_address, [(tag, buffer)], timeout)
 
-    async def send_many(self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float) -> None:
+    async def send_many(
+        self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float
+    ) -> None:
         """Puts every (tag, buffer) on the wire at once (one UCX request each, no task per piece)
         and waits for all of them, `timeout` in all."""
         from ucxx._lib.arr import Array
@@ -219,14 +252,16 @@ class UcxDataPlane:
 
         try:
             ep = await self._endpoint(peer_address)
-            views = [Array(_ucx_view(buf)) for _, buf in pieces]   # alive until every send completes
+            views = [Array(_ucx_view(buf)) for _, buf in pieces]  # alive until every send completes
             requests = [ep._ep.tag_send(view, Tag(tag)) for view, (tag, _) in zip(views, pieces)]
             await asyncio.wait_for(asyncio.gather(*(self._done(r) for r in requests)), timeout)
         except Exception as err:
             self.counters.transfers_failed += 1
             self._abandoned.extend(buf for _, buf in pieces)  # UCX may still be reading them
             self.forget(peer_address)
-            raise KVTransferError(f"KV send of {len(pieces)} piece(s) (tag {pieces[0][0]:#x}...) failed: {err!r}") from err
+            raise KVTransferError(
+                f"KV send of {len(pieces)} piece(s) (tag {pieces[0][0]:#x}...) failed: {err!r}"
+            ) from err
         self.counters.bytes_sent += sum(_nbytes(buf) for _, buf in pieces)
 
     async def receive(self, tag: int, buffer: torch.Tensor) -> int:
@@ -245,7 +280,9 @@ class UcxDataPlane:
             view = Array(_ucx_view(buf))
             request = worker.tag_recv(view, Tag(tag))
             self._posted[tag] = request
-            entries.append((tag, request, loop.create_future(), view, buf))   # buffers alive until done
+            entries.append(
+                (tag, request, loop.create_future(), view, buf)
+            )  # buffers alive until done
         task = asyncio.ensure_future(self._complete(entries))
         self._completing.add(task)
         task.add_done_callback(self._completing.discard)
@@ -276,7 +313,11 @@ class UcxDataPlane:
     async def release(self, tags: list[int], timeout: float = 10.0) -> None:
         """Ends open receives by sending each an empty message from this worker to itself; a
         receive that data matched first leaves that message unmatched, and it is swept up here."""
-        posted = {tag: self._posted[tag] for tag in tags if tag in self._posted and not self._posted[tag].completed}
+        posted = {
+            tag: self._posted[tag]
+            for tag in tags
+            if tag in self._posted and not self._posted[tag].completed
+        }
         if not posted:
             return
         loop = asyncio.get_running_loop()
@@ -291,13 +332,15 @@ class UcxDataPlane:
                 await asyncio.sleep(0.001)
         finally:
             for tag, verdict in verdicts.items():
-                if not posted[tag].completed:        # matched by a sender that never finished: still open
+                if not posted[tag].completed:  # matched by a sender that never finished: still open
                     continue
                 probe = ctx.tag_probe(tag, remove=True)
                 # Our empty message still waiting means data came first; else ours ended the receive.
                 empty = not (probe.matched and probe.length == 0)
-                if probe.matched:                    # ours, or the late data itself: take it off the wire
-                    await ctx.recv_with_handle(numpy.empty(max(1, probe.length), dtype=numpy.uint8), probe)
+                if probe.matched:  # ours, or the late data itself: take it off the wire
+                    await ctx.recv_with_handle(
+                        numpy.empty(max(1, probe.length), dtype=numpy.uint8), probe
+                    )
                 self.counters.receives_released += empty
                 if not verdict.done():
                     verdict.set_result(empty)

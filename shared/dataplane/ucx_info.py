@@ -39,7 +39,7 @@ def endpoint_lanes(ucp_endpoint: int) -> list[str]:
 
 
 def parse_lanes(info: str) -> list[str]:
-    """"transport/device roles" of every lane line of `ucp_ep_print_info` output."""
+    """ "transport/device roles" of every lane line of `ucp_ep_print_info` output."""
     lanes = []
     for line in info.splitlines():
         match = re.search(r"lane\[\d+\]:\s*\d+:(\S+?)(?:\.\d+)?\s.*?seg \d+\s*(.*)$", line)
@@ -49,7 +49,7 @@ def parse_lanes(info: str) -> list[str]:
 
 
 def transport_summary(lanes: list[str]) -> str:
-    """"sysv+posix+cma" style: each lane's transport once, in lane order."""
+    """ "sysv+posix+cma" style: each lane's transport once, in lane order."""
     names = []
     for lane in lanes:
         name = lane.split()[0].split("/")[0]

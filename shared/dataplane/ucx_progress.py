@@ -19,16 +19,18 @@ import logging
 
 log = logging.getLogger(__name__)
 
-SAFETY_INTERVAL_S = 1.0   # progress at least this often, in case an event is ever missed
+SAFETY_INTERVAL_S = 1.0  # progress at least this often, in case an event is ever missed
 
 
 class EventLoopProgress:
     def __init__(self, worker, loop: asyncio.AbstractEventLoop):
         self.worker = worker
         self.loop = loop
-        self.fd = worker.epoll_file_descriptor   # ucxx.init(progress_mode="blocking") set it up
+        self.fd = worker.epoll_file_descriptor  # ucxx.init(progress_mode="blocking") set it up
         self._again = False
-        self._waiting: list[tuple[object, asyncio.Future]] = []   # (request, its future), not done yet
+        self._waiting: list[
+            tuple[object, asyncio.Future]
+        ] = []  # (request, its future), not done yet
         self.wakeups = 0
         loop.add_reader(self.fd, self.wake)
         self._safety = loop.create_task(self._every_interval())
@@ -42,7 +44,7 @@ class EventLoopProgress:
             pass
         self._check()
         if not self.worker.arm() and not self._again:
-            self._again = True    # after the callbacks that are ready now, not in a tight loop
+            self._again = True  # after the callbacks that are ready now, not in a tight loop
             self.loop.call_soon(self.wake)
 
     def done(self, request) -> asyncio.Future:
@@ -54,7 +56,9 @@ class EventLoopProgress:
 
     def _check(self) -> None:
         if self._waiting:
-            self._waiting = [(r, f) for r, f in self._waiting if not f.done() and not self._settle(r, f)]
+            self._waiting = [
+                (r, f) for r, f in self._waiting if not f.done() and not self._settle(r, f)
+            ]
 
     @staticmethod
     def _settle(request, future: asyncio.Future) -> bool:

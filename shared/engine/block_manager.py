@@ -20,8 +20,8 @@ class Paged(Protocol):
 
     block_table: list[int]
     num_cached_tokens: int
-    num_hashed_blocks: int   # leading blocks whose hash is known (registered or reused)
-    last_block_hash: bytes   # the chained hash of the last of those
+    num_hashed_blocks: int  # leading blocks whose hash is known (registered or reused)
+    last_block_hash: bytes  # the chained hash of the last of those
 
     @property
     def token_ids(self) -> list[int]: ...
@@ -48,7 +48,7 @@ def granule_keys(tokens: list[int], block_size: int, granularity: int) -> list[i
     keys, parent = [], b""
     usable = ((len(tokens) - 1) // granularity) * granularity
     for start in range(0, usable, block_size):
-        parent = chain_hash(parent, tokens[start:start + block_size])
+        parent = chain_hash(parent, tokens[start : start + block_size])
         if (start + block_size) % granularity == 0:
             keys.append(summary_key(parent))
     return keys
@@ -70,8 +70,8 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # Hashes of cached blocks that end a whole granule, oldest first: the prefix-cache summary.
         self.granule_ends: OrderedDict[bytes, None] = OrderedDict()
-        self.hits = 0       # tokens served from the prefix cache
-        self.lookups = 0    # prompt tokens looked up
+        self.hits = 0  # tokens served from the prefix cache
+        self.lookups = 0  # prompt tokens looked up
 
     # -- capacity ----------------------------------------------------------------------------
 
@@ -101,13 +101,13 @@ class BlockManager:
         hits, parent = [], b""
         usable = ((len(tokens) - 1) // self.granularity) * self.granularity
         for start in range(0, usable, self.block_size):
-            parent = chain_hash(parent, tokens[start:start + self.block_size])
+            parent = chain_hash(parent, tokens[start : start + self.block_size])
             block = self.hash_to_block.get(parent)
             if block is None:
                 break
             hits.append(block)
         per_granule = self.granularity // self.block_size
-        return hits[:len(hits) // per_granule * per_granule]
+        return hits[: len(hits) // per_granule * per_granule]
 
     def can_allocate(self, seq: Paged) -> bool:
         hits = self._prefix_hits(seq.token_ids)
@@ -123,9 +123,13 @@ class BlockManager:
         hits = self._prefix_hits(seq.token_ids)
         for block in hits:
             self._take(block)
-            if self.block_hash[block] in self.granule_ends:  # a hit keeps its granule in the summary
+            if (
+                self.block_hash[block] in self.granule_ends
+            ):  # a hit keeps its granule in the summary
                 self.granule_ends.move_to_end(self.block_hash[block])
-        seq.block_table = hits + self._take_run(self.blocks_for(seq.num_tokens) - len(hits), hits[-1] if hits else None)
+        seq.block_table = hits + self._take_run(
+            self.blocks_for(seq.num_tokens) - len(hits), hits[-1] if hits else None
+        )
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         seq.last_block_hash = self.block_hash[hits[-1]] if hits else b""
@@ -164,7 +168,9 @@ class BlockManager:
         """Registers the hashes of seq's blocks that are full and computed, for later reuse."""
         for index in range(seq.num_hashed_blocks, num_computed_tokens // self.block_size):
             start = index * self.block_size
-            seq.last_block_hash = chain_hash(seq.last_block_hash, seq.token_ids[start:start + self.block_size])
+            seq.last_block_hash = chain_hash(
+                seq.last_block_hash, seq.token_ids[start : start + self.block_size]
+            )
             seq.num_hashed_blocks = index + 1
             block = seq.block_table[index]
             if self.block_hash[block] is None and seq.last_block_hash not in self.hash_to_block:
@@ -198,7 +204,11 @@ class BlockManager:
         def usable(block: int) -> bool:
             return block in self.free_blocks and self.block_hash[block] is None
 
-        if after is not None and after + count < self.num_blocks and all(usable(after + 1 + i) for i in range(count)):
+        if (
+            after is not None
+            and after + count < self.num_blocks
+            and all(usable(after + 1 + i) for i in range(count))
+        ):
             return after + 1
         if count == 1 and after is not None:
             return None  # growing by one block: not worth a scan

@@ -19,15 +19,15 @@ class Detokenizer:
         # tokens [_prefix, _read) were decoded last time and give the context for the new ones.
         self._prefix = 0
         self._read = 0
-        self._text = ""          # the text of tokens [0, _read)
-        self._emitted = 0        # characters of _text already shown
-        self.stopped = False     # a stop string appeared; nothing more will be shown
+        self._text = ""  # the text of tokens [0, _read)
+        self._emitted = 0  # characters of _text already shown
+        self.stopped = False  # a stop string appeared; nothing more will be shown
 
     def _pending(self) -> str:
         """The text the tokens after _read add (may end in an incomplete character)."""
         decode = self._tokenizer.decode
-        before = decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
-        return decode(self._ids[self._prefix:], skip_special_tokens=True)[len(before):]
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        return decode(self._ids[self._prefix :], skip_special_tokens=True)[len(before) :]
 
     def prime(self, token_ids: list[int]) -> None:
         """Takes in output the client already has (a request resumed on another worker): the same
@@ -61,6 +61,6 @@ class Detokenizer:
     def _take(self, end: int) -> str:
         if end <= self._emitted:
             return ""
-        piece = self._text[self._emitted:end]
+        piece = self._text[self._emitted : end]
         self._emitted = end
         return piece

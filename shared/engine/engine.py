@@ -36,8 +36,13 @@ class _Work:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 512):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        blocks: BlockManager,
+        max_num_seqs: int = 64,
+        max_batch_tokens: int = 512,
+    ):
         if max_batch_tokens < runner.chunk:
             raise ValueError("max_batch_tokens must be at least one prefill chunk")
         self.runner = runner
@@ -45,12 +50,14 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.lock = threading.Lock()
-        self.waiting: deque[Sequence] = deque()   # prompt (or recompute) to run here, first come first
-        self.loading: list[Sequence] = []         # remote KV arrived, to be written into the pool
+        self.waiting: deque[Sequence] = (
+            deque()
+        )  # prompt (or recompute) to run here, first come first
+        self.loading: list[Sequence] = []  # remote KV arrived, to be written into the pool
         self.running: list[Sequence] = []
         self.preemptions = 0
-        self.prefill_tokens_per_s = 0.0           # prompt rows per second of step, smoothed
-        self.decode_step_s = 0.0                  # wall time of a step with decode rows, smoothed
+        self.prefill_tokens_per_s = 0.0  # prompt rows per second of step, smoothed
+        self.decode_step_s = 0.0  # wall time of a step with decode rows, smoothed
 
     # -- from the event loop -------------------------------------------------------------------
 
@@ -67,8 +74,11 @@ class Engine:
         with self.lock:
             seq.status = SeqStatus.WAITING
             at = len(self.waiting)
-            while at > 0 and self.waiting[at - 1].task.priority < seq.task.priority \
-                    and not self._started(self.waiting[at - 1]):  # never ahead of one already started
+            while (
+                at > 0
+                and self.waiting[at - 1].task.priority < seq.task.priority
+                and not self._started(self.waiting[at - 1])
+            ):  # never ahead of one already started
                 at -= 1
             self.waiting.insert(at, seq)
 
@@ -80,7 +90,10 @@ class Engine:
     def prompt_tokens_queued(self) -> int:
         """Prompt tokens waiting here to be computed (what a new prompt queues behind)."""
         with self.lock:
-            return sum(max(0, s.num_tokens - max(s.num_computed_tokens, s.num_cached_tokens)) for s in self.waiting)
+            return sum(
+                max(0, s.num_tokens - max(s.num_computed_tokens, s.num_cached_tokens))
+                for s in self.waiting
+            )
 
     def kv_arrived(self, seq: Sequence) -> None:
         """seq's KV is in its blocks and seq.first_token is set: it joins the batch at the next step."""
@@ -111,9 +124,11 @@ class Engine:
         if work:
             decoding = any(w.seq.status is SeqStatus.RUNNING for w in work)
             started = time.perf_counter()
-            logits = self.runner.forward([Segment(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work],
-                                         abandon=lambda: all(w.seq.cancel_reason for w in work))
-            if logits is None:   # every sequence in it was cancelled meanwhile: they are freed next
+            logits = self.runner.forward(
+                [Segment(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work],
+                abandon=lambda: all(w.seq.cancel_reason for w in work),
+            )
+            if logits is None:  # every sequence in it was cancelled meanwhile: they are freed next
                 return outputs
             self._measure(work, time.perf_counter() - started)
             with self.lock:
@@ -125,7 +140,9 @@ class Engine:
     def _measure_step(self, seconds: float) -> None:
         """How long a step takes while sequences decode: the gap between their tokens, which the
         scheduler keeps under its ITL target (prompt chunks in the step count: they delay the tokens)."""
-        self.decode_step_s = seconds if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * seconds
+        self.decode_step_s = (
+            seconds if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * seconds
+        )
 
     def _measure(self, work: list[_Work], seconds: float) -> None:
         """Prompt throughput, for the scheduler's wait estimates (steps with many prompt rows only:
@@ -133,8 +150,11 @@ class Engine:
         prompt_rows = sum(w.end - w.start for w in work if w.seq.status is SeqStatus.WAITING)
         if prompt_rows >= self.runner.chunk and seconds > 0:
             rate = prompt_rows / seconds
-            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
-                0.8 * self.prefill_tokens_per_s + 0.2 * rate
+            self.prefill_tokens_per_s = (
+                rate
+                if not self.prefill_tokens_per_s
+                else 0.8 * self.prefill_tokens_per_s + 0.2 * rate
+            )
 
     def _schedule(self) -> tuple[list[Sequence], list[_Work]]:
         work = [_Work(seq, seq.num_tokens - 1, seq.num_tokens) for seq in self._decodable()]
@@ -148,7 +168,11 @@ class Engine:
             if not seq.block_table:
                 # First come, first served: once one cannot start, later ones wait behind it;
                 # those already started (holding their blocks) still go on.
-                admitting = admitting and len(loads) + len(work) < self.max_num_seqs and self.blocks.can_allocate(seq)
+                admitting = (
+                    admitting
+                    and len(loads) + len(work) < self.max_num_seqs
+                    and self.blocks.can_allocate(seq)
+                )
                 if not admitting:
                     continue
                 self.blocks.allocate(seq)
@@ -215,8 +239,12 @@ class Engine:
             if seq.status is SeqStatus.WAITING:
                 self.waiting.remove(seq)
                 # Wall clocks: the arrival time is the gateway's, and a clock may step back.
-                seq.prefill_ms = seq.prefill_ms or max(0.0, time.time() - seq.prefill_started) * 1000
-                seq.queue_ms = seq.queue_ms or max(0.0, seq.prefill_started - seq.task.arrival_time) * 1000
+                seq.prefill_ms = (
+                    seq.prefill_ms or max(0.0, time.time() - seq.prefill_started) * 1000
+                )
+                seq.queue_ms = (
+                    seq.queue_ms or max(0.0, seq.prefill_started - seq.task.arrival_time) * 1000
+                )
             outputs.append((seq, self._emit(seq, sample(logits[row], seq.sampling, seq.position))))
         return outputs
 

@@ -23,7 +23,14 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 # -ffp-contract=off: the elementwise ops round each product as torch's one-op-at-a-time code does;
 # no errno, no FP traps (as torch builds): what lets the exp and rounding loops vectorize.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+]
 _loaded: dict[str, object] = {}
 
 
@@ -83,8 +90,13 @@ def load():
                 return _loaded[name]
             _ninja_on_path()
             # libgomp resolves to the copy torch already loaded: one OpenMP runtime, torch's threads.
-            _loaded[name] = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                                               extra_ldflags=["-fopenmp"], verbose=False)
+            _loaded[name] = cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
         except Exception as error:  # no compiler, no ninja, a broken toolchain: keep the torch path
             log.warning("CPU kernels unavailable (%s); using plain torch ops", error)
             _loaded[name] = None

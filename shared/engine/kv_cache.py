@@ -12,9 +12,14 @@ from shared.control.messages import KVLayout
 
 def layout_of(config, model: str, dtype: torch.dtype, block_size: int = 16) -> KVLayout:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return KVLayout(model=model, dtype=str(dtype).removeprefix("torch."),
-                    num_layers=config.num_hidden_layers,
-                    num_kv_heads=config.num_key_value_heads, head_dim=head_dim, block_size=block_size)
+    return KVLayout(
+        model=model,
+        dtype=str(dtype).removeprefix("torch."),
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
 
 
 def bytes_per_token(layout: KVLayout) -> int:
@@ -29,7 +34,13 @@ class KVPool:
         self.layout = layout
         self.block_size = block_size
         self.device = device
-        shape = (layout.num_layers, 2, num_blocks * block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (
+            layout.num_layers,
+            2,
+            num_blocks * block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
         self.kv = torch.zeros(shape, dtype=getattr(torch, layout.dtype), device=device)
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
@@ -47,7 +58,9 @@ class KVPool:
                 return None
         return first * self.block_size
 
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         self.kv[layer, 0].index_copy_(0, slots, keys)
         self.kv[layer, 1].index_copy_(0, slots, values)
 
@@ -56,7 +69,7 @@ class KVPool:
 
     def span(self, layer: int, kv: int, first_slot: int, num_slots: int) -> torch.Tensor:
         """Keys (kv=0) or values (kv=1) of one layer over consecutive slots: a contiguous view."""
-        return self.kv[layer, kv, first_slot:first_slot + num_slots]
+        return self.kv[layer, kv, first_slot : first_slot + num_slots]
 
     def export(self, slots: torch.Tensor) -> torch.Tensor:
         """A sequence's KV as one contiguous transfer buffer [layers, 2, tokens, heads, dim]."""

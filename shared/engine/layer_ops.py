@@ -12,7 +12,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 
 class TorchOps:
-    def norm(self, residual: torch.Tensor, delta: torch.Tensor | None, module) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + delta, module(residual + delta))."""
         if delta is not None:
             residual = residual + delta
@@ -26,7 +28,7 @@ class TorchOps:
 
     def store(self, pool, layer: int, slots, k, v) -> None:
         """k, v may carry padding rows past the len(slots) real ones."""
-        pool.write(layer, slots, k[:slots.numel()], v[:slots.numel()])
+        pool.write(layer, slots, k[: slots.numel()], v[: slots.numel()])
 
 
 class KernelOps(TorchOps):
@@ -35,7 +37,9 @@ class KernelOps(TorchOps):
 
     def norm(self, residual, delta, module):
         """The residual is updated in place."""
-        return residual, self.kernels.add_rms_norm(residual, delta, module.weight, module.variance_epsilon)
+        return residual, self.kernels.add_rms_norm(
+            residual, delta, module.weight, module.variance_epsilon
+        )
 
     def rope(self, q, k, cos, sin):
         self.kernels.rope_(q, k, cos, sin)
@@ -47,6 +51,7 @@ class KernelOps(TorchOps):
 
 def layer_ops(kernels, model) -> TorchOps | KernelOps:
     """The fused ops where they are built and the model's norms are Llama RMSNorms."""
-    fits = kernels is not None and all(hasattr(layer.input_layernorm, "variance_epsilon")
-                                       for layer in model.model.layers)
+    fits = kernels is not None and all(
+        hasattr(layer.input_layernorm, "variance_epsilon") for layer in model.model.layers
+    )
     return KernelOps(kernels) if fits else TorchOps()

@@ -14,19 +14,20 @@ absolute positions, decode tokens one at a time.
 import asyncio
 import concurrent.futures
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
+from shared.control.messages import KVLayout
 from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
 from shared.engine.kv_cache import KVPool
 from shared.engine.layer_ops import KernelOps, layer_ops
 from shared.engine.paged_attention import PagedAttention
 from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts
-from shared.control.messages import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -60,54 +61,95 @@ class _Attention:
 class _Plan:
     ids: torch.Tensor
     positions: torch.Tensor
-    slots: torch.Tensor            # where each row's KV is written
-    context: torch.Tensor | None   # slots gathered once per layer for the scattered pieces
-    attention: list[_Attention]    # pieces through scaled_dot_product_attention
-    decode: tuple | None           # single-token rows through the paged decode kernel
+    slots: torch.Tensor  # where each row's KV is written
+    context: torch.Tensor | None  # slots gathered once per layer for the scattered pieces
+    attention: list[_Attention]  # pieces through scaled_dot_product_attention
+    decode: tuple | None  # single-token rows through the paged decode kernel
     last_rows: torch.Tensor
 
 
 class ModelRunner:
-    def __init__(self, model, model_name: str, device: str, pool_blocks: int, block_size: int,
-                 chunk: int, batch_invariant: bool = True, use_kernels: bool = True):
+    def __init__(
+        self,
+        model,
+        model_name: str,
+        device: str,
+        pool_blocks: int,
+        block_size: int,
+        chunk: int,
+        batch_invariant: bool = True,
+        use_kernels: bool = True,
+    ):
         self.model = model
         self.device = device
         self.config = model.config
-        self.layout: KVLayout = kv_cache.layout_of(model.config, model_name, model.dtype, block_size)
+        self.layout: KVLayout = kv_cache.layout_of(
+            model.config, model_name, model.dtype, block_size
+        )
         self.pool = KVPool(self.layout, pool_blocks, block_size, device)
         self.chunk = chunk
         inner = model.model
-        self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
+        self.embed, self.layers, self.norm, self.rotary = (
+            inner.embed_tokens,
+            inner.layers,
+            inner.norm,
+            inner.rotary_emb,
+        )
         self.num_heads = model.config.num_attention_heads
         self.head_dim = self.layout.head_dim
-        self.qkv = [Projection([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
-        self.o_proj = [Projection([l.self_attn.o_proj]) for l in self.layers]
-        self.gate_up = [Projection([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
-        self.down = [Projection([l.mlp.down_proj]) for l in self.layers]
+        self.qkv = [
+            Projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+            for layer in self.layers
+        ]
+        self.o_proj = [Projection([layer.self_attn.o_proj]) for layer in self.layers]
+        self.gate_up = [
+            Projection([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers
+        ]
+        self.down = [Projection([layer.mlp.down_proj]) for layer in self.layers]
         self.lm_head = Projection([model.lm_head])
-        self.row_counts = (invariant_row_counts([self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0],
-                                                 self.lm_head]) if batch_invariant and device == "cpu" else [])
+        self.row_counts = (
+            invariant_row_counts(
+                [self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0], self.lm_head]
+            )
+            if batch_invariant and device == "cpu"
+            else []
+        )
         if batch_invariant and device == "cpu" and SMALL not in self.row_counts:
-            log.warning("batch invariance does not hold with these weights (no row count up to %d computes "
-                        "rows independently: int8 weights quantize activations per call)", SMALL)
+            log.warning(
+                "batch invariance does not hold with these weights (no row count up to %d computes "
+                "rows independently: int8 weights quantize activations per call)",
+                SMALL,
+            )
         self.projections = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
         self.min_rows = fastest_row_count(self.projections, [c for c in self.row_counts if c <= 4])
 
         kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
-        self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim ** -0.5)
+        self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim**-0.5)
         self.ops = layer_ops(kernels, model)
         self.stack = self._decode_stack_args()
 
     def _decode_stack_args(self) -> tuple | None:
         """Packed weights and norm weights for the C++ decoder stack, when every piece of it applies."""
-        norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms = [
+            n
+            for layer in self.layers
+            for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
         norms.append(self.norm)
         eps = {getattr(n, "variance_epsilon", None) for n in norms}
-        projections = [p for i in range(len(self.layers)) for p in (self.qkv[i], self.o_proj[i], self.gate_up[i],
-                                                                     self.down[i])]
-        if (not isinstance(self.ops, KernelOps) or not self.paged or len(eps) != 1 or None in eps
-                or any(p.packed is None or p.bias is not None for p in projections)
-                or getattr(self.config, "hidden_act", None) != "silu"):
+        projections = [
+            p
+            for i in range(len(self.layers))
+            for p in (self.qkv[i], self.o_proj[i], self.gate_up[i], self.down[i])
+        ]
+        if (
+            not isinstance(self.ops, KernelOps)
+            or not self.paged
+            or len(eps) != 1
+            or None in eps
+            or any(p.packed is None or p.bias is not None for p in projections)
+            or getattr(self.config, "hidden_act", None) != "silu"
+        ):
             return None
         return [p.packed for p in projections], [n.weight for n in norms], eps.pop()
 
@@ -133,7 +175,7 @@ class ModelRunner:
         tables, lengths, single_rows = [], [], []
         row = ctx = 0
         for seg in segments:
-            ids.extend(seg.token_ids[seg.start:seg.end])
+            ids.extend(seg.token_ids[seg.start : seg.end])
             positions.append(torch.arange(seg.start, seg.end))
             slots.append(self.pool.slots(seg.block_table, seg.start, seg.end))
             run = self.pool.contiguous_run(seg.block_table, seg.end)
@@ -141,25 +183,37 @@ class ModelRunner:
             for start, stop in self._pieces(seg):
                 first = row + start - seg.start
                 if self.paged and stop - start == 1:
-                    tables.append(seg.block_table[:-(-stop // self.pool.block_size)])
+                    tables.append(seg.block_table[: -(-stop // self.pool.block_size)])
                     lengths.append(stop)
                     single_rows.append(first)
                     continue
-                if run is None and not gathered:  # scattered blocks: gather this context once per layer
+                if (
+                    run is None and not gathered
+                ):  # scattered blocks: gather this context once per layer
                     context.append(self.pool.slots(seg.block_table, 0, seg.end))
                     gathered = True
                 base = ctx if run is None else run
                 n = stop - start
-                mask = None if n == 1 else torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(stop - n)
-                attention.append(_Attention(first, first + n, base, base + stop, mask, in_pool=run is not None))
+                mask = (
+                    None
+                    if n == 1
+                    else torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(stop - n)
+                )
+                attention.append(
+                    _Attention(first, first + n, base, base + stop, mask, in_pool=run is not None)
+                )
             row += seg.end - seg.start
             ctx += seg.end if gathered else 0
             last_rows.append(row - 1)
-        return _Plan(torch.tensor(ids, dtype=torch.long, device=self.device),
-                     torch.cat(positions).to(self.device), torch.cat(slots),
-                     torch.cat(context) if context else None, attention,
-                     self.paged.plan(tables, lengths, single_rows) if tables else None,
-                     torch.tensor(last_rows, dtype=torch.long, device=self.device))
+        return _Plan(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.cat(positions).to(self.device),
+            torch.cat(slots),
+            torch.cat(context) if context else None,
+            attention,
+            self.paged.plan(tables, lengths, single_rows) if tables else None,
+            torch.tensor(last_rows, dtype=torch.long, device=self.device),
+        )
 
     def _pieces(self, seg: Segment):
         """[start, stop) pieces of a segment: one decode token, or prompt chunks aligned to `chunk`."""
@@ -173,7 +227,9 @@ class ModelRunner:
         return pieces
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment], abandon: Callable[[], bool] | None = None) -> torch.Tensor | None:
+    def forward(
+        self, segments: list[Segment], abandon: Callable[[], bool] | None = None
+    ) -> torch.Tensor | None:
         """Computes the segments; returns logits [len(segments), vocab] at each segment's last row.
         `abandon`, asked between layers, may stop a long step early (None returned): every
         sequence in it was cancelled, and the KV it wrote so far is of no use to anyone."""
@@ -183,13 +239,30 @@ class ModelRunner:
         total = self.padded_rows(rows)
         if total > rows:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
-        cos, sin = self.rotary(hidden, torch.cat([plan.positions, plan.positions.new_zeros(total - rows)])[None])
+        cos, sin = self.rotary(
+            hidden, torch.cat([plan.positions, plan.positions.new_zeros(total - rows)])[None]
+        )
         cos, sin = cos[0], sin[0]
-        if self.stack is not None and plan.decode is not None and not plan.attention:  # every row decodes
+        if (
+            self.stack is not None and plan.decode is not None and not plan.attention
+        ):  # every row decodes
             weights, norms, eps = self.stack
-            x = self.ops.kernels.decode_stack(hidden, weights, norms, eps, cos, sin, self.pool.kv, plan.slots,
-                                              *plan.decode, self.num_heads, self.layout.num_kv_heads, self.head_dim,
-                                              self.pool.block_size, self.paged.scale)
+            x = self.ops.kernels.decode_stack(
+                hidden,
+                weights,
+                norms,
+                eps,
+                cos,
+                sin,
+                self.pool.kv,
+                plan.slots,
+                *plan.decode,
+                self.num_heads,
+                self.layout.num_kv_heads,
+                self.head_dim,
+                self.pool.block_size,
+                self.paged.scale,
+            )
             return self._logits(x.index_select(0, plan.last_rows))
         residual, x = self.ops.norm(hidden, None, self.layers[0].input_layernorm)
         for index, layer in enumerate(self.layers):
@@ -199,7 +272,11 @@ class ModelRunner:
             residual, x = self.ops.norm(residual, attended, layer.post_attention_layernorm)
             gate, up = self.gate_up[index](x)
             out = self.down[index].one(self.ops.act_mul(layer.mlp.act_fn, gate, up))
-            after = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            after = (
+                self.layers[index + 1].input_layernorm
+                if index + 1 < len(self.layers)
+                else self.norm
+            )
             residual, x = self.ops.norm(residual, out, after)
         return self._logits(x.index_select(0, plan.last_rows))
 
@@ -218,7 +295,11 @@ class ModelRunner:
         v = v.view(total, self.layout.num_kv_heads, self.head_dim)
         q, k = self.ops.rope(q, k, cos, sin)
         self.ops.store(self.pool, index, plan.slots, k, v)
-        out = q.new_zeros(total, self.num_heads, self.head_dim) if total > rows else torch.empty_like(q)
+        out = (
+            q.new_zeros(total, self.num_heads, self.head_dim)
+            if total > rows
+            else torch.empty_like(q)
+        )
         if plan.decode is not None:
             keys, values = self.pool.kv[index]
             self.paged(q, keys, values, plan.decode, out)
@@ -228,23 +309,31 @@ class ModelRunner:
 
     def _attend_pieces(self, index: int, q: torch.Tensor, plan: _Plan, out: torch.Tensor) -> None:
         """Prompt chunks (and, without the kernel, decode rows): one SDPA call per piece."""
-        pool_keys, pool_values = (t.transpose(0, 1)[None] for t in self.pool.kv[index])  # [1, heads, slots, dim]
+        pool_keys, pool_values = (
+            t.transpose(0, 1)[None] for t in self.pool.kv[index]
+        )  # [1, heads, slots, dim]
         if plan.context is not None:
             keys, values = (t.transpose(0, 1)[None] for t in self.pool.read(index, plan.context))
         q = q.transpose(0, 1)[None]
         for a in plan.attention:
             k, v = (pool_keys, pool_values) if a.in_pool else (keys, values)
             piece = F.scaled_dot_product_attention(
-                q[:, :, a.row_start:a.row_end], k[:, :, a.ctx_start:a.ctx_end], v[:, :, a.ctx_start:a.ctx_end],
-                attn_mask=a.mask, enable_gqa=True)
-            out[a.row_start:a.row_end] = piece[0].transpose(0, 1)
+                q[:, :, a.row_start : a.row_end],
+                k[:, :, a.ctx_start : a.ctx_end],
+                v[:, :, a.ctx_start : a.ctx_end],
+                attn_mask=a.mask,
+                enable_gqa=True,
+            )
+            out[a.row_start : a.row_end] = piece[0].transpose(0, 1)
 
 
 class EngineExecutor:
     """One thread for the model, so the event loop keeps serving NATS and UCX while it computes."""
 
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine"
+        )
 
     async def run(self, fn: Callable[..., R], *args) -> R:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

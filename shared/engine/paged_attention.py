@@ -21,7 +21,11 @@ class PagedAttention:
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         return padded, torch.tensor(lengths, dtype=torch.long), torch.tensor(rows, dtype=torch.long)
 
-    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan, out: torch.Tensor) -> None:
+    def __call__(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan, out: torch.Tensor
+    ) -> None:
         """q, out [rows, heads, dim]; keys, values [slots, kv_heads, dim]; writes out[plan rows]."""
         tables, lengths, rows = plan
-        self.kernels.decode_attention(q, keys, values, tables, lengths, rows, out, self.block_size, self.scale)
+        self.kernels.decode_attention(
+            q, keys, values, tables, lengths, rows, out, self.block_size, self.scale
+        )

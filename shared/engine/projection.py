@@ -32,9 +32,13 @@ def onednn_bf16() -> bool:
 
 def _packable(modules: list[nn.Module]) -> bool:
     first = modules[0].weight if isinstance(modules[0], nn.Linear) else None
-    return (first is not None and first.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and all(type(m) is nn.Linear and m.weight.dtype == first.dtype for m in modules)
-            and first.dtype in (torch.float32, torch.bfloat16))
+    return (
+        first is not None
+        and first.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and all(type(m) is nn.Linear and m.weight.dtype == first.dtype for m in modules)
+        and first.dtype in (torch.float32, torch.bfloat16)
+    )
 
 
 class Projection:
@@ -48,15 +52,27 @@ class Projection:
         self.packed = None
         if _packable(modules):
             with torch.no_grad():
-                weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight
+                weight = (
+                    torch.cat([m.weight for m in modules])
+                    if len(modules) > 1
+                    else modules[0].weight
+                )
                 try:
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
                 except RuntimeError:  # e.g. bf16 on a CPU oneDNN has no bf16 kernels for
                     return
                 self._matmul = torch.ops.mkldnn._linear_pointwise.default
                 biases = [m.bias for m in modules]
-                self.bias = None if all(b is None for b in biases) else torch.cat(
-                    [b if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, modules)])
+                self.bias = (
+                    None
+                    if all(b is None for b in biases)
+                    else torch.cat(
+                        [
+                            b if b is not None else weight.new_zeros(m.out_features)
+                            for b, m in zip(biases, modules)
+                        ]
+                    )
+                )
 
     @property
     def path(self) -> str:
@@ -92,12 +108,18 @@ class Projection:
         reference = torch.randn(PROBE_ROWS, self.in_features, generator=generator).to(self.dtype)
         with torch.inference_mode():
             full = self(reference)
-            return {rows for rows in range(1, SMALL + 1) if self._row_invariant(rows, reference, full)}
+            return {
+                rows for rows in range(1, SMALL + 1) if self._row_invariant(rows, reference, full)
+            }
 
 
 def _dtype_of(module: nn.Module) -> torch.dtype:
     weight = getattr(module, "weight", None)
-    return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
+    return (
+        weight.dtype
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point()
+        else torch.float32
+    )
 
 
 def invariant_row_counts(projections: list[Projection]) -> list[int]:
@@ -110,7 +132,9 @@ def invariant_row_counts(projections: list[Projection]) -> list[int]:
     return sorted(common)
 
 
-def fastest_row_count(projections: list[Projection], candidates: list[int], repeats: int = 3) -> int:
+def fastest_row_count(
+    projections: list[Projection], candidates: list[int], repeats: int = 3
+) -> int:
     """The candidate row count at which one pass over all the projections takes the least time.
 
     A GEMM library's kernels for 1 or 2 rows can stream the weights slower than its kernel for 4

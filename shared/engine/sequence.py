@@ -5,15 +5,15 @@ import enum
 import time
 from dataclasses import dataclass
 
-from shared.engine.detokenizer import Detokenizer
 from shared.control.messages import GenerateTask
+from shared.engine.detokenizer import Detokenizer
 
 
 class SeqStatus(enum.Enum):
-    WAITING_KV = "waiting_kv"            # remote prefill running; KV not here yet
-    WAITING = "waiting"                  # prompt (or part of it) still to compute here
-    KV_READY = "kv_ready"                # remote KV arrived; to be written into the pool
-    RUNNING = "running"                  # decoding
+    WAITING_KV = "waiting_kv"  # remote prefill running; KV not here yet
+    WAITING = "waiting"  # prompt (or part of it) still to compute here
+    KV_READY = "kv_ready"  # remote KV arrived; to be written into the pool
+    RUNNING = "running"  # decoding
     FINISHED = "finished"
 
 
@@ -25,39 +25,45 @@ class StepOutput:
 
 
 class Sequence:
-    def __init__(self, task: GenerateTask, detokenizer: Detokenizer | None, eos_token_ids: set[int],
-                 max_model_len: int, prefill_only: bool = False):
+    def __init__(
+        self,
+        task: GenerateTask,
+        detokenizer: Detokenizer | None,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        prefill_only: bool = False,
+    ):
         self.task = task
         self.request_id = task.request_id
         self.sampling = task.sampling
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.prefill_only = prefill_only      # stop after the first token; keep the KV for transfer
+        self.prefill_only = prefill_only  # stop after the first token; keep the KV for transfer
         self.status = SeqStatus.WAITING
         self.prompt_token_ids = task.prompt_token_ids
         self.output_ids: list[int] = []
-        self.output_offset = task.resume_tokens   # output the client had before this (migrated) run
+        self.output_offset = task.resume_tokens  # output the client had before this (migrated) run
         # Paged KV state (see BlockManager and KVPool).
         self.block_table: list[int] = []
-        self.num_cached_tokens = 0            # served from the prefix cache at allocation
-        self.num_computed_tokens = 0          # tokens whose K/V are in the pool
+        self.num_cached_tokens = 0  # served from the prefix cache at allocation
+        self.num_computed_tokens = 0  # tokens whose K/V are in the pool
         self.num_hashed_blocks = 0
         self.last_block_hash = b""
-        self.kv_pending = False               # a KV transfer may still write into its blocks: keep them
-        self.news = asyncio.Event()           # wakes a transfer in flight (a cancel came)
-        self.first_token = -1                 # sampled by the remote prefill
+        self.kv_pending = False  # a KV transfer may still write into its blocks: keep them
+        self.news = asyncio.Event()  # wakes a transfer in flight (a cancel came)
+        self.first_token = -1  # sampled by the remote prefill
         self.finish_reason = ""
         self.cancel_reason = ""
-        self.error: tuple[str, str] | None = None   # (gRPC code name, message)
-        self.failed_worker = ""               # with error: the worker that failed, not the request
+        self.error: tuple[str, str] | None = None  # (gRPC code name, message)
+        self.failed_worker = ""  # with error: the worker that failed, not the request
         self.chunk_index = 0
         self.queue_ms = 0.0
         self.prefill_ms = 0.0
-        self.kv_transfer_ms = 0.0             # first KV piece landed -> last one landed
-        self.kv_exposed_ms = 0.0              # prefill finished -> last KV piece landed
+        self.kv_transfer_ms = 0.0  # first KV piece landed -> last one landed
+        self.kv_exposed_ms = 0.0  # prefill finished -> last KV piece landed
         self.prefill_worker = ""
-        self.cached_tokens = 0                # prompt tokens a prefix cache served, for Timing
+        self.cached_tokens = 0  # prompt tokens a prefix cache served, for Timing
         self.prefill_started = 0.0
 
     @property
@@ -92,11 +98,17 @@ class Sequence:
         reason = ""
         if self.prefill_only:
             reason = "length"
-        elif self.detokenizer is not None and self.detokenizer.stopped:
+        elif (
+            self.detokenizer is not None
+            and self.detokenizer.stopped
+            or token_id in self.eos_token_ids
+            and not self.sampling.ignore_eos
+        ):
             reason = "stop"
-        elif token_id in self.eos_token_ids and not self.sampling.ignore_eos:
-            reason = "stop"
-        elif len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len:
+        elif (
+            len(self.output_ids) >= self.sampling.max_tokens
+            or self.num_tokens >= self.max_model_len
+        ):
             reason = "length"
         if reason:
             if self.detokenizer is not None:

@@ -4,12 +4,12 @@ a Ping too: while the process lives it has a subscription there (shared.control.
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
+from shared.control.bus import MessageBus
 from shared.control.messages import Discover, Ping, TaskAck, WorkerHeartbeat
 from shared.control.subjects import Subjects
-from shared.control.bus import MessageBus
 
 log = logging.getLogger(__name__)
 
@@ -17,8 +17,15 @@ NUDGE_GAP_S = 0.05
 
 
 class Announcer:
-    def __init__(self, bus: MessageBus, subjects: Subjects, worker_id: str,
-                 snapshot: Callable[[], WorkerHeartbeat], interval_s: float, alive_file: str = ""):
+    def __init__(
+        self,
+        bus: MessageBus,
+        subjects: Subjects,
+        worker_id: str,
+        snapshot: Callable[[], WorkerHeartbeat],
+        interval_s: float,
+        alive_file: str = "",
+    ):
         self._bus = bus
         self._subjects = subjects
         self._worker_id = worker_id
@@ -30,8 +37,10 @@ class Announcer:
         self._soon = asyncio.Event()
 
     async def __aenter__(self) -> "Announcer":
-        self._subs = [await self._bus.subscribe(self._subjects.discover, self._on_discover),
-                      await self._bus.subscribe(self._subjects.ping(self._worker_id), self._on_ping)]
+        self._subs = [
+            await self._bus.subscribe(self._subjects.discover, self._on_discover),
+            await self._bus.subscribe(self._subjects.ping(self._worker_id), self._on_ping),
+        ]
         await self.announce()
         self._task = asyncio.create_task(self._loop())
         return self
@@ -64,7 +73,9 @@ class Announcer:
         while True:
             try:
                 await asyncio.wait_for(self._soon.wait(), self._interval)
-                await asyncio.sleep(NUDGE_GAP_S)   # what else changes in the same moment goes in one beat
+                await asyncio.sleep(
+                    NUDGE_GAP_S
+                )  # what else changes in the same moment goes in one beat
             except asyncio.TimeoutError:
                 pass
             self._soon.clear()

@@ -35,12 +35,18 @@ class WorkerRuntime:
         queued, measured prompt speed and a summary of its prefix cache (for routing)."""
         with self.engine.lock:
             summary = self.blocks.prefix_summary(self.summary_limit)
-        return dict(kv_blocks_used=self.blocks.used, kv_blocks_total=self.blocks.num_blocks,
-                    block_size=self.blocks.block_size, max_num_seqs=self.engine.max_num_seqs, max_queue=self.max_queue,
-                    prefill_tokens_queued=self.engine.prompt_tokens_queued(),
-                    prefill_tokens_per_s=round(self.engine.prefill_tokens_per_s, 1),
-                    decode_step_ms=round(self.engine.decode_step_s * 1000, 1),
-                    prefix_granularity=self.blocks.granularity, prefix_summary=summary)
+        return dict(
+            kv_blocks_used=self.blocks.used,
+            kv_blocks_total=self.blocks.num_blocks,
+            block_size=self.blocks.block_size,
+            max_num_seqs=self.engine.max_num_seqs,
+            max_queue=self.max_queue,
+            prefill_tokens_queued=self.engine.prompt_tokens_queued(),
+            prefill_tokens_per_s=round(self.engine.prefill_tokens_per_s, 1),
+            decode_step_ms=round(self.engine.decode_step_s * 1000, 1),
+            prefix_granularity=self.blocks.granularity,
+            prefix_summary=summary,
+        )
 
 
 def pick_device(setting: str) -> str:
@@ -56,22 +62,56 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     model_dir = model_store.prepare(settings.model, settings.model_cache)
     model = model_store.load_model(model_dir, device, settings.dtype, settings.weights)
     tokenizer = model_store.load_tokenizer(model_dir)
-    layout = layout_of(model.config, model_store.model_name(settings.model), model.dtype, settings.block_size)
-    num_blocks = max(1, settings.kv_cache_mb * 2**20 // (settings.block_size * bytes_per_token(layout)))
-    runner = ModelRunner(model, layout.model, device, num_blocks, settings.block_size,
-                         settings.prefill_chunk_tokens, settings.batch_invariant)
+    layout = layout_of(
+        model.config, model_store.model_name(settings.model), model.dtype, settings.block_size
+    )
+    num_blocks = max(
+        1, settings.kv_cache_mb * 2**20 // (settings.block_size * bytes_per_token(layout))
+    )
+    runner = ModelRunner(
+        model,
+        layout.model,
+        device,
+        num_blocks,
+        settings.block_size,
+        settings.prefill_chunk_tokens,
+        settings.batch_invariant,
+    )
     runner.release_model_weights()
     model_limit = int(getattr(model.config, "max_position_embeddings", 2048))
     max_len = min(settings.max_model_len or model_limit, model_limit)
-    blocks = BlockManager(num_blocks, settings.block_size, cache_granularity=settings.prefill_chunk_tokens)
+    blocks = BlockManager(
+        num_blocks, settings.block_size, cache_granularity=settings.prefill_chunk_tokens
+    )
     engine = Engine(runner, blocks, settings.max_num_seqs, settings.max_batch_tokens)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    runtime = WorkerRuntime(settings.resolved_worker_id(role), role, settings.resolved_host(), runner,
-                            tokenizer, blocks, engine, max_len, eos_ids, settings.prefix_summary_limit, settings.max_queue)
-    log.info("%s %s (pid %d) ready: model %s on %s/%s, %d threads, %d KV blocks of %d tokens, max_model_len %d",
-             role, runtime.worker_id, os.getpid(), runner.layout.model, device, settings.dtype,
-             torch.get_num_threads(), blocks.num_blocks, blocks.block_size, max_len)
+    runtime = WorkerRuntime(
+        settings.resolved_worker_id(role),
+        role,
+        settings.resolved_host(),
+        runner,
+        tokenizer,
+        blocks,
+        engine,
+        max_len,
+        eos_ids,
+        settings.prefix_summary_limit,
+        settings.max_queue,
+    )
+    log.info(
+        "%s %s (pid %d) ready: model %s on %s/%s, %d threads, %d KV blocks of %d tokens, max_model_len %d",
+        role,
+        runtime.worker_id,
+        os.getpid(),
+        runner.layout.model,
+        device,
+        settings.dtype,
+        torch.get_num_threads(),
+        blocks.num_blocks,
+        blocks.block_size,
+        max_len,
+    )
     return runtime

@@ -13,35 +13,123 @@ _WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 @dataclass
 class WorkerSettings(CommonSettings):
-    model: str = field(default="", metadata={"help": "HF model directory or .gguf file; empty = SmolLM2-135M-Instruct"})
-    model_cache: str = field(default="~/.cache/tandem/models", metadata={"help": "where converted GGUF models are cached"})
-    device: str = field(default="auto", metadata={"help": "auto (cuda when present), cpu, cuda or cuda:N"})
+    model: str = field(
+        default="",
+        metadata={"help": "HF model directory or .gguf file; empty = SmolLM2-135M-Instruct"},
+    )
+    model_cache: str = field(
+        default="~/.cache/tandem/models",
+        metadata={"help": "where converted GGUF models are cached"},
+    )
+    device: str = field(
+        default="auto", metadata={"help": "auto (cuda when present), cpu, cuda or cuda:N"}
+    )
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
-    weights: str = field(default="native", metadata={"help": "native (the dtype setting) or int8 (dynamically quantized linear layers, CPU; faster, not bit-exact)"})
-    torch_threads: int = field(default=0, metadata={"help": "torch intra-op threads; 0 = torch's default"})
-    kv_cache_mb: int = field(default=1024, metadata={"help": "KV cache budget of this worker in MiB"})
+    weights: str = field(
+        default="native",
+        metadata={
+            "help": "native (the dtype setting) or int8 (dynamically quantized linear layers, CPU; faster, not bit-exact)"
+        },
+    )
+    torch_threads: int = field(
+        default=0, metadata={"help": "torch intra-op threads; 0 = torch's default"}
+    )
+    kv_cache_mb: int = field(
+        default=1024, metadata={"help": "KV cache budget of this worker in MiB"}
+    )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    max_num_seqs: int = field(default=64, metadata={"help": "sequences in the running batch at most"})
-    max_batch_tokens: int = field(default=512, metadata={"help": "rows per forward step: decode tokens plus prompt chunks"})
-    prefill_chunk_tokens: int = field(default=128, metadata={"help": "prompts are computed in chunks of this many tokens (a multiple of block_size)"})
-    batch_invariant: bool = field(default=True, metadata={"help": "same bits alone or in a batch (pads tiny GEMMs; off = faster batch-1 decode)"})
-    max_model_len: int = field(default=0, metadata={"help": "longest prompt + output; 0 = the model's own limit"})
-    max_queue: int = field(default=256, metadata={"help": "requests held (running and waiting) beyond which new ones are refused"})
-    worker_id: str = field(default="", metadata={"help": "unique id; empty = role plus a random suffix"})
-    host_label: str = field(default="", metadata={"help": "host name announced to the scheduler; empty = this host's"})
-    ucx_net_devices: str = field(default="lo", metadata={"help": "UCX_NET_DEVICES for the KV data plane (lo = loopback only; 'all' in containers)"})
-    ucx_tls: str = field(default="", metadata={"help": "UCX_TLS for the KV data plane; empty = UCX's choice"})
-    ucx_error_handling: bool = field(default=False, metadata={"help": "UCX peer-failure mode on KV endpoints; UCX then uses tcp only, never shared memory (dead peers are found by leases either way)"})
-    ucx_progress_mode: str = field(default="blocking", metadata={"help": "how UCX makes progress: blocking (woken from the event loop), thread (ucxx's own thread) or polling (busy)"})
-    zone: str = field(default="", metadata={"help": "topology label (rack or zone) announced with the host, for pairing close workers"})
-    kv_segment_tokens: int = field(default=1024, metadata={"help": "a prompt's KV is sent in segments of this many tokens, each as soon as it is computed (a multiple of block_size)"})
-    kv_lease_s: float = field(default=30.0, metadata={"help": "a KV transfer that makes no progress this long is aborted, and its blocks freed, on both sides"})
-    worker_timeout_s: float = field(default=3.0, metadata={"help": "a peer worker silent this long is taken for dead"})
-    drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM, how long running requests may take to finish"})
-    alive_file: str = field(default="", metadata={"help": "touched on every heartbeat, for container health checks; empty = none"})
-    prefix_summary_limit: int = field(default=1024, metadata={"help": "prefix-cache granules announced in each heartbeat at most (newest first), for cache-aware routing"})
-    heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between load reports"})
-    prefill_timeout_s: float = field(default=300.0, metadata={"help": "how long a decode worker waits for a remote prefill"})
+    max_num_seqs: int = field(
+        default=64, metadata={"help": "sequences in the running batch at most"}
+    )
+    max_batch_tokens: int = field(
+        default=512, metadata={"help": "rows per forward step: decode tokens plus prompt chunks"}
+    )
+    prefill_chunk_tokens: int = field(
+        default=128,
+        metadata={
+            "help": "prompts are computed in chunks of this many tokens (a multiple of block_size)"
+        },
+    )
+    batch_invariant: bool = field(
+        default=True,
+        metadata={
+            "help": "same bits alone or in a batch (pads tiny GEMMs; off = faster batch-1 decode)"
+        },
+    )
+    max_model_len: int = field(
+        default=0, metadata={"help": "longest prompt + output; 0 = the model's own limit"}
+    )
+    max_queue: int = field(
+        default=256,
+        metadata={"help": "requests held (running and waiting) beyond which new ones are refused"},
+    )
+    worker_id: str = field(
+        default="", metadata={"help": "unique id; empty = role plus a random suffix"}
+    )
+    host_label: str = field(
+        default="", metadata={"help": "host name announced to the scheduler; empty = this host's"}
+    )
+    ucx_net_devices: str = field(
+        default="lo",
+        metadata={
+            "help": "UCX_NET_DEVICES for the KV data plane (lo = loopback only; 'all' in containers)"
+        },
+    )
+    ucx_tls: str = field(
+        default="", metadata={"help": "UCX_TLS for the KV data plane; empty = UCX's choice"}
+    )
+    ucx_error_handling: bool = field(
+        default=False,
+        metadata={
+            "help": "UCX peer-failure mode on KV endpoints; UCX then uses tcp only, never shared memory (dead peers are found by leases either way)"
+        },
+    )
+    ucx_progress_mode: str = field(
+        default="blocking",
+        metadata={
+            "help": "how UCX makes progress: blocking (woken from the event loop), thread (ucxx's own thread) or polling (busy)"
+        },
+    )
+    zone: str = field(
+        default="",
+        metadata={
+            "help": "topology label (rack or zone) announced with the host, for pairing close workers"
+        },
+    )
+    kv_segment_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "a prompt's KV is sent in segments of this many tokens, each as soon as it is computed (a multiple of block_size)"
+        },
+    )
+    kv_lease_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "a KV transfer that makes no progress this long is aborted, and its blocks freed, on both sides"
+        },
+    )
+    worker_timeout_s: float = field(
+        default=3.0, metadata={"help": "a peer worker silent this long is taken for dead"}
+    )
+    drain_timeout_s: float = field(
+        default=30.0, metadata={"help": "on SIGTERM, how long running requests may take to finish"}
+    )
+    alive_file: str = field(
+        default="",
+        metadata={"help": "touched on every heartbeat, for container health checks; empty = none"},
+    )
+    prefix_summary_limit: int = field(
+        default=1024,
+        metadata={
+            "help": "prefix-cache granules announced in each heartbeat at most (newest first), for cache-aware routing"
+        },
+    )
+    heartbeat_interval_s: float = field(
+        default=0.5, metadata={"help": "seconds between load reports"}
+    )
+    prefill_timeout_s: float = field(
+        default=300.0, metadata={"help": "how long a decode worker waits for a remote prefill"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,8 +139,14 @@ class WorkerSettings(CommonSettings):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.prefix_summary_limit < 0:
             raise ValueError("prefix_summary_limit must not be negative")
-        for name in ("kv_cache_mb", "block_size", "max_queue", "max_num_seqs", "max_batch_tokens",
-                     "prefill_chunk_tokens"):
+        for name in (
+            "kv_cache_mb",
+            "block_size",
+            "max_queue",
+            "max_num_seqs",
+            "max_batch_tokens",
+            "prefill_chunk_tokens",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.ucx_progress_mode not in ("blocking", "thread", "polling"):
@@ -63,12 +157,19 @@ class WorkerSettings(CommonSettings):
             raise ValueError("prefill_chunk_tokens must be a multiple of block_size")
         if self.max_batch_tokens < self.prefill_chunk_tokens:
             raise ValueError("max_batch_tokens must be at least prefill_chunk_tokens")
-        for name in ("heartbeat_interval_s", "prefill_timeout_s", "drain_timeout_s",
-                     "worker_timeout_s", "kv_lease_s"):
+        for name in (
+            "heartbeat_interval_s",
+            "prefill_timeout_s",
+            "drain_timeout_s",
+            "worker_timeout_s",
+            "kv_lease_s",
+        ):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be positive")
         if self.worker_id and not _WORKER_ID.fullmatch(self.worker_id):
-            raise ValueError("worker_id must be 1-64 of A-Z a-z 0-9 _ - (it becomes a NATS subject token)")
+            raise ValueError(
+                "worker_id must be 1-64 of A-Z a-z 0-9 _ - (it becomes a NATS subject token)"
+            )
 
     def resolved_worker_id(self, role: str) -> str:
         return self.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"

@@ -2,7 +2,7 @@
 
 import asyncio
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from shared.control.bus import Handler, NoResponders, RequestTimeout, Respond, Subscription
 from shared.control.wire import decode, encode
@@ -50,7 +50,7 @@ class InMemoryBus:
             await self._call(handler, decode(data), None)
 
     @staticmethod
-    async def _call(handler: Handler, message: Any, respond: Optional[Respond]) -> None:
+    async def _call(handler: Handler, message: Any, respond: Respond | None) -> None:
         try:
             await handler(message, respond)
         except Exception:  # as NatsBus: a failing handler is logged, the sender never sees it

@@ -11,7 +11,7 @@ class LoopbackNetwork:
     """Connects InProcessDataPlanes of one process to one another (unit tests)."""
 
     def __init__(self) -> None:
-        self.planes: dict[bytes, "InProcessDataPlane"] = {}
+        self.planes: dict[bytes, InProcessDataPlane] = {}
 
 
 class InProcessDataPlane:
@@ -36,15 +36,21 @@ class InProcessDataPlane:
     def transport_to(self, peer_address: bytes) -> str:
         return "inprocess" if peer_address in self._network.planes else ""
 
-    async def send(self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float) -> None:
+    async def send(
+        self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float
+    ) -> None:
         await self.send_many(peer_address, [(tag, buffer)], timeout)
 
-    async def send_many(self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float) -> None:
+    async def send_many(
+        self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float
+    ) -> None:
         peer = self._network.planes.get(peer_address)
         try:
             if peer is None:
                 raise KVTransferError("unknown peer")
-            await asyncio.wait_for(asyncio.gather(*(peer._deliver(tag, buf) for tag, buf in pieces)), timeout)
+            await asyncio.wait_for(
+                asyncio.gather(*(peer._deliver(tag, buf) for tag, buf in pieces)), timeout
+            )
         except (KVTransferError, asyncio.TimeoutError) as err:
             self.counters.transfers_failed += 1
             raise KVTransferError(f"KV send (tag {pieces[0][0]:#x}) failed: {err!r}") from None
@@ -53,7 +59,9 @@ class InProcessDataPlane:
     async def _deliver(self, tag: int, buffer: torch.Tensor) -> None:
         while self.hold or tag not in self._posted:
             if not self.hold and tag not in self._posted:
-                waiter = self._unexpected.setdefault(tag, asyncio.get_running_loop().create_future())
+                waiter = self._unexpected.setdefault(
+                    tag, asyncio.get_running_loop().create_future()
+                )
                 await waiter
                 continue
             await asyncio.sleep(0.01)
@@ -61,7 +69,9 @@ class InProcessDataPlane:
         if _nbytes(buffer) > _nbytes(dst):
             done.set_exception(KVTransferError("message truncated"))
             raise KVTransferError("message truncated")
-        dst.reshape(-1).view(torch.uint8)[:_nbytes(buffer)].copy_(buffer.reshape(-1).view(torch.uint8))
+        dst.reshape(-1).view(torch.uint8)[: _nbytes(buffer)].copy_(
+            buffer.reshape(-1).view(torch.uint8)
+        )
         done.set_result(_nbytes(buffer))
 
     async def receive(self, tag: int, buffer: torch.Tensor) -> int:

@@ -17,12 +17,12 @@ from dataclasses import asdict
 import msgpack
 import torch
 
-from shared.engine.kv_cache import KVPool
+from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.plan import TransferPlan
 from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.sender import KVSender
-from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.ucx import UcxDataPlane, discard
+from shared.engine.kv_cache import KVPool
 
 
 class _Peer:
@@ -35,19 +35,32 @@ class _Peer:
     async def op_address(self) -> dict:
         return {"address": self.plane.address}
 
-    async def op_send(self, prompt_len: int, src_table: list[int], destination: dict,
-                      chunk_tokens: int = 0, chunk_delay_s: float = 0.0, timeout_s: float = 30.0) -> dict:
+    async def op_send(
+        self,
+        prompt_len: int,
+        src_table: list[int],
+        destination: dict,
+        chunk_tokens: int = 0,
+        chunk_delay_s: float = 0.0,
+        timeout_s: float = 30.0,
+    ) -> dict:
         """Sends a prompt's KV as a prefill worker would; chunk_delay_s stands in for the compute
         of each chunk_tokens-token chunk (0 = all computed already)."""
         plan = TransferPlan(self.pool.layout, prompt_len, KVDestination(**destination))
         sender = KVSender(self.plane, self.pool, plan, timeout_s)
         started = time.time()
-        computed = prompt_len if not chunk_tokens else min(prompt_len, destination.get("skip_tokens", 0) + chunk_tokens)
+        computed = (
+            prompt_len
+            if not chunk_tokens
+            else min(prompt_len, destination.get("skip_tokens", 0) + chunk_tokens)
+        )
         while not sender.all_staged:
             for seg in sender.ready(computed):
                 staged = sender.stage(seg, src_table)
                 sender.send(staged.direct)
-                await asyncio.sleep(0)   # the direct pieces start moving while the others are gathered
+                await asyncio.sleep(
+                    0
+                )  # the direct pieces start moving while the others are gathered
                 sender.send(sender.gather(staged))
             if not sender.all_staged:
                 await asyncio.sleep(chunk_delay_s)
@@ -57,9 +70,15 @@ class _Peer:
             await sender.finish()
         except Exception as err:
             return {"ok": False, "error": repr(err), "pieces_sent": sender.pieces_sent}
-        return {"ok": True, "started": started, "computed_at": computed_at, "finished": time.time(),
-                "bytes": sender.bytes_sent, "pieces": len(plan.pieces),
-                "transport": self.plane.transport_to(plan.destination.ucx_address)}
+        return {
+            "ok": True,
+            "started": started,
+            "computed_at": computed_at,
+            "finished": time.time(),
+            "bytes": sender.bytes_sent,
+            "pieces": len(plan.pieces),
+            "transport": self.plane.transport_to(plan.destination.ucx_address),
+        }
 
     async def op_receive(self, prompt_len: int, destination: dict) -> dict:
         plan = TransferPlan(self.pool.layout, prompt_len, KVDestination(**destination))
@@ -83,17 +102,29 @@ class _Peer:
                 await asyncio.wait_for(receiver.done.wait(), 0.05)
             except asyncio.TimeoutError:
                 pass
-        return {"complete": receiver.complete, "landed": receiver.landed, "bytes": receiver.landed_bytes,
-                "first_landed": receiver.first_landed, "last_landed": receiver.last_landed, "error": error}
+        return {
+            "complete": receiver.complete,
+            "landed": receiver.landed,
+            "bytes": receiver.landed_bytes,
+            "first_landed": receiver.first_landed,
+            "last_landed": receiver.last_landed,
+            "error": error,
+        }
 
     async def op_abort(self, base_tag: int, pieces_sent: int = -1, timeout_s: float = 10.0) -> dict:
         receiver = self.receivers.pop(base_tag)
         safe = await receiver.abort(timeout_s)
         unfilled = receiver.unfilled(pieces_sent) if pieces_sent >= 0 else []
         await discard(self.plane, unfilled, timeout_s)
-        return {"safe": safe, "released": self.plane.counters.receives_released, "discarded": len(unfilled)}
+        return {
+            "safe": safe,
+            "released": self.plane.counters.receives_released,
+            "discarded": len(unfilled),
+        }
 
-    async def op_send_bare(self, address: bytes, tag: int, nbytes: int, timeout_s: float = 30.0) -> dict:
+    async def op_send_bare(
+        self, address: bytes, tag: int, nbytes: int, timeout_s: float = 30.0
+    ) -> dict:
         buffer = torch.ones(nbytes, dtype=torch.uint8, device=self.pool.device)
         started = time.time()
         await self.plane.send(address, tag, buffer, timeout_s)
@@ -120,20 +151,39 @@ class _Peer:
 
     async def op_counters(self) -> dict:
         c = self.plane.counters
-        return {"bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
-                "transfers_failed": c.transfers_failed, "receives_released": c.receives_released,
-                "transports": self.plane.transports(), "pid": os.getpid()}
+        return {
+            "bytes_sent": c.bytes_sent,
+            "bytes_received": c.bytes_received,
+            "transfers_failed": c.transfers_failed,
+            "receives_released": c.receives_released,
+            "transports": self.plane.transports(),
+            "pid": os.getpid(),
+        }
 
 
-async def _serve(conn, layout: dict, num_blocks: int, seed: int, device: str, net_devices: str,
-                 error_handling: bool, progress_mode: str) -> None:
+async def _serve(
+    conn,
+    layout: dict,
+    num_blocks: int,
+    seed: int,
+    device: str,
+    net_devices: str,
+    error_handling: bool,
+    progress_mode: str,
+) -> None:
     layout = KVLayout(**layout)
     pool = KVPool(layout, num_blocks, layout.block_size, device)
     if seed:
-        pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(seed)).to(pool.kv.dtype))
+        pool.kv.copy_(
+            torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(seed)).to(
+                pool.kv.dtype
+            )
+        )
     else:
         pool.kv.fill_(0)
-    async with UcxDataPlane(net_devices, error_handling=error_handling, progress_mode=progress_mode) as plane:
+    async with UcxDataPlane(
+        net_devices, error_handling=error_handling, progress_mode=progress_mode
+    ) as plane:
         peer = _Peer(plane, pool)
         loop = asyncio.get_running_loop()
         while True:
@@ -157,9 +207,25 @@ def _main(conn, *args) -> None:
 class KVPeer:
     """The controlling side: `with KVPeer(layout, num_blocks) as peer: peer.call("address")`."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, seed: int = 0, device: str = "cpu",
-                 net_devices: str = "lo", error_handling: bool = False, progress_mode: str = "blocking"):
-        self._args = (asdict(layout), num_blocks, seed, device, net_devices, error_handling, progress_mode)
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        seed: int = 0,
+        device: str = "cpu",
+        net_devices: str = "lo",
+        error_handling: bool = False,
+        progress_mode: str = "blocking",
+    ):
+        self._args = (
+            asdict(layout),
+            num_blocks,
+            seed,
+            device,
+            net_devices,
+            error_handling,
+            progress_mode,
+        )
         self.process = None
         self._conn = None
 

@@ -11,7 +11,9 @@ def chat_request(text: str, max_tokens: int = 32, **sampling) -> pb.GenerateRequ
     return request
 
 
-def collect(stub, request, timeout: float = 120) -> tuple[list[pb.GenerateResponse], list[int], str]:
+def collect(
+    stub, request, timeout: float = 120
+) -> tuple[list[pb.GenerateResponse], list[int], str]:
     chunks = list(stub.Generate(request, timeout=timeout))
     ids = [t for c in chunks for t in c.token_ids]
     return chunks, ids, "".join(c.text for c in chunks)
@@ -27,9 +29,14 @@ def hf_greedy(model, tokenizer, request: pb.GenerateRequest) -> list[int]:
         ids = tokenizer(request.prompt)["input_ids"]
     inputs = torch.tensor([ids])
     with torch.inference_mode():
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
-                             max_new_tokens=request.sampling.max_tokens, pad_token_id=tokenizer.eos_token_id)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            do_sample=False,
+            max_new_tokens=request.sampling.max_tokens,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def long_document(approx_tokens: int = 1500) -> str:
@@ -37,7 +44,11 @@ def long_document(approx_tokens: int = 1500) -> str:
     places = ["river", "forest", "meadow", "ridge", "marsh", "valley", "glacier", "harbor"]
     lines, i = [], 0
     while len(" ".join(lines)) < approx_tokens * 2.75:
-        lines.append(f"Observation {i}: a {animals[i % 8]} was seen near the {places[(i * 3) % 8]} "
-                     f"at {6 + i % 12}:{(i * 7) % 60:02d}, moving {['north', 'south', 'east', 'west'][i % 4]}.")
+        lines.append(
+            f"Observation {i}: a {animals[i % 8]} was seen near the {places[(i * 3) % 8]} "
+            f"at {6 + i % 12}:{(i * 7) % 60:02d}, moving {['north', 'south', 'east', 'west'][i % 4]}."
+        )
         i += 1
-    return "Field notes:\n" + "\n".join(lines) + "\n\nWhich animal was seen most often near the river?"
+    return (
+        "Field notes:\n" + "\n".join(lines) + "\n\nWhich animal was seen most often near the river?"
+    )

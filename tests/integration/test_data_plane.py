@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from shared.engine.kv_cache import bytes_per_token
 from shared.control.messages import KVLayout
+from shared.engine.kv_cache import bytes_per_token
 from tests.integration.helpers import chat_request, collect, long_document
 
 pytestmark = pytest.mark.slow
@@ -18,8 +18,13 @@ def test_kv_bytes_never_cross_nats(disagg, nats, hf_model):
     chunks, ids, _ = collect(disagg.stub(), chat_request(long_document(1500), 8), timeout=300)
 
     config = hf_model.config
-    layout = KVLayout("m", "float32", config.num_hidden_layers, config.num_key_value_heads,
-                      config.hidden_size // config.num_attention_heads)
+    layout = KVLayout(
+        "m",
+        "float32",
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.hidden_size // config.num_attention_heads,
+    )
     kv_bytes = chunks[-1].usage.prompt_tokens * bytes_per_token(layout)
     decode_id, prefill_id = chunks[-1].timing.decode_worker, chunks[-1].timing.prefill_worker
     deadline = time.monotonic() + 5
@@ -43,7 +48,7 @@ def test_kv_bytes_never_cross_nats(disagg, nats, hf_model):
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def test_workers_idle_after_a_transfer_use_no_cpu(disagg):
@@ -55,4 +60,4 @@ def test_workers_idle_after_a_transfer_use_no_cpu(disagg):
     before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
     time.sleep(3)
     used = {name: _cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-    assert all(seconds < 0.5 for seconds in used.values()), used   # heartbeats only: a few ms
+    assert all(seconds < 0.5 for seconds in used.values()), used  # heartbeats only: a few ms

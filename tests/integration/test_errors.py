@@ -22,10 +22,17 @@ def _sampling(**kw) -> pb.SamplingParams:
 BAD_REQUESTS = {
     "no prompt and no messages": pb.GenerateRequest(sampling=_sampling(max_tokens=4)),
     "both prompt and messages": pb.GenerateRequest(
-        prompt="hi", messages=[pb.ChatMessage(role="user", content="hi")], sampling=_sampling(max_tokens=4)),
+        prompt="hi",
+        messages=[pb.ChatMessage(role="user", content="hi")],
+        sampling=_sampling(max_tokens=4),
+    ),
     "max_tokens 0": pb.GenerateRequest(prompt="hi", sampling=_sampling(max_tokens=0)),
-    "max_tokens above the limit": pb.GenerateRequest(prompt="hi", sampling=_sampling(max_tokens=100_000)),
-    "longer than the context": pb.GenerateRequest(prompt="word " * 8000, sampling=_sampling(max_tokens=4000)),
+    "max_tokens above the limit": pb.GenerateRequest(
+        prompt="hi", sampling=_sampling(max_tokens=100_000)
+    ),
+    "longer than the context": pb.GenerateRequest(
+        prompt="word " * 8000, sampling=_sampling(max_tokens=4000)
+    ),
     "negative temperature": pb.GenerateRequest(prompt="hi", sampling=_sampling(temperature=-0.5)),
     "top_p 0": pb.GenerateRequest(prompt="hi", sampling=_sampling(top_p=0.0)),
     "top_p above 1": pb.GenerateRequest(prompt="hi", sampling=_sampling(top_p=1.5)),
@@ -55,14 +62,16 @@ def test_deadline_exceeded_frees_the_kv(disagg):
     disagg.wait_idle()
     request = chat_request("Write a very long story.", 2000, ignore_eos=True)
     stream = disagg.stub().Generate(request, timeout=4)
-    assert next(stream).token_ids   # it decodes, and its blocks are held, when the deadline passes
-    _wait_until(lambda: _held(disagg, "decode"), "the decode worker never reported the blocks it holds", 3)
+    assert next(stream).token_ids  # it decodes, and its blocks are held, when the deadline passes
+    _wait_until(
+        lambda: _held(disagg, "decode"), "the decode worker never reported the blocks it holds", 3
+    )
     with pytest.raises(grpc.RpcError) as err:
         list(stream)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     seconds = _seconds_until_free(disagg)
     print(f"deadline passed -> every pool free in ClusterStatus: {seconds:.2f}s")
-    assert seconds < 3   # the bar is a second: see the cancel test for the margin
+    assert seconds < 3  # the bar is a second: see the cancel test for the margin
 
 
 # A client process that streams a request and tells when its third chunk came.
@@ -80,11 +89,17 @@ def test_a_client_killed_mid_stream_frees_the_kv(disagg):
     """The client's process dies (SIGKILL, no cancel sent): its connection drops, and that is a cancel."""
     disagg.wait_idle()
     request = chat_request("Write a very long story.", 2000, ignore_eos=True)
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, disagg.address, request.SerializeToString().hex()],
-                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, disagg.address, request.SerializeToString().hex()],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     try:
         assert client.stdout.readline().strip() == "streaming"
-        _wait_until(lambda: _held(disagg, "decode"), "the decode worker never reported the blocks it holds")
+        _wait_until(
+            lambda: _held(disagg, "decode"), "the decode worker never reported the blocks it holds"
+        )
     finally:
         client.kill()
         client.wait()
@@ -100,7 +115,10 @@ def _held(stack, role: str) -> bool:
 def _seconds_until_free(stack) -> float:
     """From now until ClusterStatus shows every worker's KV pool free (heartbeats every 0.5 s)."""
     started = time.monotonic()
-    while any(w.kv_blocks_used or w.kv_blocks_leaked or w.running or w.queued for w in stack.status().workers):
+    while any(
+        w.kv_blocks_used or w.kv_blocks_leaked or w.running or w.queued
+        for w in stack.status().workers
+    ):
         assert time.monotonic() - started < 10, f"not freed: {stack.status()}"
         time.sleep(0.02)
     return time.monotonic() - started
@@ -116,21 +134,29 @@ def _wait_until(condition, what: str, timeout: float = 30) -> None:
 def test_client_cancel_frees_the_kv_on_every_worker_within_about_a_second(disagg):
     disagg.wait_idle()
     # While it decodes: the decode worker holds the sequence's blocks.
-    stream = disagg.stub().Generate(chat_request("Write a very long story.", 2000, ignore_eos=True), timeout=60)
+    stream = disagg.stub().Generate(
+        chat_request("Write a very long story.", 2000, ignore_eos=True), timeout=60
+    )
     received = [next(stream) for _ in range(3)]
     assert all(c.token_ids for c in received)
-    _wait_until(lambda: _held(disagg, "decode"), "the decode worker never reported the blocks it holds")
+    _wait_until(
+        lambda: _held(disagg, "decode"), "the decode worker never reported the blocks it holds"
+    )
     stream.cancel()
     while_decoding = _seconds_until_free(disagg)
 
     # While the prefill worker computes a long prompt: it holds the prompt's blocks, and the
     # decode worker the blocks reserved for the KV on its way.
     stream = disagg.stub().Generate(chat_request(long_document(2500), 4), timeout=60)
-    _wait_until(lambda: _held(disagg, "prefill") and _held(disagg, "decode"), "the prefill never started")
+    _wait_until(
+        lambda: _held(disagg, "prefill") and _held(disagg, "decode"), "the prefill never started"
+    )
     stream.cancel()
     while_prefilling = _seconds_until_free(disagg)
-    print(f"cancel -> every pool free in ClusterStatus: {while_decoding:.2f}s decoding, "
-          f"{while_prefilling:.2f}s prefilling")
+    print(
+        f"cancel -> every pool free in ClusterStatus: {while_decoding:.2f}s decoding, "
+        f"{while_prefilling:.2f}s prefilling"
+    )
     # The bar is a second; the counters travel in heartbeats every 0.5 s, and a prompt chunk
     # already on the CPU finishes first: 3 s catches a cancel that does not reach every worker.
     assert while_decoding < 3 and while_prefilling < 3

@@ -69,21 +69,32 @@ def _kill_mid_prefill(stack, request, killed: frozenset[str]):
 
 
 def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
-    stack = start_stack(processes, nats, "it-faults", "auto", prefill=2, decode=2,
-                        extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "64"})
+    stack = start_stack(
+        processes,
+        nats,
+        "it-faults",
+        "auto",
+        prefill=2,
+        decode=2,
+        extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "64"},
+    )
     try:
         # 1. A prefill worker dies while it computes a long prompt, then the other one.
         killed_ids: set[str] = set()
         for question, path in (("river", "disaggregated"), ("forest", "local")):
             # distinct from the first token: no prefix cache shortens the prefill we kill
-            long = chat_request(f"About the {question}. {long_document(1200)} And near the {question}?", 8)
+            long = chat_request(
+                f"About the {question}. {long_document(1200)} And near the {question}?", 8
+            )
             responses, killed = _kill_mid_prefill(stack, long, frozenset(killed_ids))
             killed_ids.add(killed.id)
             ids = [t for r in responses for t in r.token_ids]
             assert ids == hf_greedy(hf_model, tokenizer, long)
             timing = responses[-1].timing
             assert (timing.migrations, timing.path) == (1, path), timing
-            assert timing.prefill_worker != killed.id and responses[-1].usage.completion_tokens == len(ids)
+            assert timing.prefill_worker != killed.id and responses[
+                -1
+            ].usage.completion_tokens == len(ids)
 
         # 2. The decode worker streaming a request dies after 10 tokens.
         story = chat_request("Write a long story about a fox who learns to sail.", 80)
@@ -97,8 +108,10 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
 
         # Nothing is left held: the surviving decode worker's KV pool is all free again.
         deadline = time.monotonic() + 30
-        while {w.role for w in stack.status().workers} != {"decode"} and time.monotonic() < deadline:
-            time.sleep(0.2)   # the killed workers leave the registry once their heartbeats stop
+        while {w.role for w in stack.status().workers} != {
+            "decode"
+        } and time.monotonic() < deadline:
+            time.sleep(0.2)  # the killed workers leave the registry once their heartbeats stop
         status = stack.wait_idle()
         assert [w.role for w in status.workers] == ["decode"], status
 
@@ -106,6 +119,8 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
         with pytest.raises(grpc.RpcError) as err:
             _stream_and_kill(stack, story, "decode", after_tokens=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "stopped responding" in err.value.details() and "no live" in err.value.details(), err.value.details()
+        assert "stopped responding" in err.value.details() and "no live" in err.value.details(), (
+            err.value.details()
+        )
     finally:
         stack.stop()

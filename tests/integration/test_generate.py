@@ -12,7 +12,9 @@ pytestmark = pytest.mark.slow
 PROMPTS = [
     chat_request("What is the capital of France?", 24),
     chat_request("Write a short poem about autumn leaves.", 40),
-    pb.GenerateRequest(prompt="The three primary colors are", sampling=pb.SamplingParams(max_tokens=24)),
+    pb.GenerateRequest(
+        prompt="The three primary colors are", sampling=pb.SamplingParams(max_tokens=24)
+    ),
 ]
 
 
@@ -46,16 +48,21 @@ def test_disaggregated_equals_colocated(disagg, colocated):
 
 
 def test_seeded_sampling_is_repeatable(disagg):
-    request = chat_request("Invent a name for a cat.", 24, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    request = chat_request(
+        "Invent a name for a cat.", 24, temperature=1.0, top_p=0.9, top_k=50, seed=1234
+    )
     first = collect(disagg.stub(), request)[1]
     assert collect(disagg.stub(), request)[1] == first
-    other = chat_request("Invent a name for a cat.", 24, temperature=1.0, top_p=0.9, top_k=50, seed=99)
+    other = chat_request(
+        "Invent a name for a cat.", 24, temperature=1.0, top_p=0.9, top_k=50, seed=99
+    )
     assert collect(disagg.stub(), other)[1] != first
 
 
 def test_streams_in_chunks_with_usage_and_timing(disagg):
-    chunks, ids, text = collect(disagg.stub(), chat_request("Count from one to ten in words.", 30,
-                                                            ignore_eos=True))
+    chunks, ids, text = collect(
+        disagg.stub(), chat_request("Count from one to ten in words.", 30, ignore_eos=True)
+    )
     assert len(chunks) == 30 and len(ids) == 30
     last = chunks[-1]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
@@ -70,12 +77,12 @@ def test_streams_in_chunks_with_usage_and_timing(disagg):
 def test_stop_string_ends_the_answer(disagg):
     request = chat_request("Tell me about the moon.", 40, ignore_eos=True)
     _, _, full = collect(disagg.stub(), request)
-    stop = full[len(full) // 2: len(full) // 2 + 4]
+    stop = full[len(full) // 2 : len(full) // 2 + 4]
     assert len(stop) == 4, full
     request.sampling.stop.append(stop)
     chunks, _, text = collect(disagg.stub(), request)
     assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
-    assert text == full[:full.index(stop)]
+    assert text == full[: full.index(stop)]
 
 
 @pytest.mark.parametrize("stack_name", ["disagg", "colocated"])
@@ -91,11 +98,16 @@ def test_greedy_is_the_same_alone_and_in_a_batch_of_16(stack_name, request):
 
 def test_32_concurrent_streams_complete_correctly_and_free_the_pool(disagg):
     before = {w.id: w.kv_blocks_used for w in disagg.wait_idle().workers}
-    prompts = [chat_request(f"Describe the colour number {n} in one sentence.", 32, ignore_eos=True) for n in range(8)]
+    prompts = [
+        chat_request(f"Describe the colour number {n} in one sentence.", 32, ignore_eos=True)
+        for n in range(8)
+    ]
     alone = [collect(disagg.stub(), r)[1] for r in prompts]
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        results = list(pool.map(lambda i: collect(disagg.stub(), prompts[i % 8], timeout=300), range(32)))
-    for i, (chunks, ids, text) in enumerate(results):
+        results = list(
+            pool.map(lambda i: collect(disagg.stub(), prompts[i % 8], timeout=300), range(32))
+        )
+    for i, (chunks, ids, _text) in enumerate(results):
         assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH and len(ids) == 32
         assert ids == alone[i % 8]
     after = {w.id: w.kv_blocks_used for w in disagg.wait_idle().workers}

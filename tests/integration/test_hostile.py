@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.api import tandem_pb2 as pb
-from shared.control.wire import encode
 from shared.control.subjects import Subjects
 from tests.integration.helpers import chat_request, collect, long_document
 from tests.integration.stack import start_stack
@@ -32,9 +31,18 @@ REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 @pytest.fixture(scope="module")
 def hostile(processes, nats):
-    stack = start_stack(processes, nats, "it-hostile", "auto", extra_env={
-        "TANDEM_GATEWAY_ID": GATEWAY_ID, "TANDEM_MAX_TOKENS_LIMIT": "4", "TANDEM_DEFAULT_MAX_TOKENS": "4",
-        "TANDEM_LOCAL_PREFILL_TOKENS": "64"})
+    stack = start_stack(
+        processes,
+        nats,
+        "it-hostile",
+        "auto",
+        extra_env={
+            "TANDEM_GATEWAY_ID": GATEWAY_ID,
+            "TANDEM_MAX_TOKENS_LIMIT": "4",
+            "TANDEM_DEFAULT_MAX_TOKENS": "4",
+            "TANDEM_LOCAL_PREFILL_TOKENS": "64",
+        },
+    )
     reference = collect(stack.stub(), chat_request("Name a colour.", 4))[1]
     yield stack, reference
     stack.stop()
@@ -48,45 +56,74 @@ def _still_serving(stack, reference) -> None:
 
 # --- the gRPC API, by hypothesis -----------------------------------------------------------------
 
-TEXT = st.text(st.characters(codec="utf-8", categories=None), max_size=300)   # control characters too
-FLOATS = st.floats(width=32)                                                     # nan, inf, -0.0, huge
+TEXT = st.text(
+    st.characters(codec="utf-8", categories=None), max_size=300
+)  # control characters too
+FLOATS = st.floats(width=32)  # nan, inf, -0.0, huge
 SAMPLING = st.builds(
     pb.SamplingParams,
     max_tokens=st.one_of(st.none(), st.integers(0, 6), st.integers(0, 2**32 - 1)),
-    temperature=st.one_of(st.just(0.0), FLOATS), top_p=st.one_of(st.none(), FLOATS),
-    top_k=st.integers(0, 2**32 - 1), seed=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
-    stop=st.lists(TEXT, max_size=20), ignore_eos=st.booleans())
-MESSAGES = st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["user", "system", "assistant", "wizard", ""]),
-                              content=TEXT), max_size=4)
+    temperature=st.one_of(st.just(0.0), FLOATS),
+    top_p=st.one_of(st.none(), FLOATS),
+    top_k=st.integers(0, 2**32 - 1),
+    seed=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    stop=st.lists(TEXT, max_size=20),
+    ignore_eos=st.booleans(),
+)
+MESSAGES = st.lists(
+    st.builds(
+        pb.ChatMessage,
+        role=st.sampled_from(["user", "system", "assistant", "wizard", ""]),
+        content=TEXT,
+    ),
+    max_size=4,
+)
 REQUESTS = st.builds(
-    pb.GenerateRequest, request_id=st.one_of(st.just(""), st.text(max_size=300)),
-    prompt=st.one_of(st.just(""), TEXT, st.just("word " * 3000)), messages=st.one_of(st.just([]), MESSAGES),
-    sampling=st.one_of(st.none(), SAMPLING), priority=st.integers(-2**31, 2**31 - 1)).map(pb.GenerateRequest.SerializeToString)
-INVALID_UTF8 = st.binary(min_size=1, max_size=50).map(lambda b: b"\x12" + bytes([len(b) + 2]) + b"\xff\xfe" + b)
+    pb.GenerateRequest,
+    request_id=st.one_of(st.just(""), st.text(max_size=300)),
+    prompt=st.one_of(st.just(""), TEXT, st.just("word " * 3000)),
+    messages=st.one_of(st.just([]), MESSAGES),
+    sampling=st.one_of(st.none(), SAMPLING),
+    priority=st.integers(-(2**31), 2**31 - 1),
+).map(pb.GenerateRequest.SerializeToString)
+INVALID_UTF8 = st.binary(min_size=1, max_size=50).map(
+    lambda b: b"\x12" + bytes([len(b) + 2]) + b"\xff\xfe" + b
+)
 MUTATED = st.tuples(REQUESTS, st.randoms(use_true_random=False)).map(
-    lambda pair: bytes(b ^ (0xFF if pair[1].random() < 0.05 else 0) for b in pair[0])[:pair[1].randint(0, len(pair[0]))])
+    lambda pair: bytes(b ^ (0xFF if pair[1].random() < 0.05 else 0) for b in pair[0])[
+        : pair[1].randint(0, len(pair[0]))
+    ]
+)
 BODIES = st.one_of(REQUESTS, st.binary(max_size=2048), INVALID_UTF8, MUTATED)
 
 
 def test_thousands_of_random_requests_get_a_proper_status_each(hostile):
     stack, reference = hostile
     channel = stack.channel()
-    generate = channel.unary_stream("/tandem.v1.Tandem/Generate", request_serializer=None,
-                                    response_deserializer=pb.GenerateResponse.FromString)
+    generate = channel.unary_stream(
+        "/tandem.v1.Tandem/Generate",
+        request_serializer=None,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
     seen: dict = {}
 
-    @settings(max_examples=2000, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=2000,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(BODIES)
     def one(body: bytes) -> None:
         stream = generate(body, timeout=60)
         try:
-            first = next(stream)            # a valid request: its first response; then we leave
+            first = next(stream)  # a valid request: its first response; then we leave
             assert isinstance(first, pb.GenerateResponse)
             seen["OK"] = seen.get("OK", 0) + 1
             stream.cancel()
         except StopIteration:
-            raise AssertionError("a stream that ended without a response or a status")
+            raise AssertionError("a stream that ended without a response or a status") from None
         except grpc.RpcError as err:
             assert err.code() in REFUSALS, (err.code(), err.details(), body[:100])
             assert err.details(), "a refusal without a message"
@@ -101,34 +138,56 @@ def test_thousands_of_random_requests_get_a_proper_status_each(hostile):
 
 # --- raw bytes on the gRPC port ------------------------------------------------------------------
 
+
 def test_garbage_bytes_on_the_grpc_port(hostile):
     stack, reference = hostile
     host, port = stack.address.rsplit(":", 1)
     rng = random.Random(7)
-    payloads = [b"", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(rng.randrange(256) for _ in range(65536)),
-                b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 9 + os.urandom(4096),           # preface, bad frame
-                b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x7f\xff\xff\x00\x00\x00\x00\x00\x01"]  # a 8 MiB frame header
+    payloads = [
+        b"",
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        bytes(rng.randrange(256) for _ in range(65536)),
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 9 + os.urandom(4096),  # preface, bad frame
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x7f\xff\xff\x00\x00\x00\x00\x00\x01",
+    ]  # a 8 MiB frame header
     for payload in payloads * 4:
         with socket.create_connection((host, int(port)), timeout=5) as conn:
             conn.sendall(payload)
             conn.settimeout(1)
             try:
                 conn.recv(4096)
-            except (socket.timeout, ConnectionError):
+            except (TimeoutError, ConnectionError):
                 pass
     _still_serving(stack, reference)
 
 
 # --- raw bytes and bad messages on the NATS subjects ---------------------------------------------
 
+
 def _bad_payloads(rng: random.Random) -> list[bytes]:
     out_of_range = dict(type="CancelRequest", request_id="r" * 100_000)
-    return [b"", os.urandom(64), os.urandom(200_000), msgpack.packb([1, 2, 3]), msgpack.packb({"type": "Nope"}),
-            msgpack.packb({"type": "TokenChunk", "request_id": "r", "index": -5}), msgpack.packb(out_of_range),
-            msgpack.packb({"type": "WorkerHeartbeat"}), msgpack.packb({"type": 7}),
-            msgpack.packb({"type": "GenerateTask", "request_id": "x", "prompt_token_ids": [-1],
-                           "sampling": {}, "reply_subject": "r", "arrival_time": 1.0}),
-            bytes(rng.randrange(256) for _ in range(1000))]
+    return [
+        b"",
+        os.urandom(64),
+        os.urandom(200_000),
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"type": "Nope"}),
+        msgpack.packb({"type": "TokenChunk", "request_id": "r", "index": -5}),
+        msgpack.packb(out_of_range),
+        msgpack.packb({"type": "WorkerHeartbeat"}),
+        msgpack.packb({"type": 7}),
+        msgpack.packb(
+            {
+                "type": "GenerateTask",
+                "request_id": "x",
+                "prompt_token_ids": [-1],
+                "sampling": {},
+                "reply_subject": "r",
+                "arrival_time": 1.0,
+            }
+        ),
+        bytes(rng.randrange(256) for _ in range(1000)),
+    ]
 
 
 async def _flood(url: str, subjects: list[str]) -> None:
@@ -140,7 +199,7 @@ async def _flood(url: str, subjects: list[str]) -> None:
                 await client.publish(subject, payload)
                 try:
                     await client.request(subject, payload, timeout=0.2)
-                except Exception:   # nobody answers garbage: a timeout or no responders
+                except Exception:  # nobody answers garbage: a timeout or no responders
                     pass
         await client.flush()
     finally:
@@ -153,13 +212,22 @@ def test_garbage_on_every_nats_subject_is_dropped_and_counted(hostile, nats):
     workers = [w.id for w in stack.status().workers]
     subjects = [s.heartbeat, s.discover, s.submit, s.status, s.cancel, s.gateway_tokens(GATEWAY_ID)]
     for w in workers:
-        subjects += [s.decode_tasks(w), s.prefill_tasks(w), s.prefill_results(w), s.transfer_aborts(w), s.ping(w)]
+        subjects += [
+            s.decode_tasks(w),
+            s.prefill_tasks(w),
+            s.prefill_results(w),
+            s.transfer_aborts(w),
+            s.ping(w),
+        ]
     asyncio.run(_flood(nats.url, subjects))
-    deadline = time.monotonic() + 15   # the workers' counters travel in heartbeats
+    deadline = time.monotonic() + 15  # the workers' counters travel in heartbeats
     while True:
         status = stack.status()
-        if all(w.messages_dropped > 0 for w in status.workers) and status.scheduler_messages_dropped > 0 \
-                and status.gateway_messages_dropped > 0:
+        if (
+            all(w.messages_dropped > 0 for w in status.workers)
+            and status.scheduler_messages_dropped > 0
+            and status.gateway_messages_dropped > 0
+        ):
             break
         assert time.monotonic() < deadline, status
         time.sleep(0.2)
@@ -168,6 +236,7 @@ def test_garbage_on_every_nats_subject_is_dropped_and_counted(hostile, nats):
 
 # --- raw bytes on the workers' UCX sockets --------------------------------------------------------
 
+
 def test_garbage_on_the_ucx_sockets(hostile):
     stack, reference = hostile
     ports = []
@@ -175,7 +244,9 @@ def test_garbage_on_the_ucx_sockets(hostile):
         for conn in psutil.Process(w.pid).net_connections(kind="tcp"):
             if conn.status == psutil.CONN_LISTEN:
                 ports.append((w.id, conn.laddr.ip, conn.laddr.port))
-                assert conn.laddr.ip in ("127.0.0.1", "::1"), f"{w.id} listens on {conn.laddr} (loopback only by default)"
+                assert conn.laddr.ip in ("127.0.0.1", "::1"), (
+                    f"{w.id} listens on {conn.laddr} (loopback only by default)"
+                )
     for _, ip, port in ports:
         for payload in (os.urandom(64), os.urandom(100_000), b"\x00" * 4096):
             try:
@@ -184,8 +255,10 @@ def test_garbage_on_the_ucx_sockets(hostile):
             except ConnectionError:
                 pass
     print(f"UCX sockets hit: {ports}")
-    assert {w for w, _, _ in ports} == {w.id for w in stack.status().workers}, ports   # every worker was hit
-    long = chat_request(long_document(300), 4)     # over the local-prefill threshold: KV over UCX
+    assert {w for w, _, _ in ports} == {w.id for w in stack.status().workers}, (
+        ports
+    )  # every worker was hit
+    long = chat_request(long_document(300), 4)  # over the local-prefill threshold: KV over UCX
     chunks, _, _ = collect(stack.stub(), long)
     assert chunks[-1].timing.path == "disaggregated"
     _still_serving(stack, reference)

@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
+from shared.control.bus import NatsBus
 from shared.control.messages import KVDestination, KVLayout, PrefillTask, SamplingParams, TaskAck
 from shared.control.subjects import Subjects
-from shared.control.bus import NatsBus
 from tests.integration.helpers import chat_request, long_document
 from tests.integration.stack import start_stack
 
@@ -33,8 +33,10 @@ def test_random_cancellations_leak_no_block(disagg):
 
     def one(i: int) -> None:
         words = rng.randint(10, 600)
-        request = chat_request(document[:words * 5] + f" #{i}", rng.randint(1, 12))
-        cancel_after = rng.choice([None, rng.uniform(0.0, 0.05), rng.uniform(0.05, 0.6), rng.uniform(0.6, 1.5)])
+        request = chat_request(document[: words * 5] + f" #{i}", rng.randint(1, 12))
+        cancel_after = rng.choice(
+            [None, rng.uniform(0.0, 0.05), rng.uniform(0.05, 0.6), rng.uniform(0.6, 1.5)]
+        )
         stream = disagg.stub().Generate(request, timeout=120)
         if cancel_after is not None:
             threading.Timer(cancel_after, stream.cancel).start()
@@ -42,19 +44,29 @@ def test_random_cancellations_leak_no_block(disagg):
             chunks = list(stream)
             result = "ok" if chunks and chunks[-1].finish_reason else "empty"
         except grpc.RpcError as err:
-            result = err.code().name if err.code() == grpc.StatusCode.CANCELLED else f"{err.code().name}: {err.details()}"
+            result = (
+                err.code().name
+                if err.code() == grpc.StatusCode.CANCELLED
+                else f"{err.code().name}: {err.details()}"
+            )
         with lock:
             outcomes.append(result)
 
     queue = list(range(200))
-    workers = [threading.Thread(target=lambda: [one(queue.pop()) for _ in iter(lambda: bool(queue), False)])
-               for _ in range(12)]
+    workers = [
+        threading.Thread(
+            target=lambda: [one(queue.pop()) for _ in iter(lambda: bool(queue), False)]
+        )
+        for _ in range(12)
+    ]
     for w in workers:
         w.start()
     for w in workers:
         w.join(600)
     assert len(outcomes) == 200
-    assert set(outcomes) <= {"ok", "CANCELLED"}, [o for o in outcomes if o not in ("ok", "CANCELLED")]
+    assert set(outcomes) <= {"ok", "CANCELLED"}, [
+        o for o in outcomes if o not in ("ok", "CANCELLED")
+    ]
     assert outcomes.count("ok") >= 50 and outcomes.count("CANCELLED") >= 30
     assert_no_leaks(disagg)
     assert not disagg.dead()
@@ -62,24 +74,44 @@ def test_random_cancellations_leak_no_block(disagg):
 
 def test_layout_mismatch_is_refused_before_any_transfer(disagg, nats):
     prefill = next(w for w in disagg.status().workers if w.role == "prefill")
-    layout = KVLayout(model="SmolLM2-135M-Instruct", dtype="float32", num_layers=30, num_kv_heads=3, head_dim=64,
-                      block_size=32)
-    task = PrefillTask(request_id="mismatch", prompt_token_ids=list(range(100, 164)), sampling=SamplingParams(),
-                       layout=layout, destination=KVDestination(ucx_address=b"x", base_tag=1 << 40, block_ids=[0, 1]),
-                       decode_worker="nobody", arrival_time=time.time())
+    layout = KVLayout(
+        model="SmolLM2-135M-Instruct",
+        dtype="float32",
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=32,
+    )
+    task = PrefillTask(
+        request_id="mismatch",
+        prompt_token_ids=list(range(100, 164)),
+        sampling=SamplingParams(),
+        layout=layout,
+        destination=KVDestination(ucx_address=b"x", base_tag=1 << 40, block_ids=[0, 1]),
+        decode_worker="nobody",
+        arrival_time=time.time(),
+    )
 
     async def ask() -> TaskAck:
         async with NatsBus(nats.url, "test-layout") as bus:
-            return await bus.request(Subjects(disagg.cluster).prefill_tasks(prefill.id), task, 5.0, TaskAck)
+            return await bus.request(
+                Subjects(disagg.cluster).prefill_tasks(prefill.id), task, 5.0, TaskAck
+            )
 
     ack = asyncio.run(ask())
-    assert not ack.ok and ack.code == "FAILED_PRECONDITION" and "layout mismatch" in ack.message, ack
+    assert not ack.ok and ack.code == "FAILED_PRECONDITION" and "layout mismatch" in ack.message, (
+        ack
+    )
 
 
 def test_aborts_travel_both_ways_and_free_both_pools(processes, nats):
     # A short drain: on SIGTERM the prefill worker gives up on its prompt after 0.5 s instead of finishing it.
-    stack = start_stack(processes, nats, "it-abort", extra_env={"TANDEM_KV_SEGMENT_TOKENS": "256",
-                                                                "TANDEM_DRAIN_TIMEOUT_S": "0.5"})
+    stack = start_stack(
+        processes,
+        nats,
+        "it-abort",
+        extra_env={"TANDEM_KV_SEGMENT_TOKENS": "256", "TANDEM_DRAIN_TIMEOUT_S": "0.5"},
+    )
     pids = {name: proc.pid for name, proc in processes.children}
     prefill = pids["it-abort-prefill-0"]
     try:
@@ -91,11 +123,16 @@ def test_aborts_travel_both_ways_and_free_both_pools(processes, nats):
         os.kill(prefill, signal.SIGSTOP)
         with pytest.raises(grpc.RpcError) as err:
             list(stream)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "stopped responding" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.UNAVAILABLE
+            and "stopped responding" in err.value.details()
+        )
         os.kill(prefill, signal.SIGCONT)
         assert_no_leaks(stack)
         deadline = time.monotonic() + 10
-        while "transfer aborted by its decode worker" not in processes.log_tail("it-abort-prefill-0", 200):
+        while "transfer aborted by its decode worker" not in processes.log_tail(
+            "it-abort-prefill-0", 200
+        ):
             assert time.monotonic() < deadline, processes.log_tail("it-abort-prefill-0")
             time.sleep(0.2)
 
@@ -106,7 +143,9 @@ def test_aborts_travel_both_ways_and_free_both_pools(processes, nats):
         os.kill(prefill, signal.SIGTERM)
         with pytest.raises(grpc.RpcError) as err:
             list(stream)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shut down" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.UNAVAILABLE and "shut down" in err.value.details()
+        )
         deadline = time.monotonic() + 10
         while any(w.kv_blocks_used for w in stack.status().workers if w.role == "decode"):
             assert time.monotonic() < deadline

@@ -8,14 +8,16 @@ import time
 
 import pytest
 
-from tests.fakes.kv_peer import KVPeer
-from shared.dataplane.plan import new_base_tag
 from shared.control.messages import KVLayout
+from shared.dataplane.plan import new_base_tag
+from tests.fakes.kv_peer import KVPeer
 
 pytestmark = pytest.mark.slow
 
 BS = 16
-LAYOUT = KVLayout(model="m", dtype="float32", num_layers=30, num_kv_heads=3, head_dim=64, block_size=BS)
+LAYOUT = KVLayout(
+    model="m", dtype="float32", num_layers=30, num_kv_heads=3, head_dim=64, block_size=BS
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +33,14 @@ def decode():
 
 
 def destination(address: bytes, block_ids: list[int], skip: int = 0, segment: int = 256) -> dict:
-    return dict(ucx_address=address, base_tag=new_base_tag(random.getrandbits(39)), block_ids=block_ids,
-                skip_tokens=skip, segment_tokens=segment, lease_s=5.0)
+    return dict(
+        ucx_address=address,
+        base_tag=new_base_tag(random.getrandbits(39)),
+        block_ids=block_ids,
+        skip_tokens=skip,
+        segment_tokens=segment,
+        lease_s=5.0,
+    )
 
 
 def wait_for_first_piece(decode: KVPeer, dest: dict, timeout_s: float = 10) -> None:
@@ -44,7 +52,9 @@ def wait_for_first_piece(decode: KVPeer, dest: dict, timeout_s: float = 10) -> N
 def tables(prompt_len: int, rng: random.Random) -> tuple[list[int], list[int]]:
     n = -(-prompt_len // BS)
     src = rng.sample(range(160), n)
-    dst = list(range(64, 64 + n // 2)) + rng.sample(range(0, 64), n - n // 2)   # one run, then scattered
+    dst = list(range(64, 64 + n // 2)) + rng.sample(
+        range(0, 64), n - n // 2
+    )  # one run, then scattered
     return src, dst
 
 
@@ -54,11 +64,15 @@ def test_kv_arrives_bit_identical_in_the_decode_pool(prefill, decode):
     src, dst = tables(prompt, rng)
     dest = destination(decode.call("address")["address"], dst)
     posted = decode.call("receive", prompt_len=prompt, destination=dest)
-    sent = prefill.call("send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=128)
+    sent = prefill.call(
+        "send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=128
+    )
     landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=30)
     assert sent["ok"] and landed["complete"], (sent, landed)
     assert sent["bytes"] == landed["bytes"] == posted["bytes"] == prompt * 2 * 30 * 3 * 64 * 4
-    assert decode.call("digest", table=dst, start=0, end=prompt) == prefill.call("digest", table=src, start=0, end=prompt)
+    assert decode.call("digest", table=dst, start=0, end=prompt) == prefill.call(
+        "digest", table=src, start=0, end=prompt
+    )
     # shared memory, not loopback TCP, between two processes of one host
     assert "tcp" not in sent["transport"] and "sysv" in sent["transport"], sent["transport"]
 
@@ -68,27 +82,38 @@ def test_only_the_missing_suffix_is_sent(prefill, decode):
     prompt, skip = 700, 256
     src, dst = tables(prompt, rng)
     zeros = decode.call("digest", table=dst, start=0, end=skip)
-    dest = destination(decode.call("address")["address"], dst[skip // BS:], skip=skip)
+    dest = destination(decode.call("address")["address"], dst[skip // BS :], skip=skip)
     posted = decode.call("receive", prompt_len=prompt, destination=dest)
     sent = prefill.call("send", prompt_len=prompt, src_table=src, destination=dest)
     landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=30)
     assert sent["ok"] and landed["complete"]
     assert landed["bytes"] == posted["bytes"] == (prompt - skip) * 2 * 30 * 3 * 64 * 4
-    assert decode.call("digest", table=dst, start=skip, end=prompt) == prefill.call("digest", table=src, start=skip, end=prompt)
-    assert decode.call("digest", table=dst, start=0, end=skip) == zeros   # the held prefix is untouched
+    assert decode.call("digest", table=dst, start=skip, end=prompt) == prefill.call(
+        "digest", table=src, start=skip, end=prompt
+    )
+    assert (
+        decode.call("digest", table=dst, start=0, end=skip) == zeros
+    )  # the held prefix is untouched
 
 
 def test_a_stalled_sender_is_caught_by_the_lease_and_every_receive_released(decode):
     with KVPeer(LAYOUT, num_blocks=160, seed=3) as slow:
-        slow.call("address")                              # up and connected to UCX
+        slow.call("address")  # up and connected to UCX
         rng = random.Random(2)
         prompt = 2048
         src, dst = tables(prompt, rng)
         dest = destination(decode.call("address")["address"], dst, segment=256)
         posted = decode.call("receive", prompt_len=prompt, destination=dest)
-        slow.start("send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=256, chunk_delay_s=0.5)
+        slow.start(
+            "send",
+            prompt_len=prompt,
+            src_table=src,
+            destination=dest,
+            chunk_tokens=256,
+            chunk_delay_s=0.5,
+        )
         wait_for_first_piece(decode, dest)
-        os.kill(slow.process.pid, signal.SIGSTOP)         # then the sender stops dead
+        os.kill(slow.process.pid, signal.SIGSTOP)  # then the sender stops dead
         try:
             landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=20, lease_s=1.0)
             assert not landed["complete"] and "no KV piece landed" in landed["error"], landed
@@ -108,9 +133,16 @@ def test_a_sender_killed_mid_transfer_leaves_no_receive_open(decode):
         src, dst = tables(prompt, rng)
         dest = destination(decode.call("address")["address"], dst, segment=256)
         posted = decode.call("receive", prompt_len=prompt, destination=dest)
-        doomed.start("send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=256, chunk_delay_s=0.3)
+        doomed.start(
+            "send",
+            prompt_len=prompt,
+            src_table=src,
+            destination=dest,
+            chunk_tokens=256,
+            chunk_delay_s=0.3,
+        )
         wait_for_first_piece(decode, dest)
-        doomed.kill()                                     # between two segments, pieces still to come
+        doomed.kill()  # between two segments, pieces still to come
         landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=20, lease_s=1.0)
         assert not landed["complete"]
         aborted = decode.call("abort", base_tag=dest["base_tag"])
@@ -133,7 +165,9 @@ def test_a_restarted_peer_is_reached_through_a_new_endpoint(prefill):
         assert first.call("wait", base_tag=dest["base_tag"], timeout_s=20)["complete"]
         gone = dest["ucx_address"]
     # the decode worker died and came back: a send to its old address fails within its timeout...
-    failed = prefill.call("send", prompt_len=256, src_table=src, destination=destination(gone, dst), timeout_s=2.0)
+    failed = prefill.call(
+        "send", prompt_len=256, src_table=src, destination=destination(gone, dst), timeout_s=2.0
+    )
     assert not failed["ok"]
     # ...and its new incarnation, at a new address, gets the next transfer
     with KVPeer(LAYOUT, num_blocks=192) as second:
@@ -141,7 +175,9 @@ def test_a_restarted_peer_is_reached_through_a_new_endpoint(prefill):
         second.call("receive", prompt_len=256, destination=dest)
         assert prefill.call("send", prompt_len=256, src_table=src, destination=dest)["ok"]
         assert second.call("wait", base_tag=dest["base_tag"], timeout_s=20)["complete"]
-        assert second.call("digest", table=dst, start=0, end=256) == prefill.call("digest", table=src, start=0, end=256)
+        assert second.call("digest", table=dst, start=0, end=256) == prefill.call(
+            "digest", table=src, start=0, end=256
+        )
 
 
 def test_only_an_announced_transfer_lands(prefill, decode):
@@ -154,9 +190,9 @@ def test_only_an_announced_transfer_lands(prefill, decode):
     address = decode.call("address")["address"]
     before = decode.call("digest", table=dst, start=0, end=prompt)
     with KVPeer(LAYOUT, num_blocks=160, seed=99) as rogue:
-        announced = destination(address, dst)         # receives posted into dst, waiting for their tag
+        announced = destination(address, dst)  # receives posted into dst, waiting for their tag
         decode.call("receive", prompt_len=prompt, destination=announced)
-        forged = destination(address, dst)            # the same blocks, a tag nobody announced
+        forged = destination(address, dst)  # the same blocks, a tag nobody announced
         rogue.call("send", prompt_len=prompt, src_table=src, destination=forged, timeout_s=2)
         waited = decode.call("wait", base_tag=announced["base_tag"], timeout_s=0.5)
         assert waited["landed"] == 0 and not waited["complete"], waited
@@ -164,5 +200,8 @@ def test_only_an_announced_transfer_lands(prefill, decode):
         sent = prefill.call("send", prompt_len=prompt, src_table=src, destination=announced)
         landed = decode.call("wait", base_tag=announced["base_tag"], timeout_s=30)
         assert sent["ok"] and landed["complete"], (sent, landed)
-        assert decode.call("digest", table=dst, start=0, end=prompt) == \
-            prefill.call("digest", table=src, start=0, end=prompt) != rogue.call("digest", table=src, start=0, end=prompt)
+        assert (
+            decode.call("digest", table=dst, start=0, end=prompt)
+            == prefill.call("digest", table=src, start=0, end=prompt)
+            != rogue.call("digest", table=src, start=0, end=prompt)
+        )

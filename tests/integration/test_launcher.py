@@ -37,9 +37,25 @@ def _launch(tmp_path, port: int, *flags: str) -> subprocess.Popen:
     # Its own session, like a shell's foreground job: Ctrl-C is SIGINT to that process group.
     env = {**os.environ, "TANDEM_TORCH_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "shared.cli.main", "up", "--grpc-port", str(port), "--log-dir", str(tmp_path),
-         "--control-socket", str(tmp_path / "control.sock"), *flags],  # not the default socket: a developer's may be held
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "shared.cli.main",
+            "up",
+            "--grpc-port",
+            str(port),
+            "--log-dir",
+            str(tmp_path),
+            "--control-socket",
+            str(tmp_path / "control.sock"),
+            *flags,
+        ],  # not the default socket: a developer's may be held
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _read_until(proc: subprocess.Popen, done, timeout: float) -> list[str]:
@@ -51,7 +67,9 @@ def _read_until(proc: subprocess.Popen, done, timeout: float) -> list[str]:
 
 
 def _child(launcher_pid: int, marker: str) -> int:
-    return next(pid for pid in _children(launcher_pid) if marker in " ".join(psutil.Process(pid).cmdline()))
+    return next(
+        pid for pid in _children(launcher_pid) if marker in " ".join(psutil.Process(pid).cmdline())
+    )
 
 
 def _seconds_until_serving(stack: Stack, timeout: float = 120) -> float:
@@ -68,8 +86,12 @@ def _seconds_until_serving(stack: Stack, timeout: float = 120) -> float:
 
 async def _nats_admits_strangers(port: int) -> bool:
     try:
-        client = await nats.connect(f"nats://127.0.0.1:{port}", allow_reconnect=False, max_reconnect_attempts=0,
-                                    connect_timeout=3)
+        client = await nats.connect(
+            f"nats://127.0.0.1:{port}",
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=3,
+        )
     except Exception:
         return False
     await client.close()
@@ -81,26 +103,38 @@ def test_tandem_up_secure_serves_and_stops_cleanly(tmp_path):
     launcher = _launch(tmp_path, port, "--secure")
     children = []
     try:
-        lines = _read_until(launcher, lambda ls: any(l.startswith("[") and "generated tokens" in l for l in ls), 300)
+        lines = _read_until(
+            launcher,
+            lambda ls: any(line.startswith("[") and "generated tokens" in line for line in ls),
+            300,
+        )
         output = "".join(lines)
         assert "ready" in output and f"control socket {tmp_path / 'control.sock'}" in output
-        answer = lines[lines.index(next(l for l in lines if l.startswith("demo>"))) + 1]
+        answer = lines[lines.index(next(line for line in lines if line.startswith("demo>"))) + 1]
         assert answer.strip(), output
         status = Stack("default", f"127.0.0.1:{port}", None, "disaggregated").status()
         assert sorted(w.role for w in status.workers) == ["decode", "prefill"]
         children = _children(launcher.pid)
-        assert {w.pid for w in status.workers} <= set(children) and len(children) == 5  # + nats, scheduler, gateway
+        assert {w.pid for w in status.workers} <= set(children) and len(
+            children
+        ) == 5  # + nats, scheduler, gateway
         assert "NATS: one user per role" in output
-        nats_argv = next(psutil.Process(pid).cmdline() for pid in children if "nats-server" in " ".join(
-            psutil.Process(pid).cmdline()))
+        nats_argv = next(
+            psutil.Process(pid).cmdline()
+            for pid in children
+            if "nats-server" in " ".join(psutil.Process(pid).cmdline())
+        )
         secrets = Path(nats_argv[nats_argv.index("-c") + 1]).parent
-        assert secrets.stat().st_mode & 0o077 == 0                 # the passwords: readable by their owner only
+        assert secrets.stat().st_mode & 0o077 == 0  # the passwords: readable by their owner only
         assert not asyncio.run(_nats_admits_strangers(int(nats_argv[nats_argv.index("-p") + 1])))
 
         # Whatever crashes is started again as it was (NATS on its port, with its users): serving goes on.
         stack = Stack("default", f"127.0.0.1:{port}", None, "disaggregated")
-        for service, marker in (("scheduler", "services.scheduler"), ("NATS", "nats-server"),
-                                ("gateway", "services.gateway")):
+        for service, marker in (
+            ("scheduler", "services.scheduler"),
+            ("NATS", "nats-server"),
+            ("gateway", "services.gateway"),
+        ):
             victim = _child(launcher.pid, marker)
             children.append(victim)
             os.kill(victim, signal.SIGKILL)
@@ -113,12 +147,12 @@ def test_tandem_up_secure_serves_and_stops_cleanly(tmp_path):
     assert launcher.returncode == 0, rest
     assert "stopped." in rest
     assert not [pid for pid in children if _alive(pid)]
-    assert not secrets.exists()                                     # and they are gone with the stack
+    assert not secrets.exists()  # and they are gone with the stack
 
 
 def test_ctrl_c_while_starting_stops_everything(tmp_path):
     launcher = _launch(tmp_path, free_port())
-    _read_until(launcher, lambda ls: any("starting" in l for l in ls), 120)
+    _read_until(launcher, lambda ls: any("starting" in line for line in ls), 120)
     children = _children(launcher.pid)
     assert children
     os.killpg(launcher.pid, signal.SIGINT)

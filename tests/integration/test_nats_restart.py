@@ -20,8 +20,11 @@ pytestmark = pytest.mark.slow
 
 
 def _spawn_nats(processes, port: int, monitor: int, name: str):
-    proc = processes.spawn(name, [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
-                           child_env({}))
+    proc = processes.spawn(
+        name,
+        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
+        child_env({}),
+    )
     assert wait_for_port("127.0.0.1", port, 15), processes.log_tail(name)
     return proc
 
@@ -34,7 +37,9 @@ def _first_success(stack, request, timeout_s: float = 60) -> tuple[list[int], fl
             return collect(stack.stub(), request, timeout=60)[1], time.monotonic() - started
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-            assert time.monotonic() - started < timeout_s, f"not serving {timeout_s:.0f}s after the restart: {err}"
+            assert time.monotonic() - started < timeout_s, (
+                f"not serving {timeout_s:.0f}s after the restart: {err}"
+            )
             time.sleep(0.2)
 
 
@@ -51,7 +56,7 @@ def test_services_reconnect_after_a_nats_restart(processes):
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(collect, stack.stub(), story, 120)
-            time.sleep(1.0)                     # streaming by now
+            time.sleep(1.0)  # streaming by now
             server.kill()
             server.wait()
             time.sleep(1.0)
@@ -59,12 +64,12 @@ def test_services_reconnect_after_a_nats_restart(processes):
             ids, recovery_s = _first_success(stack, short)
             assert ids == expected_short
             try:
-                assert in_flight.result()[1] == undisturbed      # it completed, and correctly
+                assert in_flight.result()[1] == undisturbed  # it completed, and correctly
             except grpc.RpcError as err:
                 assert err.code() == grpc.StatusCode.UNAVAILABLE, err
         print(f"serving again {recovery_s:.1f}s after NATS came back")
         assert collect(stack.stub(), story)[1] == undisturbed
-        assert not stack.dead(), stack.dead()   # no service crashed or needed a restart
+        assert not stack.dead(), stack.dead()  # no service crashed or needed a restart
         stack.wait_idle()
     finally:
         stack.stop()

@@ -30,12 +30,23 @@ def test_readme_client_example_runs(disagg):
 
 
 def tandem(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli.main", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "shared.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_generate_streams_an_answer(disagg):
-    done = tandem("generate", "What is the capital of France?", "--max-tokens", "16", "--address", disagg.address)
+    done = tandem(
+        "generate",
+        "What is the capital of France?",
+        "--max-tokens",
+        "16",
+        "--address",
+        disagg.address,
+    )
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
     assert re.search(r"\d+ prompt \+ \d+ generated tokens", done.stderr)

@@ -15,8 +15,12 @@ from tests.integration.stack import start_stack
 pytestmark = pytest.mark.slow
 
 
-def test_auto_mode_prefills_short_prompts_locally_and_long_ones_remotely(processes, nats, hf_model, tokenizer):
-    stack = start_stack(processes, nats, "it-auto", "auto", extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "128"})
+def test_auto_mode_prefills_short_prompts_locally_and_long_ones_remotely(
+    processes, nats, hf_model, tokenizer
+):
+    stack = start_stack(
+        processes, nats, "it-auto", "auto", extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "128"}
+    )
     try:
         short, long = chat_request("Say hello.", 12), chat_request(long_document(400), 12)
         paths = {}
@@ -35,22 +39,41 @@ def test_every_worker_serves_and_a_scheduler_replica_can_die(processes, nats):
     # Prefill workers hold one prompt at a time: requests wait in the schedulers' queues for a
     # place, and one that two replicas (each with its own view) send to the same full worker is
     # refused there and placed again: every request is served all the same.
-    stack = start_stack(processes, nats, "it-2x2", "disaggregated", prefill=2, decode=2, schedulers=2,
-                        role_env={"prefill": {"TANDEM_MAX_QUEUE": "1"}, "scheduler": {"TANDEM_QUEUE_TIMEOUT_S": "120"}})
+    stack = start_stack(
+        processes,
+        nats,
+        "it-2x2",
+        "disaggregated",
+        prefill=2,
+        decode=2,
+        schedulers=2,
+        role_env={
+            "prefill": {"TANDEM_MAX_QUEUE": "1"},
+            "scheduler": {"TANDEM_QUEUE_TIMEOUT_S": "120"},
+        },
+    )
     try:
-        requests = [chat_request(f"{long_document(300)} Question {i}: which animal came first?", 8)
-                    for i in range(8)]
+        requests = [
+            chat_request(f"{long_document(300)} Question {i}: which animal came first?", 8)
+            for i in range(8)
+        ]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             outcomes = list(pool.map(lambda r: collect(stack.stub(), r, timeout=300), requests))
         assert all(chunks[-1].finish_reason for chunks, _, _ in outcomes)
-        print("moves after a full prefill worker:", sum(chunks[-1].timing.migrations for chunks, _, _ in outcomes))
+        print(
+            "moves after a full prefill worker:",
+            sum(chunks[-1].timing.migrations for chunks, _, _ in outcomes),
+        )
         served = {w.id: w.requests_served for w in stack.wait_idle().workers}
         assert len(served) == 4 and all(n > 0 for n in served.values()), served
 
         # One scheduler dies while requests are in flight: they finish (placed ones need no
         # scheduler; any the dead one held are submitted again), and the other takes every new one.
         victim = next(p for n, p in processes.children if n == "it-2x2-scheduler-1")
-        stories = [chat_request(f"Tell a story about the number {i}.", 40, ignore_eos=True) for i in range(6)]
+        stories = [
+            chat_request(f"Tell a story about the number {i}.", 40, ignore_eos=True)
+            for i in range(6)
+        ]
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             in_flight = [pool.submit(collect, stack.stub(), r, 300) for r in stories]
             while not any(w.running for w in stack.status().workers if w.role == "decode"):
@@ -58,7 +81,11 @@ def test_every_worker_serves_and_a_scheduler_replica_can_die(processes, nats):
             os.kill(victim.pid, signal.SIGKILL)
             assert all(sum(len(c.token_ids) for c in f.result()[0]) == 40 for f in in_flight)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            again = list(pool.map(lambda i: collect(stack.stub(), chat_request(f"Count to {i}.", 8)), range(8)))
+            again = list(
+                pool.map(
+                    lambda i: collect(stack.stub(), chat_request(f"Count to {i}.", 8)), range(8)
+                )
+            )
         assert all(chunks[-1].finish_reason for chunks, _, _ in again)
         stack.wait_idle()
     finally:
@@ -77,8 +104,17 @@ def _outcome(stub, request):
 
 def test_overload_is_refused_quickly_with_a_retry_hint(processes, nats):
     # One colocated worker with a batch of 2, a scheduler queue of 2 that waits at most 2 s.
-    stack = start_stack(processes, nats, "it-busy", "colocated", extra_env={
-        "TANDEM_MAX_NUM_SEQS": "2", "TANDEM_MAX_PENDING": "2", "TANDEM_QUEUE_TIMEOUT_S": "2"})
+    stack = start_stack(
+        processes,
+        nats,
+        "it-busy",
+        "colocated",
+        extra_env={
+            "TANDEM_MAX_NUM_SEQS": "2",
+            "TANDEM_MAX_PENDING": "2",
+            "TANDEM_QUEUE_TIMEOUT_S": "2",
+        },
+    )
     try:
         stub = stack.stub()
         request = chat_request("Tell me a long story about a lighthouse.", 64, ignore_eos=True)
@@ -88,7 +124,9 @@ def test_overload_is_refused_quickly_with_a_retry_hint(processes, nats):
         refused = [o for o in outcomes if o[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert len(served) >= 2 and len(served) + len(refused) == 12, outcomes
         assert refused and all(hint and int(hint) > 0 for _, hint, _ in refused), outcomes
-        assert max(seconds for _, _, seconds in refused) < 10, outcomes   # refused, not queued without end
+        assert max(seconds for _, _, seconds in refused) < 10, (
+            outcomes
+        )  # refused, not queued without end
         stack.wait_idle()
     finally:
         stack.stop()

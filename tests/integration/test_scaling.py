@@ -39,7 +39,11 @@ class Load:
             request = chat_request(PROMPTS[i % len(PROMPTS)], max_tokens=16)
             try:
                 last = list(stub.Generate(request, timeout=60))[-1]
-                outcome = None if last.finish_reason != pb.FINISH_REASON_UNSPECIFIED else "no finish reason"
+                outcome = (
+                    None
+                    if last.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                    else "no finish reason"
+                )
             except grpc.RpcError as err:
                 outcome = f"{err.code().name}: {err.details()}"
             with self.lock:
@@ -67,8 +71,12 @@ class Load:
 
 
 def _tandem(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli.main", *args], capture_output=True, text=True,
-                          timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "shared.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _decode_workers(stack: Stack) -> list[pb.WorkerStatus]:
@@ -95,33 +103,63 @@ def test_scale_decode_out_and_in_under_load(tmp_path):
     # stays on the worker that already holds the prompts' prefix, and a new one waits for more load.
     env = {**os.environ, "TANDEM_TORCH_THREADS": "1", "TANDEM_DECODE_SLACK": "0"}
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli.main", "up", "--prefill", "1", "--decode", "1", "--no-demo",
-         "--grpc-port", str(port), "--log-dir", str(tmp_path), "--control-socket", str(sock)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "shared.cli.main",
+            "up",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--no-demo",
+            "--grpc-port",
+            str(port),
+            "--log-dir",
+            str(tmp_path),
+            "--control-socket",
+            str(sock),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     stack = Stack("default", f"127.0.0.1:{port}", None, "disaggregated")
     seen: set[int] = set()
     try:
-        _read_until(launcher, lambda ls: any(l.startswith("control socket") for l in ls), 300)
+        _read_until(launcher, lambda ls: any(line.startswith("control socket") for line in ls), 300)
         seen |= set(_children(launcher.pid))
         with Load(stack.address) as load:
             load.wait_for(4)
-            out = _tandem("scale", "decode=2", "--wait", "--control-socket", str(sock), "--timeout", "150")
+            out = _tandem(
+                "scale", "decode=2", "--wait", "--control-socket", str(sock), "--timeout", "150"
+            )
             assert out.returncode == 0, out.stdout + out.stderr
             assert "started decode-1" in out.stdout and "settled" in out.stdout
             seen |= set(_children(launcher.pid))
             assert len(_decode_workers(stack)) == 2
-            _wait_until(lambda: all(w.requests_served > 0 for w in _decode_workers(stack)), 60,
-                        "the new decode worker took no request")
+            _wait_until(
+                lambda: all(w.requests_served > 0 for w in _decode_workers(stack)),
+                60,
+                "the new decode worker took no request",
+            )
 
             # A decode worker crashes: its requests move to the other one, and the launcher starts
             # decode-2 in its place.
             crashed = _decode_workers(stack)[0]
             os.kill(crashed.pid, signal.SIGKILL)
-            _wait_until(lambda: _replaced(stack, launcher.pid, crashed.pid), 150,
-                        "the crashed decode worker was not replaced")
+            _wait_until(
+                lambda: _replaced(stack, launcher.pid, crashed.pid),
+                150,
+                "the crashed decode worker was not replaced",
+            )
             load.wait_for(4)
 
-            out = _tandem("scale", "decode=1", "--wait", "--control-socket", str(sock), "--timeout", "90")
+            out = _tandem(
+                "scale", "decode=1", "--wait", "--control-socket", str(sock), "--timeout", "90"
+            )
             assert out.returncode == 0, out.stdout + out.stderr
             assert "stopping decode-2" in out.stdout
             assert len(_decode_workers(stack)) == 1

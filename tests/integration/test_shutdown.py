@@ -17,7 +17,9 @@ pytestmark = pytest.mark.slow
 def test_sigterm_drains_running_streams(processes, nats):
     stack = start_stack(processes, nats, "it-drain")
     decode = dict(processes.children)["it-drain-decode-0"]
-    stream = stack.stub().Generate(chat_request("Tell me a long story.", 40, ignore_eos=True), timeout=120)
+    stream = stack.stub().Generate(
+        chat_request("Tell me a long story.", 40, ignore_eos=True), timeout=120
+    )
     chunks = [next(stream) for _ in range(3)]
     decode.send_signal(signal.SIGTERM)
     chunks += list(stream)
@@ -39,14 +41,16 @@ def test_gateway_sigterm_refuses_new_requests_and_finishes_the_streams_in_flight
     stack = start_stack(processes, nats, "it-gw-drain", "colocated")
     try:
         gateway = dict(processes.children)["it-gw-drain-gateway"]
-        stream = stack.stub().Generate(chat_request("Tell me a long story.", 60, ignore_eos=True), timeout=120)
+        stream = stack.stub().Generate(
+            chat_request("Tell me a long story.", 60, ignore_eos=True), timeout=120
+        )
         chunks = [next(stream) for _ in range(3)]
         gateway.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        with pytest.raises(grpc.RpcError) as err:        # no new request once it is stopping
+        with pytest.raises(grpc.RpcError) as err:  # no new request once it is stopping
             collect(stack.stub(), chat_request("hi", 4), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        chunks += list(stream)                          # the one in flight finishes
+        chunks += list(stream)  # the one in flight finishes
         assert sum(len(c.token_ids) for c in chunks) == 60
         assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert gateway.wait(timeout=30) == 0
@@ -74,9 +78,13 @@ def test_a_dead_worker_fails_its_requests_fast(processes, nats):
 
     # The only worker dies mid-stream: nowhere to move the request, and the client hears
     # UNAVAILABLE within seconds, not never (tests/integration/test_faults.py: with somewhere to go).
-    colocated = start_stack(processes, nats, "it-crash2", mode="colocated", extra_env={"TANDEM_MAX_MIGRATIONS": "0"})
+    colocated = start_stack(
+        processes, nats, "it-crash2", mode="colocated", extra_env={"TANDEM_MAX_MIGRATIONS": "0"}
+    )
     worker = dict(processes.children)["it-crash2-decode-0"]
-    stream = colocated.stub().Generate(chat_request("Tell me a long story.", 2000, ignore_eos=True), timeout=120)
+    stream = colocated.stub().Generate(
+        chat_request("Tell me a long story.", 2000, ignore_eos=True), timeout=120
+    )
     next(stream)
     worker.kill()
     started = time.monotonic()
@@ -84,6 +92,6 @@ def test_a_dead_worker_fails_its_requests_fast(processes, nats):
         list(stream)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     assert "stopped responding" in err.value.details()
-    assert "moved 0 time(s), the limit" in err.value.details()   # --max-migrations 0: not even tried
+    assert "moved 0 time(s), the limit" in err.value.details()  # --max-migrations 0: not even tried
     assert time.monotonic() - started < 10
     colocated.stop()

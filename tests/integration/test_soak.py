@@ -20,15 +20,30 @@ from tests.integration.stack import start_stack
 pytestmark = pytest.mark.slow
 
 REQUESTS = 500
-CLEAR = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
-         grpc.StatusCode.RESOURCE_EXHAUSTED}
+CLEAR = {
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 def _prompts() -> list:
-    short = [chat_request(f"Give me {n} words about {topic}.", n)
-             for n, topic in ((3, "rain"), (8, "trains"), (12, "salt"), (16, "maps"), (20, "bees"), (24, "glass"))]
-    long = [chat_request(f"{long_document(tokens)} Which direction was most common?", n)
-            for tokens, n in ((300, 6), (450, 10), (600, 4))]
+    short = [
+        chat_request(f"Give me {n} words about {topic}.", n)
+        for n, topic in (
+            (3, "rain"),
+            (8, "trains"),
+            (12, "salt"),
+            (16, "maps"),
+            (20, "bees"),
+            (24, "glass"),
+        )
+    ]
+    long = [
+        chat_request(f"{long_document(tokens)} Which direction was most common?", n)
+        for tokens, n in ((300, 6), (450, 10), (600, 4))
+    ]
     return short + long
 
 
@@ -59,8 +74,14 @@ def test_soak_500_requests_with_cancels_deadlines_and_a_killed_worker(processes,
         prompts = _prompts()
         reference = [collect(stack.stub(), p, timeout=300)[1] for p in prompts]
         rng = random.Random(500)
-        plan = [(rng.randrange(len(prompts)), rng.choices(["complete", "cancel", "deadline"], [75, 15, 10])[0],
-                 rng.randrange(1 << 30)) for _ in range(REQUESTS)]
+        plan = [
+            (
+                rng.randrange(len(prompts)),
+                rng.choices(["complete", "cancel", "deadline"], [75, 15, 10])[0],
+                rng.randrange(1 << 30),
+            )
+            for _ in range(REQUESTS)
+        ]
         started, killed = Counter(), []
         lock = threading.Lock()
 
@@ -69,8 +90,11 @@ def test_soak_500_requests_with_cancels_deadlines_and_a_killed_worker(processes,
             with lock:
                 started["n"] += 1
                 kill_now = started["n"] == REQUESTS // 2
-            if kill_now:   # midway: the decode worker holding the most requests dies
-                busy = max((w for w in stack.status().workers if w.role == "decode"), key=lambda w: w.running)
+            if kill_now:  # midway: the decode worker holding the most requests dies
+                busy = max(
+                    (w for w in stack.status().workers if w.role == "decode"),
+                    key=lambda w: w.running,
+                )
                 os.kill(busy.pid, signal.SIGKILL)
                 killed.append(busy.id)
             return index, action, _run(stack.stub(), prompts[index], action, random.Random(seed))
@@ -84,15 +108,17 @@ def test_soak_500_requests_with_cancels_deadlines_and_a_killed_worker(processes,
         for index, action, (outcome, ids) in outcomes:
             if outcome == "ok":
                 assert ids == reference[index], (index, action)
-            else:   # ended early: what it got is the start of the right answer
-                assert ids == reference[index][:len(ids)], (index, action, outcome)
-        completed = sum(1 for _, action, (outcome, _) in outcomes if action == "complete" and outcome == "ok")
+            else:  # ended early: what it got is the start of the right answer
+                assert ids == reference[index][: len(ids)], (index, action, outcome)
+        completed = sum(
+            1 for _, action, (outcome, _) in outcomes if action == "complete" and outcome == "ok"
+        )
         assert completed >= 0.9 * sum(1 for _, action, _ in plan if action == "complete"), statuses
 
         deadline = time.monotonic() + 30
         while any(w.id in killed for w in stack.status().workers):
             assert time.monotonic() < deadline, "the killed worker was never dropped"
             time.sleep(0.2)
-        stack.wait_idle()   # every KV block of every surviving worker is free, none leaked
+        stack.wait_idle()  # every KV block of every surviving worker is free, none leaked
     finally:
         stack.stop()

@@ -45,10 +45,10 @@ class WordTokenizer:
 
 @dataclass
 class Behaviour:
-    first_token_s: float = 0.2       # wait before the first token
-    gap_s: float = 0.01              # wait before each later chunk
-    chunk_tokens: int = 2            # tokens in each later chunk
-    fail_every: int = 0              # every n-th request (by request id number) is refused
+    first_token_s: float = 0.2  # wait before the first token
+    gap_s: float = 0.01  # wait before each later chunk
+    chunk_tokens: int = 2  # tokens in each later chunk
+    fail_every: int = 0  # every n-th request (by request id number) is refused
     in_flight: int = 0
     max_in_flight: int = 0
     received: list = field(default_factory=list)
@@ -80,14 +80,22 @@ class FakeTandem(pb_grpc.TandemServicer):
             if sent:
                 await asyncio.sleep(self.b.gap_s)
             sent += n
-            yield pb.GenerateResponse(request_id=request.request_id, token_ids=list(range(n)), text="x" * n)
+            yield pb.GenerateResponse(
+                request_id=request.request_id, token_ids=list(range(n)), text="x" * n
+            )
         yield pb.GenerateResponse(
-            request_id=request.request_id, finish_reason=pb.FINISH_REASON_LENGTH,
+            request_id=request.request_id,
+            finish_reason=pb.FINISH_REASON_LENGTH,
             usage=pb.Usage(prompt_tokens=len(request.prompt.split()), completion_tokens=total),
-            timing=pb.Timing(queue_ms=1.0, prefill_ms=2.0, ttft_ms=200.0, path="disaggregated", cached_tokens=3))
+            timing=pb.Timing(
+                queue_ms=1.0, prefill_ms=2.0, ttft_ms=200.0, path="disaggregated", cached_tokens=3
+            ),
+        )
 
     async def ClusterStatus(self, request, context):
-        return pb.ClusterStatusResponse(mode="fake", workers=[pb.WorkerStatus(id="w0", role="decode")])
+        return pb.ClusterStatusResponse(
+            mode="fake", workers=[pb.WorkerStatus(id="w0", role="decode")]
+        )
 
 
 class FakeGateway:

@@ -8,9 +8,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 def tiny_config() -> LlamaConfig:
     # initializer_range 0.1 (instead of 0.02) keeps greedy continuations from collapsing into a
     # two-token loop, so comparisons of generated ids actually exercise every step.
-    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       initializer_range=0.1)
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,14 @@ import pytest
 
 from shared.benchmark import plots, report
 from shared.benchmark.client import GatewayUnreachable, RequestRecord
-from shared.benchmark.lengths import Fixed, LengthSpecError, Uniform, draw_pair, parse_lengths, parse_output_lengths
+from shared.benchmark.lengths import (
+    Fixed,
+    LengthSpecError,
+    Uniform,
+    draw_pair,
+    parse_lengths,
+    parse_output_lengths,
+)
 from shared.benchmark.metrics import Stats, itl_ms, request_metrics, summarize
 from shared.benchmark.prompts import PromptBuilder, token_count
 from shared.benchmark.runner import run_workload
@@ -30,7 +37,9 @@ def test_fixed_and_uniform_lengths():
     assert {uniform.draw(rng) for _ in range(500)} == {3, 4, 5, 6}
 
 
-@pytest.mark.parametrize("spec", ["fixed:0", "fixed:x", "uniform:6-3", "uniform:5", "uniform:0-4", "normal:5", ""])
+@pytest.mark.parametrize(
+    "spec", ["fixed:0", "fixed:x", "uniform:6-3", "uniform:5", "uniform:0-4", "normal:5", ""]
+)
 def test_bad_length_specs_are_refused(spec):
     with pytest.raises(LengthSpecError):
         parse_lengths(spec)
@@ -42,7 +51,11 @@ def test_file_of_single_lengths(tmp_path):
     lengths = parse_lengths(f"file:{path}")
     rng = random.Random(1)
     assert {lengths.draw(rng) for _ in range(300)} == {10, 20, 30}
-    assert parse_output_lengths(f"file:{path}", lengths).draw(rng) in {10, 20, 30}  # one column serves both
+    assert parse_output_lengths(f"file:{path}", lengths).draw(rng) in {
+        10,
+        20,
+        30,
+    }  # one column serves both
 
 
 def test_pair_file_keeps_each_pair_together(tmp_path):
@@ -50,15 +63,25 @@ def test_pair_file_keeps_each_pair_together(tmp_path):
     path.write_text("100 1\n200 2\n300 3\n")
     prompt = parse_lengths(f"file:{path}", column=0)
     rng = random.Random(2)
-    for output in (parse_output_lengths(None, prompt), parse_output_lengths(f"file:{path}", prompt)):
+    for output in (
+        parse_output_lengths(None, prompt),
+        parse_output_lengths(f"file:{path}", prompt),
+    ):
         pairs = {draw_pair(prompt, output, rng) for _ in range(300)}
         assert pairs == {(100, 1), (200, 2), (300, 3)}
     assert parse_output_lengths(None, parse_lengths("fixed:5")) == Fixed(128)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "no lengths"), ("10\nten\n", ":2: 'ten' is not an integer"), ("1 2 3\n", ":1: expected one length"),
-    ("10\n20 2\n", "mixes"), ("10\n0\n", ":2: lengths must be at least 1")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "no lengths"),
+        ("10\nten\n", ":2: 'ten' is not an integer"),
+        ("1 2 3\n", ":1: expected one length"),
+        ("10\n20 2\n", "mixes"),
+        ("10\n0\n", ":2: lengths must be at least 1"),
+    ],
+)
 def test_bad_files_name_the_problem(tmp_path, text, message):
     path = tmp_path / "lengths.txt"
     path.write_text(text)
@@ -100,8 +123,14 @@ def test_prompts_have_exact_lengths_even_when_words_merge():
 
 def test_shared_prefixes_start_the_prompts():
     tok = WordTokenizer()
-    workload = Workload(parse_lengths("uniform:40-60"), parse_lengths("fixed:4"), shared_prefix_tokens=32,
-                        num_prefixes=3, tag="a b", seed=5)
+    workload = Workload(
+        parse_lengths("uniform:40-60"),
+        parse_lengths("fixed:4"),
+        shared_prefix_tokens=32,
+        num_prefixes=3,
+        tag="a b",
+        seed=5,
+    )
     specs = list(request_specs(workload, tok, 30))
     prefixes = {}
     for spec in specs:
@@ -110,7 +139,9 @@ def test_shared_prefixes_start_the_prompts():
         prefixes.setdefault(spec.prefix, set()).add(tuple(ids[:32]))
     assert sorted(prefixes) == [0, 1, 2] and all(len(v) == 1 for v in prefixes.values())
     assert len({s.prompt for s in specs}) == 30 and specs[4].request_id == "bench-a-b-4"
-    assert [s.prompt for s in request_specs(workload, tok, 30)] == [s.prompt for s in specs]  # seeded
+    assert [s.prompt for s in request_specs(workload, tok, 30)] == [
+        s.prompt for s in specs
+    ]  # seeded
 
 
 def test_a_prefix_longer_than_the_prompts_is_refused():
@@ -125,7 +156,11 @@ def test_prompts_match_the_gateway_token_count(tokenizer):
 
     workload = Workload(parse_lengths("uniform:1-600"), parse_lengths("fixed:1"), seed=11)
     specs = list(request_specs(workload, tokenizer, 20))
-    specs += list(request_specs(Workload(parse_lengths("fixed:96"), parse_lengths("fixed:1"), 64, 2), tokenizer, 4))
+    specs += list(
+        request_specs(
+            Workload(parse_lengths("fixed:96"), parse_lengths("fixed:1"), 64, 2), tokenizer, 4
+        )
+    )
     for spec in specs:
         ids = prompt_ids_of(pb.GenerateRequest(prompt=spec.prompt), tokenizer)
         assert len(ids) == spec.prompt_len, spec
@@ -134,8 +169,12 @@ def test_prompts_match_the_gateway_token_count(tokenizer):
 # ---- metrics ----
 
 
-def record(index, sent, chunks, ended, status="OK", prompt_tokens=10, prompt_len=10) -> RequestRecord:
-    r = RequestRecord(index, f"r{index}", "", prompt_len, 4, 0, None, sent_at=sent, ended_at=ended, status=status)
+def record(
+    index, sent, chunks, ended, status="OK", prompt_tokens=10, prompt_len=10
+) -> RequestRecord:
+    r = RequestRecord(
+        index, f"r{index}", "", prompt_len, 4, 0, None, sent_at=sent, ended_at=ended, status=status
+    )
     r.chunk_times = [t for t, _ in chunks]
     r.chunk_tokens = [n for _, n in chunks]
     r.prompt_tokens = prompt_tokens if status == "OK" else 0
@@ -148,8 +187,12 @@ def test_request_metrics_split_a_chunk_gap_over_its_tokens():
     assert m.ttft_ms == pytest.approx(100) and m.e2e_ms == pytest.approx(400)
     assert m.output_tokens == 4 and m.tpot_ms == pytest.approx(100)  # (400 - 100) / 3
     assert m.itl_ms == pytest.approx([50, 100, 100])
-    assert m.max_itl_ms == pytest.approx(200)  # the SLO judges the whole 200 ms wait for the last chunk
-    assert itl_ms([0.0, 0.5], [3, 5]) == pytest.approx([100] * 5)  # the first chunk's extra tokens: none
+    assert m.max_itl_ms == pytest.approx(
+        200
+    )  # the SLO judges the whole 200 ms wait for the last chunk
+    assert itl_ms([0.0, 0.5], [3, 5]) == pytest.approx(
+        [100] * 5
+    )  # the first chunk's extra tokens: none
 
 
 def test_stats_percentiles():
@@ -158,9 +201,13 @@ def test_stats_percentiles():
 
 
 def three_records():
-    return [record(0, 100.0, [(100.1, 1), (100.15, 1), (100.35, 2)], 100.4),     # ttft 100, max itl 100
-            record(1, 100.5, [(100.7, 1)], 100.8, prompt_tokens=20, prompt_len=21),  # ttft 200, one token
-            record(2, 101.0, [], 101.1, status="RESOURCE_EXHAUSTED")]
+    return [
+        record(0, 100.0, [(100.1, 1), (100.15, 1), (100.35, 2)], 100.4),  # ttft 100, max itl 100
+        record(
+            1, 100.5, [(100.7, 1)], 100.8, prompt_tokens=20, prompt_len=21
+        ),  # ttft 200, one token
+        record(2, 101.0, [], 101.1, status="RESOURCE_EXHAUSTED"),
+    ]
 
 
 def test_summary_counts_throughputs_and_latencies():
@@ -174,9 +221,19 @@ def test_summary_counts_throughputs_and_latencies():
     assert summarize(three_records()).duration_s == pytest.approx(1.1)  # first send -> last end
 
 
-@pytest.mark.parametrize("slo, met", [("ttft_ms=150", 1), ("ttft_ms=250", 2), ("itl_ms=80", 1),
-                                      ("itl_ms=199", 1), ("itl_ms=200", 2), ("tpot_ms=99", 1), ("e2e_ms=300,ttft_ms=500", 1),
-                                      ("e2e_ms=1,ttft_ms=1", 0)])
+@pytest.mark.parametrize(
+    "slo, met",
+    [
+        ("ttft_ms=150", 1),
+        ("ttft_ms=250", 2),
+        ("itl_ms=80", 1),
+        ("itl_ms=199", 1),
+        ("itl_ms=200", 2),
+        ("tpot_ms=99", 1),
+        ("e2e_ms=300,ttft_ms=500", 1),
+        ("e2e_ms=1,ttft_ms=1", 0),
+    ],
+)
 def test_goodput_counts_completed_requests_meeting_every_objective(slo, met):
     s = summarize(three_records(), SLO.parse(slo), duration_s=2.0)
     assert s.slo_met == met and s.goodput == met / 2.0
@@ -197,10 +254,18 @@ def test_json_round_trip_and_table(tmp_path):
     path = report.write_json(tmp_path / "run.json", "run", {"rate": None}, records, summary)
     data = json.loads(path.read_text())
     assert data["summary"]["goodput"] == 0.5 and len(data["requests"]) == 3
-    assert data["requests"][0]["ttft_ms"] == pytest.approx(100) and data["requests"][1]["sent_at"] == 0.5
+    assert (
+        data["requests"][0]["ttft_ms"] == pytest.approx(100)
+        and data["requests"][1]["sent_at"] == 0.5
+    )
     assert summarize(report.load_records(path), SLO.parse("ttft_ms=150"), 2.0) == summary
     text = report.table(summary, "run")
-    for line in ("Completed requests:", "RESOURCE_EXHAUSTED 1", "Goodput (req/s), ttft_ms<=150", "TTFT"):
+    for line in (
+        "Completed requests:",
+        "RESOURCE_EXHAUSTED 1",
+        "Goodput (req/s), ttft_ms<=150",
+        "TTFT",
+    ):
         assert line in text
 
 
@@ -231,10 +296,16 @@ async def test_runner_records_completions_failures_and_ttft():
     assert (s.completed, s.failed, s.failures) == (6, 2, {"RESOURCE_EXHAUSTED": 2})
     assert {r.retry_after_ms for r in records if not r.ok} == {250}
     assert all(r.chunk_tokens == [1, 2, 2] and r.completion_tokens == 5 for r in records if r.ok)
-    assert all(request_metrics(r).ttft_ms >= 200 for r in records if r.ok) and s.ttft_ms.median < 700
+    assert (
+        all(request_metrics(r).ttft_ms >= 200 for r in records if r.ok) and s.ttft_ms.median < 700
+    )
     assert s.server["paths"] == {"disaggregated": 6} and s.server["cached_tokens"] == 18
     sent = gateway.behaviour.received[0]
-    assert sent.sampling.ignore_eos and sent.sampling.temperature == 0 and sent.sampling.max_tokens == 5
+    assert (
+        sent.sampling.ignore_eos
+        and sent.sampling.temperature == 0
+        and sent.sampling.max_tokens == 5
+    )
 
 
 async def test_concurrency_caps_the_requests_in_flight():
@@ -245,7 +316,9 @@ async def test_concurrency_caps_the_requests_in_flight():
 
 async def test_arrivals_pace_the_sends_and_duration_stops_new_ones():
     with FakeGateway(Behaviour(first_token_s=0.01)) as gateway:
-        records = await run_workload(gateway.address, specs(4), arrivals=[0.0, 0.2, 0.4, 5.0], duration_s=1.0)
+        records = await run_workload(
+            gateway.address, specs(4), arrivals=[0.0, 0.2, 0.4, 5.0], duration_s=1.0
+        )
     assert len(records) == 3
     offsets = [r.sent_at - records[0].sent_at for r in records]
     assert offsets[1] == pytest.approx(0.2, abs=0.1) and offsets[2] == pytest.approx(0.4, abs=0.1)
@@ -263,15 +336,42 @@ def test_cli_bench_writes_results(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("shared.cli.bench.model_store.prepare", lambda model, cache: tmp_path)
     monkeypatch.setattr("shared.cli.bench.model_store.load_tokenizer", lambda path: WordTokenizer())
     with FakeGateway(Behaviour(first_token_s=0.05, fail_every=5)) as gateway:
-        rc = cli.main(["bench", "--address", gateway.address, "--num-requests", "10", "--concurrency", "3",
-                       "--prompt-len", "uniform:8-16", "--output-len", "fixed:4", "--warmup", "2",
-                       "--slo", "ttft_ms=10000", "--out-dir", str(tmp_path), "--label", "t1", "--no-plots"])
+        rc = cli.main(
+            [
+                "bench",
+                "--address",
+                gateway.address,
+                "--num-requests",
+                "10",
+                "--concurrency",
+                "3",
+                "--prompt-len",
+                "uniform:8-16",
+                "--output-len",
+                "fixed:4",
+                "--warmup",
+                "2",
+                "--slo",
+                "ttft_ms=10000",
+                "--out-dir",
+                str(tmp_path),
+                "--label",
+                "t1",
+                "--no-plots",
+            ]
+        )
     out = capsys.readouterr().out
     assert rc == 0 and "Serving benchmark: t1" in out and "RESOURCE_EXHAUSTED 2" in out
     data = json.loads((tmp_path / "t1.json").read_text())
-    assert len(data["requests"]) == 10 and data["summary"]["completed"] == 8 and data["summary"]["slo_met"] == 8
+    assert (
+        len(data["requests"]) == 10
+        and data["summary"]["completed"] == 8
+        and data["summary"]["slo_met"] == 8
+    )
     assert data["config"]["cluster"]["mode"] == "fake" and data["config"]["rate"] is None
-    assert [r["index"] for r in data["requests"]] == list(range(2, 12))  # the two warm-up requests left out
+    assert [r["index"] for r in data["requests"]] == list(
+        range(2, 12)
+    )  # the two warm-up requests left out
 
 
 def test_cli_bench_unreachable_gateway_exits_non_zero(capsys):

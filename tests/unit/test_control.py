@@ -22,8 +22,11 @@ class FakeScaler:
     def scale(self, targets) -> dict:
         self.requests.append(targets)
         counts = validate_targets(targets, "disaggregated")
-        started = [{"name": f"{pool}-{i}", "pid": 1000 + i} for pool, n in counts.items()
-                   for i in range(self.counts[pool], n)]
+        started = [
+            {"name": f"{pool}-{i}", "pid": 1000 + i}
+            for pool, n in counts.items()
+            for i in range(self.counts[pool], n)
+        ]
         self.counts.update(counts)
         return {"started": started, "stopping": [], "counts": dict(self.counts)}
 
@@ -69,42 +72,53 @@ def serving(tmp_path):
 def test_parse_targets_reads_role_equals_count():
     assert parse_targets(["prefill=2", "decode=3"]) == {"prefill": 2, "decode": 3}
     assert parse_targets(["colocated=4"]) == {"colocated": 4}
-    assert parse_targets(["decode=-1"]) == {"decode": -1}  # syntax is fine; the launcher refuses the count
+    assert parse_targets(["decode=-1"]) == {
+        "decode": -1
+    }  # syntax is fine; the launcher refuses the count
 
 
-@pytest.mark.parametrize("tokens, message", [
-    ([], "nothing to scale"),
-    (["decode"], "ROLE=COUNT"),
-    (["decode=two"], "ROLE=COUNT"),
-    (["decode=2.5"], "ROLE=COUNT"),
-    (["=2"], "ROLE=COUNT"),
-    (["decode=1", "decode=2"], "twice"),
-])
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        ([], "nothing to scale"),
+        (["decode"], "ROLE=COUNT"),
+        (["decode=two"], "ROLE=COUNT"),
+        (["decode=2.5"], "ROLE=COUNT"),
+        (["=2"], "ROLE=COUNT"),
+        (["decode=1", "decode=2"], "twice"),
+    ],
+)
 def test_parse_targets_rejects_bad_syntax(tokens, message):
     with pytest.raises(ValueError, match=message):
         parse_targets(tokens)
 
 
 def test_validate_targets_maps_roles_to_pools():
-    assert validate_targets({"prefill": 2, "decode": 3}, "disaggregated") == {"prefill": 2, "decode": 3}
+    assert validate_targets({"prefill": 2, "decode": 3}, "disaggregated") == {
+        "prefill": 2,
+        "decode": 3,
+    }
     assert validate_targets({"colocated": 2}, "colocated") == {"decode": 2}
     assert validate_targets({"decode": 2}, "colocated") == {"decode": 2}
 
 
-@pytest.mark.parametrize("targets, mode, message", [
-    ({}, "disaggregated", "nothing to scale"),
-    (None, "disaggregated", "nothing to scale"),
-    ({"gpu": 2}, "disaggregated", "unknown role 'gpu'"),
-    ({"decode": 0}, "disaggregated", "at least 1 decode worker must remain"),
-    ({"prefill": -1}, "disaggregated", "at least 1 prefill worker must remain"),
-    ({"decode": "2"}, "disaggregated", "whole number"),
-    ({"decode": True}, "disaggregated", "whole number"),
-    ({"decode": 2.0}, "disaggregated", "whole number"),
-    ({"decode": 10_000}, "disaggregated", "at most"),
-    ({"prefill": 2}, "colocated", "colocated stack has no prefill"),
-    ({"colocated": 2}, "disaggregated", "disaggregated stack has no colocated"),
-    ({"decode": 2, "colocated": 3}, "colocated", "twice"),
-])
+@pytest.mark.parametrize(
+    "targets, mode, message",
+    [
+        ({}, "disaggregated", "nothing to scale"),
+        (None, "disaggregated", "nothing to scale"),
+        ({"gpu": 2}, "disaggregated", "unknown role 'gpu'"),
+        ({"decode": 0}, "disaggregated", "at least 1 decode worker must remain"),
+        ({"prefill": -1}, "disaggregated", "at least 1 prefill worker must remain"),
+        ({"decode": "2"}, "disaggregated", "whole number"),
+        ({"decode": True}, "disaggregated", "whole number"),
+        ({"decode": 2.0}, "disaggregated", "whole number"),
+        ({"decode": 10_000}, "disaggregated", "at most"),
+        ({"prefill": 2}, "colocated", "colocated stack has no prefill"),
+        ({"colocated": 2}, "disaggregated", "disaggregated stack has no colocated"),
+        ({"decode": 2, "colocated": 3}, "colocated", "twice"),
+    ],
+)
 def test_validate_targets_refuses_with_a_clear_message(targets, mode, message):
     with pytest.raises(ScaleError, match=message):
         validate_targets(targets, mode)
@@ -120,8 +134,11 @@ def test_scale_round_trip(serving):
     assert reply["ok"] is True
     assert [w["name"] for w in reply["started"]] == ["decode-1", "decode-2"]
     assert reply["counts"] == {"prefill": 1, "decode": 3}
-    assert control.call(path, {"op": "status"}) == {"ok": True, "counts": {"prefill": 1, "decode": 3},
-                                                    "retiring": []}
+    assert control.call(path, {"op": "status"}) == {
+        "ok": True,
+        "counts": {"prefill": 1, "decode": 3},
+        "retiring": [],
+    }
     assert scaler.requests == [{"decode": 3}]
 
 
@@ -148,7 +165,11 @@ def test_malformed_lines_get_an_error_reply(serving):
 def test_an_internal_failure_does_not_leak_details(serving, capsys):
     path = serving(Broken())
     reply = control.call(path, {"op": "scale", "targets": {"decode": 2}})
-    assert reply["ok"] is False and "secret" not in reply["error"] and "see its output" in reply["error"]
+    assert (
+        reply["ok"] is False
+        and "secret" not in reply["error"]
+        and "see its output" in reply["error"]
+    )
     assert "secret" in capsys.readouterr().err  # the traceback stays with the launcher
 
 

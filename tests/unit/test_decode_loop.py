@@ -24,7 +24,7 @@ async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
         loop.add(make_seq(list(range(3, 20)), 6, request_id="a"), local_prefill=True)
         started = time.monotonic()
         await asyncio.wait_for(loop.drain(timeout_s=30), timeout=20)
-        assert time.monotonic() - started < 10          # not the 30 s drain deadline
+        assert time.monotonic() - started < 10  # not the 30 s drain deadline
         assert finished == ["a"] and len(published) == 6 and not loop.seqs
         assert engine.blocks.used == 0
     finally:

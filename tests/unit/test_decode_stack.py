@@ -16,7 +16,7 @@ def test_an_all_decode_step_gives_the_python_loops_bits(tiny_model):
         table = list(range(100 - 8 * i, 108 - 8 * i))[::-1]
         runner.forward([Segment(table, tokens, 0, n)])
         segments.append(Segment(table, tokens, n, n + 1))
-    for batch in (segments[:1], segments[:3], segments):      # padded and unpadded row counts
+    for batch in (segments[:1], segments[:3], segments):  # padded and unpadded row counts
         stacked = runner.forward(batch)
         kv_after_stack = runner.pool.kv.clone()
         stack, runner.stack = runner.stack, None
@@ -38,6 +38,7 @@ def test_the_stack_is_not_used_for_steps_with_prompt_chunks(tiny_model, monkeypa
             if name == "decode_stack":
                 calls.append(name)
             return getattr(kernels, name)
+
     monkeypatch.setattr(runner.ops, "kernels", Spy())
     tokens = list(range(3, 40))
     runner.forward([Segment([0, 1, 2], tokens, 0, 20)])

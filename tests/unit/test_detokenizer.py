@@ -4,7 +4,12 @@ import pytest
 
 from shared.engine.detokenizer import REPLACEMENT, Detokenizer
 
-TEXTS = ["Hello, world! How are you today?", "héllo 日本語 🙂", "x 🇯🇵 ẞ ǅ 𝔘𝔫𝔦 ok", "a  b\n\n c\t😀😀😀"]
+TEXTS = [
+    "Hello, world! How are you today?",
+    "héllo 日本語 🙂",
+    "x 🇯🇵 ẞ ǅ 𝔘𝔫𝔦 ok",
+    "a  b\n\n c\t😀😀😀",
+]
 
 
 def ids_of(tokenizer, text: str) -> list[int]:
@@ -29,7 +34,9 @@ def test_pieces_concatenate_to_decode(tokenizer, text, stop):
 @pytest.mark.parametrize("text", TEXTS[1:])
 def test_no_piece_has_a_replacement_character(tokenizer, text):
     ids = ids_of(tokenizer, text)
-    assert any(REPLACEMENT in tokenizer.decode(ids[:n]) for n in range(1, len(ids)))  # the case is exercised
+    assert any(
+        REPLACEMENT in tokenizer.decode(ids[:n]) for n in range(1, len(ids))
+    )  # the case is exercised
     pieces, tail, _ = stream(tokenizer, ids, [])
     assert all(REPLACEMENT not in p for p in pieces + [tail])
 
@@ -40,14 +47,17 @@ def test_special_tokens_are_not_shown(tokenizer):
     assert "".join(pieces) + tail == "Hi there"
 
 
-@pytest.mark.parametrize("text, stop, shown", [
-    ("The answer is 42. END of the story", ["END"], "The answer is 42. "),
-    ("one two three four", ["o thr"], "one tw"),                    # stop spans tokens
-    ("héllo 日本語 🙂 more", ["本語"], "héllo 日"),                   # stop inside multi-byte chars
-    ("abc\n\nUser: hi", ["\n\nUser:", "zzz"], "abc"),
-    ("first stop then second", ["second", "stop"], "first "),       # earliest occurrence wins
-    ("STOP at the start", ["STOP"], ""),
-])
+@pytest.mark.parametrize(
+    "text, stop, shown",
+    [
+        ("The answer is 42. END of the story", ["END"], "The answer is 42. "),
+        ("one two three four", ["o thr"], "one tw"),  # stop spans tokens
+        ("héllo 日本語 🙂 more", ["本語"], "héllo 日"),  # stop inside multi-byte chars
+        ("abc\n\nUser: hi", ["\n\nUser:", "zzz"], "abc"),
+        ("first stop then second", ["second", "stop"], "first "),  # earliest occurrence wins
+        ("STOP at the start", ["STOP"], ""),
+    ],
+)
 def test_stop_string_cuts_exactly(tokenizer, text, stop, shown):
     ids = ids_of(tokenizer, text)
     pieces, tail, d = stream(tokenizer, ids, stop)
@@ -59,12 +69,16 @@ def test_stop_split_across_tokens_is_detected_on_its_last_token(tokenizer):
     ids = ids_of(tokenizer, "we say goodbye now")
     stop = "odbye n"
     # Some prefix of the token stream ends partway through the stop string.
-    assert any(tokenizer.decode(ids[:n]).endswith(stop[:k]) for n in range(len(ids)) for k in range(2, len(stop)))
+    assert any(
+        tokenizer.decode(ids[:n]).endswith(stop[:k])
+        for n in range(len(ids))
+        for k in range(2, len(stop))
+    )
     d = Detokenizer(tokenizer, [stop])
     shown = ""
     for n, token in enumerate(ids, 1):
         shown += d.add(token)
-        assert "od" not in shown   # no part of the stop ever leaks
+        assert "od" not in shown  # no part of the stop ever leaks
         if stop in tokenizer.decode(ids[:n]):
             assert d.stopped
             break
@@ -84,9 +98,11 @@ def test_nothing_after_a_stop_is_emitted(tokenizer):
 
 def test_flush_returns_held_text(tokenizer):
     ids = ids_of(tokenizer, "hold the end of this")
-    d = Detokenizer(tokenizer, ["a long stop string"])   # holds back len-1 characters
+    d = Detokenizer(tokenizer, ["a long stop string"])  # holds back len-1 characters
     shown = "".join(d.add(i) for i in ids)
-    assert shown == "hold the end of this"[:len(shown)] and len(shown) < len("hold the end of this")
+    assert shown == "hold the end of this"[: len(shown)] and len(shown) < len(
+        "hold the end of this"
+    )
     held = d.flush()
     assert held and shown + held == "hold the end of this"
     assert d.flush() == ""
@@ -108,7 +124,9 @@ def test_each_token_decodes_a_small_window_not_the_whole_output(tokenizer):
             seen.append(len(ids))
             return tokenizer.decode(ids, **kw)
 
-    ids = tokenizer("The rain in Spain stays mainly in the plain. " * 60 + " héllo 日本語 🙂")["input_ids"]
+    ids = tokenizer("The rain in Spain stays mainly in the plain. " * 60 + " héllo 日本語 🙂")[
+        "input_ids"
+    ]
     detok = Detokenizer(Counting(), [])
     text = "".join(detok.add(t) for t in ids) + detok.flush()
     assert text == tokenizer.decode(ids, skip_special_tokens=True)

@@ -5,25 +5,39 @@ import time
 import pytest
 import torch
 
+from shared.control.messages import GenerateTask, SamplingParams
 from shared.engine.block_manager import BlockManager
 from shared.engine.engine import Engine
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sequence import SeqStatus, Sequence
-from shared.control.messages import GenerateTask, SamplingParams
 
 BLOCK, CHUNK = 16, 32
 
 
-def make_engine(model, num_blocks: int = 128, max_batch_tokens: int = 512, max_num_seqs: int = 64) -> Engine:
-    runner = ModelRunner(model, "tiny", "cpu", pool_blocks=num_blocks, block_size=BLOCK, chunk=CHUNK)
-    return Engine(runner, BlockManager(num_blocks, BLOCK, cache_granularity=CHUNK),
-                  max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens)
+def make_engine(
+    model, num_blocks: int = 128, max_batch_tokens: int = 512, max_num_seqs: int = 64
+) -> Engine:
+    runner = ModelRunner(
+        model, "tiny", "cpu", pool_blocks=num_blocks, block_size=BLOCK, chunk=CHUNK
+    )
+    return Engine(
+        runner,
+        BlockManager(num_blocks, BLOCK, cache_granularity=CHUNK),
+        max_num_seqs=max_num_seqs,
+        max_batch_tokens=max_batch_tokens,
+    )
 
 
-def make_seq(prompt: list[int], max_tokens: int, request_id: str = "r", prefill_only: bool = False) -> Sequence:
-    task = GenerateTask(request_id=request_id, prompt_token_ids=list(prompt),
-                        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                        reply_subject="reply", arrival_time=time.time())
+def make_seq(
+    prompt: list[int], max_tokens: int, request_id: str = "r", prefill_only: bool = False
+) -> Sequence:
+    task = GenerateTask(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        reply_subject="reply",
+        arrival_time=time.time(),
+    )
     return Sequence(task, None, set(), 512, prefill_only=prefill_only)
 
 
@@ -67,6 +81,7 @@ def model(tiny_model):
 
 # -- construction ----------------------------------------------------------------------------
 
+
 def test_max_batch_tokens_below_one_chunk_is_refused(model):
     runner = ModelRunner(model, "tiny", "cpu", pool_blocks=8, block_size=BLOCK, chunk=CHUNK)
     with pytest.raises(ValueError):
@@ -80,6 +95,7 @@ def test_an_idle_engine_steps_to_none(model):
 
 # -- continuous batching ---------------------------------------------------------------------
 
+
 def test_sequences_join_at_step_boundaries_and_get_one_token_per_step(model, rand_tokens):
     engine = make_engine(model)
     seqs = [make_seq(rand_tokens(5 + 9 * i), 12, f"s{i}") for i in range(4)]
@@ -89,7 +105,7 @@ def test_sequences_join_at_step_boundaries_and_get_one_token_per_step(model, ran
             assert seqs[step].status is SeqStatus.WAITING and not seqs[step].output_ids
         before = {s.request_id: len(s.output_ids) for s in seqs}
         outputs = engine.step()
-        joined = seqs[:min(step + 1, len(seqs))]
+        joined = seqs[: min(step + 1, len(seqs))]
         assert sorted(s.request_id for s, _ in outputs) == sorted(s.request_id for s in joined)
         for seq, out in outputs:
             assert len(out.token_ids) == 1 and out.token_ids[0] == seq.output_ids[-1]
@@ -112,7 +128,7 @@ def test_a_finished_sequence_leaves_at_once_and_its_blocks_return(model, rand_to
     engine.step()
     assert engine.blocks.used == 2 + 3
     engine.step()
-    outputs = engine.step()                              # short's third and last token
+    outputs = engine.step()  # short's third and last token
     finished = [out for seq, out in outputs if seq is short]
     assert finished and finished[0].finish_reason == "length" and short.status is SeqStatus.FINISHED
     assert short not in engine.running and short.block_table == []
@@ -122,7 +138,7 @@ def test_a_finished_sequence_leaves_at_once_and_its_blocks_return(model, rand_to
     assert len(short.output_ids) == 3 and len(long.output_ids) == 10
     assert long.finish_reason == "length" and not engine.running
     assert engine.blocks.used == 0 and engine.blocks.free == 32
-    assert engine.blocks.cached > 0                      # cached blocks count as free
+    assert engine.blocks.cached > 0  # cached blocks count as free
 
 
 def test_max_model_len_ends_a_sequence(model, rand_tokens):
@@ -142,7 +158,7 @@ def test_release_frees_a_running_sequence(model, rand_tokens):
     engine.step()
     engine.release(seq)
     assert not engine.has_work() and engine.blocks.used == 0
-    engine.release(seq)                                  # twice is harmless
+    engine.release(seq)  # twice is harmless
     assert engine.step() is None
 
 
@@ -155,6 +171,7 @@ def test_release_of_a_waiting_sequence(model, rand_tokens):
 
 
 # -- chunked prefill -------------------------------------------------------------------------
+
 
 def test_chunked_prefill_keeps_running_sequences_decoding(model, rand_tokens):
     engine = make_engine(model, max_batch_tokens=64)
@@ -204,9 +221,10 @@ def test_a_prompt_wider_than_the_budget_still_gets_its_first_chunk(model, rand_t
 
 # -- preemption ------------------------------------------------------------------------------
 
+
 def test_preempted_sequences_are_recomputed_and_finish_with_the_same_tokens(model, rand_tokens):
     prompts = [rand_tokens(n) for n in (20, 25, 30)]
-    engine = make_engine(model, num_blocks=6)            # 96 tokens; the three need 3 x 4 blocks
+    engine = make_engine(model, num_blocks=6)  # 96 tokens; the three need 3 x 4 blocks
     seqs = [make_seq(p, 40, f"s{i}") for i, p in enumerate(prompts)]
     for seq in seqs:
         engine.add(seq)
@@ -223,26 +241,31 @@ def test_preempted_sequences_are_recomputed_and_finish_with_the_same_tokens(mode
 
 
 def test_preemption_takes_the_newest_running_sequence(model, rand_tokens):
-    engine = make_engine(model, num_blocks=4)            # 64 tokens
+    engine = make_engine(model, num_blocks=4)  # 64 tokens
     old, new = make_seq(rand_tokens(30), 10, "old"), make_seq(rand_tokens(31), 10, "new")
     engine.add(old)
     engine.add(new)
-    engine.step()                                       # prompts + first tokens: 31 and 32 tokens
+    engine.step()  # prompts + first tokens: 31 and 32 tokens
     assert engine.blocks.free == 0 and engine.running == [old, new]
-    engine.step()                                       # their KV fills the 4 blocks: 32 and 33 tokens
+    engine.step()  # their KV fills the 4 blocks: 32 and 33 tokens
     assert engine.preemptions == 0
-    engine.step()                                       # new's 33rd token needs a fifth block
+    engine.step()  # new's 33rd token needs a fifth block
     assert engine.preemptions == 1
     assert engine.running == [old] and list(engine.waiting) == [new]
-    assert new.block_table == [] and new.num_computed_tokens == 0 and new.status is SeqStatus.WAITING
+    assert (
+        new.block_table == [] and new.num_computed_tokens == 0 and new.status is SeqStatus.WAITING
+    )
     run_to_end(engine)
     assert new.output_ids == alone(model, new.prompt_token_ids, 10)
     assert old.output_ids == alone(model, old.prompt_token_ids, 10)
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN LIMITATION recompute after preemption is not bit-identical: the tokens a sequence "
-                                       "decoded one at a time are recomputed as a prompt chunk, whose KV differs "
-                                       "in the last bits (see test_model_runner), so later logits differ")
+@pytest.mark.xfail(
+    strict=True,
+    reason="KNOWN LIMITATION recompute after preemption is not bit-identical: the tokens a sequence "
+    "decoded one at a time are recomputed as a prompt chunk, whose KV differs "
+    "in the last bits (see test_model_runner), so later logits differ",
+)
 def test_preemption_gives_bit_identical_logits(model, rand_tokens):
     prompts = [rand_tokens(n) for n in (20, 25, 30)]
     engine = make_engine(model, num_blocks=6)
@@ -263,6 +286,7 @@ def test_preemption_gives_bit_identical_logits(model, rand_tokens):
 
 
 # -- prefix caching --------------------------------------------------------------------------
+
 
 def test_a_shared_prefix_is_served_from_the_cache_with_the_same_output(model, rand_tokens):
     prefix = rand_tokens(64)
@@ -287,11 +311,11 @@ def test_a_shared_prefix_is_served_from_the_cache_with_the_same_output(model, ra
     run_to_end(fresh)
     assert fresh.blocks.hits == 0
     assert len(cached_logits) == len(fresh_logits) == 8
-    assert all(torch.equal(a, b) for a, b in zip(cached_logits, fresh_logits))   # bit-identical
+    assert all(torch.equal(a, b) for a, b in zip(cached_logits, fresh_logits))  # bit-identical
 
 
 def test_prefix_hits_count_whole_granules_only(model, rand_tokens):
-    prefix = rand_tokens(48)                              # three blocks: one 32-token granule
+    prefix = rand_tokens(48)  # three blocks: one 32-token granule
     engine = make_engine(model)
     engine.add(make_seq(prefix + rand_tokens(20), 1, "a"))
     run_to_end(engine)
@@ -322,7 +346,7 @@ def test_a_running_sequence_shares_its_prefix_blocks(model, rand_tokens):
 def test_blocks_filled_by_decode_steps_are_not_shared(model, rand_tokens):
     """Decoded tokens' KV differs in the last bits from a prompt pass over them: never reused."""
     engine = make_engine(model)
-    writer = make_seq(rand_tokens(10), 60, "writer")     # blocks 1-3 filled by decode steps
+    writer = make_seq(rand_tokens(10), 60, "writer")  # blocks 1-3 filled by decode steps
     engine.add(writer)
     run_to_end(engine)
     prompt = writer.token_ids[:64] + rand_tokens(3)
@@ -330,7 +354,7 @@ def test_blocks_filled_by_decode_steps_are_not_shared(model, rand_tokens):
     captured = capture_logits(engine, reader)
     engine.add(reader)
     run_to_end(engine)
-    assert engine.blocks.hits == 0                       # writer's decode-filled blocks were not offered
+    assert engine.blocks.hits == 0  # writer's decode-filled blocks were not offered
     fresh = make_engine(model)
     uncached = make_seq(prompt, 1, "uncached")
     expected = capture_logits(fresh, uncached)
@@ -340,6 +364,7 @@ def test_blocks_filled_by_decode_steps_are_not_shared(model, rand_tokens):
 
 
 # -- prefill-only sequences and remote KV -----------------------------------------------------
+
 
 def test_a_prefill_only_sequence_keeps_its_blocks_until_released(model, rand_tokens):
     engine = make_engine(model)
@@ -370,14 +395,16 @@ def land(engine, seq, buffer: torch.Tensor) -> None:
     """What the KV transfer does: the prompt's KV past the cached prefix, written into seq's blocks."""
     pool = engine.runner.pool
     start = seq.num_cached_tokens
-    pool.kv.index_copy_(2, pool.slots(seq.block_table, start, seq.prompt_len), buffer[:, :, start:seq.prompt_len])
+    pool.kv.index_copy_(
+        2, pool.slots(seq.block_table, start, seq.prompt_len), buffer[:, :, start : seq.prompt_len]
+    )
 
 
 def test_remote_kv_decodes_like_the_colocated_run(model, rand_tokens):
     prompt = rand_tokens(45)
     buffer, first = prefill_elsewhere(model, prompt)
     engine = make_engine(model, num_blocks=64)
-    engine.add(make_seq(rand_tokens(33), 3, "other"))   # the decode pool is not empty
+    engine.add(make_seq(rand_tokens(33), 3, "other"))  # the decode pool is not empty
     engine.step()
     seq = make_seq(prompt, 12, "remote")
     seq.status = SeqStatus.WAITING_KV
@@ -405,7 +432,7 @@ def test_remote_kv_over_a_cached_prefix_loads_only_the_rest(model, rand_tokens):
     run_to_end(engine)
     seq = make_seq(prompt, 10, "remote")
     assert engine.admit(seq) and seq.num_cached_tokens == 64
-    buffer[:, :, :64] = float("nan")                    # the cached part is not sent
+    buffer[:, :, :64] = float("nan")  # the cached part is not sent
     land(engine, seq, buffer)
     seq.first_token = first
     engine.kv_arrived(seq)
@@ -423,10 +450,11 @@ def test_admit_refuses_when_the_pool_is_full(model, rand_tokens):
 
 # -- known bugs --------------------------------------------------------------------------------
 
+
 def test_max_num_seqs_sequences_run_together(model, rand_tokens):
     engine = make_engine(model, max_num_seqs=4)
     seqs = [make_seq(rand_tokens(10), 20, f"s{i}") for i in range(4)]
-    for seq in seqs:                                    # one arrives per step
+    for seq in seqs:  # one arrives per step
         engine.add(seq)
         engine.step()
     assert len(engine.running) == 4
@@ -437,12 +465,12 @@ def test_a_preempted_sequence_does_not_stall_a_partial_prefill(model, rand_token
     engine = make_engine(model, num_blocks=8, max_batch_tokens=64)
     a = make_seq(rand_tokens(31), 20, "a")
     engine.add(a)
-    engine.step()                                       # a: 32 tokens in 2 blocks
-    b = make_seq(rand_tokens(96), 3, "b")               # 6 blocks: the rest of the pool
+    engine.step()  # a: 32 tokens in 2 blocks
+    b = make_seq(rand_tokens(96), 3, "b")  # 6 blocks: the rest of the pool
     engine.add(b)
-    engine.step()                                       # a decodes; b's first chunk
+    engine.step()  # a decodes; b's first chunk
     assert 0 < b.num_computed_tokens < b.prompt_len and engine.blocks.free == 0
-    run_to_end(engine, max_steps=200)                    # a must be preempted for a block
+    run_to_end(engine, max_steps=200)  # a must be preempted for a block
     assert len(a.output_ids) == 20 and len(b.output_ids) == 3
 
 
@@ -451,11 +479,11 @@ def test_a_prompt_chunk_is_not_starved_by_running_decodes(model, rand_tokens):
     engine = make_engine(model, max_batch_tokens=CHUNK)
     running = make_seq(rand_tokens(5), 50, "running")
     engine.add(running)
-    engine.step()                                        # running now decodes every step
+    engine.step()  # running now decodes every step
     waiting = make_seq(rand_tokens(70), 2, "waiting")
     engine.add(waiting)
     engine.step()
-    assert waiting.num_computed_tokens == CHUNK          # its first chunk went with the decode row
+    assert waiting.num_computed_tokens == CHUNK  # its first chunk went with the decode row
     run_to_end(engine)
     assert waiting.output_ids == alone(model, waiting.prompt_token_ids, 2)
 
@@ -474,7 +502,7 @@ def test_waiting_prompts_are_served_by_priority_then_arrival(tiny_model):
             if out.finish_reason:
                 order.append(seq.request_id)
     assert order == ["e", "b", "d", "a", "c"]
-    assert engine.prefill_tokens_per_s == 0.0   # one-chunk-or-less prompt steps say nothing of speed
+    assert engine.prefill_tokens_per_s == 0.0  # one-chunk-or-less prompt steps say nothing of speed
 
 
 def test_prompt_speed_is_measured_on_prompt_steps(tiny_model):
@@ -488,7 +516,7 @@ def test_decode_step_time_is_measured_only_while_sequences_decode(tiny_model):
     engine = make_engine(tiny_model, max_batch_tokens=CHUNK)
     engine.add(make_seq(list(range(1, 3 * CHUNK)), 1))
     run_to_end(engine)
-    assert engine.decode_step_s == 0.0        # prompt chunks and its one token: nothing decoded
+    assert engine.decode_step_s == 0.0  # prompt chunks and its one token: nothing decoded
     engine.add(make_seq(list(range(1, 10)), 4))
     run_to_end(engine)
     assert engine.decode_step_s > 0
@@ -501,7 +529,7 @@ def toks_of(rid: str) -> list[int]:
 def test_a_started_prompt_is_never_overtaken_by_a_higher_priority(tiny_model):
     engine = make_engine(tiny_model)
     started = make_seq(toks_of("a"), 4, request_id="a")
-    started.prefill_started = time.time()           # preempted after it had started: no blocks now
+    started.prefill_started = time.time()  # preempted after it had started: no blocks now
     engine.add(started)
     urgent = make_seq(toks_of("b"), 4, request_id="b")
     urgent.task.priority = 9
@@ -513,6 +541,7 @@ def test_a_started_prompt_is_never_overtaken_by_a_higher_priority(tiny_model):
 def test_a_resumed_sequence_goes_on_with_the_tokens_of_an_undisturbed_run(tiny_model, temperature):
     """A request moved after k tokens: prompt + those k as the new prompt, resume_tokens = k. Greedy
     and seeded sampling both give the rest of the undisturbed run's tokens."""
+
     def run(prompt: list[int], max_tokens: int, resume: int = 0) -> list[int]:
         engine = make_engine(tiny_model)
         seq = make_seq(prompt, max_tokens)
@@ -530,7 +559,10 @@ def test_a_resumed_sequence_goes_on_with_the_tokens_of_an_undisturbed_run(tiny_m
 
 def test_a_step_whose_sequences_were_all_cancelled_stops_between_layers(tiny_model):
     engine = make_engine(tiny_model)
-    gone, kept = make_seq(list(range(3, 60)), 4, request_id="gone"), make_seq(list(range(3, 40)), 4, request_id="kept")
+    gone, kept = (
+        make_seq(list(range(3, 60)), 4, request_id="gone"),
+        make_seq(list(range(3, 40)), 4, request_id="kept"),
+    )
     engine.add(gone)
     layers_run = []
     ask = engine.runner.forward
@@ -538,17 +570,18 @@ def test_a_step_whose_sequences_were_all_cancelled_stops_between_layers(tiny_mod
     def forward(segments, abandon=None):
         def counting():
             layers_run.append(1)
-            gone.cancel_reason = "client went away" if len(layers_run) > 1 else ""   # mid-step
+            gone.cancel_reason = "client went away" if len(layers_run) > 1 else ""  # mid-step
             return abandon()
+
         return ask(segments, counting)
 
     engine.runner.forward = forward
-    assert engine.step() == []                       # stopped after the first layer: nothing emitted
+    assert engine.step() == []  # stopped after the first layer: nothing emitted
     assert len(layers_run) == 2 and gone.num_computed_tokens == 0
     engine.release(gone)
     engine.add(kept)
     gone.cancel_reason = ""
-    while engine.has_work():                          # a step with a live sequence runs to the end
+    while engine.has_work():  # a step with a live sequence runs to the end
         engine.step()
     assert kept.output_ids == alone(tiny_model, kept.prompt_token_ids, 4)
     assert engine.blocks.used == 0

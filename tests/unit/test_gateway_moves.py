@@ -4,6 +4,7 @@ moves to a new attempt, what the client sees, and what each new attempt asks for
 import asyncio
 
 import grpc
+
 from services.gateway import servicer as servicer_module
 from services.gateway.migration import FULL_MOVES
 from services.gateway.servicer import TandemServicer
@@ -17,7 +18,9 @@ from shared.control.subjects import Subjects
 from tests.fakes.bus import InMemoryBus
 
 LOSE = "lose"
-LIMITS = Limits(max_model_len=2048, default_max_tokens=16, max_tokens_limit=1024, max_stop_strings=8)
+LIMITS = Limits(
+    max_model_len=2048, default_max_tokens=16, max_tokens_limit=1024, max_stop_strings=8
+)
 
 
 class Aborted(Exception):
@@ -53,7 +56,9 @@ class ScriptedCluster:
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
         self.tasks.append(task)
-        await respond(SubmitReply(ok=True, prefill_worker="p1", decode_worker=f"d{len(self.tasks)}"))
+        await respond(
+            SubmitReply(ok=True, prefill_worker="p1", decode_worker=f"d{len(self.tasks)}")
+        )
         self.plays.append(asyncio.create_task(self._play(task, self.scripts[len(self.tasks) - 1])))
 
     async def _play(self, task: GenerateTask, script: list) -> None:
@@ -77,10 +82,14 @@ async def generate(scripts: list[list], max_migrations: int = 2, tokenizer=None)
     cluster = ScriptedCluster(bus, scripts)
     await bus.subscribe(Subjects(settings.cluster).submit, cluster.on_submit)
     context, responses = FakeContext(), []
-    async with StreamRouter(bus, "gw.replies") as streams, \
-            Liveness(bus, Subjects(settings.cluster), timeout_s=3.0) as liveness:
+    async with (
+        StreamRouter(bus, "gw.replies") as streams,
+        Liveness(bus, Subjects(settings.cluster), timeout_s=3.0) as liveness,
+    ):
         servicer = TandemServicer(settings, bus, streams, tokenizer, LIMITS, liveness)
-        request = pb.GenerateRequest(request_id="req", prompt="Hello there", sampling=pb.SamplingParams(max_tokens=3))
+        request = pb.GenerateRequest(
+            request_id="req", prompt="Hello there", sampling=pb.SamplingParams(max_tokens=3)
+        )
         try:
             async for response in servicer.Generate(request, context):
                 responses.append(response)
@@ -98,13 +107,25 @@ def chunk(token_ids: list[int]) -> TokenChunk:
 
 
 def done(token_ids: list[int]) -> TokenChunk:
-    return TokenChunk(request_id="", index=0, token_ids=token_ids, finish_reason="length",
-                      prompt_tokens=3, completion_tokens=3)
+    return TokenChunk(
+        request_id="",
+        index=0,
+        token_ids=token_ids,
+        finish_reason="length",
+        prompt_tokens=3,
+        completion_tokens=3,
+    )
 
 
 def failed(code: str, worker: str) -> TokenChunk:
-    return TokenChunk(request_id="", index=0, code=code, message=f"{worker} said {code}", retry=True,
-                      failed_worker=worker)
+    return TokenChunk(
+        request_id="",
+        index=0,
+        code=code,
+        message=f"{worker} said {code}",
+        retry=True,
+        failed_worker=worker,
+    )
 
 
 def cancels(bus: InMemoryBus) -> set[str]:
@@ -113,19 +134,22 @@ def cancels(bus: InMemoryBus) -> set[str]:
 
 async def test_a_prefill_worker_full_moves_the_request_without_avoiding_it(tokenizer):
     responses, context, cluster, bus = await generate(
-        [[failed("RESOURCE_EXHAUSTED", "p1")], [done([7, 8, 9])]], tokenizer=tokenizer)
+        [[failed("RESOURCE_EXHAUSTED", "p1")], [done([7, 8, 9])]], tokenizer=tokenizer
+    )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     first, second = cluster.tasks
     assert second.avoid_workers == [] and second.resume_tokens == 0
-    assert second.prompt_token_ids == first.prompt_token_ids and second.request_id != first.request_id
+    assert (
+        second.prompt_token_ids == first.prompt_token_ids and second.request_id != first.request_id
+    )
     assert first.request_id in cancels(bus)
     assert responses[-1].timing.migrations == 1
 
 
 async def test_a_failed_worker_is_avoided_by_the_next_attempt(tokenizer):
     responses, context, cluster, _ = await generate(
-        [[chunk([7]), failed("UNAVAILABLE", "p1")], [done([8, 9])]],
-        tokenizer=tokenizer)
+        [[chunk([7]), failed("UNAVAILABLE", "p1")], [done([8, 9])]], tokenizer=tokenizer
+    )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     first, second = cluster.tasks
     assert second.avoid_workers == ["p1"] and second.resume_tokens == 1
@@ -136,35 +160,45 @@ async def test_a_failed_worker_is_avoided_by_the_next_attempt(tokenizer):
 async def test_past_the_migration_limit_the_client_gets_the_last_failures_code(tokenizer):
     full, broken = [failed("RESOURCE_EXHAUSTED", "p1")], [failed("UNAVAILABLE", "d1")]
     # Turned away as full: a limit of its own, whatever --max-migrations says.
-    responses, context, cluster, _ = await generate([full] * (FULL_MOVES + 2), max_migrations=0, tokenizer=tokenizer)
+    responses, context, cluster, _ = await generate(
+        [full] * (FULL_MOVES + 2), max_migrations=0, tokenizer=tokenizer
+    )
     assert responses == [] and len(cluster.tasks) == FULL_MOVES + 1
-    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"moved {FULL_MOVES} time(s)" in context.message
+    assert (
+        context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and f"moved {FULL_MOVES} time(s)" in context.message
+    )
     # A failed worker: --max-migrations; moves of the other kind do not use it up.
-    responses, context, cluster, _ = await generate([full, broken, full, broken, broken], max_migrations=1,
-                                                    tokenizer=tokenizer)
+    responses, context, cluster, _ = await generate(
+        [full, broken, full, broken, broken], max_migrations=1, tokenizer=tokenizer
+    )
     assert len(cluster.tasks) == 4 and context.code == grpc.StatusCode.UNAVAILABLE
     assert "moved 1 time(s)" in context.message
 
 
-async def test_a_last_chunk_lost_in_a_nats_reconnect_resumes_from_the_tokens_sent(tokenizer, monkeypatch):
+async def test_a_last_chunk_lost_in_a_nats_reconnect_resumes_from_the_tokens_sent(
+    tokenizer, monkeypatch
+):
     """The stream's last chunk vanishes while NATS reconnects: nothing after it shows a gap, so
     the gateway goes on from the tokens the client has once the stream stays quiet."""
     monkeypatch.setattr(servicer_module, "LOST_AFTER_RECONNECT_S", 0.2)
 
-    def reconnect(bus):   # the connection came back; the final chunk was in flight and is lost
+    def reconnect(bus):  # the connection came back; the final chunk was in flight and is lost
         bus.reconnects += 1
 
     responses, context, cluster, bus = await generate(
-        [[chunk([7]), reconnect, LOSE], [done([8, 9])]], tokenizer=tokenizer)
+        [[chunk([7]), reconnect, LOSE], [done([8, 9])]], tokenizer=tokenizer
+    )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     first, second = cluster.tasks
     assert second.resume_tokens == 1 and second.prompt_token_ids == first.prompt_token_ids + [7]
-    assert second.avoid_workers == []   # nobody failed: the decode worker may take it again
+    assert second.avoid_workers == []  # nobody failed: the decode worker may take it again
     assert first.request_id in cancels(bus)
 
 
 async def test_a_gap_in_the_chunk_indexes_resumes_after_the_last_chunk_received(tokenizer):
-    responses, context, cluster, _ = await generate([[chunk([7]), LOSE, chunk([99])], [done([8, 9])]],
-                                                    tokenizer=tokenizer)
+    responses, context, cluster, _ = await generate(
+        [[chunk([7]), LOSE, chunk([99])], [done([8, 9])]], tokenizer=tokenizer
+    )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     assert cluster.tasks[1].resume_tokens == 1 and cluster.tasks[1].avoid_workers == []

@@ -4,12 +4,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from shared.control.messages import KVLayout
 from shared.engine import kv_cache
 from shared.engine.kv_cache import KVPool
-from shared.control.messages import KVLayout
 
 BLOCK = 4
-LAYOUT = KVLayout(model="tiny", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=BLOCK)
+LAYOUT = KVLayout(
+    model="tiny", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=BLOCK
+)
 
 
 def random_kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,15 +21,26 @@ def random_kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_layout_of_a_config():
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     assert kv_cache.layout_of(config, "tiny", torch.float32, BLOCK) == LAYOUT
     assert kv_cache.bytes_per_token(LAYOUT) == 2 * 2 * 2 * 16 * 4
 
 
 def test_bytes_per_token_by_dtype():
-    layout = kv_cache.layout_of(LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                                            num_hidden_layers=30), "m", torch.bfloat16)
+    layout = kv_cache.layout_of(
+        LlamaConfig(
+            hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30
+        ),
+        "m",
+        torch.bfloat16,
+    )
     assert (layout.dtype, layout.head_dim) == ("bfloat16", 64)
     assert kv_cache.bytes_per_token(layout) == 2 * 30 * 3 * 64 * 2
 
@@ -61,11 +74,11 @@ def test_write_read_round_trip():
     pool.write(1, slots, keys, values)
     got_k, got_v = pool.read(1, slots)
     assert torch.equal(got_k, keys) and torch.equal(got_v, values)
-    assert not pool.kv[0].any()                       # other layer untouched
+    assert not pool.kv[0].any()  # other layer untouched
     untouched = torch.ones(pool.kv.shape[2], dtype=torch.bool)
     untouched[slots] = False
-    assert not pool.kv[1][:, untouched].any()         # other slots untouched
-    k2, _ = pool.read(1, pool.slots([4, 1], 2, 5))    # a partial read
+    assert not pool.kv[1][:, untouched].any()  # other slots untouched
+    k2, _ = pool.read(1, pool.slots([4, 1], 2, 5))  # a partial read
     assert torch.equal(k2, keys[2:5])
 
 
@@ -80,7 +93,7 @@ def test_export_packs_a_sequence_and_spans_are_contiguous_pool_ranges():
     assert buffer.shape == (LAYOUT.num_layers, 2, n, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     assert buffer.is_contiguous()
     assert buffer.numel() * buffer.element_size() == n * kv_cache.bytes_per_token(LAYOUT)
-    span = pool.span(1, 0, 2 * BLOCK, BLOCK)           # layer 1, keys, block 2 = positions 4..7
+    span = pool.span(1, 0, 2 * BLOCK, BLOCK)  # layer 1, keys, block 2 = positions 4..7
     assert span.is_contiguous() and span.data_ptr() == pool.kv[1, 0, 8].data_ptr()
     assert torch.equal(span, buffer[1, 0, 4:8])
 

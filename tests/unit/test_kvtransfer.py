@@ -6,21 +6,29 @@ import asyncio
 import pytest
 import torch
 
-from shared.engine.kv_cache import KVPool
+from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.plan import MAX_PIECES, PlanError, TransferPlan, new_base_tag
 from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.sender import KVSender
-from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.ucx import KVTransferError
+from shared.engine.kv_cache import KVPool
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 
 BS = 4
-LAYOUT = KVLayout(model="tiny", dtype="float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=BS)
+LAYOUT = KVLayout(
+    model="tiny", dtype="float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=BS
+)
 
 
 def destination(block_ids, skip=0, segment=8, tag_bits=5):
-    return KVDestination(ucx_address=b"decode", base_tag=new_base_tag(tag_bits), block_ids=block_ids,
-                         skip_tokens=skip, segment_tokens=segment, lease_s=1.0)
+    return KVDestination(
+        ucx_address=b"decode",
+        base_tag=new_base_tag(tag_bits),
+        block_ids=block_ids,
+        skip_tokens=skip,
+        segment_tokens=segment,
+        lease_s=1.0,
+    )
 
 
 def filled_pool(num_blocks: int, seed: int) -> KVPool:
@@ -33,9 +41,9 @@ def test_plan_runs_follow_consecutive_decode_blocks_within_segments():
     plan = TransferPlan(LAYOUT, 18, destination([3, 4, 9, 10, 11], segment=8))
     assert [(s.start, s.end) for s in plan.segments] == [(0, 8), (8, 16), (16, 18)]
     seg0 = {(p.start, p.end, p.dst_slot) for p in plan.segments[0].pieces}
-    assert seg0 == {(0, 8, 12)}                        # blocks 3, 4: one run
+    assert seg0 == {(0, 8, 12)}  # blocks 3, 4: one run
     seg1 = {(p.start, p.end, p.dst_slot) for p in plan.segments[1].pieces}
-    assert seg1 == {(8, 16, 36)}                       # blocks 9, 10
+    assert seg1 == {(8, 16, 36)}  # blocks 9, 10
     assert len(plan.pieces) == 3 * 2 * 3 and [p.index for p in plan.pieces] == list(range(18))
     assert plan.nbytes == 18 * 2 * 3 * 2 * 8 * 4
 
@@ -64,14 +72,19 @@ def test_plan_rejects_a_wrong_block_count_and_a_bad_tag():
 
 async def transfer(prompt_len: int, src_table, dst_table, skip=0, segment=8):
     net = LoopbackNetwork()
-    sender_plane, receiver_plane = InProcessDataPlane(net, "prefill"), InProcessDataPlane(net, "decode")
+    sender_plane, receiver_plane = (
+        InProcessDataPlane(net, "prefill"),
+        InProcessDataPlane(net, "decode"),
+    )
     src, dst = filled_pool(8, seed=1), KVPool(LAYOUT, 12, BS, "cpu")
-    plan = TransferPlan(LAYOUT, prompt_len, destination(dst_table[skip // BS:], skip=skip, segment=segment))
+    plan = TransferPlan(
+        LAYOUT, prompt_len, destination(dst_table[skip // BS :], skip=skip, segment=segment)
+    )
     receiver = KVReceiver(receiver_plane, dst, plan)
     receiver.start()
     sender = KVSender(sender_plane, src, plan, timeout_s=1.0)
     computed = 0
-    while not sender.all_staged:       # as the prefill computes, one chunk of 4 tokens a step
+    while not sender.all_staged:  # as the prefill computes, one chunk of 4 tokens a step
         computed = min(prompt_len, computed + 4)
         for seg in sender.ready(computed):
             staged = sender.stage(seg, src_table)
@@ -86,7 +99,9 @@ async def test_every_block_arrives_bit_identical():
     src_table, dst_table = [5, 0, 3, 1, 7], [2, 3, 4, 9, 10]
     src, dst, receiver, sender = await transfer(19, src_table, dst_table)
     assert receiver.complete and sender.bytes_sent == receiver.landed_bytes == receiver.plan.nbytes
-    assert torch.equal(dst.export(dst.slots(dst_table, 0, 19)), src.export(src.slots(src_table, 0, 19)))
+    assert torch.equal(
+        dst.export(dst.slots(dst_table, 0, 19)), src.export(src.slots(src_table, 0, 19))
+    )
     untouched = [b for b in range(12) if b not in dst_table]
     assert not dst.kv.view(3, 2, 12, BS, 2, 8)[:, :, untouched].any()
 
@@ -94,8 +109,10 @@ async def test_every_block_arrives_bit_identical():
 async def test_only_the_missing_suffix_moves():
     src_table, dst_table = [5, 0, 3, 1, 7], [2, 3, 4, 9, 10]
     src, dst, receiver, _ = await transfer(19, src_table, dst_table, skip=8)
-    assert torch.equal(dst.export(dst.slots(dst_table, 8, 19)), src.export(src.slots(src_table, 8, 19)))
-    assert not dst.kv[:, :, 8:16].any()                # blocks 2 and 3 (the prefix) were not written
+    assert torch.equal(
+        dst.export(dst.slots(dst_table, 8, 19)), src.export(src.slots(src_table, 8, 19))
+    )
+    assert not dst.kv[:, :, 8:16].any()  # blocks 2 and 3 (the prefix) were not written
     assert receiver.landed_bytes == 11 * 2 * 3 * 2 * 8 * 4
 
 
@@ -124,9 +141,9 @@ async def test_a_stalled_transfer_is_reported_after_its_lease():
     sender = KVSender(sender_plane, src, plan, timeout_s=1.0)
     first = plan.segments[0]
     staged = sender.stage(first, [0, 1, 2, 3])
-    assert not staged.scattered and len(staged.direct) == len(first.pieces)   # one run here: no copy
+    assert not staged.scattered and len(staged.direct) == len(first.pieces)  # one run here: no copy
     await sender.send(staged.direct)
-    receiver.check(lease_s=0.05)                      # progress just now: fine
+    receiver.check(lease_s=0.05)  # progress just now: fine
     await asyncio.sleep(0.1)
     with pytest.raises(KVTransferError, match="no KV piece landed"):
         receiver.check(lease_s=0.05)

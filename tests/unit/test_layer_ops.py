@@ -11,7 +11,9 @@ from shared.engine.layer_ops import KernelOps, TorchOps
 @pytest.fixture(scope="module")
 def ops():
     kernels = cpu_kernels.load()
-    assert kernels is not None, "the kernels must build on the test machine (a C++ compiler is installed)"
+    assert kernels is not None, (
+        "the kernels must build on the test machine (a C++ compiler is installed)"
+    )
     return KernelOps(kernels), TorchOps()
 
 
@@ -30,7 +32,7 @@ def test_add_rms_norm(ops, dtype, with_delta):
     delta = torch.randn(9, 72, generator=g).to(dtype) if with_delta else None
     expected_residual, expected = plain.norm(residual.clone(), delta, norm)
     got_residual, got = fused.norm(residual, delta, norm)
-    assert torch.equal(got_residual, expected_residual)            # the add rounds as torch's does
+    assert torch.equal(got_residual, expected_residual)  # the add rounds as torch's does
     torch.testing.assert_close(got, expected, **tolerance(dtype))
 
 
@@ -38,7 +40,9 @@ def test_add_rms_norm(ops, dtype, with_delta):
 def test_rope_in_place_is_bit_identical_to_hf(ops, dtype):
     fused, plain = ops
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(5, (4 + 2 + 2) * 32, generator=g).to(dtype)   # q|k|v rows, as the fused GEMM gives them
+    qkv = torch.randn(5, (4 + 2 + 2) * 32, generator=g).to(
+        dtype
+    )  # q|k|v rows, as the fused GEMM gives them
     q, k, _ = qkv.split([128, 64, 64], dim=-1)
     q, k = q.view(5, 4, 32), k.view(5, 2, 32)
     angles = torch.randn(5, 16, generator=g)
@@ -55,13 +59,15 @@ def test_bad_shapes_are_refused(ops):
 
 
 def test_store_kv_writes_the_rows_into_their_slots(ops):
-    from shared.engine.kv_cache import KVPool
     from shared.control.messages import KVLayout
+    from shared.engine.kv_cache import KVPool
 
     fused, plain = ops
-    layout = KVLayout(model="t", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+    layout = KVLayout(
+        model="t", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4
+    )
     pools = [KVPool(layout, 4, 4, "cpu") for _ in range(2)]
-    qkv = torch.randn(5, 8 * 6)                                  # 3 real rows, 2 padding
+    qkv = torch.randn(5, 8 * 6)  # 3 real rows, 2 padding
     k, v = (t.view(5, 2, 8) for t in qkv.split([16, 16, 16], dim=-1)[1:])
     slots = torch.tensor([7, 2, 13])
     fused.store(pools[0], 1, slots, k, v)

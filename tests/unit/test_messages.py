@@ -3,22 +3,60 @@
 import msgpack
 import pytest
 
-from shared.control.messages import (MESSAGE_TYPES, CancelRequest, DecodeAssignment, Discover, GenerateTask, Ping,
-                             KVDestination, KVLayout, PrefillResult, PrefillTask, SamplingParams, StatusReply,
-                             StatusRequest, SubmitReply, TaskAck, Timing, TokenChunk, TransferAbort,
-                             WorkerHeartbeat)
+from shared.control.messages import (
+    MESSAGE_TYPES,
+    CancelRequest,
+    DecodeAssignment,
+    Discover,
+    GenerateTask,
+    KVDestination,
+    KVLayout,
+    Ping,
+    PrefillResult,
+    PrefillTask,
+    SamplingParams,
+    StatusReply,
+    StatusRequest,
+    SubmitReply,
+    TaskAck,
+    Timing,
+    TokenChunk,
+    TransferAbort,
+    WorkerHeartbeat,
+)
 from shared.control.wire import MAX_MESSAGE_BYTES, MessageError, decode, encode
 
-SAMPLING = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=2**63 - 1,
-                          stop=["\n\n", "日本"], ignore_eos=True)
+SAMPLING = SamplingParams(
+    max_tokens=7,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=40,
+    seed=2**63 - 1,
+    stop=["\n\n", "日本"],
+    ignore_eos=True,
+)
 LAYOUT = KVLayout(model="m", dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64)
-TASK = GenerateTask(request_id="r1", prompt_token_ids=[1, 2, 49151], sampling=SAMPLING,
-                    reply_subject="tandem.c.gateway.g.tokens", arrival_time=1.5, deadline=9.25)
+TASK = GenerateTask(
+    request_id="r1",
+    prompt_token_ids=[1, 2, 49151],
+    sampling=SAMPLING,
+    reply_subject="tandem.c.gateway.g.tokens",
+    arrival_time=1.5,
+    deadline=9.25,
+)
 
 
 def beat(worker_id: str, **kw) -> WorkerHeartbeat:
-    return WorkerHeartbeat(worker_id=worker_id, role="decode", host="h", pid=7, ucx_address=b"\x00\xffaddr",
-                           layout=LAYOUT, max_model_len=8192, **kw)
+    return WorkerHeartbeat(
+        worker_id=worker_id,
+        role="decode",
+        host="h",
+        pid=7,
+        ucx_address=b"\x00\xffaddr",
+        layout=LAYOUT,
+        max_model_len=8192,
+        **kw,
+    )
 
 
 SAMPLES = [
@@ -26,15 +64,37 @@ SAMPLES = [
     SubmitReply(ok=False, code="UNAVAILABLE", message="m", prefill_worker="p", decode_worker="d"),
     DecodeAssignment(task=TASK, prefill_worker="prefill-1"),
     TaskAck(ok=True),
-    PrefillTask(request_id="r1", prompt_token_ids=[5, 6], sampling=SAMPLING, layout=LAYOUT,
-                destination=KVDestination(ucx_address=bytes(range(256)), base_tag=2**64 - 2**24, block_ids=[7, 3],
-                                          skip_tokens=16, segment_tokens=64, lease_s=5.0),
-                decode_worker="d", arrival_time=2.0),
-    PrefillResult(request_id="r1", base_tag=3, ok=True, first_token=42, kv_bytes=1024, queue_ms=0.5),
+    PrefillTask(
+        request_id="r1",
+        prompt_token_ids=[5, 6],
+        sampling=SAMPLING,
+        layout=LAYOUT,
+        destination=KVDestination(
+            ucx_address=bytes(range(256)),
+            base_tag=2**64 - 2**24,
+            block_ids=[7, 3],
+            skip_tokens=16,
+            segment_tokens=64,
+            lease_s=5.0,
+        ),
+        decode_worker="d",
+        arrival_time=2.0,
+    ),
+    PrefillResult(
+        request_id="r1", base_tag=3, ok=True, first_token=42, kv_bytes=1024, queue_ms=0.5
+    ),
     PrefillResult(request_id="r1", base_tag=3, ok=False, code="CANCELLED", pieces_sent=120),
     TransferAbort(request_id="r1", base_tag=2**40, reason="lease expired"),
-    TokenChunk(request_id="r1", index=3, token_ids=[9], text="é🙂", finish_reason="stop",
-               timing=Timing(queue_ms=1.0, prefill_ms=2.0, kv_transfer_ms=3.0, prefill_worker="p", decode_worker="d")),
+    TokenChunk(
+        request_id="r1",
+        index=3,
+        token_ids=[9],
+        text="é🙂",
+        finish_reason="stop",
+        timing=Timing(
+            queue_ms=1.0, prefill_ms=2.0, kv_transfer_ms=3.0, prefill_worker="p", decode_worker="d"
+        ),
+    ),
     CancelRequest(request_id="r1"),
     beat("w1", running=2, kv_blocks_used=3, kv_blocks_total=10, stopping=True),
     Discover(scheduler_id="s"),
@@ -59,7 +119,9 @@ def test_round_trip_keeps_nested_types():
     chunk = decode(encode(TokenChunk(request_id="r", index=0)), TokenChunk)
     assert chunk.timing is None
     reply = decode(encode(SAMPLES[-1]), StatusReply)
-    assert isinstance(reply.workers[0], WorkerHeartbeat) and isinstance(reply.workers[0].layout, KVLayout)
+    assert isinstance(reply.workers[0], WorkerHeartbeat) and isinstance(
+        reply.workers[0].layout, KVLayout
+    )
     assert isinstance(reply.workers[0].ucx_address, bytes)
     task = decode(encode(TASK), GenerateTask)
     assert isinstance(task.sampling, SamplingParams)
@@ -69,25 +131,28 @@ def raw(**body) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-@pytest.mark.parametrize("data", [
-    b"\xc1",                                               # never-used msgpack byte
-    b"",
-    raw(type="NoSuchMessage"),
-    msgpack.packb([1, 2, 3]),                              # not a map
-    raw(ok=True),                                          # no type
-    raw(type="TaskAck"),                                   # missing required field
-    raw(type="TaskAck", ok="yes"),                         # str for bool
-    raw(type="TokenChunk", request_id="r", index="1"),     # str for int
-    raw(type="TokenChunk", request_id="r", index=True),    # bool for int
-    raw(type="TokenChunk", request_id="r", index=1.0),     # float for int
-    raw(type="TokenChunk", request_id="r", index=0, token_ids=[1, True]),
-    raw(type="TokenChunk", request_id="r", index=0, token_ids=5),
-    raw(type="TokenChunk", request_id="r", index=0, timing=5),
-    raw(type="TokenChunk", request_id="r", index=0, timing={"queue_ms": "x"}),
-    raw(type="CancelRequest", request_id=None),
-    raw(type="StatusReply", mode="m", ready=True, workers=[{"worker_id": "w"}]),
-    raw(type="DecodeAssignment", task={"request_id": "r"}),
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xc1",  # never-used msgpack byte
+        b"",
+        raw(type="NoSuchMessage"),
+        msgpack.packb([1, 2, 3]),  # not a map
+        raw(ok=True),  # no type
+        raw(type="TaskAck"),  # missing required field
+        raw(type="TaskAck", ok="yes"),  # str for bool
+        raw(type="TokenChunk", request_id="r", index="1"),  # str for int
+        raw(type="TokenChunk", request_id="r", index=True),  # bool for int
+        raw(type="TokenChunk", request_id="r", index=1.0),  # float for int
+        raw(type="TokenChunk", request_id="r", index=0, token_ids=[1, True]),
+        raw(type="TokenChunk", request_id="r", index=0, token_ids=5),
+        raw(type="TokenChunk", request_id="r", index=0, timing=5),
+        raw(type="TokenChunk", request_id="r", index=0, timing={"queue_ms": "x"}),
+        raw(type="CancelRequest", request_id=None),
+        raw(type="StatusReply", mode="m", ready=True, workers=[{"worker_id": "w"}]),
+        raw(type="DecodeAssignment", task={"request_id": "r"}),
+    ],
+)
 def test_rejects_malformed(data):
     with pytest.raises(MessageError):
         decode(data)
@@ -101,7 +166,9 @@ def test_rejects_str_for_bytes():
 
 
 def test_float_field_accepts_int():
-    chunk = decode(raw(type="PrefillResult", request_id="r", base_tag=1, ok=True, queue_ms=3), PrefillResult)
+    chunk = decode(
+        raw(type="PrefillResult", request_id="r", base_tag=1, ok=True, queue_ms=3), PrefillResult
+    )
     assert chunk.queue_ms == 3.0 and isinstance(chunk.queue_ms, float)
 
 
@@ -128,8 +195,13 @@ def test_oversized_payloads():
 def test_largest_generate_task_fits():
     sampling = SamplingParams(max_tokens=1, stop=["s" * 255 + str(i % 10) for i in range(16)])
     ids = [49151 - (i % 1000) for i in range(8192)]
-    task = GenerateTask(request_id="r" * 128, prompt_token_ids=ids, sampling=sampling,
-                        reply_subject="tandem." + "c" * 64 + ".gateway.g.tokens", arrival_time=1.0)
+    task = GenerateTask(
+        request_id="r" * 128,
+        prompt_token_ids=ids,
+        sampling=sampling,
+        reply_subject="tandem." + "c" * 64 + ".gateway.g.tokens",
+        arrival_time=1.0,
+    )
     data = encode(task)
     assert len(data) < MAX_MESSAGE_BYTES < 1024 * 1024
     assert len(data) < 64 * 1024  # ~3 bytes per id + stops: far from the limit
@@ -147,37 +219,40 @@ def _with(message, path: str, value) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-@pytest.mark.parametrize("message, path, value", [
-    (TASK, "sampling.max_tokens", 0),
-    (TASK, "sampling.max_tokens", -5),
-    (TASK, "sampling.temperature", float("nan")),
-    (TASK, "sampling.temperature", -1.0),
-    (TASK, "sampling.top_p", 0.0),
-    (TASK, "sampling.top_p", 1.5),
-    (TASK, "sampling.stop", ["x"] * 65),
-    (TASK, "sampling.stop", ["x" * 70_000]),
-    (TASK, "prompt_token_ids", []),
-    (TASK, "prompt_token_ids", [1, -2]),
-    (TASK, "prompt_token_ids", [1, 2**31]),
-    (TASK, "resume_tokens", 3),                 # the whole prompt: nothing left that is prompt
-    (TASK, "resume_tokens", -1),
-    (TASK, "priority", 2**31),
-    (TASK, "deadline", float("inf")),
-    (TASK, "arrival_time", float("nan")),
-    (SAMPLES[4], "destination.lease_s", 1e9),
-    (TASK, "request_id", ""),
-    (TASK, "avoid_workers", ["w"] * 65),
-    (SAMPLES[4], "destination.block_ids", [7, -1]),
-    (SAMPLES[4], "destination.lease_s", 0.0),
-    (SAMPLES[4], "destination.segment_tokens", 0),
-    (SAMPLES[4], "layout.num_layers", 0),
-    (SAMPLES[4], "layout.head_dim", 10**6),
-    (SAMPLES[5], "first_token", -2),
-    (SAMPLES[5], "pieces_sent", -1),
-    (SAMPLES[8], "index", -1),
-    (SAMPLES[10], "kv_blocks_used", -3),
-    (SAMPLES[10], "prefix_summary", [-1]),
-])
+@pytest.mark.parametrize(
+    "message, path, value",
+    [
+        (TASK, "sampling.max_tokens", 0),
+        (TASK, "sampling.max_tokens", -5),
+        (TASK, "sampling.temperature", float("nan")),
+        (TASK, "sampling.temperature", -1.0),
+        (TASK, "sampling.top_p", 0.0),
+        (TASK, "sampling.top_p", 1.5),
+        (TASK, "sampling.stop", ["x"] * 65),
+        (TASK, "sampling.stop", ["x" * 70_000]),
+        (TASK, "prompt_token_ids", []),
+        (TASK, "prompt_token_ids", [1, -2]),
+        (TASK, "prompt_token_ids", [1, 2**31]),
+        (TASK, "resume_tokens", 3),  # the whole prompt: nothing left that is prompt
+        (TASK, "resume_tokens", -1),
+        (TASK, "priority", 2**31),
+        (TASK, "deadline", float("inf")),
+        (TASK, "arrival_time", float("nan")),
+        (SAMPLES[4], "destination.lease_s", 1e9),
+        (TASK, "request_id", ""),
+        (TASK, "avoid_workers", ["w"] * 65),
+        (SAMPLES[4], "destination.block_ids", [7, -1]),
+        (SAMPLES[4], "destination.lease_s", 0.0),
+        (SAMPLES[4], "destination.segment_tokens", 0),
+        (SAMPLES[4], "layout.num_layers", 0),
+        (SAMPLES[4], "layout.head_dim", 10**6),
+        (SAMPLES[5], "first_token", -2),
+        (SAMPLES[5], "pieces_sent", -1),
+        (SAMPLES[8], "index", -1),
+        (SAMPLES[10], "kv_blocks_used", -3),
+        (SAMPLES[10], "prefix_summary", [-1]),
+    ],
+)
 def test_values_out_of_range_are_rejected_on_receipt(message, path, value):
     with pytest.raises(MessageError):
         decode(_with(message, path, value))

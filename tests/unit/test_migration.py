@@ -5,8 +5,15 @@ from shared.control.messages import GenerateTask, SamplingParams
 
 
 def test_a_resumed_attempt_carries_the_sent_tokens_and_what_is_left_to_generate():
-    first = GenerateTask(request_id="req-1.aaaa", prompt_token_ids=[5, 6, 7], reply_subject="g", arrival_time=1.0,
-                         sampling=SamplingParams(max_tokens=10, stop=["x"]), deadline=9.0, priority=3)
+    first = GenerateTask(
+        request_id="req-1.aaaa",
+        prompt_token_ids=[5, 6, 7],
+        reply_subject="g",
+        arrival_time=1.0,
+        sampling=SamplingParams(max_tokens=10, stop=["x"]),
+        deadline=9.0,
+        priority=3,
+    )
     second = resumed(first, [5, 6, 7], [20, 21, 22], "d1")
     assert second.prompt_token_ids == [5, 6, 7, 20, 21, 22] and second.resume_tokens == 3
     assert second.sampling.max_tokens == 7 and second.sampling.stop == ["x"]
@@ -16,5 +23,11 @@ def test_a_resumed_attempt_carries_the_sent_tokens_and_what_is_left_to_generate(
     third = resumed(second, [5, 6, 7], [20, 21, 22, 23], "p2")
     assert third.prompt_token_ids == [5, 6, 7, 20, 21, 22, 23] and third.resume_tokens == 4
     assert third.sampling.max_tokens == 6 and third.avoid_workers == ["d1", "p2"]
-    assert (first.moves, second.moves, third.moves) == (0, 1, 2)   # placed again: it waits ahead of new ones
-    assert first.sampling.max_tokens == 10 and first.avoid_workers == []   # the earlier attempts unchanged
+    assert (first.moves, second.moves, third.moves) == (
+        0,
+        1,
+        2,
+    )  # placed again: it waits ahead of new ones
+    assert (
+        first.sampling.max_tokens == 10 and first.avoid_workers == []
+    )  # the earlier attempts unchanged

@@ -8,7 +8,7 @@ from shared.engine.model_runner import ModelRunner, Segment
 from shared.engine.projection import SMALL
 
 BLOCK = 16
-DEFAULT_THREADS = torch.get_num_threads()   # at import, before the tiny_model fixture changes it
+DEFAULT_THREADS = torch.get_num_threads()  # at import, before the tiny_model fixture changes it
 
 
 def table(first_block: int, num_tokens: int) -> list[int]:
@@ -35,16 +35,20 @@ def greedy(runner: ModelRunner, prompt: list[int], new_tokens: int, first_block:
 
 # -- (a) the same tokens as Hugging Face -------------------------------------------------------
 
+
 @pytest.mark.parametrize("prompt_len", [1, 12, 45])
 def test_greedy_generation_matches_hf_generate(tiny_model, runner, rand_tokens, prompt_len):
     prompt = rand_tokens(prompt_len)
     ours = greedy(runner, prompt, 20, first_block=0)
     config = GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        hf = tiny_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, prompt_len, dtype=torch.long),
-                                 generation_config=config)
+        hf = tiny_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, prompt_len, dtype=torch.long),
+            generation_config=config,
+        )
     assert ours == hf[0, prompt_len:].tolist()
-    assert len(set(ours)) > 3                          # the check is not a trivial loop
+    assert len(set(ours)) > 3  # the check is not a trivial loop
 
 
 def test_prefill_logits_close_to_hf(tiny_model, runner, rand_tokens):
@@ -57,12 +61,18 @@ def test_prefill_logits_close_to_hf(tiny_model, runner, rand_tokens):
 
 def test_forward_returns_one_row_of_logits_per_segment(runner, rand_tokens):
     a, b, c = rand_tokens(5), rand_tokens(40), rand_tokens(1)
-    logits = runner.forward([Segment(table(0, 5), a, 0, 5), Segment(table(10, 40), b, 0, 40),
-                             Segment(table(20, 1), c, 0, 1)])
+    logits = runner.forward(
+        [
+            Segment(table(0, 5), a, 0, 5),
+            Segment(table(10, 40), b, 0, 40),
+            Segment(table(20, 1), c, 0, 1),
+        ]
+    )
     assert logits.shape == (3, 128) and logits.dtype == torch.float32
 
 
 # -- (b) batch invariance ------------------------------------------------------------------------
+
 
 def test_padded_rows_pads_only_up_to_a_measured_invariant_count(runner):
     assert runner.row_counts and all(1 <= count <= SMALL for count in runner.row_counts)
@@ -73,7 +83,9 @@ def test_padded_rows_pads_only_up_to_a_measured_invariant_count(runner):
 
 
 def test_without_batch_invariance_nothing_is_padded(tiny_model):
-    loose = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=16, block_size=BLOCK, chunk=32, batch_invariant=False)
+    loose = ModelRunner(
+        tiny_model, "tiny", "cpu", pool_blocks=16, block_size=BLOCK, chunk=32, batch_invariant=False
+    )
     assert all(loose.padded_rows(rows) == rows for rows in range(1, 40))
 
 
@@ -92,7 +104,13 @@ def threads(request, tiny_model):
 def test_padded_row_counts_are_row_invariant_in_every_projection(runner, threads):
     """The premise of padded_rows: a padded GEMM gives each row the bits it has in a bigger batch."""
     g = torch.Generator().manual_seed(threads)
-    projections = (runner.qkv[0], runner.o_proj[1], runner.gate_up[0], runner.down[1], runner.lm_head)
+    projections = (
+        runner.qkv[0],
+        runner.o_proj[1],
+        runner.gate_up[0],
+        runner.down[1],
+        runner.lm_head,
+    )
     for rows in sorted({runner.padded_rows(r) for r in range(1, 80)}):
         for projection in projections:
             x = torch.randn(96, projection.in_features, generator=g)
@@ -119,11 +137,11 @@ def decoding(runner):
 @pytest.mark.parametrize("others", [1, 3, 7, 15])
 def test_decode_logits_do_not_depend_on_the_batch(runner, decoding, threads, others):
     alone = runner.forward([decoding[0]])[0]
-    first = runner.forward(decoding[:others + 1])
+    first = runner.forward(decoding[: others + 1])
     assert torch.equal(first[0], alone)
-    last = runner.forward(decoding[1:others + 1][::-1] + [decoding[0]])
+    last = runner.forward(decoding[1 : others + 1][::-1] + [decoding[0]])
     assert torch.equal(last[-1], alone)
-    for i in range(1, others + 1):                     # every member gets its solo logits too
+    for i in range(1, others + 1):  # every member gets its solo logits too
         assert torch.equal(first[i], runner.forward([decoding[i]])[0]), i
 
 
@@ -132,12 +150,16 @@ def test_prefill_logits_do_not_depend_on_the_batch(runner, decoding, rand_tokens
     alone = runner.forward([Segment(table(400, 50), prompt, 0, 50)])[0]
     mixed = runner.forward(decoding[:5] + [Segment(table(420, 50), prompt, 0, 50)] + decoding[5:9])
     assert torch.equal(mixed[5], alone)
-    assert torch.equal(runner.pool.export(runner.pool.slots(table(400, 50), 0, 50)),
-                       runner.pool.export(runner.pool.slots(table(420, 50), 0, 50)))
+    assert torch.equal(
+        runner.pool.export(runner.pool.slots(table(400, 50), 0, 50)),
+        runner.pool.export(runner.pool.slots(table(420, 50), 0, 50)),
+    )
 
 
 def test_without_batch_invariance_the_runner_still_computes(tiny_model, rand_tokens):
-    loose = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=16, block_size=BLOCK, chunk=32, batch_invariant=False)
+    loose = ModelRunner(
+        tiny_model, "tiny", "cpu", pool_blocks=16, block_size=BLOCK, chunk=32, batch_invariant=False
+    )
     prompt = rand_tokens(20)
     strict = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=16, block_size=BLOCK, chunk=32)
     a = loose.forward([Segment(table(0, 20), prompt, 0, 20)])[0]
@@ -146,6 +168,7 @@ def test_without_batch_invariance_the_runner_still_computes(tiny_model, rand_tok
 
 
 # -- (c) chunk determinism -----------------------------------------------------------------------
+
 
 def test_chunked_prompt_gives_the_same_logits_as_one_segment(tiny_model, rand_tokens):
     runner = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=64, block_size=BLOCK, chunk=128)
@@ -156,8 +179,10 @@ def test_chunked_prompt_gives_the_same_logits_as_one_segment(tiny_model, rand_to
     runner.forward([Segment(blocks, prompt, 128, 256)])
     pieces = runner.forward([Segment(blocks, prompt, 256, 300)])
     assert torch.equal(whole, pieces)
-    assert torch.equal(runner.pool.export(runner.pool.slots(table(0, 300), 0, 300)),
-                       runner.pool.export(runner.pool.slots(blocks, 0, 300)))
+    assert torch.equal(
+        runner.pool.export(runner.pool.slots(table(0, 300), 0, 300)),
+        runner.pool.export(runner.pool.slots(blocks, 0, 300)),
+    )
 
 
 def test_a_decode_step_after_chunks_matches_after_one_segment(tiny_model, rand_tokens):
@@ -168,10 +193,13 @@ def test_a_decode_step_after_chunks_matches_after_one_segment(tiny_model, rand_t
     runner.forward([Segment(b, prompt, 0, 128)])
     assert int(runner.forward([Segment(b, prompt, 128, 129)])[0].argmax()) == tok
     seq = prompt + [tok]
-    assert torch.equal(runner.forward([Segment(a, seq, 129, 130)]), runner.forward([Segment(b, seq, 129, 130)]))
+    assert torch.equal(
+        runner.forward([Segment(a, seq, 129, 130)]), runner.forward([Segment(b, seq, 129, 130)])
+    )
 
 
 # -- (d) the KV in the pool --------------------------------------------------------------------
+
 
 def test_identical_prompts_write_identical_kv(runner, rand_tokens):
     prompt = rand_tokens(77)
@@ -192,7 +220,7 @@ def test_layer0_kv_is_the_projection_of_the_embeddings(tiny_model, runner, rand_
     keys, values = runner.pool.read(0, runner.pool.slots(blocks, 0, 9))
     with torch.no_grad():
         out = tiny_model(torch.tensor([prompt]), use_cache=True)
-    hf_keys = out.past_key_values.layers[0].keys[0].transpose(0, 1)     # [tokens, heads, dim]
+    hf_keys = out.past_key_values.layers[0].keys[0].transpose(0, 1)  # [tokens, heads, dim]
     hf_values = out.past_key_values.layers[0].values[0].transpose(0, 1)
     torch.testing.assert_close(keys, hf_keys, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(values, hf_values, rtol=1e-5, atol=1e-6)
@@ -201,16 +229,21 @@ def test_layer0_kv_is_the_projection_of_the_embeddings(tiny_model, runner, rand_
 def test_kv_does_not_leak_into_other_blocks(tiny_model, rand_tokens):
     runner = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=8, block_size=BLOCK, chunk=32)
     runner.forward([Segment([5, 2], rand_tokens(20), 0, 20)])
-    touched = runner.pool.kv.reshape(2, 2, 8, BLOCK, -1).abs().sum(dim=(0, 1, 4)) != 0   # [blocks, offsets]
+    touched = (
+        runner.pool.kv.reshape(2, 2, 8, BLOCK, -1).abs().sum(dim=(0, 1, 4)) != 0
+    )  # [blocks, offsets]
     assert touched[5].all() and touched[2, :4].all() and not touched[2, 4:].any()
     assert not touched[[0, 1, 3, 4, 6, 7]].any()
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN LIMITATION (why decode-filled blocks are not prefix-cached): a token decoded alone (one query row, no mask) "
-                                       "gets attention output bits that differ from the same token computed as a "
-                                       "row of a prompt piece (n rows, causal mask); from layer 1 on its K/V "
-                                       "differ by ~1e-7, so blocks filled by decode steps are not what a prefill "
-                                       "of those tokens writes (prefix-cache reuse and preemption recompute)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="KNOWN LIMITATION (why decode-filled blocks are not prefix-cached): a token decoded alone (one query row, no mask) "
+    "gets attention output bits that differ from the same token computed as a "
+    "row of a prompt piece (n rows, causal mask); from layer 1 on its K/V "
+    "differ by ~1e-7, so blocks filled by decode steps are not what a prefill "
+    "of those tokens writes (prefix-cache reuse and preemption recompute)",
+)
 def test_decoded_tokens_write_the_kv_a_prefill_of_them_writes(runner, rand_tokens):
     prompt = rand_tokens(10)
     decoded, prefilled = table(440, 40), table(450, 40)
@@ -222,11 +255,12 @@ def test_decoded_tokens_write_the_kv_a_prefill_of_them_writes(runner, rand_token
     runner.forward([Segment(prefilled, tokens, 0, 40)])
     kv_decoded = runner.pool.export(runner.pool.slots(decoded, 0, 40))
     kv_prefilled = runner.pool.export(runner.pool.slots(prefilled, 0, 40))
-    assert torch.equal(kv_decoded[0], kv_prefilled[0])    # layer 0: projections only, equal already
+    assert torch.equal(kv_decoded[0], kv_prefilled[0])  # layer 0: projections only, equal already
     assert torch.equal(kv_decoded, kv_prefilled)
 
 
 # -- reading the pool in place --------------------------------------------------------------------
+
 
 def test_a_contiguous_block_run_is_read_in_place_with_the_same_bits(runner, rand_tokens):
     """Consecutive blocks are attended in place (no gather); scattered ones are gathered: same bits."""

@@ -10,8 +10,13 @@ from shared.control.nats_auth import ROLES, env_file, new_passwords, server_conf
 def _server_accepts(config: str, tmp_path, env: dict[str, str]) -> subprocess.CompletedProcess:
     path = tmp_path / "nats.conf"
     path.write_text(config)
-    return subprocess.run([nats_server_binary(), "-t", "-c", str(path)], env=child_env(env),
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [nats_server_binary(), "-t", "-c", str(path)],
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_new_passwords_are_strings_to_nats_server(tmp_path):
@@ -21,7 +26,7 @@ def test_new_passwords_are_strings_to_nats_server(tmp_path):
         passwords = new_passwords()
         assert set(passwords) == set(ROLES) and len(set(passwords.values())) == len(ROLES)
         assert all(re.fullmatch(r"[a-z][0-9a-f]{48}", pw) for pw in passwords.values())
-    for _ in range(5):   # the compose way: the config names variables, the .env gives them
+    for _ in range(5):  # the compose way: the config names variables, the .env gives them
         dotenv = dict(line.split("=", 1) for line in env_file(new_passwords()).splitlines())
         done = _server_accepts(server_config("default"), tmp_path, dotenv)
         assert done.returncode == 0, done.stdout + done.stderr
@@ -32,5 +37,7 @@ def test_literal_passwords_and_tls_parse(tmp_path):
     config = server_config("c", new_passwords())
     done = _server_accepts(config, tmp_path, {})
     assert done.returncode == 0, done.stdout + done.stderr
-    tls = server_config("c", new_passwords(), tls={"cert_file": "/x/server.pem", "key_file": "/x/server.key"})
+    tls = server_config(
+        "c", new_passwords(), tls={"cert_file": "/x/server.pem", "key_file": "/x/server.key"}
+    )
     assert 'cert_file: "/x/server.pem"' in tls and 'key_file: "/x/server.key"' in tls

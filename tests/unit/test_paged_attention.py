@@ -16,7 +16,9 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def kernel():
     loaded = cpu_kernels.load()
-    assert loaded is not None, "the kernel must build on the test machine (a C++ compiler is installed)"
+    assert loaded is not None, (
+        "the kernel must build on the test machine (a C++ compiler is installed)"
+    )
     return loaded
 
 
@@ -29,17 +31,21 @@ def reference(q, keys, values, table, length):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_sdpa_over_scattered_blocks(kernel, dtype):
     g = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim = 6, 2, 40   # dim not a multiple of the kernel's 16 lanes
+    heads, kv_heads, dim = 6, 2, 40  # dim not a multiple of the kernel's 16 lanes
     keys, values = (torch.randn(64 * BLOCK, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
     tables = [[9, 3, 40, 1, 7], [2], [63, 62, 61]]
     lengths = [17, 1, 12]
     q = torch.randn(5, heads, dim, generator=g).to(dtype)
     out = torch.full_like(q, float("nan"))
-    attention = paged_attention.PagedAttention(kernel, BLOCK, dim ** -0.5)
+    attention = paged_attention.PagedAttention(kernel, BLOCK, dim**-0.5)
     attention(q, keys, values, attention.plan(tables, lengths, [4, 0, 2]), out)
-    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    tolerance = (
+        dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    )
     for row, table, length in zip([4, 0, 2], tables, lengths):
-        torch.testing.assert_close(out[row].float(), reference(q[row], keys, values, table, length), **tolerance)
+        torch.testing.assert_close(
+            out[row].float(), reference(q[row], keys, values, table, length), **tolerance
+        )
     assert out[1].isnan().all() and out[3].isnan().all()  # rows not planned are not touched
 
 
@@ -63,7 +69,9 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_call(kernel):
     attention = paged_attention.PagedAttention(kernel, BLOCK, 0.25)
     tables = [[i, 31 - i, 10 + i, 20 + i] for i in range(8)]
     together = torch.zeros_like(q)
-    attention(q, keys, values, attention.plan(tables, [9 + i for i in range(8)], list(range(8))), together)
+    attention(
+        q, keys, values, attention.plan(tables, [9 + i for i in range(8)], list(range(8))), together
+    )
     for i in range(8):
         alone = torch.zeros_like(q)
         attention(q, keys, values, attention.plan([tables[i]], [9 + i], [i]), alone)
@@ -72,14 +80,16 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_call(kernel):
 
 def test_runner_with_the_kernels_matches_the_plain_torch_path(tiny_model):
     with_kernel = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=256, block_size=16, chunk=32)
-    without = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=256, block_size=16, chunk=32, use_kernels=False)
+    without = ModelRunner(
+        tiny_model, "tiny", "cpu", pool_blocks=256, block_size=16, chunk=32, use_kernels=False
+    )
     assert with_kernel.paged and not without.paged
     g = torch.Generator().manual_seed(2)
     segments = []
     for i in range(5):
         n = 5 + 19 * i
         tokens = torch.randint(3, 128, (n + 1,), generator=g).tolist()
-        table = list(range(200 - 10 * i, 210 - 10 * i))[::-1]   # scattered, descending blocks
+        table = list(range(200 - 10 * i, 210 - 10 * i))[::-1]  # scattered, descending blocks
         for runner in (with_kernel, without):
             runner.forward([Segment(table, tokens, 0, n)])
         segments.append(Segment(table, tokens, n, n + 1))
@@ -94,12 +104,19 @@ def test_without_a_compiler_the_runner_falls_back_with_a_warning(tiny_model, mon
 
     def broken(**kwargs):
         raise RuntimeError("no C++ compiler")
+
     monkeypatch.setattr(cpp_extension, "load", broken)
-    monkeypatch.setattr(cpu_kernels, "_import_built", lambda name: None)   # as if nothing were built yet
+    monkeypatch.setattr(
+        cpu_kernels, "_import_built", lambda name: None
+    )  # as if nothing were built yet
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     with caplog.at_level(logging.WARNING):
         runner = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=16, block_size=16, chunk=32)
-    assert not runner.paged and type(runner.ops).__name__ == "TorchOps" and "no C++ compiler" in caplog.text
+    assert (
+        not runner.paged
+        and type(runner.ops).__name__ == "TorchOps"
+        and "no C++ compiler" in caplog.text
+    )
     logits = runner.forward([Segment([0, 1], list(range(3, 20)), 0, 17)])
     assert logits.shape == (1, 128)
 
@@ -109,16 +126,21 @@ def test_a_table_too_short_for_its_context_is_refused(kernel):
     q = torch.zeros(1, 1, 16)
     attention = paged_attention.PagedAttention(kernel, BLOCK, 0.25)
     with pytest.raises(RuntimeError, match="longer than its table"):
-        attention(q, keys, values, attention.plan([[0, 1]], [BLOCK * 2 + 1], [0]), torch.zeros_like(q))
+        attention(
+            q, keys, values, attention.plan([[0, 1]], [BLOCK * 2 + 1], [0]), torch.zeros_like(q)
+        )
     with pytest.raises(RuntimeError, match="block out of range"):
         attention(q, keys, values, attention.plan([[0, 8]], [BLOCK * 2], [0]), torch.zeros_like(q))
 
 
-def test_a_built_kernel_module_is_imported_without_a_build_step(kernel, monkeypatch):  # kernel: built first
+def test_a_built_kernel_module_is_imported_without_a_build_step(
+    kernel, monkeypatch
+):  # kernel: built first
     from torch.utils import cpp_extension
 
     def no_build(**kwargs):
         raise AssertionError("a cached build must load without cpp_extension.load (it forks ninja)")
+
     monkeypatch.setattr(cpp_extension, "load", no_build)
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     assert cpu_kernels.load() is not None

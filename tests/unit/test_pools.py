@@ -11,8 +11,12 @@ from shared.cli.pools import Restarts, ScaleError, WorkerPools, WorkerSpec, drai
 from shared.cli.processes import ProcessGroup
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
-STUBBORN = [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "print('ready', flush=True); time.sleep(60)"]
+STUBBORN = [
+    sys.executable,
+    "-c",
+    "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('ready', flush=True); time.sleep(60)",
+]
 
 
 @pytest.fixture
@@ -94,7 +98,9 @@ def test_wait_settled_waits_for_joiners_and_leavers(monkeypatch):
         return current["known"]
 
     monkeypatch.setattr(scale, "cluster_pids", status)
-    monkeypatch.setattr(scale.control, "call", lambda path, req: {"ok": True, "retiring": current["retiring"]})
+    monkeypatch.setattr(
+        scale.control, "call", lambda path, req: {"ok": True, "retiring": current["retiring"]}
+    )
     reply = {"address": "x", "started": [{"pid": 3}], "stopping": [{"pid": 2}]}
     scale.wait_settled("sock", reply, timeout=5, poll_s=0)
     assert current == {"known": {1, 3}, "retiring": []}
@@ -122,9 +128,11 @@ def test_a_crashed_worker_is_replaced_and_a_crash_loop_stops(group, monkeypatch)
         time.sleep(0.05)
     assert replaced == [(victim_name, -signal.SIGKILL, "decode-1")]
     assert [n for n, _ in pools.workers["decode"]] == ["decode-1"] and not group.dead()
-    assert pools.replace_crashed() == []                       # the new one runs: nothing to do
+    assert pools.replace_crashed() == []  # the new one runs: nothing to do
 
-    monkeypatch.setattr("shared.cli.pools.MAX_RESTARTS", 1)    # a second crash within the window: a loop
+    monkeypatch.setattr(
+        "shared.cli.pools.MAX_RESTARTS", 1
+    )  # a second crash within the window: a loop
     next(p for n, p in group.children if n == "decode-1").send_signal(signal.SIGKILL)
     with pytest.raises(ScaleError, match="not restarting"):
         while time.monotonic() < deadline + 10:
@@ -142,4 +150,4 @@ def test_a_service_restarts_as_it_was_started_and_a_crash_loop_is_refused(group,
     monkeypatch.setattr("shared.cli.pools.MAX_RESTARTS", 2)
     restarts = Restarts()
     assert restarts.allow("nats") and restarts.allow("nats") and not restarts.allow("nats")
-    assert restarts.allow("gateway")                            # each service has its own count
+    assert restarts.allow("gateway")  # each service has its own count

@@ -4,7 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts, onednn_bf16
+from shared.engine.projection import (
+    SMALL,
+    Projection,
+    fastest_row_count,
+    invariant_row_counts,
+    onednn_bf16,
+)
 from shared.model_store import quantize_int8
 
 
@@ -40,13 +46,19 @@ def test_the_unpacked_fallback_matches_each_module_on_any_cpu(monkeypatch, bias,
     assert_matches_modules(projection, modules, dtype)
 
 
-def assert_matches_modules(projection: Projection, modules: list[nn.Module], dtype: torch.dtype) -> None:
+def assert_matches_modules(
+    projection: Projection, modules: list[nn.Module], dtype: torch.dtype
+) -> None:
     x = torch.randn(7, 48).to(dtype)
     with torch.inference_mode():
         outputs = projection(x)
         assert [o.shape for o in outputs] == [(7, 32), (7, 16), (7, 16)]
         for out, module in zip(outputs, modules):
-            tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+            tolerance = (
+                dict(rtol=2e-2, atol=2e-2)
+                if dtype == torch.bfloat16
+                else dict(rtol=1e-5, atol=1e-6)
+            )
             torch.testing.assert_close(out, module(x), **tolerance)
 
 
@@ -68,7 +80,9 @@ def test_invariant_row_counts_are_invariant():
     with torch.inference_mode():
         full = projection(x)
         for rows in counts:
-            assert all(torch.equal(part, whole[:rows]) for part, whole in zip(projection(x[:rows]), full))
+            assert all(
+                torch.equal(part, whole[:rows]) for part, whole in zip(projection(x[:rows]), full)
+            )
 
 
 def test_int8_dynamic_quantization_is_not_batch_invariant():

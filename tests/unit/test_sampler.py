@@ -2,8 +2,8 @@
 
 import torch
 
-from shared.engine.sampler import sample, step_seed
 from shared.control.messages import SamplingParams
+from shared.engine.sampler import sample, step_seed
 
 VOCAB = 512
 
@@ -34,7 +34,7 @@ def test_draws_differ_across_positions_and_seeds():
     scores = torch.zeros(VOCAB)
     a = draws(SamplingParams(temperature=1.0, seed=1), scores, 64)
     b = draws(SamplingParams(temperature=1.0, seed=2), scores, 64)
-    assert len(set(a)) > 32        # positions are not all one token
+    assert len(set(a)) > 32  # positions are not all one token
     assert sum(x == y for x, y in zip(a, b)) < 8
 
 
@@ -71,8 +71,8 @@ def test_temperature_sharpens_and_flattens():
         picks = draws(SamplingParams(temperature=temperature, seed=42), scores, 2000)
         return sum(picks) / len(picks)
 
-    assert abs(share_of_top(1.0) - 0.731) < 0.05     # e / (1 + e)
-    assert abs(share_of_top(0.5) - 0.881) < 0.05     # e^2 / (1 + e^2)
+    assert abs(share_of_top(1.0) - 0.731) < 0.05  # e / (1 + e)
+    assert abs(share_of_top(0.5) - 0.881) < 0.05  # e^2 / (1 + e^2)
     assert share_of_top(0.05) > 0.99
     assert abs(share_of_top(100.0) - 0.5) < 0.05
 
@@ -82,4 +82,6 @@ def test_step_seed_stays_within_63_bits():
         for position in (0, 1, 8191, 2**40):
             assert 0 <= step_seed(seed, position) < 2**63
     assert step_seed(1, 0) != step_seed(1, 1) != step_seed(2, 1)
-    assert sample(torch.zeros(VOCAB), SamplingParams(temperature=1.0, seed=2**63 - 1), 10**6) in range(VOCAB)
+    assert sample(
+        torch.zeros(VOCAB), SamplingParams(temperature=1.0, seed=2**63 - 1), 10**6
+    ) in range(VOCAB)

@@ -9,8 +9,18 @@ from services.scheduler.admission import AdmissionQueue
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
-from shared.control.messages import (CancelRequest, DecodeAssignment, GenerateTask, KVLayout, SamplingParams, StatusReply,
-                             StatusRequest, SubmitReply, TaskAck, WorkerHeartbeat)
+from shared.control.messages import (
+    CancelRequest,
+    DecodeAssignment,
+    GenerateTask,
+    KVLayout,
+    SamplingParams,
+    StatusReply,
+    StatusRequest,
+    SubmitReply,
+    TaskAck,
+    WorkerHeartbeat,
+)
 from shared.control.subjects import Subjects
 from tests.fakes.bus import InMemoryBus
 
@@ -21,14 +31,28 @@ CLUSTER = "unit"
 def beat(worker_id: str, role: str = "decode", layout: KVLayout = LAYOUT, **kw) -> WorkerHeartbeat:
     values = dict(kv_blocks_total=100, block_size=16, max_model_len=8192)
     values.update(kw)
-    return WorkerHeartbeat(worker_id=worker_id, role=role, host="h", pid=1, ucx_address=worker_id.encode(),
-                           layout=layout, **values)
+    return WorkerHeartbeat(
+        worker_id=worker_id,
+        role=role,
+        host="h",
+        pid=1,
+        ucx_address=worker_id.encode(),
+        layout=layout,
+        **values,
+    )
 
 
-def task(prompt_len: int = 10, max_tokens: int = 6, request_id: str = "r1", priority: int = 0) -> GenerateTask:
-    return GenerateTask(request_id=request_id, prompt_token_ids=[1] * prompt_len,
-                        sampling=SamplingParams(max_tokens=max_tokens), reply_subject="g", arrival_time=0.0,
-                        priority=priority)
+def task(
+    prompt_len: int = 10, max_tokens: int = 6, request_id: str = "r1", priority: int = 0
+) -> GenerateTask:
+    return GenerateTask(
+        request_id=request_id,
+        prompt_token_ids=[1] * prompt_len,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        reply_subject="g",
+        arrival_time=0.0,
+        priority=priority,
+    )
 
 
 class Clock:
@@ -55,7 +79,7 @@ def test_registry_expires_silent_workers():
     registry.update(beat("d1"))
     registry.update(beat("p1", role="prefill"))
     clock.now += 2.0
-    registry.update(beat("d1", running=1))            # d1 beats again, p1 stays silent
+    registry.update(beat("d1", running=1))  # d1 beats again, p1 stays silent
     clock.now += 1.5
     assert [w.worker_id for w in registry.live()] == ["d1"]
     assert registry.live("decode")[0].running == 1
@@ -80,7 +104,7 @@ def test_stopping_beat_removes_at_once():
 def test_reserve_counts_placed_work_until_the_next_heartbeat():
     registry = registry_with(beat("d1", queued=1, kv_blocks_used=10, prefill_tokens_queued=5))
     registry.reserve("d1", seqs=1, blocks=4, prompt_tokens=100)
-    registry.reserve("gone", seqs=1)                   # a worker dropped meanwhile: nothing to do
+    registry.reserve("gone", seqs=1)  # a worker dropped meanwhile: nothing to do
     w = registry.live("decode")[0]
     assert (w.queued, w.kv_blocks_used, w.prefill_tokens_queued) == (2, 14, 105)
     registry.update(beat("d1", queued=0))
@@ -89,7 +113,9 @@ def test_reserve_counts_placed_work_until_the_next_heartbeat():
 
 def test_registry_keeps_each_workers_prefix_summary():
     registry = registry_with(beat("d1", prefix_summary=[1, 2, 3]))
-    assert registry.summary("d1") == frozenset({1, 2, 3}) and registry.summary("nobody") == frozenset()
+    assert (
+        registry.summary("d1") == frozenset({1, 2, 3}) and registry.summary("nobody") == frozenset()
+    )
 
 
 # --- admission queue ---------------------------------------------------------------------------
@@ -117,7 +143,7 @@ def test_a_request_placed_again_goes_first_among_its_priority_and_past_a_full_qu
     queue.offer(task(request_id="a"), None)
     queue.offer(task(request_id="b", priority=1), None)
     moved = dataclasses.replace(task(request_id="m"), moves=1)
-    assert queue.offer(moved, None) is not None      # admitted before: the bound is for new requests
+    assert queue.offer(moved, None) is not None  # admitted before: the bound is for new requests
     assert queue.offer(task(request_id="c"), None) is None
     assert [queue.pop().task.request_id for _ in range(3)] == ["b", "m", "a"]
 
@@ -125,20 +151,20 @@ def test_a_request_placed_again_goes_first_among_its_priority_and_past_a_full_qu
 def test_queue_expires_long_waits_and_hints_when_to_retry():
     clock = Clock()
     queue = AdmissionQueue(max_pending=10, timeout_s=5, clock=clock)
-    assert queue.retry_after_ms() == 1000          # nothing placed yet
+    assert queue.retry_after_ms() == 1000  # nothing placed yet
     for i in range(4):
         queue.offer(task(request_id=f"r{i}"), None)
     for _ in range(2):
         clock.now += 1.0
         queue.pop()
-        queue.placed()                             # two placed, 1 s apart
+        queue.placed()  # two placed, 1 s apart
     clock.now += 3.6
     queue.offer(task(request_id="late"), None)
     assert [e.task.request_id for e in queue.expired()] == ["r2", "r3"]
     assert len(queue) == 1
     # 2 placed over the last 4.6 s (at least 1 s): (1 waiting + 1) / (2 / 4.6 per second) = 4.6 s
     assert queue.retry_after_ms() == 4600
-    clock.now += 20                                # nothing placed in the window: no estimate
+    clock.now += 20  # nothing placed in the window: no estimate
     assert queue.retry_after_ms() == 1000
 
 
@@ -147,7 +173,9 @@ def test_queue_expires_long_waits_and_hints_when_to_retry():
 
 def service(mode: str = "disaggregated", **kw) -> tuple[SchedulerService, InMemoryBus]:
     bus = InMemoryBus()
-    settings = SchedulerSettings(cluster=CLUSTER, mode=mode, dispatch_timeout_s=0.2, scheduler_id="s1", **kw)
+    settings = SchedulerSettings(
+        cluster=CLUSTER, mode=mode, dispatch_timeout_s=0.2, scheduler_id="s1", **kw
+    )
     return SchedulerService(settings, bus), bus
 
 
@@ -178,8 +206,10 @@ async def test_dispatch_success_returns_the_pair():
     reply = await submit(svc, task(request_id="abc"))
     assert reply == SubmitReply(ok=True, prefill_worker="p1", decode_worker="d1")
     [(worker, assignment)] = log
-    assert worker == "d1" and assignment.prefill_worker == "p1" and assignment.task.request_id == "abc"
-    assert svc.registry.live("decode")[0].queued == 1      # counted until d1's next heartbeat
+    assert (
+        worker == "d1" and assignment.prefill_worker == "p1" and assignment.task.request_id == "abc"
+    )
+    assert svc.registry.live("decode")[0].queued == 1  # counted until d1's next heartbeat
 
 
 async def test_dispatch_colocated_has_no_prefill_worker():
@@ -197,7 +227,7 @@ async def test_a_full_or_draining_worker_makes_it_try_another(code):
     log = []
     await fake_worker(bus, "d1", TaskAck(ok=False, code=code, message="no"), log)
     await fake_worker(bus, "d2", TaskAck(ok=True), log)
-    svc.registry.update(beat("d1"))                  # least loaded: tried first
+    svc.registry.update(beat("d1"))  # least loaded: tried first
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task())
@@ -207,7 +237,7 @@ async def test_a_full_or_draining_worker_makes_it_try_another(code):
 
 async def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once():
     svc, _ = service()
-    svc.registry.update(beat("d1", running=8, max_num_seqs=8))   # full: requests wait
+    svc.registry.update(beat("d1", running=8, max_num_seqs=8))  # full: requests wait
     svc.registry.update(beat("p1", role="prefill"))
     answers = []
 
@@ -221,14 +251,14 @@ async def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once():
     await asyncio.sleep(0)
     assert len(svc.queue) == 1 and svc.queue.head().task.request_id == "b"
     assert [(r.ok, r.code) for r in answers] == [(False, "CANCELLED")]
-    await svc.on_cancel(CancelRequest("nobody", ""), None)   # not waiting here: nothing happens
+    await svc.on_cancel(CancelRequest("nobody", ""), None)  # not waiting here: nothing happens
     assert len(svc.queue) == 1
 
 
 async def test_a_worker_that_never_confirms_is_named_so_the_gateway_can_move_the_request():
-    svc, bus = service()                               # dispatch_timeout_s 0.2
+    svc, bus = service()  # dispatch_timeout_s 0.2
 
-    async def silent(assignment, respond) -> None:     # alive on the bus, but never answers
+    async def silent(assignment, respond) -> None:  # alive on the bus, but never answers
         pass
 
     await bus.subscribe(Subjects(CLUSTER).decode_tasks("d1"), silent)
@@ -236,7 +266,9 @@ async def test_a_worker_that_never_confirms_is_named_so_the_gateway_can_move_the
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task(request_id="x"))
     assert (reply.ok, reply.code, reply.failed_worker) == (False, "UNAVAILABLE", "d1")
-    cancels = [m for s, m in bus.published if s == Subjects(CLUSTER).cancel]   # it may hold it: drop it
+    cancels = [
+        m for s, m in bus.published if s == Subjects(CLUSTER).cancel
+    ]  # it may hold it: drop it
     assert [c.request_id for c in cancels] == ["x"]
 
 
@@ -245,14 +277,19 @@ async def test_a_moved_request_avoids_the_workers_that_failed_it():
     log = []
     for worker in ("d1", "d2"):
         await fake_worker(bus, worker, TaskAck(ok=True), log)
-    svc.registry.update(beat("d1"))                  # the emptiest, but it failed this request
+    svc.registry.update(beat("d1"))  # the emptiest, but it failed this request
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
-    assert (await submit(svc, task(600, request_id="first"))).prefill_worker == "p1"   # a long prompt
+    assert (
+        await submit(svc, task(600, request_id="first"))
+    ).prefill_worker == "p1"  # a long prompt
     moved = task(600)
-    moved.avoid_workers = ["d1", "p1"]               # its decode worker, then its prefill worker, died
+    moved.avoid_workers = ["d1", "p1"]  # its decode worker, then its prefill worker, died
     reply = await submit(svc, moved)
-    assert (reply.decode_worker, reply.prefill_worker) == ("d2", "")   # auto: prefilled locally instead
+    assert (reply.decode_worker, reply.prefill_worker) == (
+        "d2",
+        "",
+    )  # auto: prefilled locally instead
     moved = task(request_id="again")
     moved.avoid_workers = ["d1", "d2"]
     reply = await submit(svc, moved)
@@ -266,12 +303,14 @@ async def test_workers_that_refuse_as_full_count_as_full_until_they_beat_again()
     await asyncio.sleep(0)
     log = []
     for name in ("d1", "d2"):
-        await fake_worker(bus, name, TaskAck(ok=False, code="RESOURCE_EXHAUSTED", message="full"), log)
+        await fake_worker(
+            bus, name, TaskAck(ok=False, code="RESOURCE_EXHAUSTED", message="full"), log
+        )
         svc.registry.update(beat(name))
     svc.registry.update(beat("p1", role="prefill"))
-    reply = await submit(svc, task())             # both refuse; it waits for room, then gives up
+    reply = await submit(svc, task())  # both refuse; it waits for room, then gives up
     assert (reply.ok, reply.code) == (False, "RESOURCE_EXHAUSTED") and reply.retry_after_ms > 0
-    assert sorted(w for w, _ in log) == ["d1", "d2"]   # each asked once, not again while full
+    assert sorted(w for w, _ in log) == ["d1", "d2"]  # each asked once, not again while full
     stop.set()
     await asyncio.wait_for(server, 1.0)
 
@@ -310,7 +349,7 @@ async def test_silent_worker_is_dropped_and_another_tried():
     svc, bus = service()
     log = []
     await fake_worker(bus, "d2", TaskAck(ok=True), log)
-    svc.registry.update(beat("d1"))                  # announced, but nobody listens on its subject
+    svc.registry.update(beat("d1"))  # announced, but nobody listens on its subject
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task())
@@ -328,7 +367,7 @@ async def test_a_request_waits_for_room_and_is_placed_when_a_heartbeat_brings_it
     svc, bus = service()
     log = []
     await fake_worker(bus, "d1", TaskAck(ok=True), log)
-    svc.registry.update(beat("d1", running=8, max_num_seqs=8))     # batch full
+    svc.registry.update(beat("d1", running=8, max_num_seqs=8))  # batch full
     svc.registry.update(beat("p1", role="prefill"))
     pending = asyncio.ensure_future(submit(svc, task()))
     await asyncio.sleep(0.05)
@@ -346,10 +385,14 @@ async def test_overload_is_refused_at_once_when_the_queue_is_full_and_after_the_
     svc.registry.update(beat("p1", role="prefill"))
     waiting = asyncio.ensure_future(submit(svc, task(request_id="a")))
     await asyncio.sleep(0.05)
-    refused = await submit(svc, task(request_id="b"), timeout=0.1)       # at once: the queue is full
+    refused = await submit(svc, task(request_id="b"), timeout=0.1)  # at once: the queue is full
     assert (refused.code, refused.retry_after_ms > 0) == ("RESOURCE_EXHAUSTED", True)
-    late = await asyncio.wait_for(waiting, 1.0)                           # after queue_timeout_s
-    assert (late.code, "within" in late.message, late.retry_after_ms > 0) == ("RESOURCE_EXHAUSTED", True, True)
+    late = await asyncio.wait_for(waiting, 1.0)  # after queue_timeout_s
+    assert (late.code, "within" in late.message, late.retry_after_ms > 0) == (
+        "RESOURCE_EXHAUSTED",
+        True,
+        True,
+    )
     stop.set()
     await asyncio.wait_for(server, 1.0)
 
@@ -364,7 +407,7 @@ async def test_higher_priority_is_placed_first_when_room_comes():
     await asyncio.sleep(0.01)
     high = asyncio.ensure_future(submit(svc, task(request_id="high", priority=3)))
     await asyncio.sleep(0.01)
-    await svc.on_heartbeat(beat("d1", running=7, max_num_seqs=8), None)   # room for one
+    await svc.on_heartbeat(beat("d1", running=7, max_num_seqs=8), None)  # room for one
     assert (await high).ok
     await asyncio.sleep(0.05)
     assert not low.done() and [a.task.request_id for _, a in log] == ["high"]
@@ -381,7 +424,7 @@ async def test_serve_answers_submit_and_status_over_the_bus():
     await fake_worker(bus, "d1", TaskAck(ok=True), [])
     await bus.publish(subjects.heartbeat, beat("d1"))
     status = await bus.request(subjects.status, StatusRequest(), 1.0, StatusReply)
-    assert not status.ready                          # no prefill worker yet
+    assert not status.ready  # no prefill worker yet
     await bus.publish(subjects.heartbeat, beat("p1", role="prefill"))
     status = await bus.request(subjects.status, StatusRequest(), 1.0, StatusReply)
     assert status.ready and [w.worker_id for w in status.workers] == ["d1", "p1"]

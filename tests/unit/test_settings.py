@@ -10,11 +10,20 @@ from shared.settings import load_settings
 
 def test_defaults_with_no_flags_and_no_env():
     s = load_settings(SchedulerSettings, [], env={})
-    assert (s.mode, s.worker_timeout_s, s.cluster, s.nats_url) == ("auto", 3.0, "default", "nats://127.0.0.1:4222")
+    assert (s.mode, s.worker_timeout_s, s.cluster, s.nats_url) == (
+        "auto",
+        3.0,
+        "default",
+        "nats://127.0.0.1:4222",
+    )
 
 
 def test_env_beats_default_and_flag_beats_env():
-    env = {"TANDEM_MODE": "colocated", "TANDEM_WORKER_TIMEOUT_S": "7.5", "TANDEM_CLUSTER": "from-env"}
+    env = {
+        "TANDEM_MODE": "colocated",
+        "TANDEM_WORKER_TIMEOUT_S": "7.5",
+        "TANDEM_CLUSTER": "from-env",
+    }
     s = load_settings(SchedulerSettings, ["--cluster", "from_flag"], env=env)
     assert s.mode == "colocated"
     assert s.worker_timeout_s == 7.5
@@ -22,8 +31,11 @@ def test_env_beats_default_and_flag_beats_env():
 
 
 def test_int_fields_are_converted():
-    s = load_settings(GatewaySettings, ["--grpc-port", "6000"], env={"TANDEM_MAX_TOKENS_LIMIT": "100",
-                                                                     "TANDEM_DEFAULT_MAX_TOKENS": "50"})
+    s = load_settings(
+        GatewaySettings,
+        ["--grpc-port", "6000"],
+        env={"TANDEM_MAX_TOKENS_LIMIT": "100", "TANDEM_DEFAULT_MAX_TOKENS": "50"},
+    )
     assert (s.grpc_port, s.max_tokens_limit, s.default_max_tokens) == (6000, 100, 50)
     assert s.gateway_id.startswith("gateway-")
 
@@ -33,38 +45,44 @@ def test_unrelated_env_is_ignored():
     assert s.mode == "auto"
 
 
-@pytest.mark.parametrize("argv, env, expected", [
-    ([], {}, False),
-    (["--colocated"], {}, True),
-    ([], {"TANDEM_COLOCATED": "1"}, True),
-    ([], {"TANDEM_COLOCATED": "true"}, True),
-    ([], {"TANDEM_COLOCATED": "false"}, False),
-    ([], {"TANDEM_COLOCATED": "0"}, False),
-    (["--no-colocated"], {"TANDEM_COLOCATED": "1"}, False),
-    (["--colocated"], {"TANDEM_COLOCATED": "false"}, True),
-])
+@pytest.mark.parametrize(
+    "argv, env, expected",
+    [
+        ([], {}, False),
+        (["--colocated"], {}, True),
+        ([], {"TANDEM_COLOCATED": "1"}, True),
+        ([], {"TANDEM_COLOCATED": "true"}, True),
+        ([], {"TANDEM_COLOCATED": "false"}, False),
+        ([], {"TANDEM_COLOCATED": "0"}, False),
+        (["--no-colocated"], {"TANDEM_COLOCATED": "1"}, False),
+        (["--colocated"], {"TANDEM_COLOCATED": "false"}, True),
+    ],
+)
 def test_bool_flags_and_env(argv, env, expected):
     s = load_settings(DecodeSettings, argv, env=env)
     assert s.colocated is expected
     assert s.role == ("colocated" if expected else "decode")
 
 
-@pytest.mark.parametrize("cls, argv, env", [
-    (SchedulerSettings, [], {"TANDEM_WORKER_TIMEOUT_S": "soon"}),
-    (GatewaySettings, [], {"TANDEM_GRPC_PORT": "eighty"}),
-    (GatewaySettings, [], {"TANDEM_GRPC_PORT": "1.5"}),
-    (GatewaySettings, ["--grpc-port", "x"], {}),
-    (GatewaySettings, ["--grpc-port", "70000"], {}),
-    (DecodeSettings, [], {"TANDEM_COLOCATED": "maybe"}),
-    (DecodeSettings, [], {"TANDEM_BLOCK_SIZE": "0"}),
-    (SchedulerSettings, ["--mode", "sideways"], {}),
-    (SchedulerSettings, ["--max-itl-ms", "-1"], {}),
-    (GatewaySettings, ["--gateway-id", "gw.1"], {}),          # not one NATS subject token
-    (GatewaySettings, ["--max-migrations", "17"], {}),
-    (GatewaySettings, ["--grpc-tls-cert", "c.pem"], {}),      # without its key
-    (SchedulerSettings, [], {"TANDEM_MAX_ITL_MS": "nan"}),
-    (SchedulerSettings, ["--no-such-flag"], {}),
-])
+@pytest.mark.parametrize(
+    "cls, argv, env",
+    [
+        (SchedulerSettings, [], {"TANDEM_WORKER_TIMEOUT_S": "soon"}),
+        (GatewaySettings, [], {"TANDEM_GRPC_PORT": "eighty"}),
+        (GatewaySettings, [], {"TANDEM_GRPC_PORT": "1.5"}),
+        (GatewaySettings, ["--grpc-port", "x"], {}),
+        (GatewaySettings, ["--grpc-port", "70000"], {}),
+        (DecodeSettings, [], {"TANDEM_COLOCATED": "maybe"}),
+        (DecodeSettings, [], {"TANDEM_BLOCK_SIZE": "0"}),
+        (SchedulerSettings, ["--mode", "sideways"], {}),
+        (SchedulerSettings, ["--max-itl-ms", "-1"], {}),
+        (GatewaySettings, ["--gateway-id", "gw.1"], {}),  # not one NATS subject token
+        (GatewaySettings, ["--max-migrations", "17"], {}),
+        (GatewaySettings, ["--grpc-tls-cert", "c.pem"], {}),  # without its key
+        (SchedulerSettings, [], {"TANDEM_MAX_ITL_MS": "nan"}),
+        (SchedulerSettings, ["--no-such-flag"], {}),
+    ],
+)
 def test_bad_input_exits_2(cls, argv, env, capsys):
     with pytest.raises(SystemExit) as exc:
         load_settings(cls, argv, env=env, prog="test")

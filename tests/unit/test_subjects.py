@@ -4,8 +4,17 @@ from shared.control.subjects import Subjects
 
 
 def all_subjects(s: Subjects) -> list[str]:
-    return [s.heartbeat, s.discover, s.submit, s.status, s.cancel,
-            s.decode_tasks("w1"), s.prefill_tasks("w1"), s.prefill_results("w1"), s.gateway_tokens("g1")]
+    return [
+        s.heartbeat,
+        s.discover,
+        s.submit,
+        s.status,
+        s.cancel,
+        s.decode_tasks("w1"),
+        s.prefill_tasks("w1"),
+        s.prefill_results("w1"),
+        s.gateway_tokens("g1"),
+    ]
 
 
 def test_every_subject_is_under_the_cluster_root():
@@ -29,4 +38,3 @@ def test_per_worker_subjects_differ_by_worker():
     assert s.decode_tasks("w1") != s.decode_tasks("w2") != s.prefill_tasks("w2")
     assert s.decode_tasks("w1") != s.prefill_results("w1")
     assert s.gateway_tokens("g1") == "tandem.c.gateway.g1.tokens"
-

@@ -5,10 +5,10 @@ import asyncio
 import pytest
 import torch
 
-from shared.control.messages import CancelRequest, Discover, TaskAck
 from shared.control.bus import NoResponders, RequestTimeout
-from tests.fakes.bus import InMemoryBus
+from shared.control.messages import CancelRequest, Discover, TaskAck
 from shared.dataplane.ucx import KVTransferError, discard
+from tests.fakes.bus import InMemoryBus
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 
 
@@ -23,8 +23,8 @@ async def test_publish_reaches_every_plain_subscriber_decoded():
     await bus.subscribe("other", handler)
     await bus.publish("s", CancelRequest(request_id="r1"))
     assert [m for m, _ in got] == [CancelRequest(request_id="r1")] * 2
-    assert all(r is None for _, r in got)          # a publish has nobody to answer
-    assert got[0][0] is not got[1][0]              # each subscriber decodes its own copy
+    assert all(r is None for _, r in got)  # a publish has nobody to answer
+    assert got[0][0] is not got[1][0]  # each subscriber decodes its own copy
     assert bus.published == [("s", CancelRequest(request_id="r1"))]
 
 
@@ -57,6 +57,7 @@ async def test_queue_group_delivers_to_one_member_round_robin():
     def member(name):
         async def handler(msg, respond):
             got.append(name)
+
         return handler
 
     for name in ("a", "b", "c"):
@@ -94,8 +95,12 @@ async def test_request_timeout_applies_to_slow_handlers():
         await respond(TaskAck(ok=True))
 
     await bus.subscribe("s", slow)
-    with pytest.raises(RequestTimeout):  # NATS gives up after `timeout`, however long the responder takes
-        await asyncio.wait_for(bus.request("s", Discover(scheduler_id="x"), timeout=0.05, expected=TaskAck), 0.5)
+    with pytest.raises(
+        RequestTimeout
+    ):  # NATS gives up after `timeout`, however long the responder takes
+        await asyncio.wait_for(
+            bus.request("s", Discover(scheduler_id="x"), timeout=0.05, expected=TaskAck), 0.5
+        )
 
 
 async def test_a_failing_handler_does_not_fail_the_publisher():
@@ -123,7 +128,7 @@ async def test_send_then_receive_copies_bytes_and_counts():
     received = torch.empty(2, 3, 4)
     receiving = asyncio.ensure_future(decode.receive(tag=7, buffer=received))
     await prefill.send(decode.address, tag=7, buffer=sent, timeout=1.0)
-    sent.zero_()                                  # the sender may reuse its buffer once the send returns
+    sent.zero_()  # the sender may reuse its buffer once the send returns
     assert await receiving == 24 * 4
     assert torch.equal(received, torch.arange(24, dtype=torch.float32).reshape(2, 3, 4))
     assert prefill.counters.bytes_sent == decode.counters.bytes_received == 24 * 4
@@ -209,8 +214,8 @@ async def test_discard_takes_late_pieces_off_the_wire_and_releases_the_rest():
     net = LoopbackNetwork()
     a, b = InProcessDataPlane(net, "a"), InProcessDataPlane(net, "b")
     late = asyncio.ensure_future(a.send_many(b"b", [(1, torch.ones(8)), (2, torch.ones(4))], 1.0))
-    await discard(b, [(1, 32), (2, 16), (3, 64)], timeout=0.1)    # piece 3 never comes
-    await late                                                   # the sender is not left hanging
+    await discard(b, [(1, 32), (2, 16), (3, 64)], timeout=0.1)  # piece 3 never comes
+    await late  # the sender is not left hanging
     assert b.counters.bytes_received == 48 and b.counters.receives_released == 1
 
 
@@ -228,5 +233,10 @@ def test_endpoint_lanes_are_read_from_ucx_print_info():
     lanes = parse_lanes(info)
     assert lanes == ["sysv/memory am keepalive", "posix/memory", "cma/memory rma_bw#0"]
     assert transport_summary(lanes) == "sysv+posix+cma"
-    assert transport_summary(parse_lanes("#  lane[0]:  1:tcp/lo.0 md[1] -> md[1]/tcp seg 0 am keepalive wireup")) == "tcp"
+    assert (
+        transport_summary(
+            parse_lanes("#  lane[0]:  1:tcp/lo.0 md[1] -> md[1]/tcp seg 0 am keepalive wireup")
+        )
+        == "tcp"
+    )
     assert transport_summary([]) == "unknown"

@@ -7,37 +7,48 @@ import pytest
 from services.gateway.validation import InvalidRequest, Limits, validate
 from shared.api import tandem_pb2 as pb
 
-LIMITS = Limits(max_model_len=8192, default_max_tokens=256, max_tokens_limit=4096, max_stop_strings=16)
+LIMITS = Limits(
+    max_model_len=8192, default_max_tokens=256, max_tokens_limit=4096, max_stop_strings=16
+)
 
 
-def request(prompt: str = "Hello there", messages=(), request_id: str = "", **sampling) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=request_id, prompt=prompt,
-                              messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
-                              sampling=pb.SamplingParams(**sampling))
+def request(
+    prompt: str = "Hello there", messages=(), request_id: str = "", **sampling
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt,
+        messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
+        sampling=pb.SamplingParams(**sampling),
+    )
 
 
-@pytest.mark.parametrize("bad", [
-    request(prompt=""),                                              # no prompt, no messages
-    request(prompt="hi", messages=[("user", "hi")]),                 # both
-    request(prompt="", messages=[("robot", "hi")]),                  # unknown role
-    request(max_tokens=0),                                           # explicitly 0
-    request(max_tokens=4097),                                        # above the limit
-    request(temperature=-0.1),
-    request(temperature=math.nan),
-    request(temperature=math.inf),
-    request(temperature=1001.0),
-    request(top_k=2**20 + 1),
-    request(top_p=0.0),
-    request(top_p=1.5),
-    request(top_p=math.nan),
-    request(stop=["s"] * 17),                                        # too many stop strings
-    request(stop=[""]),
-    request(stop=["x" * 257]),
-    request(request_id="has space"),
-    request(request_id="x" * 129),
-    request(request_id="semi;colon"),
-    request(request_id="tab\there"),
-], ids=lambda r: str(r).replace("\n", " ")[:60])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        request(prompt=""),  # no prompt, no messages
+        request(prompt="hi", messages=[("user", "hi")]),  # both
+        request(prompt="", messages=[("robot", "hi")]),  # unknown role
+        request(max_tokens=0),  # explicitly 0
+        request(max_tokens=4097),  # above the limit
+        request(temperature=-0.1),
+        request(temperature=math.nan),
+        request(temperature=math.inf),
+        request(temperature=1001.0),
+        request(top_k=2**20 + 1),
+        request(top_p=0.0),
+        request(top_p=1.5),
+        request(top_p=math.nan),
+        request(stop=["s"] * 17),  # too many stop strings
+        request(stop=[""]),
+        request(stop=["x" * 257]),
+        request(request_id="has space"),
+        request(request_id="x" * 129),
+        request(request_id="semi;colon"),
+        request(request_id="tab\there"),
+    ],
+    ids=lambda r: str(r).replace("\n", " ")[:60],
+)
 def test_invalid_requests_are_rejected(tokenizer, bad):
     with pytest.raises(InvalidRequest):
         validate(bad, tokenizer, LIMITS)
@@ -46,12 +57,16 @@ def test_invalid_requests_are_rejected(tokenizer, bad):
 def test_prompt_plus_max_tokens_must_fit_the_context(tokenizer):
     prompt = "word " * 500
     n = len(tokenizer(prompt)["input_ids"])
-    limits = Limits(max_model_len=n + 10, default_max_tokens=256, max_tokens_limit=4096, max_stop_strings=16)
-    assert len(validate(request(prompt, max_tokens=10), tokenizer, limits).prompt_token_ids) == n   # exactly full
+    limits = Limits(
+        max_model_len=n + 10, default_max_tokens=256, max_tokens_limit=4096, max_stop_strings=16
+    )
+    assert (
+        len(validate(request(prompt, max_tokens=10), tokenizer, limits).prompt_token_ids) == n
+    )  # exactly full
     with pytest.raises(InvalidRequest, match="context"):
         validate(request(prompt, max_tokens=11), tokenizer, limits)
     with pytest.raises(InvalidRequest, match="context"):
-        validate(request(prompt), tokenizer, limits)                  # the default max_tokens counts too
+        validate(request(prompt), tokenizer, limits)  # the default max_tokens counts too
     with pytest.raises(InvalidRequest, match="context"):
         validate(request("word " * 8192, max_tokens=1), tokenizer, LIMITS)
 
@@ -59,12 +74,21 @@ def test_prompt_plus_max_tokens_must_fit_the_context(tokenizer):
 def test_a_prompt_over_the_prompt_limit_is_refused(tokenizer):
     prompt = "word " * 100
     n = len(tokenizer(prompt)["input_ids"])
-    limits = Limits(max_model_len=8192, default_max_tokens=8, max_tokens_limit=4096, max_stop_strings=16,
-                    max_prompt_tokens=n)
-    assert len(validate(request(prompt), tokenizer, limits).prompt_token_ids) == n   # exactly at the limit
+    limits = Limits(
+        max_model_len=8192,
+        default_max_tokens=8,
+        max_tokens_limit=4096,
+        max_stop_strings=16,
+        max_prompt_tokens=n,
+    )
+    assert (
+        len(validate(request(prompt), tokenizer, limits).prompt_token_ids) == n
+    )  # exactly at the limit
     longer = prompt + "and more words"
-    with pytest.raises(InvalidRequest, match=f"the prompt is {len(tokenizer(longer)['input_ids'])} tokens, "
-                                             f"over the limit of {n}"):
+    with pytest.raises(
+        InvalidRequest,
+        match=f"the prompt is {len(tokenizer(longer)['input_ids'])} tokens, over the limit of {n}",
+    ):
         validate(request(longer), tokenizer, limits)
 
 
@@ -76,8 +100,9 @@ def test_raw_prompt_is_tokenized(tokenizer):
 def test_chat_messages_render_the_chat_template(tokenizer):
     chat = [("system", "Be brief."), ("user", "Hi!"), ("assistant", "Hello."), ("user", "2+2?")]
     valid = validate(request(prompt="", messages=chat), tokenizer, LIMITS)
-    expected = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in chat],
-                                             add_generation_prompt=True, tokenize=True)
+    expected = tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in chat], add_generation_prompt=True, tokenize=True
+    )
     if not isinstance(expected, list):
         expected = expected["input_ids"]
     assert valid.prompt_token_ids == list(expected)
@@ -87,19 +112,45 @@ def test_chat_messages_render_the_chat_template(tokenizer):
 def test_defaults_for_unset_fields(tokenizer):
     valid = validate(request(), tokenizer, LIMITS)
     s = valid.sampling
-    assert (s.max_tokens, s.top_p, s.temperature, s.top_k, s.stop, s.ignore_eos) == (256, 1.0, 0.0, 0, [], False)
+    assert (s.max_tokens, s.top_p, s.temperature, s.top_k, s.stop, s.ignore_eos) == (
+        256,
+        1.0,
+        0.0,
+        0,
+        [],
+        False,
+    )
     assert 0 <= s.seed < 2**63
     seeds = {validate(request(), tokenizer, LIMITS).sampling.seed for _ in range(5)}
-    assert len(seeds) > 1                                             # random, not a constant
-    assert len(valid.request_id) == 32                                # a generated uuid hex
+    assert len(seeds) > 1  # random, not a constant
+    assert len(valid.request_id) == 32  # a generated uuid hex
 
 
 def test_explicit_values_are_kept(tokenizer):
-    valid = validate(request(request_id="req-1.a:b_c", max_tokens=4096 - 3, temperature=0.5, top_p=0.25,
-                             top_k=7, seed=12345, stop=["\n\n", "x" * 256], ignore_eos=True), tokenizer, LIMITS)
+    valid = validate(
+        request(
+            request_id="req-1.a:b_c",
+            max_tokens=4096 - 3,
+            temperature=0.5,
+            top_p=0.25,
+            top_k=7,
+            seed=12345,
+            stop=["\n\n", "x" * 256],
+            ignore_eos=True,
+        ),
+        tokenizer,
+        LIMITS,
+    )
     s = valid.sampling
     assert valid.request_id == "req-1.a:b_c"
-    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.ignore_eos) == (4093, 0.5, 0.25, 7, 12345, True)
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.ignore_eos) == (
+        4093,
+        0.5,
+        0.25,
+        7,
+        12345,
+        True,
+    )
     assert s.stop == ["\n\n", "x" * 256]
     assert validate(request(seed=0), tokenizer, LIMITS).sampling.seed == 0
     assert validate(request(seed=2**63 - 1), tokenizer, LIMITS).sampling.seed == 2**63 - 1
@@ -121,11 +172,24 @@ def test_the_most_a_valid_request_may_ask_passes_the_wire_checks(tokenizer):
     from shared.control.messages import GenerateTask
     from shared.control.wire import decode, encode
 
-    edge = request(request_id="r" * 128, max_tokens=4096, temperature=1000.0, top_p=1e-30, top_k=2**20,
-                   seed=2**64 - 1, stop=["x" * 256] * 16, ignore_eos=True)
+    edge = request(
+        request_id="r" * 128,
+        max_tokens=4096,
+        temperature=1000.0,
+        top_p=1e-30,
+        top_k=2**20,
+        seed=2**64 - 1,
+        stop=["x" * 256] * 16,
+        ignore_eos=True,
+    )
     edge.priority = -(2**31)
     valid = validate(edge, tokenizer, LIMITS)
-    task = GenerateTask(request_id=valid.request_id + ".0123456789ab", prompt_token_ids=valid.prompt_token_ids,
-                        sampling=valid.sampling, reply_subject="tandem.c.gateway.g.tokens", arrival_time=1.0,
-                        priority=edge.priority)
+    task = GenerateTask(
+        request_id=valid.request_id + ".0123456789ab",
+        prompt_token_ids=valid.prompt_token_ids,
+        sampling=valid.sampling,
+        reply_subject="tandem.c.gateway.g.tokens",
+        arrival_time=1.0,
+        priority=edge.priority,
+    )
     assert decode(encode(task), GenerateTask) == task

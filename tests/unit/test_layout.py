@@ -1,0 +1,101 @@
+"""The folders are the architecture: each package imports only what the README's layout table
+allows. The library never imports a service, services never import each other, and nothing in the
+runtime path imports the `tandem` command, the benchmark client or a test fake."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = {"shared.settings", "shared.lifecycle", "shared.model_store"}  # leaf modules
+RUNTIME = {"shared.control", "shared.engine", "shared.dataplane", "shared.worker", "shared.api"}
+# package -> the packages of ours it may import (itself always)
+ALLOWED = {
+    "shared.control": set(),
+    "shared.api": set(),
+    "shared.settings": set(),
+    "shared.lifecycle": set(),
+    "shared.model_store": set(),
+    "shared.engine": {"shared.control"},
+    "shared.dataplane": {"shared.control", "shared.engine"},
+    "shared.worker": {"shared.control", "shared.engine", "shared.dataplane"} | COMMON,
+    "shared.benchmark": {"shared.api"},
+    "shared.cli": RUNTIME | COMMON | {"shared.benchmark"},
+    "services.gateway": RUNTIME | COMMON,
+    "services.scheduler": RUNTIME | COMMON,
+    "services.prefill": RUNTIME | COMMON,
+    "services.decode": RUNTIME | COMMON,
+    "tests.fakes": RUNTIME | COMMON,
+}
+
+
+def package_of(module: str) -> str | None:
+    """The layout unit a dotted module name belongs to: `shared.<x>`, `services.<x>`, `tests.<x>`."""
+    parts = module.split(".")
+    if parts[0] in ("shared", "services", "tests") and len(parts) > 1:
+        return ".".join(parts[:2])
+    return None
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from shared import model_store` imports shared.model_store
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def sources() -> list[Path]:
+    """Every module in a layout unit (the top-level packages' own __init__ files are empty)."""
+    folders = [ROOT / "shared", ROOT / "services", ROOT / "tests" / "fakes"]
+    paths = (p for folder in folders for p in folder.rglob("*.py"))
+    return sorted(p for p in paths if package_of(module_name(p)))
+
+
+def violations(path: Path) -> list[str]:
+    module = module_name(path)
+    own = package_of(module)
+    allowed = ALLOWED[own] | {own}
+    found = {package_of(name) for name in imported_modules(path)} - {None}
+    return sorted(f"{module} imports {pkg}" for pkg in found - allowed)
+
+
+def test_every_package_has_a_row_in_the_layout_table():
+    assert {package_of(module_name(p)) for p in sources()} <= set(ALLOWED)
+
+
+def test_the_top_level_packages_import_nothing():
+    for top in ("shared", "services"):
+        assert imported_modules(ROOT / top / "__init__.py") == set()
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_module_imports_only_what_its_package_may(path):
+    assert violations(path) == []
+
+
+def test_every_folder_of_python_modules_is_a_package():
+    folders = {p.parent for p in sources()}
+    assert [f for f in folders if not (f / "__init__.py").exists()] == []
+
+
+def test_the_rule_catches_a_service_importing_another(tmp_path, monkeypatch):
+    """The check can fail: a gateway module that imports the decode service is reported."""
+    fake_root = tmp_path
+    bad = fake_root / "services" / "gateway" / "bad.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("from services.decode.worker import DecodeWorker\nfrom tests.fakes import bus\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake_root)
+    assert violations(bad) == [
+        "services.gateway.bad imports services.decode",
+        "services.gateway.bad imports tests.fakes",
+    ]

@@ -28,6 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address", default="127.0.0.1:50051", help="the gateway (default 127.0.0.1:50051)"
     )
+    _load_arguments(p)
+    _workload_arguments(p)
+    _run_arguments(p)
+    p.set_defaults(run=bench_command)
+
+
+def _load_arguments(p: argparse.ArgumentParser) -> None:
+    """How many requests, how fast."""
     p.add_argument(
         "--rate",
         type=float,
@@ -52,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="stop sending new requests after this many seconds (those in flight finish)",
     )
+
+
+def _workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What each request asks."""
     p.add_argument(
         "--prompt-len",
         default="fixed:256",
@@ -72,7 +84,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-prefixes", type=int, default=1, help="distinct shared prefixes (default 1)"
     )
-    p.add_argument("--slo", default="", help=SLO_HELP)
     p.add_argument(
         "--seed",
         type=int,
@@ -82,6 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--priority", type=int, default=0, help="GenerateRequest.priority of every request"
     )
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    """Judging, waiting, the tokenizer, and where the results go."""
+    p.add_argument("--slo", default="", help=SLO_HELP)
     p.add_argument(
         "--request-timeout",
         type=float,
@@ -112,7 +128,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--label", default="", help="the run's name in the results (default: the start time)"
     )
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
-    p.set_defaults(run=bench_command)
 
 
 def bench_command(args) -> int:

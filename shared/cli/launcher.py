@@ -62,22 +62,12 @@ def wait_until_serving(address: str, group: ProcessGroup, timeout: float, worker
 def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> WorkerPools:
     """Starts every process; returns the worker pools (which know the gateway address). With
     `secrets_dir` the NATS server it starts admits one user per role, each limited to its subjects."""
-    nats_url, config, role_env = args.nats_url, [], {role: {} for role in ROLES}
+    config, role_env = [], {role: {} for role in ROLES}
     if secrets_dir is not None:
         conf, role_env = write_credentials(secrets_dir, args.cluster)
         config = ["-c", str(conf)]
-    if not nats_url:
-        port, monitor = free_port(), free_port()
-        group.spawn(
-            "nats",
-            [nats_server_binary(), *config, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
-            child_env({}),
-        )
-        if not wait_for_port("127.0.0.1", port, 15):
-            raise RuntimeError("nats-server did not start:\n" + group.log_tail("nats"))
-        nats_url = f"nats://127.0.0.1:{port}"
     common = {
-        "TANDEM_NATS_URL": nats_url,
+        "TANDEM_NATS_URL": args.nats_url or _start_nats(group, config),
         "TANDEM_CLUSTER": args.cluster,
         "TANDEM_MODEL": args.model,
         "TANDEM_MODEL_CACHE": args.model_cache,
@@ -102,6 +92,19 @@ def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> W
     return pools
 
 
+def _start_nats(group: ProcessGroup, config: list[str]) -> str:
+    """A NATS server of the stack's own on free loopback ports; its URL."""
+    port, monitor = free_port(), free_port()
+    group.spawn(
+        "nats",
+        [nats_server_binary(), *config, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
+        child_env({}),
+    )
+    if not wait_for_port("127.0.0.1", port, 15):
+        raise RuntimeError("nats-server did not start:\n" + group.log_tail("nats"))
+    return f"nats://127.0.0.1:{port}"
+
+
 def worker_specs(args, common: dict[str, str], role_env: dict[str, dict]) -> dict[str, WorkerSpec]:
     """Workers started later by `tandem scale` get the same settings as the first ones."""
     workers = args.prefill + args.decode if args.mode != "colocated" else args.decode
@@ -121,30 +124,42 @@ def worker_specs(args, common: dict[str, str], role_env: dict[str, dict]) -> dic
     }
 
 
-def up_command(args) -> int:
+class Signals:
+    """SIGINT/SIGTERM seen by `tandem up`: while the stack is still starting, the first one unwinds
+    the start (the ProcessGroup stops what runs); once it serves, the serving loop sees them."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.serving = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        first = not self.received
+        self.received.append(signum)
+        if first and not self.serving:
+            raise KeyboardInterrupt
+
+
+def _refusal(args) -> str:
+    """Why these arguments cannot start a stack ("" when they can)."""
     if args.prefill < 1 or args.decode < 1:
-        print("error: --prefill and --decode must be at least 1", file=sys.stderr)
-        return 2
+        return "--prefill and --decode must be at least 1"
     if args.secure and args.nats_url:
-        print(
-            "error: --secure starts a NATS server of its own; for yours, give each service its "
-            "credentials (TANDEM_NATS_USER, TANDEM_NATS_PASSWORD_FILE; see README)",
-            file=sys.stderr,
+        return (
+            "--secure starts a NATS server of its own; for yours, give each service its "
+            "credentials (TANDEM_NATS_USER, TANDEM_NATS_PASSWORD_FILE; see README)"
         )
+    return ""
+
+
+def up_command(args) -> int:
+    if refusal := _refusal(args):
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    stopping: list[int] = []
-    started = [False]
-
-    def on_signal(signum, frame) -> None:
-        first = not stopping
-        stopping.append(signum)
-        if first and not started[0]:
-            raise KeyboardInterrupt  # still starting: unwind, and the ProcessGroup stops what runs
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    signals = Signals()
     try:
         # Bound first: a second launcher of the same cluster is refused before it starts anything.
         with ControlServer(socket_path(args.cluster, args.control_socket)) as control:
@@ -154,15 +169,8 @@ def up_command(args) -> int:
                 tempfile.TemporaryDirectory(prefix="tandem-secrets-") as secrets,
                 ProcessGroup(log_dir) as group,
             ):
-                return _serve(
-                    args,
-                    group,
-                    control,
-                    log_dir,
-                    stopping,
-                    started,
-                    Path(secrets) if args.secure else None,
-                )
+                secrets_dir = Path(secrets) if args.secure else None
+                return _serve(args, group, control, log_dir, signals, secrets_dir)
     except ControlError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -176,23 +184,30 @@ def _serve(
     group: ProcessGroup,
     control: ControlServer,
     log_dir: Path,
-    stopping: list,
-    started: list,
+    signals: Signals,
     secrets_dir: Path | None,
 ) -> int:
     try:
         pools = start_stack(args, group, secrets_dir)
-        address = pools.address
         print(f"starting {args.mode} stack, logs in {log_dir} ...", flush=True)
-        wait_until_serving(
-            address,
-            group,
-            READY_TIMEOUT_S,
-            workers=args.decode + (args.prefill if args.mode != "colocated" else 0),
-        )
+        workers = args.decode + (args.prefill if args.mode != "colocated" else 0)
+        wait_until_serving(pools.address, group, READY_TIMEOUT_S, workers=workers)
     except (RuntimeError, TimeoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    _announce(args, pools.address, control, secure=secrets_dir is not None)
+    if not args.no_demo:
+        _demo(pools.address)
+    signals.serving = True
+    if not _run_until_stopped(group, control, pools, signals.received):
+        return 1
+    print("stopping ...", flush=True)
+    group.stop()
+    print("stopped.", flush=True)
+    return 0
+
+
+def _announce(args, address: str, control: ControlServer, secure: bool) -> None:
     sizes = (
         f"{args.prefill} prefill, {args.decode} decode"
         if args.mode != "colocated"
@@ -200,7 +215,7 @@ def _serve(
     )
     print(
         f"tandem is ready: gRPC API on {address} ({args.mode}; {sizes}"
-        + ("; NATS: one user per role" if secrets_dir else "")
+        + ("; NATS: one user per role" if secure else "")
         + "). Ctrl-C stops it.",
         flush=True,
     )
@@ -208,19 +223,14 @@ def _serve(
         f"control socket {control.path}: `tandem scale decode=N` adds or retires workers",
         flush=True,
     )
-    if not args.no_demo:
-        print(f"demo> {DEMO_PROMPT}", flush=True)
-        try:
-            print(summary(stream_generate(address, DEMO_PROMPT, 64, 0.0)), flush=True)
-        except grpc.RpcError as err:
-            print(f"demo request failed: {err.code().name}: {err.details()}", file=sys.stderr)
-    started[0] = True
-    if not _run_until_stopped(group, control, pools, stopping):
-        return 1
-    print("stopping ...", flush=True)
-    group.stop()
-    print("stopped.", flush=True)
-    return 0
+
+
+def _demo(address: str) -> None:
+    print(f"demo> {DEMO_PROMPT}", flush=True)
+    try:
+        print(summary(stream_generate(address, DEMO_PROMPT, 64, 0.0)), flush=True)
+    except grpc.RpcError as err:
+        print(f"demo request failed: {err.code().name}: {err.details()}", file=sys.stderr)
 
 
 def _run_until_stopped(

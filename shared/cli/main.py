@@ -11,7 +11,20 @@ from shared.control import nats_auth
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
     sub = top.add_subparsers(dest="command", required=True)
+    _up_command(sub)
+    _nats_config_command(sub)
+    _generate_command(sub)
+    status = sub.add_parser("status", help="the workers the scheduler knows")
+    status.add_argument("--address", default="127.0.0.1:50051")
+    status.set_defaults(run=client.status_command)
+    bench.add_arguments(
+        sub.add_parser("bench", help="the serving benchmark: latency and throughput of a gateway")
+    )
+    _scale_command(sub)
+    return top
 
+
+def _up_command(sub) -> None:
     up = sub.add_parser(
         "up", help="start an embedded stack: NATS, scheduler, prefill, decode, gateway"
     )
@@ -43,6 +56,12 @@ def parser() -> argparse.ArgumentParser:
         "--log-dir", default="", help="service logs go here (default: a new temporary directory)"
     )
     up.add_argument("--no-demo", action="store_true", help="skip the demo request")
+    _up_access_arguments(up)
+    up.set_defaults(run=launcher.up_command)
+
+
+def _up_access_arguments(up) -> None:
+    """How `tandem scale` and the services reach what `tandem up` starts."""
     up.add_argument(
         "--control-socket",
         default="",
@@ -55,8 +74,9 @@ def parser() -> argparse.ArgumentParser:
         help="the NATS server it starts admits one user per role, "
         "each allowed only its own subjects, with fresh passwords (files readable by you only)",
     )
-    up.set_defaults(run=launcher.up_command)
 
+
+def _nats_config_command(sub) -> None:
     conf = sub.add_parser(
         "nats-config", help="print a nats-server config: one user per role, limited to its subjects"
     )
@@ -76,6 +96,8 @@ def parser() -> argparse.ArgumentParser:
     )
     conf.set_defaults(run=nats_config_command)
 
+
+def _generate_command(sub) -> None:
     gen = sub.add_parser("generate", help="stream an answer from the gateway")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -86,14 +108,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default="127.0.0.1:50051")
     gen.set_defaults(run=client.generate_command)
 
-    status = sub.add_parser("status", help="the workers the scheduler knows")
-    status.add_argument("--address", default="127.0.0.1:50051")
-    status.set_defaults(run=client.status_command)
 
-    bench.add_arguments(
-        sub.add_parser("bench", help="the serving benchmark: latency and throughput of a gateway")
-    )
-
+def _scale_command(sub) -> None:
     scale_ = sub.add_parser(
         "scale", help="add or retire workers of a running `tandem up` on this machine"
     )
@@ -118,7 +134,6 @@ def parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=180.0, help="seconds --wait waits at most (default 180)"
     )
     scale_.set_defaults(run=scale.scale_command)
-    return top
 
 
 def nats_config_command(args) -> int:

@@ -32,49 +32,41 @@ def inbox(role: str) -> str:
 
 def permissions(role: str, cluster: str) -> dict:
     """{'publish': [...], 'subscribe': [...]} for `role`; worker and gateway ids are not known in
-    advance, so their subjects are matched by wildcard within the cluster."""
-    s = Subjects(cluster)
-    any_worker, any_gateway = "*", "*"
-    table = {
-        "gateway": (
-            [s.submit, s.status, s.cancel, s.ping(any_worker)],
-            [s.gateway_tokens(any_gateway), s.heartbeat, inbox("gateway")],
-        ),
-        "scheduler": (
-            [s.discover, s.decode_tasks(any_worker), s.cancel],
-            [s.submit, s.status, s.heartbeat, s.cancel, inbox("scheduler")],
-        ),
-        "prefill": (
-            [s.heartbeat, s.prefill_results(any_worker)],
-            [
-                s.prefill_tasks(any_worker),
-                s.transfer_aborts(any_worker),
-                s.cancel,
-                s.discover,
-                s.ping(any_worker),
-            ],
-        ),
-        "decode": (
-            [
-                s.heartbeat,
-                s.prefill_tasks(any_worker),
-                s.transfer_aborts(any_worker),
-                s.gateway_tokens(any_gateway),
-                s.ping(any_worker),
-            ],
-            [
-                s.decode_tasks(any_worker),
-                s.prefill_results(any_worker),
-                s.cancel,
-                s.discover,
-                s.heartbeat,
-                s.ping(any_worker),
-                inbox("decode"),
-            ],
-        ),
-    }
-    publish, subscribe = table[role]
+    advance, so their subjects are matched by wildcard (`*`) within the cluster."""
+    publish, subscribe = _ROLE_SUBJECTS[role](Subjects(cluster))
     return {"publish": publish, "subscribe": subscribe}
+
+
+def _gateway(s: Subjects) -> tuple[list[str], list[str]]:
+    publish = [s.submit, s.status, s.cancel, s.ping("*")]
+    return publish, [s.gateway_tokens("*"), s.heartbeat, inbox("gateway")]
+
+
+def _scheduler(s: Subjects) -> tuple[list[str], list[str]]:
+    publish = [s.discover, s.decode_tasks("*"), s.cancel]
+    return publish, [s.submit, s.status, s.heartbeat, s.cancel, inbox("scheduler")]
+
+
+def _prefill(s: Subjects) -> tuple[list[str], list[str]]:
+    publish = [s.heartbeat, s.prefill_results("*")]
+    subscribe = [s.prefill_tasks("*"), s.transfer_aborts("*"), s.cancel, s.discover, s.ping("*")]
+    return publish, subscribe
+
+
+def _decode(s: Subjects) -> tuple[list[str], list[str]]:
+    publish = [s.heartbeat, s.prefill_tasks("*"), s.transfer_aborts("*"), s.gateway_tokens("*")]
+    publish.append(s.ping("*"))
+    subscribe = [s.decode_tasks("*"), s.prefill_results("*"), s.cancel, s.discover, s.heartbeat]
+    subscribe += [s.ping("*"), inbox("decode")]
+    return publish, subscribe
+
+
+_ROLE_SUBJECTS = {
+    "gateway": _gateway,
+    "scheduler": _scheduler,
+    "prefill": _prefill,
+    "decode": _decode,
+}
 
 
 def new_passwords() -> dict[str, str]:

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from services.scheduler.admission import AdmissionQueue, Pending
+from services.scheduler.answers import Answers
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
@@ -46,7 +47,7 @@ class SchedulerService:
         self.router = Router(self.registry, settings.policy())
         self.queue = AdmissionQueue(settings.max_pending, settings.queue_timeout_s)
         self.scheduler_id = settings.scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
-        self._inflight: set[asyncio.Task] = set()
+        self.answers = Answers(self.queue)
         self._closing = False
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -75,9 +76,8 @@ class SchedulerService:
                 await sub.unsubscribe()
             self._closing = True  # from here on nothing is placed: what waits is handed back
             while len(self.queue):
-                self._hand_back(self.queue.pop())
-            while self._inflight:
-                await asyncio.gather(*list(self._inflight), return_exceptions=True)
+                self.answers.hand_back(self.queue.pop())
+            await self.answers.settle()
 
     async def _keep_alive(self) -> None:
         """Touches the alive file while the event loop runs (the container health check reads it)."""
@@ -92,7 +92,7 @@ class SchedulerService:
             await asyncio.sleep(0.1)
             try:
                 for entry in self.queue.expired():
-                    self._refuse(
+                    self.answers.refuse(
                         entry,
                         "RESOURCE_EXHAUSTED",
                         f"no worker had room within {self.settings.queue_timeout_s:.0f}s",
@@ -125,7 +125,7 @@ class SchedulerService:
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
         if self._closing:
-            await self._answer(
+            await self.answers.send(
                 respond,
                 SubmitReply(
                     ok=False,
@@ -135,7 +135,7 @@ class SchedulerService:
                 ),
             )
         elif self.queue.offer(task, respond) is None:
-            await self._answer(
+            await self.answers.send(
                 respond,
                 SubmitReply(
                     ok=False,
@@ -152,7 +152,9 @@ class SchedulerService:
         the workers' to end: they hear the same cancel)."""
         entry = self.queue.remove(message.request_id)
         if entry is not None:
-            self._refuse(entry, "CANCELLED", f"cancelled while waiting for room: {message.reason}")
+            self.answers.refuse(
+                entry, "CANCELLED", f"cancelled while waiting for room: {message.reason}"
+            )
 
     # -- placing ------------------------------------------------------------------------------
 
@@ -160,7 +162,7 @@ class SchedulerService:
         """Places queued requests in order while workers have room; the head waits when none has."""
         while not self._closing and (entry := self.queue.head()) is not None:
             if entry.task.deadline and time.time() > entry.task.deadline:
-                self._refuse(
+                self.answers.refuse(
                     self.queue.pop(),
                     "DEADLINE_EXCEEDED",
                     "the deadline passed while it waited for room",
@@ -170,11 +172,10 @@ class SchedulerService:
                 chosen = self.router.route(entry.task, entry.tried)
             except NoRoom:
                 return
-            except (
-                NoWorker
-            ) as err:  # every worker that could take it refused: say why the last one did
+            except NoWorker as err:
+                # every worker that could take it refused: say why the last one did
                 code, message = entry.refusal or (err.code, str(err))
-                self._refuse(
+                self.answers.refuse(
                     self.queue.pop(),
                     code,
                     message,
@@ -183,13 +184,13 @@ class SchedulerService:
                 continue
             except Exception:  # a bug: this request fails, the others go on
                 log.exception("routing %s failed", entry.task.request_id)
-                self._refuse(
+                self.answers.refuse(
                     self.queue.pop(), "INTERNAL", "the scheduler failed to route the request"
                 )
                 continue
             self.queue.pop()
             self._reserve(entry, chosen)
-            self._spawn(self._assign(entry, chosen))
+            self.answers.spawn(self._assign(entry, chosen))
 
     def _reserve(self, entry: Pending, chosen: Route) -> None:
         self.registry.reserve(chosen.decode.worker_id, seqs=1, blocks=chosen.blocks)
@@ -217,7 +218,7 @@ class SchedulerService:
             entry.attempts = MAX_DISPATCH_ATTEMPTS
         if ack.ok:
             self.queue.placed()
-            await self._answer(
+            await self.answers.send(
                 entry.respond,
                 SubmitReply(ok=True, prefill_worker=prefill_id, decode_worker=decode_id),
             )
@@ -225,24 +226,29 @@ class SchedulerService:
             ack.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
             and entry.attempts < MAX_DISPATCH_ATTEMPTS
         ):
-            if ack.code == "RESOURCE_EXHAUSTED":
-                self.registry.mark_full(decode_id)  # wait for its next heartbeat, or go elsewhere
-            else:
-                entry.tried.add(decode_id)  # draining or gone
-            entry.refusal = (ack.code, ack.message)
-            if self._closing:
-                self._hand_back(entry)
-            else:
-                self.queue.requeue(entry)
-                self.pump()
+            self._place_again(entry, decode_id, ack)
         else:
-            self._refuse(
+            self.answers.refuse(
                 entry,
                 ack.code or "UNAVAILABLE",
                 ack.message,
                 retry=ack.code == "RESOURCE_EXHAUSTED",
                 failed_worker=decode_id if entry.unconfirmed else "",
             )
+
+    def _place_again(self, entry: Pending, decode_id: str, ack: TaskAck) -> None:
+        """The decode worker refused: a full one waits for its next heartbeat (or the request goes
+        elsewhere), a draining or vanished one is not tried again."""
+        if ack.code == "RESOURCE_EXHAUSTED":
+            self.registry.mark_full(decode_id)
+        else:
+            entry.tried.add(decode_id)
+        entry.refusal = (ack.code, ack.message)
+        if self._closing:
+            self.answers.hand_back(entry)
+        else:
+            self.queue.requeue(entry)
+            self.pump()
 
     async def _offer(self, entry: Pending, decode_id: str, prefill_id: str) -> TaskAck:
         task = entry.task
@@ -262,9 +268,7 @@ class SchedulerService:
             # It may have taken the request after all: trying another could run it twice.
             log.warning("decode worker %s did not confirm %s in time", decode_id, task.request_id)
             entry.attempts = MAX_DISPATCH_ATTEMPTS
-            entry.unconfirmed = (
-                True  # the gateway moves it on (a new attempt id), cancelling this one
-            )
+            entry.unconfirmed = True  # the gateway moves it on (a new attempt id), cancelling this
             await self.bus.publish(
                 self.subjects.cancel, CancelRequest(task.request_id, "dispatch timed out")
             )
@@ -273,44 +277,3 @@ class SchedulerService:
                 code="UNAVAILABLE",
                 message=f"decode worker {decode_id} did not answer in time",
             )
-
-    # -- answers ------------------------------------------------------------------------------
-
-    def _refuse(
-        self, entry: Pending, code: str, message: str, retry: bool = False, failed_worker: str = ""
-    ) -> None:
-        reply = SubmitReply(
-            ok=False,
-            code=code,
-            message=message,
-            failed_worker=failed_worker,
-            retry_after_ms=self.queue.retry_after_ms() if retry else 0,
-        )
-        self._spawn(self._answer(entry.respond, reply))
-
-    def _hand_back(self, entry: Pending) -> None:
-        """Shutting down: the gateway submits the request again, and another scheduler takes it."""
-        self._spawn(
-            self._answer(
-                entry.respond,
-                SubmitReply(
-                    ok=False,
-                    code="UNAVAILABLE",
-                    resubmit=True,
-                    message="the scheduler is shutting down",
-                ),
-            )
-        )
-
-    async def _answer(self, respond, reply: SubmitReply) -> None:
-        if respond is None:
-            return
-        try:
-            await respond(reply)
-        except Exception as err:  # the gateway's own timeout covers a reply that cannot be sent
-            log.warning("could not answer a submission: %s", err)
-
-    def _spawn(self, coro) -> None:
-        job = asyncio.create_task(coro)
-        self._inflight.add(job)
-        job.add_done_callback(self._inflight.discard)

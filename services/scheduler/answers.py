@@ -1,0 +1,64 @@
+"""Answers: how a scheduler replies to the submissions it holds, and the jobs still replying.
+
+Every submission gets exactly one SubmitReply: placed, refused (with a gRPC code, the worker to
+avoid when one failed it, and a retry-after hint when trying again later may succeed), or handed
+back while the scheduler shuts down so the gateway submits it to another one.
+"""
+
+import asyncio
+import logging
+
+from services.scheduler.admission import AdmissionQueue, Pending
+from shared.control.messages import SubmitReply
+
+log = logging.getLogger(__name__)
+
+
+class Answers:
+    def __init__(self, queue: AdmissionQueue):
+        self.queue = queue
+        self._inflight: set[asyncio.Task] = set()
+
+    def refuse(
+        self, entry: Pending, code: str, message: str, retry: bool = False, failed_worker: str = ""
+    ) -> None:
+        reply = SubmitReply(
+            ok=False,
+            code=code,
+            message=message,
+            failed_worker=failed_worker,
+            retry_after_ms=self.queue.retry_after_ms() if retry else 0,
+        )
+        self.spawn(self.send(entry.respond, reply))
+
+    def hand_back(self, entry: Pending) -> None:
+        """Shutting down: the gateway submits the request again, and another scheduler takes it."""
+        self.spawn(
+            self.send(
+                entry.respond,
+                SubmitReply(
+                    ok=False,
+                    code="UNAVAILABLE",
+                    resubmit=True,
+                    message="the scheduler is shutting down",
+                ),
+            )
+        )
+
+    async def send(self, respond, reply: SubmitReply) -> None:
+        if respond is None:
+            return
+        try:
+            await respond(reply)
+        except Exception as err:  # the gateway's own timeout covers a reply that cannot be sent
+            log.warning("could not answer a submission: %s", err)
+
+    def spawn(self, coro) -> None:
+        job = asyncio.create_task(coro)
+        self._inflight.add(job)
+        job.add_done_callback(self._inflight.discard)
+
+    async def settle(self) -> None:
+        """Waits until every answer (and every assignment) in flight has gone out."""
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)

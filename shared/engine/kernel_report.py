@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.control.rules import MAX_LABEL
 from shared.engine.layer_ops import KernelOps
 from shared.engine.projection import onednn_bf16
-
-MAX_LINE = 256  # characters of `line()`; the heartbeat field's limit (shared.control.rules)
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class KernelReport:
             f"ops {self.layer_ops}",
             rows,
         ]
-        return " · ".join(parts)[:MAX_LINE]
+        return " · ".join(parts)[:MAX_LABEL]  # the heartbeat carries it
 
 
 def cpu_capability() -> str:

@@ -6,10 +6,13 @@ Everything is measured here, now, side by side: the machine's memory read bandwi
 peak, decode throughput at 1/8/32/64 concurrent sequences (128 tokens each, ignore_eos) for the
 engine (native fp32 and int8 weights), HF generate (padded batch) and llama.cpp (one stream),
 prefill throughput, the batch-1 roofline, FLOP/s at batch 32, prefix-cache TTFT, and the
-accuracy cost of int8. Writes bench/results/engine.{json,md,png}.
+accuracy cost of int8. Each engine variant records which kernels it ran (KernelReport: bf16
+native or emulated, oneDNN-packed or plain torch matmuls, ...), since they differ by CPU.
+Writes bench/results/engine.{json,md,png}.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -27,12 +30,15 @@ from shared import model_store  # noqa: E402
 from shared.control.messages import GenerateTask, SamplingParams  # noqa: E402
 from shared.engine.block_manager import BlockManager  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
-from shared.engine.kv_cache import bytes_per_token  # noqa: E402
+from shared.engine.kernel_report import cpu_capability  # noqa: E402
+from shared.engine.kv_cache import bytes_per_token, layout_of  # noqa: E402
 from shared.engine.model_runner import ModelRunner  # noqa: E402
+from shared.engine.projection import onednn_bf16  # noqa: E402
 from shared.engine.sequence import Sequence  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 NEW_TOKENS = 128
+VARIANTS = {"engine_native": "fp32", "engine_bf16": "bf16", "engine_int8": "int8"}
 
 
 def median_of(fn, repeats: int) -> float:
@@ -156,6 +162,20 @@ def prompts_for(tokenizer, n: int) -> list[list[int]]:
         chat_ids(tokenizer, f"Write story number {i} about a dragon who learns to fly.")
         for i in range(n)
     ]
+
+
+def kernels_of(bench: EngineBench) -> dict:
+    """Which kernels this engine variant runs here, every field and the one-line summary."""
+    report = bench.runner.kernel_report()
+    return {**dataclasses.asdict(report), "line": report.line()}
+
+
+def engine_variant(results: dict, key: str, model, tokenizer, concurrency: list[int]) -> dict:
+    """Decode throughput of one engine variant, its kernel report recorded beside it."""
+    bench = EngineBench(model, VARIANTS[key])
+    results["kernels"][key] = kernels_of(bench)
+    print(f"  {VARIANTS[key]} kernels: {results['kernels'][key]['line']}", flush=True)
+    return engine_decode(bench, tokenizer, concurrency)
 
 
 def engine_decode(bench: EngineBench, tokenizer, concurrency: list[int]) -> dict:
@@ -366,8 +386,8 @@ def table(results: dict) -> str:
             f"| {n} | {e:.1f} | {b:.1f} | {q:.1f} | {h:.1f} | {e / h:.2f}x | {b / h:.2f}x | {q / h:.2f}x |"
         )
     m, r = results["machine"], results["roofline"]
+    lines += ["", *kernel_notes(results)]
     lines += [
-        "",
         f"llama.cpp one stream (Q4_1): {d['llama_cpp']['tokens_per_s']:.1f} tok/s"
         if d.get("llama_cpp")
         else "llama.cpp: not measured (no bench venv)",
@@ -405,6 +425,19 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def kernel_notes(results: dict) -> list[str]:
+    """Which kernels each engine column ran (results from before the report have none)."""
+    m, kernels = results["machine"], results.get("kernels", {})
+    if not kernels:
+        return []
+    return [
+        f"kernels (CPU {m.get('cpu_capability', '?')}, oneDNN bf16 kernels: "
+        f"{'yes' if m.get('onednn_bf16') else 'no'}):",
+        *(f"- engine {VARIANTS[key]}: {k['line']}" for key, k in kernels.items()),
+        "",
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -425,8 +458,14 @@ def main() -> int:
     bf16 = model_store.load_model(model_dir, "cpu", "bfloat16")
     int8 = model_store.load_model(model_dir, "cpu", "float32", "int8")
     results = {
-        "machine": {"threads": args.threads, "cpu": os.uname().machine},
+        "machine": {
+            "threads": args.threads,
+            "cpu": os.uname().machine,
+            "cpu_capability": cpu_capability(),
+            "onednn_bf16": onednn_bf16(),
+        },
         "decode": {},
+        "kernels": {},
         "new_tokens": NEW_TOKENS,
     }
     print("machine ...", flush=True)
@@ -437,14 +476,12 @@ def main() -> int:
         int8_gflops=int8_peak() / 1e9,
     )
     print("decode ...", flush=True)
-    native_bench = EngineBench(native, "native")
-    for key, fn in (
-        ("engine_native", lambda: engine_decode(native_bench, tokenizer, concurrency)),
-        ("engine_bf16", lambda: engine_decode(EngineBench(bf16, "bf16"), tokenizer, concurrency)),
-        ("engine_int8", lambda: engine_decode(EngineBench(int8, "int8"), tokenizer, concurrency)),
-        ("hf", lambda: hf_decode(native, tokenizer, concurrency)),
-    ):
-        results["decode"][key] = {str(n): v for n, v in fn().items()}
+    for key, model in (("engine_native", native), ("engine_bf16", bf16), ("engine_int8", int8)):
+        decoded = engine_variant(results, key, model, tokenizer, concurrency)
+        results["decode"][key] = {str(n): v for n, v in decoded.items()}
+    results["decode"]["hf"] = {
+        str(n): v for n, v in hf_decode(native, tokenizer, concurrency).items()
+    }
     results["decode"]["llama_cpp"] = llama_cpp(args.llama_python)
     print("prefill ...", flush=True)
     results["prefill"] = {
@@ -455,8 +492,9 @@ def main() -> int:
     bandwidth = results["machine"]["bandwidth_gbs"] * 1e9
     context = len(prompts_for(tokenizer, 1)[0]) + NEW_TOKENS // 2
     results["roofline"] = {}
+    kv_bytes = bytes_per_token(layout_of(native.config, "native", native.dtype, 16))  # fp32 KV
     for key, model in (("native", native), ("bf16", bf16), ("int8", int8)):
-        per_step = weight_bytes(model) + context * bytes_per_token(native_bench.runner.layout)
+        per_step = weight_bytes(model) + context * kv_bytes
         step = results["decode"][f"engine_{key}"]["1"]["step_ms"]
         results["roofline"][key] = {
             "bytes_per_step": per_step,

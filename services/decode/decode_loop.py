@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from shared.engine.engine import Engine
-from shared.engine.model_runner import EngineExecutor
+from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 from shared.lifecycle import wait_or_stop
 

@@ -22,7 +22,7 @@ from shared.control.recent import RecentIds
 from shared.control.subjects import Subjects
 from shared.dataplane.ucx import DataPlane
 from shared.engine.detokenizer import Detokenizer
-from shared.engine.model_runner import EngineExecutor
+from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 from shared.worker.announcer import Announcer
 from shared.worker.runtime import WorkerRuntime

@@ -358,6 +358,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                     kv_transport=w.kv_transport,
                     zone=w.zone,
                     messages_dropped=w.messages_dropped,
+                    kernels=w.kernels,
                 )
                 for w in reply.workers
             ],

@@ -29,7 +29,7 @@ from shared.control.subjects import Subjects
 from shared.dataplane.plan import PlanError, TransferPlan
 from shared.dataplane.sender import KVSender
 from shared.dataplane.ucx import DataPlane, KVTransferError
-from shared.engine.model_runner import EngineExecutor
+from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence
 from shared.lifecycle import wait_or_stop
 from shared.worker.announcer import Announcer

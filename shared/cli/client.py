@@ -105,7 +105,17 @@ def status_table(response: pb.ClusterStatusResponse) -> str:
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
     ]
-    return f"mode: {response.mode}\n" + "\n".join(lines)
+    return f"mode: {response.mode}\n" + "\n".join(lines) + _kernel_lines(response.workers)
+
+
+def _kernel_lines(workers) -> str:
+    """One line per worker: which kernels its engine runs (too wide for a column)."""
+    if not any(w.kernels for w in workers):
+        return ""
+    width = max(len(w.id) for w in workers)
+    return "\n\nkernels:\n" + "\n".join(
+        f"  {w.id.ljust(width)}  {w.kernels or '-'}" for w in workers
+    )
 
 
 def _bytes(n: int) -> str:

@@ -211,6 +211,7 @@ class WorkerHeartbeat:
         default_factory=list
     )  # granule keys cached here (granule_keys)
     messages_dropped: int = 0  # control messages received malformed or out of range
+    kernels: str = ""  # which kernels its engine runs (KernelReport.line); at most MAX_LABEL
 
 
 @dataclass

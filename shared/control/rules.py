@@ -20,6 +20,7 @@ TOKEN_ID_LIMIT = 1 << 31
 MAX_TEMPERATURE = 1000.0  # the gateway refuses more (its validation must stay within these)
 MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 64
+MAX_LABEL = 256  # characters of a worker's descriptive strings (its kernel report)
 
 # int fields that may be negative, and how far
 SIGNED = {
@@ -68,12 +69,17 @@ def _destination(m) -> str | None:
     )
 
 
+def _heartbeat(m) -> str | None:
+    return None if len(m.kernels) <= MAX_LABEL else "kernels is too long"
+
+
 EXTRA: dict[str, Callable[[Any], str | None]] = {
     "SamplingParams": _sampling,
     "GenerateTask": _task,
     "PrefillTask": _prefill_task,
     "KVLayout": _layout,
     "KVDestination": _destination,
+    "WorkerHeartbeat": _heartbeat,
 }
 
 

@@ -11,12 +11,9 @@ padded up to one); attention runs per sequence, prompts in fixed `chunk`-token p
 absolute positions, decode tokens one at a time.
 """
 
-import asyncio
-import concurrent.futures
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -24,14 +21,14 @@ import torch.nn.functional as F
 from shared.control.messages import KVLayout
 from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
+from shared.engine.decode_stack import decode_stack
+from shared.engine.kernel_report import KernelReport, report_of
 from shared.engine.kv_cache import KVPool
-from shared.engine.layer_ops import KernelOps, layer_ops
+from shared.engine.layer_ops import layer_ops
 from shared.engine.paged_attention import PagedAttention
 from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts
 
 log = logging.getLogger(__name__)
-
-R = TypeVar("R")
 
 
 @dataclass
@@ -107,14 +104,10 @@ class ModelRunner:
         ]
         self.down = [Projection([layer.mlp.down_proj]) for layer in self.layers]
         self.lm_head = Projection([model.lm_head])
-        self.row_counts = (
-            invariant_row_counts(
-                [self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0], self.lm_head]
-            )
-            if batch_invariant and device == "cpu"
-            else []
-        )
-        if batch_invariant and device == "cpu" and SMALL not in self.row_counts:
+        self.batch_invariant = batch_invariant and device == "cpu"
+        probe = [self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0], self.lm_head]
+        self.row_counts = invariant_row_counts(probe) if self.batch_invariant else []
+        if self.batch_invariant and SMALL not in self.row_counts:
             log.warning(
                 "batch invariance does not hold with these weights (no row count up to %d computes "
                 "rows independently: int8 weights quantize activations per call)",
@@ -126,32 +119,17 @@ class ModelRunner:
         kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
         self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim**-0.5)
         self.ops = layer_ops(kernels, model)
-        self.stack = self._decode_stack_args()
+        per_layer = [
+            p for parts in zip(self.qkv, self.o_proj, self.gate_up, self.down) for p in parts
+        ]
+        shape = (self.num_heads, self.layout.num_kv_heads, self.head_dim)
+        self.stack = decode_stack(
+            self.ops, self.paged, self.layers, self.norm, per_layer, self.config, shape
+        )
 
-    def _decode_stack_args(self) -> tuple | None:
-        """Packed weights and norm weights for the C++ decoder stack, when every piece of it applies."""
-        norms = [
-            n
-            for layer in self.layers
-            for n in (layer.input_layernorm, layer.post_attention_layernorm)
-        ]
-        norms.append(self.norm)
-        eps = {getattr(n, "variance_epsilon", None) for n in norms}
-        projections = [
-            p
-            for i in range(len(self.layers))
-            for p in (self.qkv[i], self.o_proj[i], self.gate_up[i], self.down[i])
-        ]
-        if (
-            not isinstance(self.ops, KernelOps)
-            or not self.paged
-            or len(eps) != 1
-            or None in eps
-            or any(p.packed is None or p.bias is not None for p in projections)
-            or getattr(self.config, "hidden_act", None) != "silu"
-        ):
-            return None
-        return [p.packed for p in projections], [n.weight for n in norms], eps.pop()
+    def kernel_report(self) -> KernelReport:
+        """Which kernels this runner computes with (projections, attention, decode stack, ops)."""
+        return report_of(self)
 
     def release_model_weights(self) -> None:
         """Frees the model's linear weights that were packed: a worker keeps one copy, not two.
@@ -243,26 +221,8 @@ class ModelRunner:
             hidden, torch.cat([plan.positions, plan.positions.new_zeros(total - rows)])[None]
         )
         cos, sin = cos[0], sin[0]
-        if (
-            self.stack is not None and plan.decode is not None and not plan.attention
-        ):  # every row decodes
-            weights, norms, eps = self.stack
-            x = self.ops.kernels.decode_stack(
-                hidden,
-                weights,
-                norms,
-                eps,
-                cos,
-                sin,
-                self.pool.kv,
-                plan.slots,
-                *plan.decode,
-                self.num_heads,
-                self.layout.num_kv_heads,
-                self.head_dim,
-                self.pool.block_size,
-                self.paged.scale,
-            )
+        if self.stack is not None and plan.decode is not None and not plan.attention:
+            x = self.stack(hidden, cos, sin, self.pool, plan.slots, plan.decode)  # all rows decode
             return self._logits(x.index_select(0, plan.last_rows))
         residual, x = self.ops.norm(hidden, None, self.layers[0].input_layernorm)
         for index, layer in enumerate(self.layers):
@@ -325,18 +285,3 @@ class ModelRunner:
                 enable_gqa=True,
             )
             out[a.row_start : a.row_end] = piece[0].transpose(0, 1)
-
-
-class EngineExecutor:
-    """One thread for the model, so the event loop keeps serving NATS and UCX while it computes."""
-
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="engine"
-        )
-
-    async def run(self, fn: Callable[..., R], *args) -> R:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)

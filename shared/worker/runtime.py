@@ -29,10 +29,12 @@ class WorkerRuntime:
     eos_token_ids: set[int]
     summary_limit: int = 1024
     max_queue: int = 0
+    kernels: str = ""  # KernelReport.line() of the runner
 
     def load_report(self) -> dict:
         """The heartbeat fields every model worker reports the same way: capacity, prompt work
-        queued, measured prompt speed and a summary of its prefix cache (for routing)."""
+        queued, measured prompt speed, a summary of its prefix cache (for routing), and the kernels
+        its engine runs."""
         with self.engine.lock:
             summary = self.blocks.prefix_summary(self.summary_limit)
         return dict(
@@ -46,6 +48,7 @@ class WorkerRuntime:
             decode_step_ms=round(self.engine.decode_step_s * 1000, 1),
             prefix_granularity=self.blocks.granularity,
             prefix_summary=summary,
+            kernels=self.kernels,
         )
 
 
@@ -100,9 +103,10 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
         eos_ids,
         settings.prefix_summary_limit,
         settings.max_queue,
+        runner.kernel_report().line(),
     )
     log.info(
-        "%s %s (pid %d) ready: model %s on %s/%s, %d threads, %d KV blocks of %d tokens, max_model_len %d",
+        "%s %s (pid %d) ready: model %s on %s/%s, %d threads, %d KV blocks of %d tokens, max_model_len %d; kernels: %s",
         role,
         runtime.worker_id,
         os.getpid(),
@@ -113,5 +117,6 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
         blocks.num_blocks,
         blocks.block_size,
         max_len,
+        runtime.kernels,
     )
     return runtime

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.engine.kernel_report import cpu_capability
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,11 +54,18 @@ def test_cli_generate_streams_an_answer(disagg):
     assert re.search(r"\d+ prompt \+ \d+ generated tokens", done.stderr)
 
 
-def test_cli_status_lists_workers(disagg):
+def test_cli_status_lists_workers_and_the_kernels_each_runs(disagg):
     done = tandem("status", "--address", disagg.address)
     assert done.returncode == 0, done.stderr
+    _, kernels = done.stdout.split("\n\nkernels:\n")
     for worker in disagg.status().workers:
         assert worker.id in done.stdout and worker.role in done.stdout
+        # the default model is float32: oneDNN-packed on any CPU with AVX2, with Tandem's kernels
+        assert worker.kernels.startswith(cpu_capability() + " · float32 · matmul onednn-packed")
+        assert any(
+            line.split()[0] == worker.id and line.endswith(worker.kernels)
+            for line in kernels.splitlines()
+        )
 
 
 def test_cli_reports_errors_clearly(disagg):

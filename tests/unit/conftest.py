@@ -20,6 +20,15 @@ def tiny_config() -> LlamaConfig:
     )
 
 
+def pytest_report_header(config) -> list[str]:
+    """Which CPU paths these tests exercise here (each engine test's failure names its runner's)."""
+    from shared.engine.kernel_report import cpu_capability
+    from shared.engine.projection import onednn_bf16
+
+    bf16 = "native (oneDNN bf16 kernels)" if onednn_bf16() else "emulated (no oneDNN bf16 kernels)"
+    return [f"cpu: {cpu_capability()}; bfloat16: {bf16}; int8: {torch.backends.quantized.engine}"]
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     # One intra-op thread: on a busy 2-core box, OpenMP's spinning threads make each tiny GEMM

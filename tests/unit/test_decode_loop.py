@@ -4,7 +4,7 @@ import asyncio
 import time
 
 from services.decode.decode_loop import DecodeLoop
-from shared.engine.model_runner import EngineExecutor
+from shared.engine.executor import EngineExecutor
 from tests.unit.test_engine import make_engine, make_seq
 
 

@@ -96,11 +96,22 @@ SAMPLES = [
         ),
     ),
     CancelRequest(request_id="r1"),
-    beat("w1", running=2, kv_blocks_used=3, kv_blocks_total=10, stopping=True),
+    beat(
+        "w1",
+        running=2,
+        kv_blocks_used=3,
+        kv_blocks_total=10,
+        stopping=True,
+        kernels="avx2 · bfloat16 emulated · matmul torch · attention paged-c++ · invariant rows 1-16",
+    ),
     Discover(scheduler_id="s"),
     StatusRequest(),
     Ping(),
-    StatusReply(mode="disaggregated", ready=True, workers=[beat("w1"), beat("w2", queued=4)]),
+    StatusReply(
+        mode="disaggregated",
+        ready=True,
+        workers=[beat("w1"), beat("w2", queued=4, kernels="avx512+amx · float32")],
+    ),
 ]
 
 
@@ -251,6 +262,7 @@ def _with(message, path: str, value) -> bytes:
         (SAMPLES[8], "index", -1),
         (SAMPLES[10], "kv_blocks_used", -3),
         (SAMPLES[10], "prefix_summary", [-1]),
+        (SAMPLES[10], "kernels", "x" * 257),
     ],
 )
 def test_values_out_of_range_are_rejected_on_receipt(message, path, value):
@@ -263,5 +275,6 @@ def test_values_at_the_edges_are_accepted():
     assert decode(_with(TASK, "resume_tokens", 2)).resume_tokens == 2
     assert decode(_with(SAMPLES[5], "first_token", -1)).first_token == -1
     assert decode(_with(SAMPLES[10], "prefix_summary", [2**64 - 1])).prefix_summary == [2**64 - 1]
+    assert decode(_with(SAMPLES[10], "kernels", "·" * 256)).kernels == "·" * 256
     # a difference of two hosts' clocks may be negative: a timing is finite, not necessarily >= 0
     assert decode(_with(SAMPLES[8], "timing.queue_ms", -3.5)).timing.queue_ms == -3.5

@@ -75,7 +75,10 @@ def test_forward_returns_one_row_of_logits_per_segment(runner, rand_tokens):
 
 
 def test_padded_rows_pads_only_up_to_a_measured_invariant_count(runner):
-    assert runner.row_counts and all(1 <= count <= SMALL for count in runner.row_counts)
+    """Which counts are invariant depends on the GEMM kernels this CPU gets (the report says
+    which ran); that some are holds for fp32 on AVX2 and AVX-512 alike."""
+    assert runner.row_counts, runner.kernel_report().line()
+    assert all(1 <= count <= SMALL for count in runner.row_counts)
     for rows in range(1, 40):
         padded = runner.padded_rows(rows)
         assert padded >= rows and (padded in runner.row_counts or padded == rows > SMALL)
@@ -117,7 +120,11 @@ def test_padded_row_counts_are_row_invariant_in_every_projection(runner, threads
             with torch.inference_mode():
                 full = projection(x)
                 for part, whole in zip(projection(x[:rows]), full):
-                    assert torch.equal(part, whole[:rows]), (rows, projection.sizes)
+                    assert torch.equal(part, whole[:rows]), (
+                        rows,
+                        projection.sizes,
+                        runner.kernel_report().line(),
+                    )
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +145,7 @@ def decoding(runner):
 def test_decode_logits_do_not_depend_on_the_batch(runner, decoding, threads, others):
     alone = runner.forward([decoding[0]])[0]
     first = runner.forward(decoding[: others + 1])
-    assert torch.equal(first[0], alone)
+    assert torch.equal(first[0], alone), runner.kernel_report().line()
     last = runner.forward(decoding[1 : others + 1][::-1] + [decoding[0]])
     assert torch.equal(last[-1], alone)
     for i in range(1, others + 1):  # every member gets its solo logits too

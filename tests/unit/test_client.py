@@ -1,0 +1,24 @@
+"""`tandem status`: the table of workers, and the line per worker saying which kernels it runs."""
+
+from shared.api import tandem_pb2 as pb
+from shared.cli.client import status_table
+
+KERNELS = "avx2 · bfloat16 emulated · matmul torch · attention paged-c++ · decode-stack per-layer"
+
+
+def worker(worker_id: str, **kw) -> pb.WorkerStatus:
+    return pb.WorkerStatus(id=worker_id, role="decode", host="h", pid=7, kv_blocks_total=8, **kw)
+
+
+def test_status_shows_each_workers_kernels_on_a_line_of_its_own():
+    response = pb.ClusterStatusResponse(
+        mode="auto", workers=[worker("decode-1", kernels=KERNELS), worker("prefill-12")]
+    )
+    table, kernels = status_table(response).split("\n\nkernels:\n")
+    assert table.startswith("mode: auto\nWORKER") and "decode-1" in table
+    assert kernels.splitlines() == [f"  decode-1    {KERNELS}", "  prefill-12  -"]
+
+
+def test_workers_that_report_no_kernels_get_no_kernel_section():
+    text = status_table(pb.ClusterStatusResponse(mode="auto", workers=[worker("decode-1")]))
+    assert "kernels" not in text and "decode-1" in text

@@ -5,7 +5,7 @@ import asyncio
 
 import grpc
 
-from services.gateway import servicer as servicer_module
+from services.gateway import relay
 from services.gateway.migration import FULL_MOVES, client_id
 from services.gateway.servicer import TandemServicer
 from services.gateway.settings import GatewaySettings
@@ -196,7 +196,7 @@ async def test_a_last_chunk_lost_in_a_nats_reconnect_resumes_from_the_tokens_sen
 ):
     """The stream's last chunk vanishes while NATS reconnects: nothing after it shows a gap, so
     the gateway goes on from the tokens the client has once the stream stays quiet."""
-    monkeypatch.setattr(servicer_module, "LOST_AFTER_RECONNECT_S", 0.2)
+    monkeypatch.setattr(relay, "LOST_AFTER_RECONNECT_S", 0.2)
 
     def reconnect(bus):  # the connection came back; the final chunk was in flight and is lost
         bus.reconnects += 1

@@ -2,6 +2,7 @@
 moves to a new attempt, what the client sees, and what each new attempt asks for."""
 
 import asyncio
+import copy
 
 import grpc
 
@@ -84,11 +85,17 @@ class ScriptedCluster:
 
 
 async def generate(
-    scripts: list[list], max_migrations: int = 2, tokenizer=None, replies=None, take=None, **options
+    scripts: list[list],
+    max_migrations: int = 2,
+    tokenizer=None,
+    replies=None,
+    take=None,
+    bus=None,
+    **options,
 ):
     """Runs one Generate against the scripted cluster: (responses, context, cluster, bus). The
     client goes away after `take` responses where given."""
-    bus, settings = InMemoryBus(), GatewaySettings(max_migrations=max_migrations, **options)
+    bus, settings = bus or InMemoryBus(), GatewaySettings(max_migrations=max_migrations, **options)
     cluster = ScriptedCluster(bus, scripts, replies)
     await bus.subscribe(Subjects(settings.cluster).submit, cluster.on_submit)
     context, responses = FakeContext(), []
@@ -301,3 +308,28 @@ async def test_a_client_going_away_cancels_the_attempt_and_a_finished_stream_doe
     assert tokens(responses) == [7, 8, 9] and cancels(bus) == set()
     timing = responses[-1].timing
     assert timing.migrations == 0 and 0 < timing.ttft_ms <= timing.total_ms
+
+
+class RecordingBus(InMemoryBus):
+    """Keeps every message the gateway asked with, and a copy of it as it was when asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[tuple] = []
+
+    async def request(self, subject, message, timeout, expected):
+        self.asked.append((message, copy.deepcopy(message)))
+        return await super().request(subject, message, timeout, expected)
+
+
+async def test_no_task_the_gateway_submitted_is_changed_afterwards(tokenizer):
+    bus = RecordingBus()
+    responses, context, _, _ = await generate(
+        [[chunk([7]), failed("UNAVAILABLE", "d1")], [done([8, 9])]],
+        replies={0: SubmitReply(ok=False, resubmit=True)},
+        bus=bus,
+        tokenizer=tokenizer,
+    )
+    assert context.code is None and tokens(responses) == [7, 8, 9] and len(bus.asked) == 3
+    assert all(task == as_asked for task, as_asked in bus.asked)
+    assert len({task.request_id for task, _ in bus.asked}) == 3

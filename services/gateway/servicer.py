@@ -83,9 +83,8 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.limits = limits
         self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
-        self._open_per_client: collections.Counter[str] = (
-            collections.Counter()
-        )  # client address -> open streams
+        # client address -> the streams it has open
+        self._open_per_client: collections.Counter[str] = collections.Counter()
         # One thread: HF tokenizers are not safe to call from several threads at once.
         self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 

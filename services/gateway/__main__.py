@@ -61,6 +61,25 @@ def listen(server: grpc.aio.Server, settings: GatewaySettings) -> int:
     return server.add_secure_port(address, credentials)
 
 
+def grpc_server(
+    settings: GatewaySettings, servicer: TandemServicer
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The gRPC server with the Tandem API and the health service (its status still unset)."""
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", settings.max_request_bytes)]
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    add_to_server(servicer, server)
+    return server, health_servicer
+
+
+def transport_of(settings: GatewaySettings) -> str:
+    if not settings.grpc_tls_cert:
+        return "plaintext"
+    return "TLS" + (" with client certificates" if settings.grpc_tls_client_ca else "")
+
+
 async def run(settings: GatewaySettings) -> None:
     stop = stop_on_signals()
     tokenizer = await asyncio.to_thread(load_tokenizer, settings)
@@ -75,17 +94,9 @@ async def run(settings: GatewaySettings) -> None:
         liveness = await stack.enter_async_context(
             Liveness(bus, subjects, settings.worker_timeout_s)
         )
-        server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", settings.max_request_bytes)]
-        )
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        add_to_server(
-            TandemServicer(
-                settings, bus, streams, tokenizer, limits_of(settings, tokenizer), liveness
-            ),
-            server,
-        )
+        limits = limits_of(settings, tokenizer)
+        servicer = TandemServicer(settings, bus, streams, tokenizer, limits, liveness)
+        server, health_servicer = grpc_server(settings, servicer)
         port = listen(server, settings)
         await server.start()
         log.info(
@@ -93,9 +104,7 @@ async def run(settings: GatewaySettings) -> None:
             settings.gateway_id,
             settings.grpc_host,
             port,
-            "TLS" + (" with client certificates" if settings.grpc_tls_client_ca else "")
-            if settings.grpc_tls_cert
-            else "plaintext",
+            transport_of(settings),
             settings.cluster,
         )
         async with ReadinessProbe(bus, subjects, health_servicer):

@@ -1,4 +1,4 @@
-"""StreamRouter: one NATS subscription per gateway, token chunks handed to each request's queue."""
+"""StreamRouter: one NATS subscription per gateway, token chunks handed to each attempt's queue."""
 
 import asyncio
 
@@ -10,7 +10,7 @@ class StreamRouter:
     def __init__(self, bus: MessageBus, subject: str):
         self.bus = bus
         self.subject = subject
-        self._queues: dict[str, asyncio.Queue[TokenChunk]] = {}
+        self._queues: dict[str, asyncio.Queue[TokenChunk]] = {}  # attempt id -> its chunks
         self._sub = None
 
     async def __aenter__(self) -> "StreamRouter":
@@ -20,20 +20,24 @@ class StreamRouter:
     async def __aexit__(self, *exc) -> None:
         await self._sub.unsubscribe()
 
-    def open(self, request_id: str) -> asyncio.Queue[TokenChunk]:
-        if request_id in self._queues:
-            raise KeyError(request_id)
+    def open(self, attempt_id: str) -> asyncio.Queue[TokenChunk]:
+        if attempt_id in self._queues:
+            raise KeyError(attempt_id)
         queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
-        self._queues[request_id] = queue
+        self._queues[attempt_id] = queue
         return queue
 
-    def close(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    async def next(self, attempt_id: str, timeout_s: float) -> TokenChunk:
+        """The next chunk of an open stream; asyncio.TimeoutError when none came in timeout_s."""
+        return await asyncio.wait_for(self._queues[attempt_id].get(), timeout_s)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._queues
+    def close(self, attempt_id: str) -> None:
+        self._queues.pop(attempt_id, None)
+
+    def __contains__(self, attempt_id: str) -> bool:
+        return attempt_id in self._queues
 
     async def _on_chunk(self, chunk: TokenChunk, respond) -> None:
-        queue = self._queues.get(chunk.request_id)
-        if queue is not None:  # else: the request ended here already (cancelled, timed out)
+        queue = self._queues.get(chunk.request_id)  # request_id on the wire: the attempt id
+        if queue is not None:  # else: the attempt ended here already (cancelled, timed out, moved)
             queue.put_nowait(chunk)

@@ -2,11 +2,12 @@
 moves to a new attempt, what the client sees, and what each new attempt asks for."""
 
 import asyncio
+import copy
 
 import grpc
 
-from services.gateway import servicer as servicer_module
-from services.gateway.migration import FULL_MOVES
+from services.gateway import relay
+from services.gateway.migration import FULL_MOVES, client_id
 from services.gateway.servicer import TandemServicer
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
@@ -18,6 +19,7 @@ from shared.control.subjects import Subjects
 from tests.fakes.bus import InMemoryBus
 
 LOSE = "lose"
+SILENT = "silent"
 LIMITS = Limits(
     max_model_len=2048, default_max_tokens=16, max_tokens_limit=1024, max_stop_strings=8
 )
@@ -45,21 +47,27 @@ class FakeContext:
 
 
 class ScriptedCluster:
-    """Answers every submit as a scheduler placing it on decode worker d<n>, then plays attempt
-    n's script, in turn: a TokenChunk is sent (its request id and next index filled in), LOSE
-    skips an index (a chunk lost on the way), a callable is called with the bus."""
+    """Answers submit n with `replies[n]` where given (a SubmitReply not ok, or SILENT: no answer),
+    else as a scheduler placing it on decode worker d<p>, the pth placed, then plays script p, in
+    turn: a TokenChunk is sent (its request id and next index filled in), LOSE skips an index (a
+    chunk lost on the way), a callable is called with the bus."""
 
-    def __init__(self, bus: InMemoryBus, scripts: list[list]):
-        self.bus, self.scripts = bus, scripts
+    def __init__(self, bus: InMemoryBus, scripts: list[list], replies: dict | None = None):
+        self.bus, self.scripts, self.replies = bus, scripts, replies or {}
         self.tasks: list[GenerateTask] = []
         self.plays: list[asyncio.Task] = []
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
         self.tasks.append(task)
-        await respond(
-            SubmitReply(ok=True, prefill_worker="p1", decode_worker=f"d{len(self.tasks)}")
-        )
-        self.plays.append(asyncio.create_task(self._play(task, self.scripts[len(self.tasks) - 1])))
+        reply = self.replies.get(len(self.tasks) - 1)
+        if reply is SILENT:
+            return
+        if reply is not None:
+            await respond(reply)
+            return
+        placed = len(self.plays) + 1
+        await respond(SubmitReply(ok=True, prefill_worker="p1", decode_worker=f"d{placed}"))
+        self.plays.append(asyncio.create_task(self._play(task, self.scripts[placed - 1])))
 
     async def _play(self, task: GenerateTask, script: list) -> None:
         index = 0
@@ -76,25 +84,39 @@ class ScriptedCluster:
             await self.bus.publish(task.reply_subject, step)
 
 
-async def generate(scripts: list[list], max_migrations: int = 2, tokenizer=None):
-    """Runs one Generate against the scripted cluster: (responses, context, cluster, bus)."""
-    bus, settings = InMemoryBus(), GatewaySettings(max_migrations=max_migrations)
-    cluster = ScriptedCluster(bus, scripts)
+async def generate(
+    scripts: list[list],
+    max_migrations: int = 2,
+    tokenizer=None,
+    replies=None,
+    take=None,
+    bus=None,
+    **options,
+):
+    """Runs one Generate against the scripted cluster: (responses, context, cluster, bus). The
+    client goes away after `take` responses where given."""
+    bus, settings = bus or InMemoryBus(), GatewaySettings(max_migrations=max_migrations, **options)
+    cluster = ScriptedCluster(bus, scripts, replies)
     await bus.subscribe(Subjects(settings.cluster).submit, cluster.on_submit)
     context, responses = FakeContext(), []
     async with (
         StreamRouter(bus, "gw.replies") as streams,
-        Liveness(bus, Subjects(settings.cluster), timeout_s=3.0) as liveness,
+        Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s) as liveness,
     ):
         servicer = TandemServicer(settings, bus, streams, tokenizer, LIMITS, liveness)
         request = pb.GenerateRequest(
             request_id="req", prompt="Hello there", sampling=pb.SamplingParams(max_tokens=3)
         )
+        stream = servicer.Generate(request, context)
         try:
-            async for response in servicer.Generate(request, context):
+            async for response in stream:
                 responses.append(response)
+                if len(responses) == take:
+                    break
         except Aborted:
             pass
+        finally:
+            await stream.aclose()
     return responses, context, cluster, bus
 
 
@@ -181,7 +203,7 @@ async def test_a_last_chunk_lost_in_a_nats_reconnect_resumes_from_the_tokens_sen
 ):
     """The stream's last chunk vanishes while NATS reconnects: nothing after it shows a gap, so
     the gateway goes on from the tokens the client has once the stream stays quiet."""
-    monkeypatch.setattr(servicer_module, "LOST_AFTER_RECONNECT_S", 0.2)
+    monkeypatch.setattr(relay, "LOST_AFTER_RECONNECT_S", 0.2)
 
     def reconnect(bus):  # the connection came back; the final chunk was in flight and is lost
         bus.reconnects += 1
@@ -202,3 +224,112 @@ async def test_a_gap_in_the_chunk_indexes_resumes_after_the_last_chunk_received(
     )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     assert cluster.tasks[1].resume_tokens == 1 and cluster.tasks[1].avoid_workers == []
+
+
+async def test_a_scheduler_handing_the_request_back_has_it_submitted_again_as_a_new_attempt(
+    tokenizer,
+):
+    responses, context, cluster, bus = await generate(
+        [[done([7, 8, 9])]], replies={0: SubmitReply(ok=False, resubmit=True)}, tokenizer=tokenizer
+    )
+    assert context.code is None and tokens(responses) == [7, 8, 9]
+    first, second = cluster.tasks
+    assert client_id(first.request_id) == client_id(second.request_id) == "req"
+    assert second.request_id != first.request_id and first.request_id in cancels(bus)
+    assert second.moves == 0 and responses[-1].timing.migrations == 0
+
+
+async def test_a_request_no_scheduler_places_twice_fails_and_both_attempts_are_cancelled(
+    tokenizer,
+):
+    responses, context, cluster, bus = await generate(
+        [], replies={0: SILENT, 1: SILENT}, submit_timeout_s=0.1, tokenizer=tokenizer
+    )
+    assert responses == [] and context.code == grpc.StatusCode.UNAVAILABLE
+    assert context.message == "the scheduler did not place the request in time"
+    assert {t.request_id for t in cluster.tasks} <= cancels(bus) and len(cluster.tasks) == 2
+
+
+async def test_a_worker_failing_to_confirm_the_placement_moves_the_request_without_it(tokenizer):
+    refused = SubmitReply(
+        ok=False, code="UNAVAILABLE", message="d9 did not ack", failed_worker="d9"
+    )
+    responses, context, cluster, bus = await generate(
+        [[done([7, 8, 9])]], replies={0: refused}, tokenizer=tokenizer
+    )
+    assert context.code is None and tokens(responses) == [7, 8, 9]
+    first, second = cluster.tasks
+    assert second.avoid_workers == ["d9"] and first.request_id in cancels(bus)
+    assert responses[-1].timing.migrations == 1
+
+
+async def test_a_refusal_after_a_move_says_why_the_request_moved(tokenizer):
+    full = SubmitReply(
+        ok=False, code="RESOURCE_EXHAUSTED", message="the cluster is full", retry_after_ms=1500
+    )
+    responses, context, _, _ = await generate(
+        [[chunk([7]), failed("UNAVAILABLE", "d1")]], replies={1: full}, tokenizer=tokenizer
+    )
+    assert tokens(responses) == [7] and context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert context.message == "d1 said UNAVAILABLE, and the cluster is full (retry after 1.5s)"
+    assert context.trailing == (("retry-after-ms", "1500"),)
+
+
+async def test_a_decode_worker_that_stops_responding_has_its_request_moved_off_it(tokenizer):
+    responses, context, cluster, _ = await generate(
+        [[chunk([7])], [done([8, 9])]], worker_timeout_s=0.5, tokenizer=tokenizer
+    )
+    assert context.code is None and tokens(responses) == [7, 8, 9]
+    assert cluster.tasks[1].avoid_workers == ["d1"] and cluster.tasks[1].resume_tokens == 1
+
+
+async def test_a_silent_stream_fails_after_the_idle_timeout(tokenizer):
+    responses, context, cluster, bus = await generate(
+        [[chunk([7])]], stream_idle_timeout_s=0.3, tokenizer=tokenizer
+    )
+    assert tokens(responses) == [7] and context.code == grpc.StatusCode.UNAVAILABLE
+    assert context.message == "the worker sent nothing for 0s"
+    assert cluster.tasks[0].request_id in cancels(bus)
+
+
+async def test_a_chunk_with_a_final_error_ends_the_stream_with_its_code(tokenizer):
+    final = TokenChunk(request_id="", index=0, code="INVALID_ARGUMENT", message="bad stop")
+    responses, context, _, _ = await generate([[chunk([7]), final]], tokenizer=tokenizer)
+    assert tokens(responses) == [7]
+    assert (context.code, context.message) == (grpc.StatusCode.INVALID_ARGUMENT, "bad stop")
+
+
+async def test_a_client_going_away_cancels_the_attempt_and_a_finished_stream_does_not(tokenizer):
+    responses, _, cluster, bus = await generate(
+        [[chunk([7]), chunk([8]), done([9])]], take=1, tokenizer=tokenizer
+    )
+    assert tokens(responses) == [7] and cluster.tasks[0].request_id in cancels(bus)
+    responses, _, cluster, bus = await generate([[done([7, 8, 9])]], tokenizer=tokenizer)
+    assert tokens(responses) == [7, 8, 9] and cancels(bus) == set()
+    timing = responses[-1].timing
+    assert timing.migrations == 0 and 0 < timing.ttft_ms <= timing.total_ms
+
+
+class RecordingBus(InMemoryBus):
+    """Keeps every message the gateway asked with, and a copy of it as it was when asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[tuple] = []
+
+    async def request(self, subject, message, timeout, expected):
+        self.asked.append((message, copy.deepcopy(message)))
+        return await super().request(subject, message, timeout, expected)
+
+
+async def test_no_task_the_gateway_submitted_is_changed_afterwards(tokenizer):
+    bus = RecordingBus()
+    responses, context, _, _ = await generate(
+        [[chunk([7]), failed("UNAVAILABLE", "d1")], [done([8, 9])]],
+        replies={0: SubmitReply(ok=False, resubmit=True)},
+        bus=bus,
+        tokenizer=tokenizer,
+    )
+    assert context.code is None and tokens(responses) == [7, 8, 9] and len(bus.asked) == 3
+    assert all(task == as_asked for task, as_asked in bus.asked)
+    assert len({task.request_id for task, _ in bus.asked}) == 3

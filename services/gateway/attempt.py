@@ -1,0 +1,78 @@
+"""An attempt: one placement of a request on the cluster, as a value.
+
+A request may take several attempts. A scheduler that does not answer (it may have died holding
+the request) or hands the request back (it is shutting down) has it submitted once more; a worker
+that fails, or turns it away as full, has it moved: the next attempt goes on after the tokens the
+client already has (migration.resumed). Each attempt has its own id, the request_id of its
+GenerateTask on the wire: a client cannot cancel another's stream by reusing its id, and a retry
+never collides with the attempt it replaces.
+
+Every transition returns a new Attempt and leaves the old one as it was; the GenerateTask inside
+an attempt is never changed after it is made:
+
+    Attempt(task)            unplaced: to be submitted
+    placed(worker)           unplaced -> serving: a scheduler put it on that decode worker
+    received(chunk)          serving -> serving: the chunk it expected came
+    resubmitted()            unplaced -> unplaced, under a new id: no scheduler placed it (once)
+    moved(lost)              any -> unplaced, under a new id: its worker was lost
+"""
+
+import dataclasses
+
+from services.gateway.migration import WorkerLost, client_id, new_attempt_id, resumed
+from shared.control.messages import GenerateTask, TokenChunk
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    task: GenerateTask  # what is submitted; task.request_id is this attempt's id
+    worker: str = ""  # the decode worker serving it; "" until placed
+    sent: tuple[int, ...] = ()  # the output the client has received, over every attempt
+    expected: int = 0  # the index of the next chunk of this attempt's stream
+    full_moves: int = 0  # times the request moved off a full worker (limit: FULL_MOVES)
+    failed_moves: int = 0  # times it moved off a failed worker (limit: --max-migrations)
+    resubmission: bool = False  # submitted once more after no scheduler placed the one before
+    moved_because: str | None = None  # the failure that moved the request here; None: never moved
+
+    @property
+    def id(self) -> str:
+        """The attempt id (request_id on the wire): the client's request id and a random part."""
+        return self.task.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        """The request's own prompt, without the output an earlier attempt produced."""
+        ids = self.task.prompt_token_ids
+        return ids[: len(ids) - self.task.resume_tokens]
+
+    def moves(self, full: bool) -> int:
+        """Times the request moved for this reason: off a full worker, or off a failed one."""
+        return self.full_moves if full else self.failed_moves
+
+    def placed(self, worker: str) -> "Attempt":
+        if self.worker:
+            raise ValueError(f"{self.id} is already placed on {self.worker}")
+        return dataclasses.replace(self, worker=worker)
+
+    def received(self, chunk: TokenChunk) -> "Attempt":
+        if not self.worker or chunk.index != self.expected:
+            raise ValueError(f"{self.id} expects chunk {self.expected} from {self.worker or '?'}")
+        sent = self.sent + tuple(chunk.token_ids)
+        return dataclasses.replace(self, sent=sent, expected=self.expected + 1)
+
+    def resubmitted(self) -> "Attempt":
+        if self.worker or self.resubmission:
+            raise ValueError(f"{self.id} is not to be submitted again")
+        task = dataclasses.replace(self.task, request_id=new_attempt_id(client_id(self.id)))
+        return dataclasses.replace(self, task=task, resubmission=True)
+
+    def moved(self, lost: WorkerLost) -> "Attempt":
+        """The next attempt: the prompt and the output sent so far, what is left to generate,
+        the failed worker avoided (not a full one)."""
+        return Attempt(
+            task=resumed(self.task, self.prompt, list(self.sent), lost.avoid),
+            sent=self.sent,
+            full_moves=self.full_moves + lost.full,
+            failed_moves=self.failed_moves + (not lost.full),
+            moved_because=str(lost),
+        )

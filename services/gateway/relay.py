@@ -1,0 +1,188 @@
+"""RequestRelay: one request's token stream, followed across its attempts until it ends.
+
+The relay submits an attempt to the schedulers, waits for its chunks, and when the worker serving
+it is lost (dead, failed or full; or a chunk lost on the way) moves the request to a new attempt
+that goes on after the tokens the client has: the client sees one stream. It owns its attempts'
+streams on the StreamRouter, and cancels on the cluster whatever an attempt it leaves unfinished
+holds. A failure the client must see ends the call with its gRPC status (context.abort).
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.gateway.attempt import Attempt
+from services.gateway.migration import FULL_MOVES, WorkerLost
+from services.gateway.settings import GatewaySettings
+from services.gateway.streams import StreamRouter
+from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
+from shared.control.liveness import Liveness
+from shared.control.messages import CancelRequest, GenerateTask, SubmitReply, TokenChunk
+from shared.control.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+LOST_AFTER_RECONNECT_S = 3.0
+POLL_S = 0.5  # a silent stream: how often its worker's liveness and the timeouts are checked
+
+
+def status_code(name: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+
+
+class RequestRelay:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        bus: MessageBus,
+        streams: StreamRouter,
+        liveness: Liveness,
+        context,
+    ):
+        self.settings = settings
+        self.bus = bus
+        self.streams = streams
+        self.liveness = liveness
+        self.context = context
+        self.subjects = Subjects(settings.cluster)
+
+    async def follow(self, task: GenerateTask) -> AsyncIterator[tuple[Attempt, TokenChunk]]:
+        """Every chunk of the request's output, with the attempt as it is after that chunk."""
+        attempt, ended = self._open(Attempt(task)), False
+        try:
+            while not ended:
+                try:
+                    if not attempt.worker:
+                        attempt = await self._submit(attempt)
+                        continue
+                    chunk = await self._next_chunk(attempt)
+                except WorkerLost as lost:  # move it: a new attempt goes on after the tokens sent
+                    attempt = await self._move(attempt, lost)
+                    continue
+                attempt, ended = attempt.received(chunk), bool(chunk.finish_reason)
+                yield attempt, chunk
+        finally:
+            self.streams.close(attempt.id)
+            if not ended:  # client gone, deadline passed or a failure: free what the workers hold
+                await self._cancel(attempt.id)
+
+    def _open(self, attempt: Attempt) -> Attempt:
+        self.streams.open(attempt.id)
+        return attempt
+
+    async def _replace(self, ended: Attempt, following: Attempt) -> Attempt:
+        """Ends an attempt (what the workers hold of it is freed) and opens the one after it."""
+        await self._cancel(ended.id)
+        self.streams.close(ended.id)
+        return self._open(following)
+
+    async def _cancel(self, attempt_id: str) -> None:
+        try:
+            await self.bus.publish(self.subjects.cancel, CancelRequest(attempt_id, "cancelled"))
+        except Exception as err:  # NATS down: the workers' own timeouts free the request
+            log.warning("could not broadcast the cancel of %s: %s", attempt_id, err)
+
+    async def _submit(self, attempt: Attempt) -> Attempt:
+        """The attempt placed on a decode worker; or, when no scheduler placed it, the attempt to
+        submit once more, this one ended: it goes to the schedulers' queue group again (another
+        replica takes it). Raises WorkerLost when the worker chosen failed to take it."""
+        reply = await self._ask_scheduler(attempt)
+        if (reply is None or reply.resubmit) and not attempt.resubmission:
+            log.warning("no scheduler placed %s; submitting it again", attempt.id)
+            return await self._replace(attempt, attempt.resubmitted())
+        if not reply.ok:
+            await self._refused(attempt, reply)
+        log.info(
+            "request %s: %d prompt tokens -> prefill %s, decode %s",
+            attempt.id,
+            len(attempt.task.prompt_token_ids),
+            reply.prefill_worker or "(local)",
+            reply.decode_worker,
+        )
+        return attempt.placed(reply.decode_worker)
+
+    async def _ask_scheduler(self, attempt: Attempt) -> SubmitReply | None:
+        """The scheduler's reply; None when none came in time to a first submission."""
+        why = _refusal_start(attempt)
+        try:
+            return await self.bus.request(
+                self.subjects.submit, attempt.task, self.settings.submit_timeout_s, SubmitReply
+            )
+        except NoResponders:
+            await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + "no scheduler is running")
+        except BadReply as err:
+            await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + str(err))
+        except RequestTimeout:
+            if attempt.resubmission:
+                await self.context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    why + "the scheduler did not place the request in time",
+                )
+            return None
+
+    async def _refused(self, attempt: Attempt, reply: SubmitReply) -> None:
+        if reply.failed_worker:  # a worker failed it, not the request
+            raise WorkerLost(reply.message, reply.failed_worker)
+        message = _refusal_start(attempt) + reply.message
+        if reply.retry_after_ms:
+            self.context.set_trailing_metadata((("retry-after-ms", str(reply.retry_after_ms)),))
+            message += f" (retry after {reply.retry_after_ms / 1000:.1f}s)"
+        await self.context.abort(status_code(reply.code), message)
+
+    async def _move(self, attempt: Attempt, lost: WorkerLost) -> Attempt:
+        """Ends the failed attempt and opens the next one (to be submitted); past the limit of
+        moves for this reason, the client gets the failure's status."""
+        moved = attempt.moved(lost)
+        limit = FULL_MOVES if lost.full else self.settings.max_migrations
+        if moved.moves(lost.full) > limit:
+            await self.context.abort(
+                status_code(lost.code),
+                f"{lost}; the request was already moved {limit} time(s), the limit",
+            )
+        log.warning("%s: %s; moving it after %d token(s)", attempt.id, lost, len(attempt.sent))
+        return await self._replace(attempt, moved)
+
+    async def _next_chunk(self, attempt: Attempt) -> TokenChunk:
+        """The chunk the attempt expects; WorkerLost when its worker or the chunk is lost."""
+        chunk = await self._wait_for_chunk(attempt)
+        if chunk.code and chunk.retry:
+            raise WorkerLost(chunk.message, chunk.failed_worker, chunk.code)
+        if chunk.code:
+            await self.context.abort(status_code(chunk.code), chunk.message)
+        if chunk.index != attempt.expected:  # NATS delivers at most once: lost in a reconnect,
+            # say. Not the worker's fault: the request goes on from the tokens the client has.
+            raise WorkerLost(
+                f"the token stream from {attempt.worker} lost chunk {attempt.expected}", ""
+            )
+        return chunk
+
+    async def _wait_for_chunk(self, attempt: Attempt) -> TokenChunk:
+        idle_since, reconnects = time.monotonic(), self.bus.reconnects
+        while True:
+            try:
+                return await self.streams.next(attempt.id, POLL_S)
+            except asyncio.TimeoutError:
+                await self._check_silence(attempt.worker, idle_since, reconnects)
+
+    async def _check_silence(self, worker: str, idle_since: float, reconnects: int) -> None:
+        """Raises WorkerLost, or ends the call, when a silent stream is not worth waiting for."""
+        if await self.liveness.lost(worker):
+            raise WorkerLost(f"decode worker {worker} stopped responding", worker) from None
+        silent_s = time.monotonic() - idle_since
+        if self.bus.reconnects != reconnects and silent_s > LOST_AFTER_RECONNECT_S:
+            # NATS reconnected meanwhile: a chunk (the last one, even) may be lost, with nothing
+            # after it to show the gap. Go on from the tokens the client has.
+            raise WorkerLost(f"no tokens from {worker} since NATS reconnected", "") from None
+        if silent_s > self.settings.stream_idle_timeout_s:
+            await self.context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s",
+            )
+
+
+def _refusal_start(attempt: Attempt) -> str:
+    """What a refusal's message starts with: why the request was being moved, if it was."""
+    return "" if attempt.moved_because is None else f"{attempt.moved_because}, and "

@@ -1,0 +1,80 @@
+"""The API's answers, built from the cluster's messages: a GenerateResponse from a TokenChunk, a
+ClusterStatusResponse from the scheduler's StatusReply."""
+
+import time
+
+from shared.api import tandem_pb2 as pb
+from shared.control.messages import StatusReply, TokenChunk, WorkerHeartbeat
+
+FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+}
+
+
+def generate_response(
+    request_id: str, chunk: TokenChunk, arrival: float, first_at: float | None, migrations: int
+) -> pb.GenerateResponse:
+    """One response of the stream; the last (finish_reason set) with usage and timing too.
+    `first_at`: when the first token came (None: none yet); `migrations`: times it moved."""
+    response = pb.GenerateResponse(
+        request_id=request_id, text=chunk.text, token_ids=chunk.token_ids
+    )
+    if chunk.finish_reason:
+        now = time.time()
+        response.finish_reason = FINISH.get(chunk.finish_reason, pb.FINISH_REASON_STOP)
+        response.usage.prompt_tokens = chunk.prompt_tokens
+        response.usage.completion_tokens = chunk.completion_tokens
+        if chunk.timing is not None:
+            response.timing.CopyFrom(worker_timing(chunk))
+        response.timing.migrations = migrations
+        response.timing.ttft_ms = ((first_at or now) - arrival) * 1000
+        response.timing.total_ms = (now - arrival) * 1000
+    return response
+
+
+def worker_timing(chunk: TokenChunk) -> pb.Timing:
+    """The timing the workers measured (the gateway adds its own)."""
+    t = chunk.timing
+    return pb.Timing(
+        queue_ms=t.queue_ms,
+        prefill_ms=t.prefill_ms,
+        kv_transfer_ms=t.kv_transfer_ms,
+        kv_exposed_ms=t.kv_exposed_ms,
+        prefill_worker=t.prefill_worker,
+        decode_worker=t.decode_worker,
+        path=t.path,
+        cached_tokens=t.cached_tokens,
+    )
+
+
+def cluster_status_response(reply: StatusReply, gateway_dropped: int) -> pb.ClusterStatusResponse:
+    return pb.ClusterStatusResponse(
+        mode=reply.mode,
+        workers=[worker_status(w) for w in reply.workers],
+        scheduler_messages_dropped=reply.messages_dropped,
+        gateway_messages_dropped=gateway_dropped,
+    )
+
+
+def worker_status(w: WorkerHeartbeat) -> pb.WorkerStatus:
+    return pb.WorkerStatus(
+        id=w.worker_id,
+        role=w.role,
+        host=w.host,
+        pid=w.pid,
+        running=w.running,
+        queued=w.queued,
+        kv_blocks_used=w.kv_blocks_used,
+        kv_blocks_total=w.kv_blocks_total,
+        requests_served=w.requests_served,
+        kv_bytes_sent=w.kv_bytes_sent,
+        kv_bytes_received=w.kv_bytes_received,
+        kv_transfers_failed=w.kv_transfers_failed,
+        kv_blocks_leaked=w.kv_blocks_leaked,
+        kv_transport=w.kv_transport,
+        zone=w.zone,
+        messages_dropped=w.messages_dropped,
+        kernels=w.kernels,
+    )

@@ -63,44 +63,32 @@ def generate_command(args) -> int:
     return 0
 
 
+HEADER = "WORKER ROLE HOST ZONE PID RUNNING QUEUED KV_BLOCKS LEAKED SERVED KV_SENT KV_RECEIVED "
+HEADER += "KV_FAILED KV_TRANSPORT"
+
+
+def _row(w: pb.WorkerStatus) -> tuple[str, ...]:
+    return (
+        w.id,
+        w.role,
+        w.host,
+        w.zone or "-",
+        str(w.pid),
+        str(w.running),
+        str(w.queued),
+        f"{w.kv_blocks_used}/{w.kv_blocks_total}",
+        str(w.kv_blocks_leaked),
+        str(w.requests_served),
+        _bytes(w.kv_bytes_sent),
+        _bytes(w.kv_bytes_received),
+        str(w.kv_transfers_failed),
+        w.kv_transport or "-",
+    )
+
+
 def status_table(response: pb.ClusterStatusResponse) -> str:
-    rows = [
-        (
-            "WORKER",
-            "ROLE",
-            "HOST",
-            "ZONE",
-            "PID",
-            "RUNNING",
-            "QUEUED",
-            "KV BLOCKS",
-            "LEAKED",
-            "SERVED",
-            "KV SENT",
-            "KV RECEIVED",
-            "KV FAILED",
-            "KV TRANSPORT",
-        )
-    ]
-    for w in response.workers:
-        rows.append(
-            (
-                w.id,
-                w.role,
-                w.host,
-                w.zone or "-",
-                str(w.pid),
-                str(w.running),
-                str(w.queued),
-                f"{w.kv_blocks_used}/{w.kv_blocks_total}",
-                str(w.kv_blocks_leaked),
-                str(w.requests_served),
-                _bytes(w.kv_bytes_sent),
-                _bytes(w.kv_bytes_received),
-                str(w.kv_transfers_failed),
-                w.kv_transport or "-",
-            )
-        )
+    rows = [tuple(h.replace("_", " ") for h in HEADER.split())]
+    rows += [_row(w) for w in response.workers]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows

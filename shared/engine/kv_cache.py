@@ -32,6 +32,7 @@ class KVPool:
         if layout.block_size != block_size:
             raise ValueError("the layout's block size and the pool's differ")
         self.layout = layout
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         shape = (

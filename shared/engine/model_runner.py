@@ -13,7 +13,6 @@ absolute positions, decode tokens one at a time.
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from shared.control.messages import KVLayout
 from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
+from shared.engine.batch_layout import BatchLayout, Segment, lay_out
 from shared.engine.decode_stack import decode_stack
 from shared.engine.kernel_report import KernelReport, report_of
 from shared.engine.kv_cache import KVPool
@@ -29,40 +29,6 @@ from shared.engine.paged_attention import PagedAttention
 from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Segment:
-    """Positions [start, end) of one sequence computed in this pass."""
-
-    block_table: list[int]
-    token_ids: list[int]
-    start: int
-    end: int
-
-
-@dataclass
-class _Attention:
-    """Query rows [row_start, row_end) attend to keys [ctx_start, ctx_end) of the layer's gather,
-    or, `in_pool`, to pool slots [ctx_start, ctx_end) read in place (a contiguous block run)."""
-
-    row_start: int
-    row_end: int
-    ctx_start: int
-    ctx_end: int
-    mask: torch.Tensor | None  # causal within the piece; None for a single query row
-    in_pool: bool = False
-
-
-@dataclass
-class _Plan:
-    ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor  # where each row's KV is written
-    context: torch.Tensor | None  # slots gathered once per layer for the scattered pieces
-    attention: list[_Attention]  # pieces through scaled_dot_product_attention
-    decode: tuple | None  # single-token rows through the paged decode kernel
-    last_rows: torch.Tensor
 
 
 class ModelRunner:
@@ -94,28 +60,10 @@ class ModelRunner:
         )
         self.num_heads = model.config.num_attention_heads
         self.head_dim = self.layout.head_dim
-        self.qkv = [
-            Projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-            for layer in self.layers
-        ]
-        self.o_proj = [Projection([layer.self_attn.o_proj]) for layer in self.layers]
-        self.gate_up = [
-            Projection([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers
-        ]
-        self.down = [Projection([layer.mlp.down_proj]) for layer in self.layers]
-        self.lm_head = Projection([model.lm_head])
+        self._fuse_projections(model)
         self.batch_invariant = batch_invariant and device == "cpu"
-        probe = [self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0], self.lm_head]
-        self.row_counts = invariant_row_counts(probe) if self.batch_invariant else []
-        if self.batch_invariant and SMALL not in self.row_counts:
-            log.warning(
-                "batch invariance does not hold with these weights (no row count up to %d computes "
-                "rows independently: int8 weights quantize activations per call)",
-                SMALL,
-            )
-        self.projections = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
+        self.row_counts = self._invariant_rows() if self.batch_invariant else []
         self.min_rows = fastest_row_count(self.projections, [c for c in self.row_counts if c <= 4])
-
         kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
         self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim**-0.5)
         self.ops = layer_ops(kernels, model)
@@ -126,6 +74,31 @@ class ModelRunner:
         self.stack = decode_stack(
             self.ops, self.paged, self.layers, self.norm, per_layer, self.config, shape
         )
+
+    def _fuse_projections(self, model) -> None:
+        """q|k|v and gate|up fused into one GEMM each, every projection packed where it can be."""
+        self.qkv = [
+            Projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+            for layer in self.layers
+        ]
+        self.o_proj = [Projection([layer.self_attn.o_proj]) for layer in self.layers]
+        self.gate_up = [
+            Projection([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers
+        ]
+        self.down = [Projection([layer.mlp.down_proj]) for layer in self.layers]
+        self.lm_head = Projection([model.lm_head])
+        self.projections = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
+
+    def _invariant_rows(self) -> list[int]:
+        probe = [self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0], self.lm_head]
+        counts = invariant_row_counts(probe)
+        if SMALL not in counts:
+            log.warning(
+                "batch invariance does not hold with these weights (no row count up to %d computes "
+                "rows independently: int8 weights quantize activations per call)",
+                SMALL,
+            )
+        return counts
 
     def kernel_report(self) -> KernelReport:
         """Which kernels this runner computes with (projections, attention, decode stack, ops)."""
@@ -142,68 +115,6 @@ class ModelRunner:
         any batch (the smallest >= rows, and for a tiny batch the fastest, see fastest_row_count)."""
         return next((count for count in self.row_counts if count >= max(rows, self.min_rows)), rows)
 
-    def _plan(self, segments: list[Segment]) -> _Plan:
-        """Token ids, positions and pool slots of every row; the attention pieces; each segment's last row.
-
-        Single-row pieces (decode tokens, a prompt's one-token tail) go to the decode kernel
-        when there is one. All the keys the other pieces read are gathered once per layer
-        (`context` slots): a sequence's context appears once, and its pieces read prefixes of it.
-        """
-        ids, positions, slots, context, attention, last_rows = [], [], [], [], [], []
-        tables, lengths, single_rows = [], [], []
-        row = ctx = 0
-        for seg in segments:
-            ids.extend(seg.token_ids[seg.start : seg.end])
-            positions.append(torch.arange(seg.start, seg.end))
-            slots.append(self.pool.slots(seg.block_table, seg.start, seg.end))
-            run = self.pool.contiguous_run(seg.block_table, seg.end)
-            gathered = False
-            for start, stop in self._pieces(seg):
-                first = row + start - seg.start
-                if self.paged and stop - start == 1:
-                    tables.append(seg.block_table[: -(-stop // self.pool.block_size)])
-                    lengths.append(stop)
-                    single_rows.append(first)
-                    continue
-                if (
-                    run is None and not gathered
-                ):  # scattered blocks: gather this context once per layer
-                    context.append(self.pool.slots(seg.block_table, 0, seg.end))
-                    gathered = True
-                base = ctx if run is None else run
-                n = stop - start
-                mask = (
-                    None
-                    if n == 1
-                    else torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(stop - n)
-                )
-                attention.append(
-                    _Attention(first, first + n, base, base + stop, mask, in_pool=run is not None)
-                )
-            row += seg.end - seg.start
-            ctx += seg.end if gathered else 0
-            last_rows.append(row - 1)
-        return _Plan(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.cat(positions).to(self.device),
-            torch.cat(slots),
-            torch.cat(context) if context else None,
-            attention,
-            self.paged.plan(tables, lengths, single_rows) if tables else None,
-            torch.tensor(last_rows, dtype=torch.long, device=self.device),
-        )
-
-    def _pieces(self, seg: Segment):
-        """[start, stop) pieces of a segment: one decode token, or prompt chunks aligned to `chunk`."""
-        if seg.end - seg.start == 1:
-            return [(seg.start, seg.end)]
-        pieces, piece = [], seg.start
-        while piece < seg.end:
-            stop = min(seg.end, (piece // self.chunk + 1) * self.chunk)
-            pieces.append((piece, stop))
-            piece = stop
-        return pieces
-
     @torch.inference_mode()
     def forward(
         self, segments: list[Segment], abandon: Callable[[], bool] | None = None
@@ -211,7 +122,7 @@ class ModelRunner:
         """Computes the segments; returns logits [len(segments), vocab] at each segment's last row.
         `abandon`, asked between layers, may stop a long step early (None returned): every
         sequence in it was cancelled, and the KV it wrote so far is of no use to anyone."""
-        plan = self._plan(segments)
+        plan = lay_out(segments, self.pool, self.paged, self.chunk, self.device)
         rows = plan.ids.numel()
         hidden = self.embed(plan.ids)
         total = self.padded_rows(rows)
@@ -247,7 +158,7 @@ class ModelRunner:
             normed = torch.cat([normed, normed.new_zeros(total - rows, normed.shape[1])])
         return self.lm_head.one(normed)[:rows].float()
 
-    def _attend(self, index: int, x: torch.Tensor, cos, sin, plan: _Plan, rows: int):
+    def _attend(self, index: int, x: torch.Tensor, cos, sin, plan: BatchLayout, rows: int):
         total = x.shape[0]
         q, k, v = self.qkv[index](x)
         q = q.view(total, self.num_heads, self.head_dim)
@@ -267,7 +178,9 @@ class ModelRunner:
             self._attend_pieces(index, q, plan, out)
         return self.o_proj[index].one(out.view(total, -1))
 
-    def _attend_pieces(self, index: int, q: torch.Tensor, plan: _Plan, out: torch.Tensor) -> None:
+    def _attend_pieces(
+        self, index: int, q: torch.Tensor, plan: BatchLayout, out: torch.Tensor
+    ) -> None:
         """Prompt chunks (and, without the kernel, decode rows): one SDPA call per piece."""
         pool_keys, pool_values = (
             t.transpose(0, 1)[None] for t in self.pool.kv[index]

@@ -65,6 +65,33 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     model_dir = model_store.prepare(settings.model, settings.model_cache)
     model = model_store.load_model(model_dir, device, settings.dtype, settings.weights)
     tokenizer = model_store.load_tokenizer(model_dir)
+    runner = _runner(settings, model, device)
+    model_limit = int(getattr(model.config, "max_position_embeddings", 2048))
+    max_len = min(settings.max_model_len or model_limit, model_limit)
+    blocks = BlockManager(
+        runner.pool.num_blocks, settings.block_size, cache_granularity=settings.prefill_chunk_tokens
+    )
+    engine = Engine(runner, blocks, settings.max_num_seqs, settings.max_batch_tokens)
+    runtime = WorkerRuntime(
+        settings.resolved_worker_id(role),
+        role,
+        settings.resolved_host(),
+        runner,
+        tokenizer,
+        blocks,
+        engine,
+        max_len,
+        eos_token_ids(model, tokenizer),
+        settings.prefix_summary_limit,
+        settings.max_queue,
+        runner.kernel_report().line(),
+    )
+    _log_ready(runtime, settings, device)
+    return runtime
+
+
+def _runner(settings: WorkerSettings, model, device: str) -> ModelRunner:
+    """The model runner over a KV pool of --kv-cache-mb; the model's own linear weights freed."""
     layout = layout_of(
         model.config, model_store.model_name(settings.model), model.dtype, settings.block_size
     )
@@ -81,42 +108,32 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
         settings.batch_invariant,
     )
     runner.release_model_weights()
-    model_limit = int(getattr(model.config, "max_position_embeddings", 2048))
-    max_len = min(settings.max_model_len or model_limit, model_limit)
-    blocks = BlockManager(
-        num_blocks, settings.block_size, cache_granularity=settings.prefill_chunk_tokens
-    )
-    engine = Engine(runner, blocks, settings.max_num_seqs, settings.max_batch_tokens)
+    return runner
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every id that ends generation: the generation config's (one or several) and the tokenizer's."""
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    runtime = WorkerRuntime(
-        settings.resolved_worker_id(role),
-        role,
-        settings.resolved_host(),
-        runner,
-        tokenizer,
-        blocks,
-        engine,
-        max_len,
-        eos_ids,
-        settings.prefix_summary_limit,
-        settings.max_queue,
-        runner.kernel_report().line(),
-    )
+    return eos_ids
+
+
+def _log_ready(runtime: WorkerRuntime, settings: WorkerSettings, device: str) -> None:
+    blocks = runtime.blocks
     log.info(
-        "%s %s (pid %d) ready: model %s on %s/%s, %d threads, %d KV blocks of %d tokens, max_model_len %d; kernels: %s",
-        role,
+        "%s %s (pid %d) ready: model %s on %s/%s, %d threads, %d KV blocks of %d tokens, "
+        "max_model_len %d; kernels: %s",
+        runtime.role,
         runtime.worker_id,
         os.getpid(),
-        runner.layout.model,
+        runtime.runner.layout.model,
         device,
         settings.dtype,
         torch.get_num_threads(),
         blocks.num_blocks,
         blocks.block_size,
-        max_len,
+        runtime.max_model_len,
         runtime.kernels,
     )
-    return runtime

@@ -135,7 +135,6 @@ def quantize_int8(model):
         if isinstance(module, torch.nn.Linear) and module is not getattr(model, "lm_head", None)
     }
     with warnings.catch_warnings():
-        warnings.simplefilter(
-            "ignore"
-        )  # torch marks eager dynamic quantization deprecated; it still works
+        # torch marks eager dynamic quantization deprecated; it still works
+        warnings.simplefilter("ignore")
         return quantize_dynamic(model, spec, dtype=torch.qint8)

@@ -29,12 +29,10 @@ class Pending:
     enqueued_at: float = field(compare=False)
     tried: set = field(default_factory=set, compare=False)  # workers that refused or failed it
     attempts: int = field(default=0, compare=False)
-    refusal: tuple[str, str] | None = field(
-        default=None, compare=False
-    )  # the last worker's (code, message)
-    unconfirmed: bool = field(
-        default=False, compare=False
-    )  # a worker never confirmed it: it may hold it
+    # the last worker's (code, message)
+    refusal: tuple[str, str] | None = field(default=None, compare=False)
+    # a worker never confirmed it: it may hold it
+    unconfirmed: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         self.sort_key = (-self.priority, 0 if self.task.moves else 1, self.order)

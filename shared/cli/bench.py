@@ -190,9 +190,8 @@ def check_limits(args) -> None:
 
 async def run(args, workload: Workload):
     """Warm-up, then the measured run; returns the measured records and the cluster's description."""
-    cluster = await probe(
-        args.address, args.connect_timeout
-    )  # fails fast, before the tokenizer loads
+    # fails fast, before the tokenizer loads
+    cluster = await probe(args.address, args.connect_timeout)
     tokenizer = await asyncio.to_thread(
         model_store.load_tokenizer,
         await asyncio.to_thread(model_store.prepare, args.model, args.model_cache),

@@ -45,9 +45,8 @@ def socket_path(cluster: str, override: str = "", env=os.environ) -> Path:
     if override:
         return Path(override).expanduser()
     try:
-        CommonSettings(
-            cluster=cluster
-        )  # the one rule for cluster names; it also keeps `/` out of the path
+        # the one rule for cluster names; it also keeps `/` out of the path
+        CommonSettings(cluster=cluster)
     except ValueError as err:
         raise ControlError(str(err)) from None
     return runtime_dir(env) / f"{cluster}.sock"
@@ -157,9 +156,8 @@ def dispatch(request: dict, handler: Handler) -> dict:
     except ValueError as err:
         return {"ok": False, "error": str(err)}
     except Exception:
-        traceback.print_exc(
-            file=sys.stderr
-        )  # the traceback stays here; the client gets a pointer to it
+        # the traceback stays here; the client gets a pointer to it
+        traceback.print_exc(file=sys.stderr)
         return {
             "ok": False,
             "error": "the launcher failed to carry out the request; see its output",

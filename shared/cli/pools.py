@@ -92,12 +92,10 @@ class WorkerPools:
     specs: dict[str, WorkerSpec]  # pool -> how to start one of its workers
     address: str  # the gateway, for clients that wait for ClusterStatus
     grace_s: float = field(default_factory=drain_grace_s)
-    workers: dict[str, list[tuple[str, int]]] = field(
-        default_factory=dict
-    )  # pool -> (name, pid), oldest first
-    spawned: dict[str, int] = field(
-        default_factory=dict
-    )  # pool -> workers ever started: names never repeat
+    # pool -> (name, pid), oldest first
+    workers: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    # pool -> workers ever started: names never repeat
+    spawned: dict[str, int] = field(default_factory=dict)
     restarts: Restarts = field(default_factory=Restarts)  # crashed workers replaced, per pool
 
     def resize(self, pool: str, count: int) -> tuple[list[dict], list[dict]]:

@@ -62,9 +62,8 @@ class NatsBus:
         self._url = url
         self._shown_url = redacted(url)
         self._name = name
-        self._options = (
-            options or {}
-        )  # credentials and TLS (shared.settings.nats_options): never logged
+        # credentials and TLS (shared.settings.nats_options): never logged
+        self._options = options or {}
         if role:  # answers come to _INBOX.<role>.…: the only inboxes this role's NATS user may read
             self._options = {**self._options, "inbox_prefix": inbox_prefix(role)}
         self._nc: nats.NATS | None = None

@@ -37,9 +37,8 @@ class Liveness:
         self._quick = min(QUICK_S, timeout_s)
         self._clock = clock
         self._seen: dict[str, float] = {}
-        self._probes: dict[
-            str, asyncio.Future
-        ] = {}  # worker -> the ping in flight (shared by every asker)
+        # worker -> the ping in flight (shared by every asker)
+        self._probes: dict[str, asyncio.Future] = {}
         self._probed: dict[str, float] = {}  # worker -> when a ping last found it still there
         self._reconnects, self._settled_from = bus.reconnects, clock()
         self._sub = None

@@ -207,9 +207,8 @@ class WorkerHeartbeat:
     prefill_tokens_per_s: float = 0.0  # measured prompt throughput; 0 = not measured yet
     decode_step_ms: float = 0.0  # measured time of a step while sequences decode (their ITL)
     prefix_granularity: int = 0  # tokens per prefix-cache granule (the summary's unit)
-    prefix_summary: list[int] = field(
-        default_factory=list
-    )  # granule keys cached here (granule_keys)
+    # granule keys cached here (granule_keys)
+    prefix_summary: list[int] = field(default_factory=list)
     messages_dropped: int = 0  # control messages received malformed or out of range
     kernels: str = ""  # which kernels its engine runs (KernelReport.line); at most MAX_LABEL
 

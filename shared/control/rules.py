@@ -89,9 +89,8 @@ def _field_problem(kind: str, name: str, value: Any) -> str | None:
     if isinstance(value, int):
         low, high = SIGNED.get((kind, name), (0, MAX_UINT))
         return None if low <= value <= high else f"{name} out of range"
-    if isinstance(
-        value, float
-    ):  # times may differ in sign across hosts' clocks: finite is the rule
+    # times may differ in sign across hosts' clocks: finite is the rule
+    if isinstance(value, float):
         return None if math.isfinite(value) else f"{name} is not a finite number"
     if isinstance(value, (str, bytes)):
         return None if len(value) <= MAX_STR else f"{name} is too long"

@@ -123,9 +123,8 @@ class BlockManager:
         hits = self._prefix_hits(seq.token_ids)
         for block in hits:
             self._take(block)
-            if (
-                self.block_hash[block] in self.granule_ends
-            ):  # a hit keeps its granule in the summary
+            # a hit keeps its granule in the summary
+            if self.block_hash[block] in self.granule_ends:
                 self.granule_ends.move_to_end(self.block_hash[block])
         seq.block_table = hits + self._take_run(
             self.blocks_for(seq.num_tokens) - len(hits), hits[-1] if hits else None

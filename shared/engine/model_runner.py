@@ -182,9 +182,8 @@ class ModelRunner:
         self, index: int, q: torch.Tensor, plan: BatchLayout, out: torch.Tensor
     ) -> None:
         """Prompt chunks (and, without the kernel, decode rows): one SDPA call per piece."""
-        pool_keys, pool_values = (
-            t.transpose(0, 1)[None] for t in self.pool.kv[index]
-        )  # [1, heads, slots, dim]
+        # [1, heads, slots, dim]
+        pool_keys, pool_values = (t.transpose(0, 1)[None] for t in self.pool.kv[index])
         if plan.context is not None:
             keys, values = (t.transpose(0, 1)[None] for t in self.pool.read(index, plan.context))
         q = q.transpose(0, 1)[None]

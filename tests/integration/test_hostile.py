@@ -56,9 +56,8 @@ def _still_serving(stack, reference) -> None:
 
 # --- the gRPC API, by hypothesis -----------------------------------------------------------------
 
-TEXT = st.text(
-    st.characters(codec="utf-8", categories=None), max_size=300
-)  # control characters too
+# control characters too
+TEXT = st.text(st.characters(codec="utf-8", categories=None), max_size=300)
 FLOATS = st.floats(width=32)  # nan, inf, -0.0, huge
 SAMPLING = st.builds(
     pb.SamplingParams,
@@ -255,9 +254,8 @@ def test_garbage_on_the_ucx_sockets(hostile):
             except ConnectionError:
                 pass
     print(f"UCX sockets hit: {ports}")
-    assert {w for w, _, _ in ports} == {w.id for w in stack.status().workers}, (
-        ports
-    )  # every worker was hit
+    # every worker was hit
+    assert {w for w, _, _ in ports} == {w.id for w in stack.status().workers}, ports
     long = chat_request(long_document(300), 4)  # over the local-prefill threshold: KV over UCX
     chunks, _, _ = collect(stack.stub(), long)
     assert chunks[-1].timing.path == "disaggregated"

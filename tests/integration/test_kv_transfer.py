@@ -52,9 +52,8 @@ def wait_for_first_piece(decode: KVPeer, dest: dict, timeout_s: float = 10) -> N
 def tables(prompt_len: int, rng: random.Random) -> tuple[list[int], list[int]]:
     n = -(-prompt_len // BS)
     src = rng.sample(range(160), n)
-    dst = list(range(64, 64 + n // 2)) + rng.sample(
-        range(0, 64), n - n // 2
-    )  # one run, then scattered
+    # one run, then scattered
+    dst = list(range(64, 64 + n // 2)) + rng.sample(range(0, 64), n - n // 2)
     return src, dst
 
 
@@ -91,9 +90,8 @@ def test_only_the_missing_suffix_is_sent(prefill, decode):
     assert decode.call("digest", table=dst, start=skip, end=prompt) == prefill.call(
         "digest", table=src, start=skip, end=prompt
     )
-    assert (
-        decode.call("digest", table=dst, start=0, end=skip) == zeros
-    )  # the held prefix is untouched
+    # the held prefix is untouched
+    assert decode.call("digest", table=dst, start=0, end=skip) == zeros
 
 
 def test_a_stalled_sender_is_caught_by_the_lease_and_every_receive_released(decode):

@@ -115,9 +115,8 @@ def test_tandem_up_secure_serves_and_stops_cleanly(tmp_path):
         status = Stack("default", f"127.0.0.1:{port}", None, "disaggregated").status()
         assert sorted(w.role for w in status.workers) == ["decode", "prefill"]
         children = _children(launcher.pid)
-        assert {w.pid for w in status.workers} <= set(children) and len(
-            children
-        ) == 5  # + nats, scheduler, gateway
+        # + nats, scheduler, gateway
+        assert {w.pid for w in status.workers} <= set(children) and len(children) == 5
         assert "NATS: one user per role" in output
         nats_argv = next(
             psutil.Process(pid).cmdline()

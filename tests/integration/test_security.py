@@ -74,12 +74,10 @@ async def _strangers_and_other_roles(url: str, certs: dict, passwords: dict) -> 
         await scheduler.subscribe(s.submit, cb=on_submit)
         await scheduler.flush()
         await prefill.publish(s.submit, b"forged request")  # a prefill worker may not submit
-        await prefill.subscribe(
-            s.gateway_tokens("gw"), cb=on_submit
-        )  # nor read anyone's token stream
-        await prefill.subscribe(
-            s.decode_tasks("d"), cb=on_submit
-        )  # nor the decode workers' prompts
+        # nor read anyone's token stream
+        await prefill.subscribe(s.gateway_tokens("gw"), cb=on_submit)
+        # nor the decode workers' prompts
+        await prefill.subscribe(s.decode_tasks("d"), cb=on_submit)
         await prefill.flush()
         decode_errors: list[str] = []
         decode = await _connect(
@@ -88,13 +86,11 @@ async def _strangers_and_other_roles(url: str, certs: dict, passwords: dict) -> 
         listener = await _connect(
             url, [], tls=_tls(certs), user="tandem-decode", password=passwords["decode"]
         )
-        await listener.subscribe(
-            s.decode_tasks("d"), cb=on_submit
-        )  # a decode worker's own assignments
+        # a decode worker's own assignments
+        await listener.subscribe(s.decode_tasks("d"), cb=on_submit)
         await listener.flush()
-        await decode.publish(
-            s.decode_tasks("d"), b"forged assignment"
-        )  # a decode worker may not assign work
+        # a decode worker may not assign work
+        await decode.publish(s.decode_tasks("d"), b"forged assignment")
         await decode.flush()
         await asyncio.sleep(0.5)
         assert got == []

@@ -139,9 +139,8 @@ def test_shared_prefixes_start_the_prompts():
         prefixes.setdefault(spec.prefix, set()).add(tuple(ids[:32]))
     assert sorted(prefixes) == [0, 1, 2] and all(len(v) == 1 for v in prefixes.values())
     assert len({s.prompt for s in specs}) == 30 and specs[4].request_id == "bench-a-b-4"
-    assert [s.prompt for s in request_specs(workload, tok, 30)] == [
-        s.prompt for s in specs
-    ]  # seeded
+    # seeded
+    assert [s.prompt for s in request_specs(workload, tok, 30)] == [s.prompt for s in specs]
 
 
 def test_a_prefix_longer_than_the_prompts_is_refused():
@@ -187,12 +186,10 @@ def test_request_metrics_split_a_chunk_gap_over_its_tokens():
     assert m.ttft_ms == pytest.approx(100) and m.e2e_ms == pytest.approx(400)
     assert m.output_tokens == 4 and m.tpot_ms == pytest.approx(100)  # (400 - 100) / 3
     assert m.itl_ms == pytest.approx([50, 100, 100])
-    assert m.max_itl_ms == pytest.approx(
-        200
-    )  # the SLO judges the whole 200 ms wait for the last chunk
-    assert itl_ms([0.0, 0.5], [3, 5]) == pytest.approx(
-        [100] * 5
-    )  # the first chunk's extra tokens: none
+    # the SLO judges the whole 200 ms wait for the last chunk
+    assert m.max_itl_ms == pytest.approx(200)
+    # the first chunk's extra tokens: none
+    assert itl_ms([0.0, 0.5], [3, 5]) == pytest.approx([100] * 5)
 
 
 def test_stats_percentiles():
@@ -203,9 +200,8 @@ def test_stats_percentiles():
 def three_records():
     return [
         record(0, 100.0, [(100.1, 1), (100.15, 1), (100.35, 2)], 100.4),  # ttft 100, max itl 100
-        record(
-            1, 100.5, [(100.7, 1)], 100.8, prompt_tokens=20, prompt_len=21
-        ),  # ttft 200, one token
+        # ttft 200, one token
+        record(1, 100.5, [(100.7, 1)], 100.8, prompt_tokens=20, prompt_len=21),
         record(2, 101.0, [], 101.1, status="RESOURCE_EXHAUSTED"),
     ]
 
@@ -369,9 +365,8 @@ def test_cli_bench_writes_results(tmp_path, monkeypatch, capsys):
         and data["summary"]["slo_met"] == 8
     )
     assert data["config"]["cluster"]["mode"] == "fake" and data["config"]["rate"] is None
-    assert [r["index"] for r in data["requests"]] == list(
-        range(2, 12)
-    )  # the two warm-up requests left out
+    # the two warm-up requests left out
+    assert [r["index"] for r in data["requests"]] == list(range(2, 12))
 
 
 def test_cli_bench_unreachable_gateway_exits_non_zero(capsys):

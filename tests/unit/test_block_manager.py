@@ -195,21 +195,18 @@ def test_free_cached_hits_are_not_counted_twice():
 def test_prefix_hits_come_in_whole_granules():
     bm = BlockManager(32, 16, cache_granularity=32)
     allocated(bm, toks(0, 96), commit=True)
-    assert (
-        allocated(bm, toks(0, 48) + toks(900, 20)).num_cached_tokens == 32
-    )  # 3 blocks match, 2 used
-    assert (
-        allocated(bm, toks(0, 16) + toks(900, 40)).num_cached_tokens == 0
-    )  # 1 block: less than a granule
+    # 3 blocks match, 2 used
+    assert allocated(bm, toks(0, 48) + toks(900, 20)).num_cached_tokens == 32
+    # 1 block: less than a granule
+    assert allocated(bm, toks(0, 16) + toks(900, 40)).num_cached_tokens == 0
     assert allocated(bm, toks(0, 80) + toks(900, 5)).num_cached_tokens == 64
 
 
 def test_prefix_hits_never_cover_the_last_token():
     bm = BlockManager(32, 16, cache_granularity=32)
     allocated(bm, toks(0, 96), commit=True)
-    assert (
-        allocated(bm, toks(0, 64)).num_cached_tokens == 32
-    )  # identical 64: the last granule is recomputed
+    # identical 64: the last granule is recomputed
+    assert allocated(bm, toks(0, 64)).num_cached_tokens == 32
     assert allocated(bm, toks(0, 65)).num_cached_tokens == 64
     assert allocated(bm, toks(0, 96)).num_cached_tokens == 64
     fine = BlockManager(8, 16)
@@ -357,9 +354,8 @@ def test_summary_forgets_evicted_granules_and_keeps_the_newest():
     old = allocated(bm, toks(1, 64), commit=True)
     bm.deallocate(old)
     assert len(bm.prefix_summary(10)) == 2
-    newer = allocated(
-        bm, toks(1000, 128), commit=True
-    )  # takes every block: the old prefix is evicted
+    # takes every block: the old prefix is evicted
+    newer = allocated(bm, toks(1000, 128), commit=True)
     assert len(bm.prefix_summary(10)) == 4 and len(bm.prefix_summary(1)) == 1
     assert bm.prefix_summary(1) == bm.prefix_summary(10)[-1:]
     bm.deallocate(newer)

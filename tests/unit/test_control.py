@@ -72,9 +72,8 @@ def serving(tmp_path):
 def test_parse_targets_reads_role_equals_count():
     assert parse_targets(["prefill=2", "decode=3"]) == {"prefill": 2, "decode": 3}
     assert parse_targets(["colocated=4"]) == {"colocated": 4}
-    assert parse_targets(["decode=-1"]) == {
-        "decode": -1
-    }  # syntax is fine; the launcher refuses the count
+    # syntax is fine; the launcher refuses the count
+    assert parse_targets(["decode=-1"]) == {"decode": -1}
 
 
 @pytest.mark.parametrize(

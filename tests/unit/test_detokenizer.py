@@ -34,9 +34,8 @@ def test_pieces_concatenate_to_decode(tokenizer, text, stop):
 @pytest.mark.parametrize("text", TEXTS[1:])
 def test_no_piece_has_a_replacement_character(tokenizer, text):
     ids = ids_of(tokenizer, text)
-    assert any(
-        REPLACEMENT in tokenizer.decode(ids[:n]) for n in range(1, len(ids))
-    )  # the case is exercised
+    # the case is exercised
+    assert any(REPLACEMENT in tokenizer.decode(ids[:n]) for n in range(1, len(ids)))
     pieces, tail, _ = stream(tokenizer, ids, [])
     assert all(REPLACEMENT not in p for p in pieces + [tail])
 

@@ -40,9 +40,8 @@ def test_add_rms_norm(ops, dtype, with_delta):
 def test_rope_in_place_is_bit_identical_to_hf(ops, dtype):
     fused, plain = ops
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(5, (4 + 2 + 2) * 32, generator=g).to(
-        dtype
-    )  # q|k|v rows, as the fused GEMM gives them
+    # q|k|v rows, as the fused GEMM gives them
+    qkv = torch.randn(5, (4 + 2 + 2) * 32, generator=g).to(dtype)
     q, k, _ = qkv.split([128, 64, 64], dim=-1)
     q, k = q.view(5, 4, 32), k.view(5, 2, 32)
     angles = torch.randn(5, 16, generator=g)

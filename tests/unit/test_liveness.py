@@ -42,9 +42,8 @@ async def watching(clock: Clock) -> tuple[InMemoryBus, Liveness]:
 async def test_a_silent_worker_still_on_nats_waits_out_the_timeout():
     clock = Clock()
     bus, live = await watching(clock)
-    async with Announcer(
-        bus, SUBJECTS, "w1", lambda: beat("w1"), interval_s=3600
-    ):  # it beats once, and answers pings
+    # it beats once, and answers pings
+    async with Announcer(bus, SUBJECTS, "w1", lambda: beat("w1"), interval_s=3600):
         asked = []
         request = bus.request
 
@@ -56,9 +55,8 @@ async def test_a_silent_worker_still_on_nats_waits_out_the_timeout():
         clock.now += 2.0
         assert not await live.lost("w1")  # silent 2 s, but listening: only slow
         clock.now += 0.5
-        assert not await live.lost("w1") and asked == [
-            SUBJECTS.ping("w1")
-        ]  # that answer stands a second
+        # that answer stands a second
+        assert not await live.lost("w1") and asked == [SUBJECTS.ping("w1")]
         clock.now += 0.6
         assert await live.lost("w1") and not live.alive("w1")  # the timeout decides
 

@@ -28,6 +28,5 @@ def test_a_resumed_attempt_carries_the_sent_tokens_and_what_is_left_to_generate(
         1,
         2,
     )  # placed again: it waits ahead of new ones
-    assert (
-        first.sampling.max_tokens == 10 and first.avoid_workers == []
-    )  # the earlier attempts unchanged
+    # the earlier attempts unchanged
+    assert first.sampling.max_tokens == 10 and first.avoid_workers == []

@@ -106,9 +106,8 @@ def test_without_a_compiler_the_runner_falls_back_with_a_warning(tiny_model, mon
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
-    monkeypatch.setattr(
-        cpu_kernels, "_import_built", lambda name: None
-    )  # as if nothing were built yet
+    # as if nothing were built yet
+    monkeypatch.setattr(cpu_kernels, "_import_built", lambda name: None)
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     with caplog.at_level(logging.WARNING):
         runner = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=16, block_size=16, chunk=32)
@@ -133,9 +132,8 @@ def test_a_table_too_short_for_its_context_is_refused(kernel):
         attention(q, keys, values, attention.plan([[0, 8]], [BLOCK * 2], [0]), torch.zeros_like(q))
 
 
-def test_a_built_kernel_module_is_imported_without_a_build_step(
-    kernel, monkeypatch
-):  # kernel: built first
+# kernel: built first
+def test_a_built_kernel_module_is_imported_without_a_build_step(kernel, monkeypatch):
     from torch.utils import cpp_extension
 
     def no_build(**kwargs):

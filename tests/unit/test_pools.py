@@ -130,9 +130,8 @@ def test_a_crashed_worker_is_replaced_and_a_crash_loop_stops(group, monkeypatch)
     assert [n for n, _ in pools.workers["decode"]] == ["decode-1"] and not group.dead()
     assert pools.replace_crashed() == []  # the new one runs: nothing to do
 
-    monkeypatch.setattr(
-        "shared.cli.pools.MAX_RESTARTS", 1
-    )  # a second crash within the window: a loop
+    # a second crash within the window: a loop
+    monkeypatch.setattr("shared.cli.pools.MAX_RESTARTS", 1)
     next(p for n, p in group.children if n == "decode-1").send_signal(signal.SIGKILL)
     with pytest.raises(ScaleError, match="not restarting"):
         while time.monotonic() < deadline + 10:

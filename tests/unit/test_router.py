@@ -98,9 +98,8 @@ def test_itl_target_keeps_sequences_off_a_worker_whose_tokens_are_already_slow()
     )
     with pytest.raises(NoRoom, match="slower than 200 ms"):
         router(slow, beat("p", role="prefill"), max_itl_ms=200).route(task())
-    idle = beat(
-        "d1", running=0, decode_step_ms=300.0
-    )  # its last batch has gone: the figure is stale
+    # its last batch has gone: the figure is stale
+    idle = beat("d1", running=0, decode_step_ms=300.0)
     assert (
         router(idle, beat("p", role="prefill"), max_itl_ms=200).route(task()).decode.worker_id
         == "d1"

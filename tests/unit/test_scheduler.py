@@ -266,9 +266,8 @@ async def test_a_worker_that_never_confirms_is_named_so_the_gateway_can_move_the
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task(request_id="x"))
     assert (reply.ok, reply.code, reply.failed_worker) == (False, "UNAVAILABLE", "d1")
-    cancels = [
-        m for s, m in bus.published if s == Subjects(CLUSTER).cancel
-    ]  # it may hold it: drop it
+    # it may hold it: drop it
+    cancels = [m for s, m in bus.published if s == Subjects(CLUSTER).cancel]
     assert [c.request_id for c in cancels] == ["x"]
 
 
@@ -280,9 +279,8 @@ async def test_a_moved_request_avoids_the_workers_that_failed_it():
     svc.registry.update(beat("d1"))  # the emptiest, but it failed this request
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
-    assert (
-        await submit(svc, task(600, request_id="first"))
-    ).prefill_worker == "p1"  # a long prompt
+    # a long prompt
+    assert (await submit(svc, task(600, request_id="first"))).prefill_worker == "p1"
     moved = task(600)
     moved.avoid_workers = ["d1", "p1"]  # its decode worker, then its prefill worker, died
     reply = await submit(svc, moved)

@@ -81,9 +81,8 @@ def test_a_prompt_over_the_prompt_limit_is_refused(tokenizer):
         max_stop_strings=16,
         max_prompt_tokens=n,
     )
-    assert (
-        len(validate(request(prompt), tokenizer, limits).prompt_token_ids) == n
-    )  # exactly at the limit
+    # exactly at the limit
+    assert len(validate(request(prompt), tokenizer, limits).prompt_token_ids) == n
     longer = prompt + "and more words"
     with pytest.raises(
         InvalidRequest,

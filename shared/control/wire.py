@@ -5,6 +5,7 @@ values out of range (shared.control.rules) and oversized payloads are rejected w
 """
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -27,6 +28,8 @@ class MessageError(ValueError):
 
 
 def _to_plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
     if dataclasses.is_dataclass(value):
         return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, list):
@@ -59,6 +62,11 @@ def _check(kind: Any, value: Any, where: str) -> Any:
             raise MessageError(f"{where}: expected a list")
         (item,) = typing.get_args(kind)
         return [_check(item, v, f"{where}[]") for v in value]
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            raise MessageError(f"{where}: not a {kind.__name__}: {str(value)[:40]!r}") from None
     if dataclasses.is_dataclass(kind):
         if not isinstance(value, dict):
             raise MessageError(f"{where}: expected a map")

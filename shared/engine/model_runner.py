@@ -7,7 +7,7 @@ running sequence go through the projections and MLPs as one batch of rows.
 Determinism: a sequence's tokens are computed the same way whatever else is in the batch, so a
 greedy request gives the same tokens alone or among many. Projections are row-independent at
 the row counts measured at start-up (see `projection.invariant_row_counts`; a tiny batch is
-padded up to one); attention runs per sequence, prompts in fixed `chunk`-token pieces aligned to
+padded up to one); attention runs per sequence, prompts in fixed `chunk`-token ranges aligned to
 absolute positions, decode tokens one at a time.
 """
 
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from shared.control.messages import KVLayout
 from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
-from shared.engine.batch_layout import BatchLayout, Segment, lay_out
 from shared.engine.decode_stack import decode_stack
+from shared.engine.forward_batch import ForwardBatch, Segment, arrange
 from shared.engine.kernel_report import KernelReport, report_of
 from shared.engine.kv_cache import KVPool
 from shared.engine.layer_ops import layer_ops
@@ -122,24 +122,26 @@ class ModelRunner:
         """Computes the segments; returns logits [len(segments), vocab] at each segment's last row.
         `abandon`, asked between layers, may stop a long step early (None returned): every
         sequence in it was cancelled, and the KV it wrote so far is of no use to anyone."""
-        plan = lay_out(segments, self.pool, self.paged, self.chunk, self.device)
-        rows = plan.ids.numel()
-        hidden = self.embed(plan.ids)
+        batch = arrange(segments, self.pool, self.paged, self.chunk, self.device)
+        rows = batch.ids.numel()
+        hidden = self.embed(batch.ids)
         total = self.padded_rows(rows)
         if total > rows:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
         cos, sin = self.rotary(
-            hidden, torch.cat([plan.positions, plan.positions.new_zeros(total - rows)])[None]
+            hidden, torch.cat([batch.positions, batch.positions.new_zeros(total - rows)])[None]
         )
         cos, sin = cos[0], sin[0]
-        if self.stack is not None and plan.decode is not None and not plan.attention:
-            x = self.stack(hidden, cos, sin, self.pool, plan.slots, plan.decode)  # all rows decode
-            return self._logits(x.index_select(0, plan.last_rows))
+        if self.stack is not None and batch.decode is not None and not batch.attention:
+            x = self.stack(
+                hidden, cos, sin, self.pool, batch.slots, batch.decode
+            )  # all rows decode
+            return self._logits(x.index_select(0, batch.last_rows))
         residual, x = self.ops.norm(hidden, None, self.layers[0].input_layernorm)
         for index, layer in enumerate(self.layers):
             if abandon is not None and abandon():
                 return None
-            attended = self._attend(index, x, cos, sin, plan, rows)
+            attended = self._attend(index, x, cos, sin, batch, rows)
             residual, x = self.ops.norm(residual, attended, layer.post_attention_layernorm)
             gate, up = self.gate_up[index](x)
             out = self.down[index].one(self.ops.act_mul(layer.mlp.act_fn, gate, up))
@@ -149,7 +151,7 @@ class ModelRunner:
                 else self.norm
             )
             residual, x = self.ops.norm(residual, out, after)
-        return self._logits(x.index_select(0, plan.last_rows))
+        return self._logits(x.index_select(0, batch.last_rows))
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         rows = normed.shape[0]
@@ -158,42 +160,42 @@ class ModelRunner:
             normed = torch.cat([normed, normed.new_zeros(total - rows, normed.shape[1])])
         return self.lm_head.one(normed)[:rows].float()
 
-    def _attend(self, index: int, x: torch.Tensor, cos, sin, plan: BatchLayout, rows: int):
+    def _attend(self, index: int, x: torch.Tensor, cos, sin, batch: ForwardBatch, rows: int):
         total = x.shape[0]
         q, k, v = self.qkv[index](x)
         q = q.view(total, self.num_heads, self.head_dim)
         k = k.view(total, self.layout.num_kv_heads, self.head_dim)
         v = v.view(total, self.layout.num_kv_heads, self.head_dim)
         q, k = self.ops.rope(q, k, cos, sin)
-        self.ops.store(self.pool, index, plan.slots, k, v)
+        self.ops.store(self.pool, index, batch.slots, k, v)
         out = (
             q.new_zeros(total, self.num_heads, self.head_dim)
             if total > rows
             else torch.empty_like(q)
         )
-        if plan.decode is not None:
+        if batch.decode is not None:
             keys, values = self.pool.kv[index]
-            self.paged(q, keys, values, plan.decode, out)
-        if plan.attention:
-            self._attend_pieces(index, q, plan, out)
+            self.paged(q, keys, values, batch.decode, out)
+        if batch.attention:
+            self._attend_ranges(index, q, batch, out)
         return self.o_proj[index].one(out.view(total, -1))
 
-    def _attend_pieces(
-        self, index: int, q: torch.Tensor, plan: BatchLayout, out: torch.Tensor
+    def _attend_ranges(
+        self, index: int, q: torch.Tensor, batch: ForwardBatch, out: torch.Tensor
     ) -> None:
-        """Prompt chunks (and, without the kernel, decode rows): one SDPA call per piece."""
+        """Prompt chunks (and, without the kernel, decode rows): one SDPA call per range."""
         # [1, heads, slots, dim]
         pool_keys, pool_values = (t.transpose(0, 1)[None] for t in self.pool.kv[index])
-        if plan.context is not None:
-            keys, values = (t.transpose(0, 1)[None] for t in self.pool.read(index, plan.context))
+        if batch.context is not None:
+            keys, values = (t.transpose(0, 1)[None] for t in self.pool.read(index, batch.context))
         q = q.transpose(0, 1)[None]
-        for a in plan.attention:
+        for a in batch.attention:
             k, v = (pool_keys, pool_values) if a.in_pool else (keys, values)
-            piece = F.scaled_dot_product_attention(
+            attended = F.scaled_dot_product_attention(
                 q[:, :, a.row_start : a.row_end],
                 k[:, :, a.ctx_start : a.ctx_end],
                 v[:, :, a.ctx_start : a.ctx_end],
                 attn_mask=a.mask,
                 enable_gqa=True,
             )
-            out[a.row_start : a.row_end] = piece[0].transpose(0, 1)
+            out[a.row_start : a.row_end] = attended[0].transpose(0, 1)

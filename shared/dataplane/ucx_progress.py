@@ -17,6 +17,8 @@ request's completion is checked after each wake-up, when UCX has had something t
 import asyncio
 import logging
 
+from shared.dataplane import ucxx_compat
+
 log = logging.getLogger(__name__)
 
 SAFETY_INTERVAL_S = 1.0  # progress at least this often, in case an event is ever missed
@@ -76,31 +78,15 @@ class EventLoopProgress:
             await asyncio.sleep(SAFETY_INTERVAL_S)
             self.wake()
 
-    # ucxx's registry of progress tasks expects these (see install).
-    @property
-    def _tasks(self) -> tuple:
+    def tasks(self) -> tuple:
         return (self._safety,)
-
-    def _clear_tasks(self) -> None:
-        self.stop()
 
     def stop(self) -> None:
         self._safety.cancel()
         self.loop.remove_reader(self.fd)
 
 
-def install(ucxx_module, loop: asyncio.AbstractEventLoop) -> EventLoopProgress:
+def install(loop: asyncio.AbstractEventLoop) -> EventLoopProgress:
     """Makes `loop` drive the UCX worker with EventLoopProgress instead of the progress task
     ucxx.init(progress_mode="blocking") started for it (ucxx keeps one per loop)."""
-    from ucxx._lib_async import application_context
-
-    worker = ucxx_module.core._get_ctx().worker
-    theirs = application_context.ProgressTasks.pop(loop, None)
-    if theirs is not None:
-        loop.remove_reader(worker.epoll_file_descriptor)
-        for task in theirs._tasks:
-            if task is not None:
-                task.cancel()
-    progress = EventLoopProgress(worker, loop)
-    application_context.ProgressTasks[loop] = progress
-    return progress
+    return ucxx_compat.replace_progress(loop, lambda worker: EventLoopProgress(worker, loop))

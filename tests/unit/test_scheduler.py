@@ -7,8 +7,9 @@ import pytest
 
 from services.scheduler.admission import AdmissionQueue
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.service import SchedulerService
+from services.scheduler.service import SchedulerService, failure_of
 from services.scheduler.settings import SchedulerSettings
+from shared.control.failure import Code, Retry, failed, worker_failed, worker_full
 from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
@@ -233,6 +234,19 @@ async def test_a_full_or_draining_worker_makes_it_try_another(code):
     reply = await submit(svc, task())
     assert reply.ok and reply.decode_worker == "d2"
     assert [w for w, _ in log] == ["d1", "d2"]
+
+
+def test_a_decode_workers_answer_becomes_a_failure():
+    assert failure_of(TaskAck(ok=True), "d1") is None
+    full = failure_of(TaskAck(ok=False, code="RESOURCE_EXHAUSTED", message="full"), "d1")
+    assert full == worker_full("d1", "full") and full.retry is Retry.HERE
+    assert failure_of(TaskAck(ok=False, code="UNAVAILABLE", message="x"), "d1") == worker_failed(
+        "d1", "x"
+    )
+    bad = failure_of(TaskAck(ok=False, code="INVALID_ARGUMENT", message="bad"), "d1")
+    assert bad == failed(Code.INVALID_ARGUMENT, "bad", "d1") and not bad.movable
+    assert failure_of(TaskAck(ok=False, code="", message="?"), "d1").code is Code.UNAVAILABLE
+    assert failure_of(TaskAck(ok=False, code="NOT_FOUND", message="?"), "d1").code is Code.INTERNAL
 
 
 async def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once():

@@ -19,6 +19,7 @@ from services.gateway.migration import FULL_MOVES, WorkerLost
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
+from shared.control.failure import Retry
 from shared.control.liveness import Liveness
 from shared.control.messages import CancelRequest, GenerateTask, SubmitReply, TokenChunk
 from shared.control.subjects import Subjects
@@ -90,10 +91,10 @@ class RequestRelay:
         submit once more, this one ended: it goes to the schedulers' queue group again (another
         replica takes it). Raises WorkerLost when the worker chosen failed to take it."""
         reply = await self._ask_scheduler(attempt)
-        if (reply is None or reply.resubmit) and not attempt.resubmission:
+        if (reply is None or _handed_back(reply)) and not attempt.resubmission:
             log.warning("no scheduler placed %s; submitting it again", attempt.id)
             return await self._replace(attempt, attempt.resubmitted())
-        if not reply.ok:
+        if reply.failure:
             await self._refused(attempt, reply)
         log.info(
             "request %s: %d prompt tokens -> prefill %s, decode %s",
@@ -124,13 +125,14 @@ class RequestRelay:
             return None
 
     async def _refused(self, attempt: Attempt, reply: SubmitReply) -> None:
-        if reply.failed_worker:  # a worker failed it, not the request
-            raise WorkerLost(reply.message, reply.failed_worker)
-        message = _refusal_start(attempt) + reply.message
+        failure = reply.failure
+        if failure.avoid:  # a worker failed it, not the request
+            raise WorkerLost(failure.message, failure.avoid)
+        message = _refusal_start(attempt) + failure.message
         if reply.retry_after_ms:
             self.context.set_trailing_metadata((("retry-after-ms", str(reply.retry_after_ms)),))
             message += f" (retry after {reply.retry_after_ms / 1000:.1f}s)"
-        await self.context.abort(status_code(reply.code), message)
+        await self.context.abort(status_code(failure.code.value), message)
 
     async def _move(self, attempt: Attempt, lost: WorkerLost) -> Attempt:
         """Ends the failed attempt and opens the next one (to be submitted); past the limit of
@@ -181,6 +183,13 @@ class RequestRelay:
                 grpc.StatusCode.UNAVAILABLE,
                 f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s",
             )
+
+
+def _handed_back(reply: SubmitReply) -> bool:
+    """The scheduler did not place the request and blames no worker: another scheduler may."""
+    return (
+        bool(reply.failure) and reply.failure.retry is Retry.ELSEWHERE and not reply.failure.blame
+    )
 
 
 def _refusal_start(attempt: Attempt) -> str:

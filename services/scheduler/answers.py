@@ -10,10 +10,13 @@ import asyncio
 import logging
 
 from services.scheduler.admission import AdmissionQueue, Pending
-from shared.control.failure import Failure
+from shared.control.failure import Code, Failure, Retry
 from shared.control.messages import SubmitReply
 
 log = logging.getLogger(__name__)
+
+# no worker is blamed: the gateway submits the request again, and another scheduler takes it
+SHUTTING_DOWN = Failure(Code.UNAVAILABLE, "the scheduler is shutting down", Retry.ELSEWHERE)
 
 
 class Answers:
@@ -24,27 +27,13 @@ class Answers:
     def refuse(self, entry: Pending, failure: Failure, retry_after: bool = False) -> None:
         """Answers `failure`; `retry_after`: with a hint of when trying again may succeed."""
         reply = SubmitReply(
-            ok=False,
-            code=failure.code.value,
-            message=failure.message,
-            failed_worker=failure.avoid,
-            retry_after_ms=self.queue.retry_after_ms() if retry_after else 0,
+            failure, retry_after_ms=self.queue.retry_after_ms() if retry_after else 0
         )
         self.spawn(self.send(entry.respond, reply))
 
     def hand_back(self, entry: Pending) -> None:
         """Shutting down: the gateway submits the request again, and another scheduler takes it."""
-        self.spawn(
-            self.send(
-                entry.respond,
-                SubmitReply(
-                    ok=False,
-                    code="UNAVAILABLE",
-                    resubmit=True,
-                    message="the scheduler is shutting down",
-                ),
-            )
-        )
+        self.spawn(self.send(entry.respond, SubmitReply(SHUTTING_DOWN)))
 
     async def send(self, respond, reply: SubmitReply) -> None:
         if respond is None:

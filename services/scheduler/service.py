@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from services.scheduler.admission import AdmissionQueue, Pending
-from services.scheduler.answers import Answers
+from services.scheduler.answers import SHUTTING_DOWN, Answers
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
@@ -146,24 +146,15 @@ class SchedulerService:
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
         if self._closing:
-            await self.answers.send(
-                respond,
-                SubmitReply(
-                    ok=False,
-                    code="UNAVAILABLE",
-                    resubmit=True,
-                    message="the scheduler is shutting down",
-                ),
-            )
+            await self.answers.send(respond, SubmitReply(SHUTTING_DOWN))
         elif self.queue.offer(task, respond) is None:
+            waiting = self.settings.max_pending
+            full = failed(
+                Code.RESOURCE_EXHAUSTED,
+                f"the scheduler's queue is full ({waiting} requests waiting)",
+            )
             await self.answers.send(
-                respond,
-                SubmitReply(
-                    ok=False,
-                    code="RESOURCE_EXHAUSTED",
-                    retry_after_ms=self.queue.retry_after_ms(),
-                    message=f"the scheduler's queue is full ({self.settings.max_pending} requests waiting)",
-                ),
+                respond, SubmitReply(full, retry_after_ms=self.queue.retry_after_ms())
             )
         else:
             self.pump()
@@ -243,7 +234,7 @@ class SchedulerService:
             self.queue.placed()
             await self.answers.send(
                 entry.respond,
-                SubmitReply(ok=True, prefill_worker=prefill_id, decode_worker=decode_id),
+                SubmitReply(prefill_worker=prefill_id, decode_worker=decode_id),
             )
         elif failure.movable and entry.attempts < MAX_DISPATCH_ATTEMPTS:
             self._place_again(entry, failure)

@@ -334,3 +334,16 @@ async def test_no_task_the_gateway_submitted_is_changed_afterwards(tokenizer):
     assert context.code is None and tokens(responses) == [7, 8, 9] and len(bus.asked) == 3
     assert all(task == as_asked for task, as_asked in bus.asked)
     assert len({task.request_id for task, _ in bus.asked}) == 3
+
+
+def test_a_chunks_failure_is_read_once_into_a_failure():
+    assert relay.failure_of(TokenChunk(request_id="", index=0, token_ids=[7])) is None
+    assert relay.failure_of(failed("RESOURCE_EXHAUSTED", "p1")) == Failure(
+        Code.RESOURCE_EXHAUSTED, "p1 said RESOURCE_EXHAUSTED", Retry.HERE, "p1"
+    )
+    assert relay.failure_of(failed("INTERNAL", "d1")) == worker_failed(
+        "d1", "d1 said INTERNAL", Code.INTERNAL
+    )
+    final = TokenChunk(request_id="", index=0, code="DEADLINE_EXCEEDED", message="late")
+    assert relay.failure_of(final) == request_failed(Code.DEADLINE_EXCEEDED, "late")
+    assert relay.grpc_status(Code.DEADLINE_EXCEEDED) is grpc.StatusCode.DEADLINE_EXCEEDED

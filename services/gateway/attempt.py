@@ -14,12 +14,13 @@ an attempt is never changed after it is made:
     placed(worker)           unplaced -> serving: a scheduler put it on that decode worker
     received(chunk)          serving -> serving: the chunk it expected came
     resubmitted()            unplaced -> unplaced, under a new id: no scheduler placed it (once)
-    moved(lost)              any -> unplaced, under a new id: its worker was lost
+    moved(failure)           any -> unplaced, under a new id: its worker was lost (full or failed)
 """
 
 import dataclasses
 
-from services.gateway.migration import WorkerLost, client_id, new_attempt_id, resumed
+from services.gateway.migration import client_id, new_attempt_id, resumed
+from shared.control.failure import Failure, Retry
 from shared.control.messages import GenerateTask, TokenChunk
 
 
@@ -29,8 +30,8 @@ class Attempt:
     worker: str = ""  # the decode worker serving it; "" until placed
     sent: tuple[int, ...] = ()  # the output the client has received, over every attempt
     expected: int = 0  # the index of the next chunk of this attempt's stream
-    full_moves: int = 0  # times the request moved off a full worker (limit: FULL_MOVES)
-    failed_moves: int = 0  # times it moved off a failed worker (limit: --max-migrations)
+    full_moves: int = 0  # times the request moved off a full worker, Retry.HERE (limit: FULL_MOVES)
+    failed_moves: int = 0  # times it moved off a failed one, Retry.ELSEWHERE (--max-migrations)
     resubmission: bool = False  # submitted once more after no scheduler placed the one before
     moved_because: str | None = None  # the failure that moved the request here; None: never moved
 
@@ -45,9 +46,10 @@ class Attempt:
         ids = self.task.prompt_token_ids
         return ids[: len(ids) - self.task.resume_tokens]
 
-    def moves(self, full: bool) -> int:
-        """Times the request moved for this reason: off a full worker, or off a failed one."""
-        return self.full_moves if full else self.failed_moves
+    def moves(self, retry: Retry) -> int:
+        """Times the request moved for this reason: off a full worker (Retry.HERE), or off a failed
+        one (Retry.ELSEWHERE)."""
+        return self.full_moves if retry is Retry.HERE else self.failed_moves
 
     def placed(self, worker: str) -> "Attempt":
         if self.worker:
@@ -66,13 +68,16 @@ class Attempt:
         task = dataclasses.replace(self.task, request_id=new_attempt_id(client_id(self.id)))
         return dataclasses.replace(self, task=task, resubmission=True)
 
-    def moved(self, lost: WorkerLost) -> "Attempt":
+    def moved(self, failure: Failure) -> "Attempt":
         """The next attempt: the prompt and the output sent so far, what is left to generate,
         the failed worker avoided (not a full one)."""
+        if not failure.movable:
+            raise ValueError(f"{self.id} cannot move for {failure}")
+        full = failure.retry is Retry.HERE
         return Attempt(
-            task=resumed(self.task, self.prompt, list(self.sent), lost.avoid),
+            task=resumed(self.task, self.prompt, list(self.sent), failure.avoid),
             sent=self.sent,
-            full_moves=self.full_moves + lost.full,
-            failed_moves=self.failed_moves + (not lost.full),
-            moved_because=str(lost),
+            full_moves=self.full_moves + full,
+            failed_moves=self.failed_moves + (not full),
+            moved_because=failure.message,
         )

@@ -13,28 +13,23 @@ prompt away as full has not failed either: the request is placed again, that wor
 import dataclasses
 import uuid
 
+from shared.control.failure import Failure
 from shared.control.messages import GenerateTask
 
 FULL_MOVES = 8  # times a request turned away by a full worker is placed again (a failed one: --max-migrations)
 
 
 class WorkerLost(Exception):
-    """The worker serving a request failed, not the request: it may be placed again elsewhere.
-    `code` RESOURCE_EXHAUSTED: the worker was full, not broken; it is not avoided next time, and
-    such moves have a limit of their own (two schedulers may race for the last place of a worker)."""
+    """The worker serving a request failed, not the request: its failure is movable. Retry.HERE:
+    the worker was full, not broken; it is not avoided next time, and such moves have a limit of
+    their own (two schedulers may race for the last place of a worker). Retry.ELSEWHERE: it
+    failed (or a chunk was lost, blaming nobody); the next attempt avoids it."""
 
-    def __init__(self, message: str, worker: str, code: str = "UNAVAILABLE"):
-        super().__init__(message)
-        self.worker, self.code = worker, code
-
-    @property
-    def full(self) -> bool:
-        return self.code == "RESOURCE_EXHAUSTED"
-
-    @property
-    def avoid(self) -> str:
-        """The worker the next attempt must not use ("" for none)."""
-        return "" if self.full else self.worker
+    def __init__(self, failure: Failure):
+        if not failure.movable:
+            raise ValueError(f"not a failure to move a request for: {failure}")
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 def new_attempt_id(request_id: str) -> str:

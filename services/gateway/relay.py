@@ -19,6 +19,7 @@ from services.gateway.migration import FULL_MOVES, WorkerLost
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
+from shared.control.failure import Code, Failure, Retry, failed, worker_failed, worker_full
 from shared.control.liveness import Liveness
 from shared.control.messages import CancelRequest, GenerateTask, SubmitReply, TokenChunk
 from shared.control.subjects import Subjects
@@ -29,8 +30,23 @@ LOST_AFTER_RECONNECT_S = 3.0
 POLL_S = 0.5  # a silent stream: how often its worker's liveness and the timeouts are checked
 
 
-def status_code(name: str) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+def grpc_status(code: Code) -> grpc.StatusCode:
+    """The status a client gets for a failure: Code names are grpc.StatusCode's."""
+    return grpc.StatusCode[code.value]
+
+
+def failure_of(chunk: TokenChunk) -> Failure | None:
+    """A chunk's failure (None: it carries output). A worker that failed, not the request, sets
+    retry and names itself; a full one is not avoided. (TokenChunk says a code's name and a retry
+    flag until the workers speak Failure too.)"""
+    if not chunk.code:
+        return None
+    code = Code(chunk.code) if chunk.code in Code.__members__ else Code.INTERNAL
+    if not chunk.retry:
+        return failed(code, chunk.message)
+    if code is Code.RESOURCE_EXHAUSTED:
+        return worker_full(chunk.failed_worker, chunk.message)
+    return worker_failed(chunk.failed_worker, chunk.message, code)
 
 
 class RequestRelay:
@@ -60,7 +76,7 @@ class RequestRelay:
                         continue
                     chunk = await self._next_chunk(attempt)
                 except WorkerLost as lost:  # move it: a new attempt goes on after the tokens sent
-                    attempt = await self._move(attempt, lost)
+                    attempt = await self._move(attempt, lost.failure)
                     continue
                 attempt, ended = attempt.received(chunk), bool(chunk.finish_reason)
                 yield attempt, chunk
@@ -90,10 +106,10 @@ class RequestRelay:
         submit once more, this one ended: it goes to the schedulers' queue group again (another
         replica takes it). Raises WorkerLost when the worker chosen failed to take it."""
         reply = await self._ask_scheduler(attempt)
-        if (reply is None or reply.resubmit) and not attempt.resubmission:
+        if (reply is None or _handed_back(reply)) and not attempt.resubmission:
             log.warning("no scheduler placed %s; submitting it again", attempt.id)
             return await self._replace(attempt, attempt.resubmitted())
-        if not reply.ok:
+        if reply.failure:
             await self._refused(attempt, reply)
         log.info(
             "request %s: %d prompt tokens -> prefill %s, decode %s",
@@ -124,39 +140,42 @@ class RequestRelay:
             return None
 
     async def _refused(self, attempt: Attempt, reply: SubmitReply) -> None:
-        if reply.failed_worker:  # a worker failed it, not the request
-            raise WorkerLost(reply.message, reply.failed_worker)
-        message = _refusal_start(attempt) + reply.message
+        failure = reply.failure
+        if failure.avoid:  # a worker failed it, not the request
+            raise WorkerLost(failure)
+        message = _refusal_start(attempt) + failure.message
         if reply.retry_after_ms:
             self.context.set_trailing_metadata((("retry-after-ms", str(reply.retry_after_ms)),))
             message += f" (retry after {reply.retry_after_ms / 1000:.1f}s)"
-        await self.context.abort(status_code(reply.code), message)
+        await self.context.abort(grpc_status(failure.code), message)
 
-    async def _move(self, attempt: Attempt, lost: WorkerLost) -> Attempt:
+    async def _move(self, attempt: Attempt, failure: Failure) -> Attempt:
         """Ends the failed attempt and opens the next one (to be submitted); past the limit of
         moves for this reason, the client gets the failure's status."""
-        moved = attempt.moved(lost)
-        limit = FULL_MOVES if lost.full else self.settings.max_migrations
-        if moved.moves(lost.full) > limit:
+        moved = attempt.moved(failure)
+        limit = FULL_MOVES if failure.retry is Retry.HERE else self.settings.max_migrations
+        if moved.moves(failure.retry) > limit:
             await self.context.abort(
-                status_code(lost.code),
-                f"{lost}; the request was already moved {limit} time(s), the limit",
+                grpc_status(failure.code),
+                f"{failure.message}; the request was already moved {limit} time(s), the limit",
             )
-        log.warning("%s: %s; moving it after %d token(s)", attempt.id, lost, len(attempt.sent))
+        log.warning(
+            "%s: %s; moving it after %d token(s)", attempt.id, failure.message, len(attempt.sent)
+        )
         return await self._replace(attempt, moved)
 
     async def _next_chunk(self, attempt: Attempt) -> TokenChunk:
         """The chunk the attempt expects; WorkerLost when its worker or the chunk is lost."""
         chunk = await self._wait_for_chunk(attempt)
-        if chunk.code and chunk.retry:
-            raise WorkerLost(chunk.message, chunk.failed_worker, chunk.code)
-        if chunk.code:
-            await self.context.abort(status_code(chunk.code), chunk.message)
+        failure = failure_of(chunk)
+        if failure and failure.movable:
+            raise WorkerLost(failure)
+        if failure:
+            await self.context.abort(grpc_status(failure.code), failure.message)
         if chunk.index != attempt.expected:  # NATS delivers at most once: lost in a reconnect,
             # say. Not the worker's fault: the request goes on from the tokens the client has.
-            raise WorkerLost(
-                f"the token stream from {attempt.worker} lost chunk {attempt.expected}", ""
-            )
+            lost = f"the token stream from {attempt.worker} lost chunk {attempt.expected}"
+            raise WorkerLost(worker_failed("", lost))
         return chunk
 
     async def _wait_for_chunk(self, attempt: Attempt) -> TokenChunk:
@@ -170,17 +189,26 @@ class RequestRelay:
     async def _check_silence(self, worker: str, idle_since: float, reconnects: int) -> None:
         """Raises WorkerLost, or ends the call, when a silent stream is not worth waiting for."""
         if await self.liveness.lost(worker):
-            raise WorkerLost(f"decode worker {worker} stopped responding", worker) from None
+            lost = worker_failed(worker, f"decode worker {worker} stopped responding")
+            raise WorkerLost(lost) from None
         silent_s = time.monotonic() - idle_since
         if self.bus.reconnects != reconnects and silent_s > LOST_AFTER_RECONNECT_S:
             # NATS reconnected meanwhile: a chunk (the last one, even) may be lost, with nothing
             # after it to show the gap. Go on from the tokens the client has.
-            raise WorkerLost(f"no tokens from {worker} since NATS reconnected", "") from None
+            lost = worker_failed("", f"no tokens from {worker} since NATS reconnected")
+            raise WorkerLost(lost) from None
         if silent_s > self.settings.stream_idle_timeout_s:
             await self.context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s",
             )
+
+
+def _handed_back(reply: SubmitReply) -> bool:
+    """The scheduler did not place the request and blames no worker: another scheduler may."""
+    return (
+        bool(reply.failure) and reply.failure.retry is Retry.ELSEWHERE and not reply.failure.blame
+    )
 
 
 def _refusal_start(attempt: Attempt) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.control.failure import Failure
 from shared.control.messages import GenerateTask
 
 RATE_WINDOW_S = 10.0
@@ -29,10 +30,8 @@ class Pending:
     enqueued_at: float = field(compare=False)
     tried: set = field(default_factory=set, compare=False)  # workers that refused or failed it
     attempts: int = field(default=0, compare=False)
-    # the last worker's (code, message)
-    refusal: tuple[str, str] | None = field(default=None, compare=False)
-    # a worker never confirmed it: it may hold it
-    unconfirmed: bool = field(default=False, compare=False)
+    # how the last worker it was offered to refused it: said if no other one takes it
+    failure: Failure | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.sort_key = (-self.priority, 0 if self.task.moves else 1, self.order)

@@ -1,17 +1,22 @@
 """Answers: how a scheduler replies to the submissions it holds, and the jobs still replying.
 
-Every submission gets exactly one SubmitReply: placed, refused (with a gRPC code, the worker to
-avoid when one failed it, and a retry-after hint when trying again later may succeed), or handed
-back while the scheduler shuts down so the gateway submits it to another one.
+Every submission gets exactly one SubmitReply: placed, refused (with its Failure: a final one, or
+a worker that failed it to place it again without, and a retry-after hint when trying again later
+may succeed), or handed back while the scheduler shuts down so the gateway submits it to another
+one.
 """
 
 import asyncio
 import logging
 
 from services.scheduler.admission import AdmissionQueue, Pending
+from shared.control.failure import Code, Failure, Retry
 from shared.control.messages import SubmitReply
 
 log = logging.getLogger(__name__)
+
+# no worker is blamed: the gateway submits the request again, and another scheduler takes it
+SHUTTING_DOWN = Failure(Code.UNAVAILABLE, "the scheduler is shutting down", Retry.ELSEWHERE)
 
 
 class Answers:
@@ -19,31 +24,16 @@ class Answers:
         self.queue = queue
         self._inflight: set[asyncio.Task] = set()
 
-    def refuse(
-        self, entry: Pending, code: str, message: str, retry: bool = False, failed_worker: str = ""
-    ) -> None:
+    def refuse(self, entry: Pending, failure: Failure, retry_after: bool = False) -> None:
+        """Answers `failure`; `retry_after`: with a hint of when trying again may succeed."""
         reply = SubmitReply(
-            ok=False,
-            code=code,
-            message=message,
-            failed_worker=failed_worker,
-            retry_after_ms=self.queue.retry_after_ms() if retry else 0,
+            failure, retry_after_ms=self.queue.retry_after_ms() if retry_after else 0
         )
         self.spawn(self.send(entry.respond, reply))
 
     def hand_back(self, entry: Pending) -> None:
         """Shutting down: the gateway submits the request again, and another scheduler takes it."""
-        self.spawn(
-            self.send(
-                entry.respond,
-                SubmitReply(
-                    ok=False,
-                    code="UNAVAILABLE",
-                    resubmit=True,
-                    message="the scheduler is shutting down",
-                ),
-            )
-        )
+        self.spawn(self.send(entry.respond, SubmitReply(SHUTTING_DOWN)))
 
     async def send(self, respond, reply: SubmitReply) -> None:
         if respond is None:

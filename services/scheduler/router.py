@@ -24,27 +24,33 @@ from dataclasses import dataclass
 from services.scheduler import cost
 from services.scheduler.cost import PromptView
 from services.scheduler.registry import WorkerRegistry
+from shared.control.failure import Code, Failure, failed
 from shared.control.messages import GenerateTask, WorkerHeartbeat
 
 
 class NoWorker(Exception):
     """No live worker of a needed role: the request cannot be served now."""
 
-    code = "UNAVAILABLE"
-    retry = True
+    code = Code.UNAVAILABLE
+    retry_later = True  # trying again later may succeed (a refusal says when: retry-after)
+
+    @property
+    def failure(self) -> Failure:
+        """The request's failure when it cannot wait for room."""
+        return failed(self.code, str(self))
 
 
 class TooLarge(NoWorker):
     """No live worker could ever hold the request: retrying will not help."""
 
-    code = "RESOURCE_EXHAUSTED"
-    retry = False
+    code = Code.RESOURCE_EXHAUSTED
+    retry_later = False
 
 
 class NoRoom(NoWorker):
     """Workers are alive, but none has room now: the request may wait for room."""
 
-    code = "RESOURCE_EXHAUSTED"
+    code = Code.RESOURCE_EXHAUSTED
 
 
 @dataclass

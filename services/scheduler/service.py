@@ -9,17 +9,19 @@ vanished is excluded, and the request is placed again (at most MAX_DISPATCH_ATTE
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
 from pathlib import Path
 
 from services.scheduler.admission import AdmissionQueue, Pending
-from services.scheduler.answers import Answers
+from services.scheduler.answers import SHUTTING_DOWN, Answers
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
+from shared.control.failure import Code, Failure, Retry, failed, worker_failed, worker_full
 from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
@@ -36,6 +38,25 @@ from shared.control.subjects import Subjects
 log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
+
+
+def failure_of(ack: TaskAck, worker: str) -> Failure | None:
+    """A decode worker's answer to an assignment (None: it took the request). Full: place it again,
+    that worker allowed once it has room; draining or gone: place it again without it; anything
+    else fails the request. (TaskAck says a code's name until the workers speak Failure too.)"""
+    if ack.ok:
+        return None
+    if ack.code == Code.RESOURCE_EXHAUSTED:
+        return worker_full(worker, ack.message)
+    if ack.code == Code.UNAVAILABLE:
+        return worker_failed(worker, ack.message)
+    code = Code(ack.code) if ack.code in Code.__members__ else Code.INTERNAL
+    return failed(code if ack.code else Code.UNAVAILABLE, ack.message, worker)
+
+
+def final(failure: Failure) -> Failure:
+    """The failure the request ends with: no worker is left to place it on."""
+    return dataclasses.replace(failure, retry=Retry.NEVER)
 
 
 class SchedulerService:
@@ -92,11 +113,11 @@ class SchedulerService:
             await asyncio.sleep(0.1)
             try:
                 for entry in self.queue.expired():
+                    wait_s = self.settings.queue_timeout_s
                     self.answers.refuse(
                         entry,
-                        "RESOURCE_EXHAUSTED",
-                        f"no worker had room within {self.settings.queue_timeout_s:.0f}s",
-                        retry=True,
+                        failed(Code.RESOURCE_EXHAUSTED, f"no worker had room within {wait_s:.0f}s"),
+                        retry_after=True,
                     )
                 self.pump()
             except Exception:  # a bug: log it, keep expiring and placing
@@ -125,24 +146,15 @@ class SchedulerService:
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
         if self._closing:
-            await self.answers.send(
-                respond,
-                SubmitReply(
-                    ok=False,
-                    code="UNAVAILABLE",
-                    resubmit=True,
-                    message="the scheduler is shutting down",
-                ),
-            )
+            await self.answers.send(respond, SubmitReply(SHUTTING_DOWN))
         elif self.queue.offer(task, respond) is None:
+            waiting = self.settings.max_pending
+            full = failed(
+                Code.RESOURCE_EXHAUSTED,
+                f"the scheduler's queue is full ({waiting} requests waiting)",
+            )
             await self.answers.send(
-                respond,
-                SubmitReply(
-                    ok=False,
-                    code="RESOURCE_EXHAUSTED",
-                    retry_after_ms=self.queue.retry_after_ms(),
-                    message=f"the scheduler's queue is full ({self.settings.max_pending} requests waiting)",
-                ),
+                respond, SubmitReply(full, retry_after_ms=self.queue.retry_after_ms())
             )
         else:
             self.pump()
@@ -152,9 +164,8 @@ class SchedulerService:
         the workers' to end: they hear the same cancel)."""
         entry = self.queue.remove(message.request_id)
         if entry is not None:
-            self.answers.refuse(
-                entry, "CANCELLED", f"cancelled while waiting for room: {message.reason}"
-            )
+            why = f"cancelled while waiting for room: {message.reason}"
+            self.answers.refuse(entry, failed(Code.CANCELLED, why))
 
     # -- placing ------------------------------------------------------------------------------
 
@@ -164,8 +175,7 @@ class SchedulerService:
             if entry.task.deadline and time.time() > entry.task.deadline:
                 self.answers.refuse(
                     self.queue.pop(),
-                    "DEADLINE_EXCEEDED",
-                    "the deadline passed while it waited for room",
+                    failed(Code.DEADLINE_EXCEEDED, "the deadline passed while it waited for room"),
                 )
                 continue
             try:
@@ -174,18 +184,18 @@ class SchedulerService:
                 return
             except NoWorker as err:
                 # every worker that could take it refused: say why the last one did
-                code, message = entry.refusal or (err.code, str(err))
+                failure = final(entry.failure) if entry.failure else err.failure
                 self.answers.refuse(
                     self.queue.pop(),
-                    code,
-                    message,
-                    retry=code == "RESOURCE_EXHAUSTED" and err.retry,
+                    failure,
+                    retry_after=failure.code is Code.RESOURCE_EXHAUSTED and err.retry_later,
                 )
                 continue
             except Exception:  # a bug: this request fails, the others go on
                 log.exception("routing %s failed", entry.task.request_id)
                 self.answers.refuse(
-                    self.queue.pop(), "INTERNAL", "the scheduler failed to route the request"
+                    self.queue.pop(),
+                    failed(Code.INTERNAL, "the scheduler failed to route the request"),
                 )
                 continue
             self.queue.pop()
@@ -203,57 +213,55 @@ class SchedulerService:
 
     async def _assign(self, entry: Pending, chosen: Route) -> None:
         """Hands the request to its decode worker; places it again if that one refuses."""
-        decode_id = chosen.decode.worker_id
+        task, decode_id = entry.task, chosen.decode.worker_id
         prefill_id = chosen.prefill.worker_id if chosen.prefill else ""
         entry.attempts += 1
         try:
-            ack = await self._offer(entry, decode_id, prefill_id)
-        except Exception:  # a bug or a broken connection: this request fails, nothing hangs
-            log.exception("assigning %s to %s failed", entry.task.request_id, decode_id)
-            ack = TaskAck(
-                ok=False,
-                code="UNAVAILABLE",
-                message="the scheduler could not reach the decode worker",
+            failure = await self._offer(task, decode_id, prefill_id)
+        except (RequestTimeout, BadReply):
+            # It may have taken the request after all: placing it elsewhere could run it twice.
+            # The gateway moves it on (a new attempt id), cancelling this one.
+            log.warning("decode worker %s did not confirm %s in time", decode_id, task.request_id)
+            await self._cancel(task.request_id, "dispatch timed out")
+            self.answers.refuse(
+                entry, worker_failed(decode_id, f"decode worker {decode_id} did not answer in time")
             )
-            entry.attempts = MAX_DISPATCH_ATTEMPTS
-        if ack.ok:
+            return
+        except Exception:  # a bug or a broken connection: this request fails, nothing hangs
+            log.exception("assigning %s to %s failed", task.request_id, decode_id)
+            failure = failed(Code.UNAVAILABLE, "the scheduler could not reach the decode worker")
+        if failure is None:
             self.queue.placed()
             await self.answers.send(
                 entry.respond,
-                SubmitReply(ok=True, prefill_worker=prefill_id, decode_worker=decode_id),
+                SubmitReply(prefill_worker=prefill_id, decode_worker=decode_id),
             )
-        elif (
-            ack.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
-            and entry.attempts < MAX_DISPATCH_ATTEMPTS
-        ):
-            self._place_again(entry, decode_id, ack)
+        elif failure.movable and entry.attempts < MAX_DISPATCH_ATTEMPTS:
+            self._place_again(entry, failure)
         else:
             self.answers.refuse(
-                entry,
-                ack.code or "UNAVAILABLE",
-                ack.message,
-                retry=ack.code == "RESOURCE_EXHAUSTED",
-                failed_worker=decode_id if entry.unconfirmed else "",
+                entry, final(failure), retry_after=failure.code is Code.RESOURCE_EXHAUSTED
             )
 
-    def _place_again(self, entry: Pending, decode_id: str, ack: TaskAck) -> None:
+    def _place_again(self, entry: Pending, failure: Failure) -> None:
         """The decode worker refused: a full one waits for its next heartbeat (or the request goes
         elsewhere), a draining or vanished one is not tried again."""
-        if ack.code == "RESOURCE_EXHAUSTED":
-            self.registry.mark_full(decode_id)
+        if failure.retry is Retry.HERE:
+            self.registry.mark_full(failure.blame)
         else:
-            entry.tried.add(decode_id)
-        entry.refusal = (ack.code, ack.message)
+            entry.tried.add(failure.blame)
+        entry.failure = failure
         if self._closing:
             self.answers.hand_back(entry)
         else:
             self.queue.requeue(entry)
             self.pump()
 
-    async def _offer(self, entry: Pending, decode_id: str, prefill_id: str) -> TaskAck:
-        task = entry.task
+    async def _offer(self, task: GenerateTask, decode_id: str, prefill_id: str) -> Failure | None:
+        """Asks the decode worker to take the request: None when it did, else why not. Raises
+        RequestTimeout or BadReply when it did not answer."""
         try:
-            return await self.bus.request(
+            ack = await self.bus.request(
                 self.subjects.decode_tasks(decode_id),
                 DecodeAssignment(task=task, prefill_worker=prefill_id),
                 self.settings.dispatch_timeout_s,
@@ -261,19 +269,11 @@ class SchedulerService:
             )
         except NoResponders:  # gone since its last heartbeat: it holds nothing, try another
             self.registry.drop(decode_id)
-            return TaskAck(
-                ok=False, code="UNAVAILABLE", message=f"decode worker {decode_id} is gone"
-            )
-        except (RequestTimeout, BadReply):
-            # It may have taken the request after all: trying another could run it twice.
-            log.warning("decode worker %s did not confirm %s in time", decode_id, task.request_id)
-            entry.attempts = MAX_DISPATCH_ATTEMPTS
-            entry.unconfirmed = True  # the gateway moves it on (a new attempt id), cancelling this
-            await self.bus.publish(
-                self.subjects.cancel, CancelRequest(task.request_id, "dispatch timed out")
-            )
-            return TaskAck(
-                ok=False,
-                code="UNAVAILABLE",
-                message=f"decode worker {decode_id} did not answer in time",
-            )
+            return worker_failed(decode_id, f"decode worker {decode_id} is gone")
+        return failure_of(ack, decode_id)
+
+    async def _cancel(self, request_id: str, reason: str) -> None:
+        try:
+            await self.bus.publish(self.subjects.cancel, CancelRequest(request_id, reason))
+        except Exception as err:  # NATS down: the worker's own timeouts free the request
+            log.warning("could not broadcast the cancel of %s: %s", request_id, err)

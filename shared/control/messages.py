@@ -6,6 +6,8 @@ bytes and back only in shared.control.wire (msgpack, with every field's type and
 
 from dataclasses import dataclass, field
 
+from shared.control.failure import Failure
+
 
 @dataclass
 class SamplingParams:
@@ -38,16 +40,20 @@ class GenerateTask:
 
 @dataclass
 class SubmitReply:
-    ok: bool
-    code: str = ""  # a gRPC status code name when not ok
-    message: str = ""
+    """The scheduler's answer to a GenerateTask: the workers it was placed on, or why not.
+
+    A failure with Retry.ELSEWHERE is not the request's: blaming a worker (it never confirmed the
+    request), place it again without that worker; blaming none, submit it again to another
+    scheduler (this one is shutting down)."""
+
+    failure: Failure | None = None  # None: placed
     prefill_worker: str = ""  # empty: prefilled on the decode worker
     decode_worker: str = ""
     retry_after_ms: int = 0  # with RESOURCE_EXHAUSTED: when trying again may succeed
-    resubmit: bool = False  # this scheduler is shutting down: another one may take the request
-    failed_worker: str = (
-        ""  # the worker it was given to failed to confirm: place it again without it
-    )
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
 
 
 @dataclass

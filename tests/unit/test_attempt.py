@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 
 from services.gateway.attempt import Attempt
-from services.gateway.migration import WorkerLost, client_id
+from services.gateway.migration import client_id
+from shared.control.failure import Code, Retry, failed, worker_failed, worker_full
 from shared.control.messages import GenerateTask, SamplingParams, TokenChunk
 
-FULL = WorkerLost("p1 is full", "p1", "RESOURCE_EXHAUSTED")
-FAILED = WorkerLost("d1 stopped responding", "d1")
+FULL = worker_full("p1", "p1 is full")
+FAILED = worker_failed("d1", "d1 stopped responding")
 
 
 def first_attempt() -> Attempt:
@@ -72,7 +73,9 @@ def test_a_move_resumes_after_the_tokens_sent_and_counts_its_kind():
     again = moved.placed("d2").received(chunk(0, [22])).moved(FULL)
     assert again.prompt == [5, 6, 7] and again.task.prompt_token_ids == [5, 6, 7, 20, 21, 22]
     assert again.task.avoid_workers == ["d1"]  # a full worker is not avoided
-    assert (again.moves(full=True), again.moves(full=False), again.task.moves) == (1, 1, 2)
+    assert (again.moves(Retry.HERE), again.moves(Retry.ELSEWHERE), again.task.moves) == (1, 1, 2)
+    with pytest.raises(ValueError):  # a failure of the request itself does not move it
+        again.moved(failed(Code.CANCELLED, "client went away"))
 
 
 def test_no_transition_changes_the_task_it_started_from():

@@ -13,11 +13,14 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import Limits
 from shared.api import tandem_pb2 as pb
+from shared.control.failure import Code, Failure, Retry, worker_failed
+from shared.control.failure import failed as request_failed
 from shared.control.liveness import Liveness
 from shared.control.messages import CancelRequest, GenerateTask, SubmitReply, TokenChunk
 from shared.control.subjects import Subjects
 from tests.fakes.bus import InMemoryBus
 
+SHUTTING_DOWN = Failure(Code.UNAVAILABLE, "the scheduler is shutting down", Retry.ELSEWHERE)
 LOSE = "lose"
 SILENT = "silent"
 LIMITS = Limits(
@@ -66,7 +69,7 @@ class ScriptedCluster:
             await respond(reply)
             return
         placed = len(self.plays) + 1
-        await respond(SubmitReply(ok=True, prefill_worker="p1", decode_worker=f"d{placed}"))
+        await respond(SubmitReply(prefill_worker="p1", decode_worker=f"d{placed}"))
         self.plays.append(asyncio.create_task(self._play(task, self.scripts[placed - 1])))
 
     async def _play(self, task: GenerateTask, script: list) -> None:
@@ -230,7 +233,7 @@ async def test_a_scheduler_handing_the_request_back_has_it_submitted_again_as_a_
     tokenizer,
 ):
     responses, context, cluster, bus = await generate(
-        [[done([7, 8, 9])]], replies={0: SubmitReply(ok=False, resubmit=True)}, tokenizer=tokenizer
+        [[done([7, 8, 9])]], replies={0: SubmitReply(SHUTTING_DOWN)}, tokenizer=tokenizer
     )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     first, second = cluster.tasks
@@ -251,9 +254,7 @@ async def test_a_request_no_scheduler_places_twice_fails_and_both_attempts_are_c
 
 
 async def test_a_worker_failing_to_confirm_the_placement_moves_the_request_without_it(tokenizer):
-    refused = SubmitReply(
-        ok=False, code="UNAVAILABLE", message="d9 did not ack", failed_worker="d9"
-    )
+    refused = SubmitReply(worker_failed("d9", "d9 did not ack"))
     responses, context, cluster, bus = await generate(
         [[done([7, 8, 9])]], replies={0: refused}, tokenizer=tokenizer
     )
@@ -265,7 +266,7 @@ async def test_a_worker_failing_to_confirm_the_placement_moves_the_request_witho
 
 async def test_a_refusal_after_a_move_says_why_the_request_moved(tokenizer):
     full = SubmitReply(
-        ok=False, code="RESOURCE_EXHAUSTED", message="the cluster is full", retry_after_ms=1500
+        request_failed(Code.RESOURCE_EXHAUSTED, "the cluster is full"), retry_after_ms=1500
     )
     responses, context, _, _ = await generate(
         [[chunk([7]), failed("UNAVAILABLE", "d1")]], replies={1: full}, tokenizer=tokenizer
@@ -326,10 +327,23 @@ async def test_no_task_the_gateway_submitted_is_changed_afterwards(tokenizer):
     bus = RecordingBus()
     responses, context, _, _ = await generate(
         [[chunk([7]), failed("UNAVAILABLE", "d1")], [done([8, 9])]],
-        replies={0: SubmitReply(ok=False, resubmit=True)},
+        replies={0: SubmitReply(SHUTTING_DOWN)},
         bus=bus,
         tokenizer=tokenizer,
     )
     assert context.code is None and tokens(responses) == [7, 8, 9] and len(bus.asked) == 3
     assert all(task == as_asked for task, as_asked in bus.asked)
     assert len({task.request_id for task, _ in bus.asked}) == 3
+
+
+def test_a_chunks_failure_is_read_once_into_a_failure():
+    assert relay.failure_of(TokenChunk(request_id="", index=0, token_ids=[7])) is None
+    assert relay.failure_of(failed("RESOURCE_EXHAUSTED", "p1")) == Failure(
+        Code.RESOURCE_EXHAUSTED, "p1 said RESOURCE_EXHAUSTED", Retry.HERE, "p1"
+    )
+    assert relay.failure_of(failed("INTERNAL", "d1")) == worker_failed(
+        "d1", "d1 said INTERNAL", Code.INTERNAL
+    )
+    final = TokenChunk(request_id="", index=0, code="DEADLINE_EXCEEDED", message="late")
+    assert relay.failure_of(final) == request_failed(Code.DEADLINE_EXCEEDED, "late")
+    assert relay.grpc_status(Code.DEADLINE_EXCEEDED) is grpc.StatusCode.DEADLINE_EXCEEDED

@@ -3,6 +3,7 @@
 import msgpack
 import pytest
 
+from shared.control.failure import Code, Retry, failed, worker_failed
 from shared.control.messages import (
     MESSAGE_TYPES,
     CancelRequest,
@@ -61,7 +62,7 @@ def beat(worker_id: str, **kw) -> WorkerHeartbeat:
 
 SAMPLES = [
     TASK,
-    SubmitReply(ok=False, code="UNAVAILABLE", message="m", prefill_worker="p", decode_worker="d"),
+    SubmitReply(worker_failed("d", "m"), prefill_worker="p", decode_worker="d"),
     DecodeAssignment(task=TASK, prefill_worker="prefill-1"),
     TaskAck(ok=True),
     PrefillTask(
@@ -107,6 +108,7 @@ SAMPLES = [
     Discover(scheduler_id="s"),
     StatusRequest(),
     Ping(),
+    SubmitReply(prefill_worker="p", decode_worker="d"),  # placed: no failure
     StatusReply(
         mode="disaggregated",
         ready=True,
@@ -185,7 +187,7 @@ def test_float_field_accepts_int():
 
 def test_expected_type_mismatch():
     with pytest.raises(MessageError, match="expected TaskAck"):
-        decode(encode(SubmitReply(ok=True)), TaskAck)
+        decode(encode(SubmitReply()), TaskAck)
 
 
 def test_encode_rejects_non_messages():
@@ -268,6 +270,29 @@ def _with(message, path: str, value) -> bytes:
 def test_values_out_of_range_are_rejected_on_receipt(message, path, value):
     with pytest.raises(MessageError):
         decode(_with(message, path, value))
+
+
+def test_a_submit_reply_carries_a_typed_failure():
+    for failure in (failed(Code.CANCELLED, "gone"), worker_failed("d1", "no answer")):
+        reply = decode(encode(SubmitReply(failure, retry_after_ms=5)), SubmitReply)
+        assert reply.failure == failure and not reply.ok
+        assert type(reply.failure.code) is Code and type(reply.failure.retry) is Retry
+    assert decode(encode(SubmitReply(decode_worker="d")), SubmitReply).ok
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("failure.code", "NOT_A_CODE"),
+        ("failure.code", "unavailable"),
+        ("failure.retry", "sometimes"),
+        ("failure.retry", 1),
+        ("failure", "UNAVAILABLE"),
+    ],
+)
+def test_a_failure_with_an_unknown_code_or_retry_is_refused(path, value):
+    with pytest.raises(MessageError):
+        decode(_with(SAMPLES[1], path, value))
 
 
 def test_values_at_the_edges_are_accepted():

@@ -5,6 +5,7 @@ import pytest
 from services.scheduler import cost
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Policy, Router, TooLarge
+from shared.control.failure import Code
 from shared.control.messages import GenerateTask, KVLayout, SamplingParams, WorkerHeartbeat
 from shared.engine.block_manager import granule_keys
 
@@ -122,7 +123,7 @@ def test_no_decode_worker_is_unavailable_and_exclude_is_honoured():
     assert r.route(task(), exclude={"d1"}).decode.worker_id == "d2"
     with pytest.raises(NoWorker) as err:
         r.route(task(), exclude={"d1", "d2"})
-    assert err.value.code == "UNAVAILABLE"
+    assert err.value.code is Code.UNAVAILABLE
 
 
 # --- prefill: least expected wait, with a credit for the prefix cache ---------------------------

@@ -7,8 +7,9 @@ import pytest
 
 from services.scheduler.admission import AdmissionQueue
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.service import SchedulerService
+from services.scheduler.service import SchedulerService, failure_of
 from services.scheduler.settings import SchedulerSettings
+from shared.control.failure import Code, Failure, Retry, failed, worker_failed, worker_full
 from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
@@ -204,7 +205,7 @@ async def test_dispatch_success_returns_the_pair():
     svc.registry.update(beat("d1"))
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task(request_id="abc"))
-    assert reply == SubmitReply(ok=True, prefill_worker="p1", decode_worker="d1")
+    assert reply == SubmitReply(prefill_worker="p1", decode_worker="d1")
     [(worker, assignment)] = log
     assert (
         worker == "d1" and assignment.prefill_worker == "p1" and assignment.task.request_id == "abc"
@@ -217,7 +218,7 @@ async def test_dispatch_colocated_has_no_prefill_worker():
     log = []
     await fake_worker(bus, "c1", TaskAck(ok=True), log)
     svc.registry.update(beat("c1", role="colocated"))
-    assert await submit(svc, task()) == SubmitReply(ok=True, decode_worker="c1")
+    assert await submit(svc, task()) == SubmitReply(decode_worker="c1")
     assert log[0][1].prefill_worker == ""
 
 
@@ -235,6 +236,19 @@ async def test_a_full_or_draining_worker_makes_it_try_another(code):
     assert [w for w, _ in log] == ["d1", "d2"]
 
 
+def test_a_decode_workers_answer_becomes_a_failure():
+    assert failure_of(TaskAck(ok=True), "d1") is None
+    full = failure_of(TaskAck(ok=False, code="RESOURCE_EXHAUSTED", message="full"), "d1")
+    assert full == worker_full("d1", "full") and full.retry is Retry.HERE
+    assert failure_of(TaskAck(ok=False, code="UNAVAILABLE", message="x"), "d1") == worker_failed(
+        "d1", "x"
+    )
+    bad = failure_of(TaskAck(ok=False, code="INVALID_ARGUMENT", message="bad"), "d1")
+    assert bad == failed(Code.INVALID_ARGUMENT, "bad", "d1") and not bad.movable
+    assert failure_of(TaskAck(ok=False, code="", message="?"), "d1").code is Code.UNAVAILABLE
+    assert failure_of(TaskAck(ok=False, code="NOT_FOUND", message="?"), "d1").code is Code.INTERNAL
+
+
 async def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once():
     svc, _ = service()
     svc.registry.update(beat("d1", running=8, max_num_seqs=8))  # full: requests wait
@@ -250,7 +264,7 @@ async def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once():
     await svc.on_cancel(CancelRequest("a", "client went away"), None)
     await asyncio.sleep(0)
     assert len(svc.queue) == 1 and svc.queue.head().task.request_id == "b"
-    assert [(r.ok, r.code) for r in answers] == [(False, "CANCELLED")]
+    assert [(r.ok, r.failure.code) for r in answers] == [(False, Code.CANCELLED)]
     await svc.on_cancel(CancelRequest("nobody", ""), None)  # not waiting here: nothing happens
     assert len(svc.queue) == 1
 
@@ -265,7 +279,7 @@ async def test_a_worker_that_never_confirms_is_named_so_the_gateway_can_move_the
     svc.registry.update(beat("d1"))
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task(request_id="x"))
-    assert (reply.ok, reply.code, reply.failed_worker) == (False, "UNAVAILABLE", "d1")
+    assert reply == SubmitReply(worker_failed("d1", "decode worker d1 did not answer in time"))
     # it may hold it: drop it
     cancels = [m for s, m in bus.published if s == Subjects(CLUSTER).cancel]
     assert [c.request_id for c in cancels] == ["x"]
@@ -291,7 +305,11 @@ async def test_a_moved_request_avoids_the_workers_that_failed_it():
     moved = task(request_id="again")
     moved.avoid_workers = ["d1", "d2"]
     reply = await submit(svc, moved)
-    assert (reply.ok, reply.code) == (False, "UNAVAILABLE")
+    assert (reply.ok, reply.failure.code, reply.failure.retry) == (
+        False,
+        Code.UNAVAILABLE,
+        Retry.NEVER,
+    )
 
 
 async def test_workers_that_refuse_as_full_count_as_full_until_they_beat_again():
@@ -307,7 +325,8 @@ async def test_workers_that_refuse_as_full_count_as_full_until_they_beat_again()
         svc.registry.update(beat(name))
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task())  # both refuse; it waits for room, then gives up
-    assert (reply.ok, reply.code) == (False, "RESOURCE_EXHAUSTED") and reply.retry_after_ms > 0
+    assert reply.failure.code is Code.RESOURCE_EXHAUSTED and reply.retry_after_ms > 0
+    assert not reply.failure.movable
     assert sorted(w for w, _ in log) == ["d1", "d2"]  # each asked once, not again while full
     stop.set()
     await asyncio.wait_for(server, 1.0)
@@ -324,10 +343,13 @@ async def test_shutdown_hands_waiting_requests_back_for_another_scheduler():
     await asyncio.sleep(0.05)
     stop.set()
     reply = await asyncio.wait_for(waiting, 1.0)
-    assert (reply.ok, reply.code, reply.resubmit) == (False, "UNAVAILABLE", True)
+    handed_back = SubmitReply(
+        Failure(Code.UNAVAILABLE, "the scheduler is shutting down", Retry.ELSEWHERE)
+    )
+    assert reply == handed_back
     await asyncio.wait_for(server, 1.0)
     late = await submit(svc, task(request_id="late"))
-    assert late.resubmit
+    assert late == handed_back
 
 
 async def test_other_refusals_are_final():
@@ -339,7 +361,7 @@ async def test_other_refusals_are_final():
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task())
-    assert (reply.ok, reply.code, reply.message) == (False, "INVALID_ARGUMENT", "bad")
+    assert reply == SubmitReply(failed(Code.INVALID_ARGUMENT, "bad", "d1"))
     assert len(log) == 1
 
 
@@ -358,7 +380,11 @@ async def test_silent_worker_is_dropped_and_another_tried():
 async def test_no_workers_is_unavailable():
     svc, _ = service()
     reply = await submit(svc, task())
-    assert (reply.ok, reply.code) == (False, "UNAVAILABLE")
+    assert (reply.ok, reply.failure.code, reply.failure.retry) == (
+        False,
+        Code.UNAVAILABLE,
+        Retry.NEVER,
+    )
 
 
 async def test_a_request_waits_for_room_and_is_placed_when_a_heartbeat_brings_it():
@@ -384,10 +410,10 @@ async def test_overload_is_refused_at_once_when_the_queue_is_full_and_after_the_
     waiting = asyncio.ensure_future(submit(svc, task(request_id="a")))
     await asyncio.sleep(0.05)
     refused = await submit(svc, task(request_id="b"), timeout=0.1)  # at once: the queue is full
-    assert (refused.code, refused.retry_after_ms > 0) == ("RESOURCE_EXHAUSTED", True)
+    assert (refused.failure.code, refused.retry_after_ms > 0) == (Code.RESOURCE_EXHAUSTED, True)
     late = await asyncio.wait_for(waiting, 1.0)  # after queue_timeout_s
-    assert (late.code, "within" in late.message, late.retry_after_ms > 0) == (
-        "RESOURCE_EXHAUSTED",
+    assert (late.failure.code, "within" in late.failure.message, late.retry_after_ms > 0) == (
+        Code.RESOURCE_EXHAUSTED,
         True,
         True,
     )
@@ -427,7 +453,7 @@ async def test_serve_answers_submit_and_status_over_the_bus():
     status = await bus.request(subjects.status, StatusRequest(), 1.0, StatusReply)
     assert status.ready and [w.worker_id for w in status.workers] == ["d1", "p1"]
     reply = await bus.request(subjects.submit, task(), 1.0, SubmitReply)
-    assert reply == SubmitReply(ok=True, prefill_worker="p1", decode_worker="d1")
+    assert reply == SubmitReply(prefill_worker="p1", decode_worker="d1")
     stop.set()
     await asyncio.wait_for(server, 1.0)
 

@@ -48,6 +48,7 @@ class _Transfer:
     first_token: int = -1
     computed_at: float = 0.0
     abort_reason: str = ""  # set by a TransferAbort; acted on between engine steps
+    cancel_reason: str = ""  # set by a CancelRequest; acted on between engine steps
     finished: bool = False  # every segment is on the wire and the decode worker was told
 
 
@@ -205,7 +206,8 @@ class PrefillWorker:
     async def on_cancel(self, message: CancelRequest, respond) -> None:
         t = self.held.get(message.request_id)
         if t is not None and t.seq.status is not SeqStatus.FINISHED:
-            t.seq.cancel_reason = message.reason or "cancelled"
+            t.cancel_reason = message.reason or "cancelled"
+            t.seq.abandoned = True  # a step computing only abandoned prompts stops early
             self.wakeup.set()
 
     async def on_abort(self, message: TransferAbort, respond) -> None:
@@ -220,9 +222,7 @@ class PrefillWorker:
                 "%s: transfer aborted by its decode worker: %s", message.request_id, message.reason
             )
             t.abort_reason = message.reason or "aborted"
-            t.seq.cancel_reason = (
-                t.seq.cancel_reason or t.abort_reason
-            )  # a step computing it may stop
+            t.seq.abandoned = True  # a step computing it may stop
             self.wakeup.set()
 
     # -- the loop -------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ class PrefillWorker:
                 await self._abort(t, "CANCELLED", f"aborted by the decode worker: {t.abort_reason}")
             elif t.seq.status is SeqStatus.FINISHED:
                 continue
-            elif t.seq.cancel_reason:
+            elif t.cancel_reason:
                 await self._abort(t, "CANCELLED", "cancelled before its prefill finished")
             elif t.seq.expired:
                 await self._abort(t, "DEADLINE_EXCEEDED", "the request's deadline passed")

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from services.decode.kv_transfer import ALLOWED, IllegalTransition, InboundTransfer, TransferState
-from shared.control.messages import PrefillResult, TaskAck
+from shared.control.messages import KVDestination, PrefillResult, TaskAck
 from shared.dataplane.plan import TransferPlan
 from shared.dataplane.receiver import KVReceiver
-from tests.unit.transfer_fakes import PREFILL, DecodeSide, until
+from shared.engine.kv_cache import KVPool
+from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
+from tests.unit.transfer_fakes import LAYOUT, PREFILL, DecodeSide, until
 
 S = TransferState
 
@@ -175,10 +177,6 @@ async def test_a_receive_that_never_ends_quarantines_the_blocks():
 
 
 def transfer_alone() -> InboundTransfer:
-    from shared.control.messages import KVDestination
-    from shared.engine.kv_cache import KVPool
-    from tests.unit.transfer_fakes import LAYOUT, InProcessDataPlane, LoopbackNetwork
-
     destination = KVDestination(b"decode", 1 << 40, [0, 1], segment_tokens=8)
     plan = TransferPlan(LAYOUT, 8, destination)
     plane = InProcessDataPlane(LoopbackNetwork(), "decode")

@@ -17,13 +17,8 @@ from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.sender import KVSender
 from shared.engine.kv_cache import KVPool
 from shared.engine.sequence import SeqStatus, Sequence
-from tests.unit.transfer_fakes import (
-    BS,
-    LAYOUT,
-    InProcessDataPlane,
-    LoopbackNetwork,
-    make_task,
-)
+from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
+from tests.unit.transfer_fakes import BS, LAYOUT, make_task
 
 S = OutboundState
 

@@ -10,8 +10,11 @@ the blocks belong to the engine. ABORTING: the transfer failed (the `failure` sa
 receives are being ended. RELEASED: no receive can write into the blocks any more; they may be
 freed. QUARANTINED: a receive would not end; the blocks must never be reused.
 
-Each event is one method. Events that may come late (a piece, a result, a cancel, a clock) are
-ignored once the transfer has ended; a transition the table does not allow is a bug and raises.
+Each event is one method. While REQUESTED, an abort of this side's own (cancel, deadline, a
+clock, a failed receive) waits for the prefill worker's answer, so that its TransferAbort cannot
+overtake the task; a lost or silent prefill worker ends it at once. Events that may come late (a
+piece, a result, a cancel, a clock) are ignored once the transfer has ended; a transition the
+table does not allow is a bug and raises.
 The I/O of each step (asking, telling the prefill worker, ending receives) is KVFetcher's.
 """
 
@@ -93,6 +96,7 @@ class InboundTransfer:
         self.failure: Failure | None = None
         self.announced = 0.0  # monotonic time the PrefillResult came
         self.gives_up_at = 0.0  # monotonic; set when the prefill worker accepts
+        self.deferred: tuple[str, str] | None = None  # an abort due once the prefill answers
         self.news = asyncio.Event()  # set at every change of state: wakes whoever drives it
 
     @property
@@ -133,7 +137,10 @@ class InboundTransfer:
             return
         self.gives_up_at = time.monotonic() + self.timeout_s
         self._to(S.LANDING)
-        self._maybe_complete()
+        if self.deferred is not None:
+            self.abort(*self.deferred)
+        else:
+            self._maybe_complete()
 
     def on_piece_landed(self) -> None:
         """A receive ended: a piece landed, or it failed."""
@@ -174,23 +181,26 @@ class InboundTransfer:
     # -- the abort paths ------------------------------------------------------------------------
 
     def on_cancel(self, reason: str) -> None:
-        if self.active:
-            self.abort("CANCELLED", reason)
+        self._end("CANCELLED", reason)
 
     def on_deadline(self) -> None:
-        if self.active:
-            self.abort("DEADLINE_EXCEEDED", "the request's deadline passed")
+        self._end("DEADLINE_EXCEEDED", "the request's deadline passed")
 
     def on_lease_expired(self) -> None:
         """The PrefillResult came, and then no piece landed for a whole lease."""
-        if self.active:
-            self.abort("UNAVAILABLE", f"the KV transfer stalled for {self.lease_s:.0f}s")
+        self._end("UNAVAILABLE", f"the KV transfer stalled for {self.lease_s:.0f}s")
 
     def on_timeout(self) -> None:
-        if self.active:
-            self.abort(
-                "UNAVAILABLE", f"prefill worker {self.prefill_worker} did not finish in time"
-            )
+        self._end("UNAVAILABLE", f"prefill worker {self.prefill_worker} did not finish in time")
+
+    def _end(self, code: str, message: str) -> None:
+        """Aborts now, or, while the PrefillTask waits for its answer, once it came: a
+        TransferAbort that overtook its task would find nothing to stop there, and the prefill
+        worker would then send into released receives until its lease ran out."""
+        if self.state is S.REQUESTED:
+            self.deferred = self.deferred or (code, message)
+        elif self.active:
+            self.abort(code, message)
 
     def on_peer_lost(self) -> None:
         if self.active:
@@ -209,8 +219,9 @@ class InboundTransfer:
             self.abort("INTERNAL", message, tell_prefill=self.state is S.LANDING)
 
     def _receive_failed(self, err: KVTransferError) -> None:
-        log.error("%s: %s", self.request_id, err)
-        self.abort("UNAVAILABLE", "the KV transfer from the prefill worker failed")
+        if self.deferred is None:
+            log.error("%s: %s", self.request_id, err)
+        self._end("UNAVAILABLE", "the KV transfer from the prefill worker failed")
 
     def tick(self) -> None:
         """The clocks: the request's deadline, a stalled receive, the lease, the prefill timeout."""

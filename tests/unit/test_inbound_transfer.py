@@ -59,6 +59,19 @@ async def test_a_cancel_aborts_tells_the_prefill_worker_and_releases_every_recei
     assert side.plane.counters.receives_released == len(side.req.transfer.receiver.plan.pieces)
 
 
+async def test_a_cancel_before_the_prefill_worker_answered_waits_for_the_answer_then_tells_it():
+    side = DecodeSide()
+    side.prefill.answer.clear()
+    fetch = await side.start()
+    await side.prefill.got_task.wait()
+    side.req.cancel("early")
+    await asyncio.sleep(0.3)  # a TransferAbort now could overtake the task it is about
+    assert side.req.transfer.state is S.REQUESTED and side.prefill.aborts == []
+    side.prefill.answer.set()
+    await aborted(side, fetch, None)
+    assert [a.reason for a in side.prefill.aborts] == ["early"]
+
+
 async def test_a_passed_deadline_aborts_with_deadline_exceeded():
     side = DecodeSide(deadline=time.time() + 0.2)
     fetch = await side.start()

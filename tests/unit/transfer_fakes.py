@@ -112,6 +112,8 @@ class ScriptedPrefill:
             torch.randn(self.pool.kv.shape, generator=torch.Generator().manual_seed(1))
         )
         self.ack: TaskAck | None = TaskAck(ok=True)  # None: never answers
+        self.answer = asyncio.Event()  # the ack waits for it
+        self.answer.set()
         self.tasks: list[PrefillTask] = []
         self.aborts: list = []
         self.got_task = asyncio.Event()
@@ -123,6 +125,7 @@ class ScriptedPrefill:
     async def _on_task(self, task: PrefillTask, respond) -> None:
         self.tasks.append(task)
         self.got_task.set()
+        await self.answer.wait()
         if self.ack is not None and respond is not None:
             await respond(self.ack)
 

@@ -173,13 +173,13 @@ class KVFetcher:
         self.rt.engine.kv_arrived(seq)
 
     async def _abort(self, req: DecodeRequest, t: InboundTransfer) -> None:
-        """ABORTING: req gets the failure, the prefill worker is told, every receive is ended
-        (RELEASED, or QUARANTINED with the blocks out of use), and pieces already sent drain."""
-        failure = t.failure
+        """ABORTING: req gets the cause as its error, the prefill worker is told, every receive
+        is ended (RELEASED, or QUARANTINED with its blocks out of use), pieces sent drain."""
+        cause = t.cause
         if not req.cancel_reason:
-            failed_worker = t.prefill_worker if failure.worker_failed else ""
-            req.fail(failure.code, failure.message, failed_worker)
-        if failure.tell_prefill:
+            failed_worker = t.prefill_worker if cause.worker_failed else ""
+            req.fail(cause.code, cause.message, failed_worker)
+        if cause.tell_prefill:
             await self._tell_prefill(req, t)
         if await t.receiver.abort(self.settings.kv_lease_s):
             t.released()
@@ -204,7 +204,7 @@ class KVFetcher:
         how many, its failure result says (waited for up to a lease, unless it is gone)."""
         gives_up_at = time.monotonic() + self.settings.kv_lease_s
         while (
-            t.failure.pieces_sent is None
+            t.cause.pieces_sent is None
             and time.monotonic() < gives_up_at
             and not await self._lost(t.prefill_worker)
         ):
@@ -213,7 +213,7 @@ class KVFetcher:
                 await asyncio.wait_for(t.news.wait(), 0.5)
             except asyncio.TimeoutError:
                 continue
-        sent = t.failure.pieces_sent or 0
+        sent = t.cause.pieces_sent or 0
         await discard(self.plane, t.receiver.unfilled(sent), self.settings.kv_lease_s)
 
     def _drained(self, t: InboundTransfer):

@@ -6,7 +6,7 @@
 RESERVED: the prompt's blocks are held, nothing posted. RECEIVES_POSTED: a UCX receive waits
 in every piece's place. REQUESTED: the PrefillTask is on its way. LANDING: the prefill worker
 took it; pieces land as it computes. COMPLETE: every piece landed and the PrefillResult came:
-the blocks belong to the engine. ABORTING: the transfer failed (the `failure` says how) and its
+the blocks belong to the engine. ABORTING: the transfer was aborted (its `cause` says why) and its
 receives are being ended. RELEASED: no receive can write into the blocks any more; they may be
 freed. QUARANTINED: a receive would not end; the blocks must never be reused.
 
@@ -61,8 +61,8 @@ class IllegalTransition(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Failure:
-    """How a transfer ended without its KV: the request's error, and what to tell the prefill."""
+class AbortCause:
+    """Why a transfer was aborted: the request's error, and what the prefill worker is told."""
 
     code: str
     message: str
@@ -93,7 +93,7 @@ class InboundTransfer:
         self.deadline = deadline  # the request's, unix time; 0 = none
         self.state = S.RESERVED
         self.result: PrefillResult | None = None
-        self.failure: Failure | None = None
+        self.cause: AbortCause | None = None
         self.announced = 0.0  # monotonic time the PrefillResult came
         self.gives_up_at = 0.0  # monotonic; set when the prefill worker accepts
         self.deferred: tuple[str, str] | None = None  # an abort due once the prefill answers
@@ -157,7 +157,7 @@ class InboundTransfer:
         if not result.ok:
             if self.active:
                 self.abort(result.code or "UNAVAILABLE", result.message, False, result.pieces_sent)
-            elif self.failure is not None and self.failure.pieces_sent is None:
+            elif self.cause is not None and self.cause.pieces_sent is None:
                 self._note_pieces_sent(result.pieces_sent)  # what the drain waits for
             return
         if self.active:
@@ -246,12 +246,12 @@ class InboundTransfer:
         `quarantined`). By default the prefill worker is told once it may hold the task."""
         if tell_prefill is None:
             tell_prefill = self.state in (S.REQUESTED, S.LANDING)
-        self.failure = Failure(code, message, tell_prefill, pieces_sent)
+        self.cause = AbortCause(code, message, tell_prefill, pieces_sent)
         self._to(S.ABORTING)
 
     def _note_pieces_sent(self, pieces_sent: int) -> None:
-        f = self.failure
-        self.failure = Failure(f.code, f.message, f.tell_prefill, pieces_sent)
+        f = self.cause
+        self.cause = AbortCause(f.code, f.message, f.tell_prefill, pieces_sent)
         self.news.set()
 
     def released(self) -> None:

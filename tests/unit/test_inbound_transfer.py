@@ -221,4 +221,4 @@ async def test_events_after_the_end_change_nothing():
     t.on_ack(TaskAck(ok=True))
     t.on_result(PrefillResult(request_id="r", base_tag=1 << 40, ok=True))
     t.tick()
-    assert t.state is S.RELEASED and t.failure.message == "first" and t.result is None
+    assert t.state is S.RELEASED and t.cause.message == "first" and t.result is None

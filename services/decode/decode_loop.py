@@ -1,8 +1,8 @@
 """DecodeLoop: the decode worker's loop — drain inputs -> schedule -> run -> publish.
 
 The Engine does the batching; this loop feeds it from the event loop, runs its step in the
-engine thread, publishes what each step produced, and ends sequences that finished, failed,
-were cancelled or ran past their deadline. Message handlers only set flags and wake the loop.
+engine thread, publishes what each step produced, and ends requests that finished, failed,
+were cancelled or ran past their deadline. Message handlers only record events and wake the loop.
 """
 
 import asyncio
@@ -11,15 +11,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from services.decode.request import DecodeRequest
 from shared.engine.engine import Engine
 from shared.engine.executor import EngineExecutor
-from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.engine.sequence import SeqStatus, StepOutput
 from shared.lifecycle import wait_or_stop
 
 log = logging.getLogger(__name__)
 
-Publish = Callable[[Sequence, StepOutput], Awaitable[None]]
-Finish = Callable[[Sequence], Awaitable[None]]
+Publish = Callable[[DecodeRequest, StepOutput], Awaitable[None]]
+Finish = Callable[[DecodeRequest], Awaitable[None]]
 
 
 class DecodeLoop:
@@ -28,17 +29,17 @@ class DecodeLoop:
         self.executor = executor
         self.publish = publish
         self.finish = finish
-        self.seqs: dict[str, Sequence] = {}  # every sequence this worker holds, by request id
+        self.requests: dict[str, DecodeRequest] = {}  # every request this worker holds, by id
         self.wakeup = asyncio.Event()
 
-    def add(self, seq: Sequence, local_prefill: bool) -> None:
-        self.seqs[seq.request_id] = seq
+    def add(self, req: DecodeRequest, local_prefill: bool) -> None:
+        self.requests[req.request_id] = req
         if local_prefill:
-            self.engine.add(seq)
+            self.engine.add(req.seq)
         self.wakeup.set()
 
     def count(self, *statuses: SeqStatus) -> int:
-        return sum(1 for s in self.seqs.values() if s.status in statuses)
+        return sum(1 for r in self.requests.values() if r.seq.status in statuses)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Steps until `stop` is set."""
@@ -50,9 +51,9 @@ class DecodeLoop:
     async def drain(self, timeout_s: float) -> None:
         """Keeps stepping the sequences already held until they finish or `timeout_s` passes."""
         deadline = time.monotonic() + timeout_s
-        while self.seqs and time.monotonic() < deadline:
+        while self.requests and time.monotonic() < deadline:
             if (
-                not await self._iterate() and self.seqs
+                not await self._iterate() and self.requests
             ):  # _iterate may just have reaped the last one
                 self.wakeup.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -61,10 +62,10 @@ class DecodeLoop:
                     )
 
     async def abort_all(self, code: str, message: str, failed_worker: str = "") -> None:
-        """Ends every sequence still held (shutdown): each gets its error, each frees its blocks."""
-        for seq in self.seqs.values():
-            if seq.error is None:
-                seq.error, seq.failed_worker = (code, message), failed_worker
+        """Ends every request still held (shutdown): each gets its error, each frees its blocks."""
+        for req in self.requests.values():
+            if req.error is None:
+                req.fail(code, message, failed_worker)
         await self._reap()
 
     async def _iterate(self) -> bool:
@@ -76,24 +77,26 @@ class DecodeLoop:
             outputs = await self.executor.run(self.engine.step)
         except Exception as err:
             log.exception("engine step failed")
-            for seq in self.seqs.values():
-                if seq.status in (SeqStatus.WAITING, SeqStatus.RUNNING, SeqStatus.KV_READY):
-                    seq.error = ("INTERNAL", f"model step failed: {type(err).__name__}")
+            for req in self.requests.values():
+                if req.seq.status in (SeqStatus.WAITING, SeqStatus.RUNNING, SeqStatus.KV_READY):
+                    req.fail("INTERNAL", f"model step failed: {type(err).__name__}")
             return True
         if outputs is None:
             return False
         for seq, out in outputs:
-            if not seq.cancel_reason and seq.error is None:
-                await self.publish(seq, out)
+            req = self.requests.get(seq.request_id)
+            if req is not None and not req.cancel_reason and req.error is None:
+                await self.publish(req, out)
         return True
 
     async def _reap(self) -> None:
-        for seq in list(self.seqs.values()):
-            if seq.kv_pending:
-                continue  # its transfer ends itself first (see DecodeWorker._fetch_kv)
-            if seq.status is not SeqStatus.FINISHED and seq.expired and seq.error is None:
-                seq.error = ("DEADLINE_EXCEEDED", "the request's deadline passed")
-            if seq.status is SeqStatus.FINISHED or seq.error is not None or seq.cancel_reason:
-                del self.seqs[seq.request_id]
+        for req in list(self.requests.values()):
+            if not req.may_free:
+                continue  # its transfer ends itself first (see KVFetcher.fetch)
+            seq = req.seq
+            if seq.status is not SeqStatus.FINISHED and seq.expired and req.error is None:
+                req.fail("DEADLINE_EXCEEDED", "the request's deadline passed")
+            if req.ended:
+                del self.requests[req.request_id]
                 self.engine.release(seq)
-                await self.finish(seq)
+                await self.finish(req)

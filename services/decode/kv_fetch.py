@@ -1,11 +1,12 @@
 """KVFetcher: a decode worker's side of every KV transfer, from reserved blocks to landed KV.
 
 For a remote prefill the decode worker has reserved the prompt's blocks in its own pool (reusing
-any prefix it holds). The fetcher posts a UCX receive for every piece straight into them, sends
-the prefill worker their descriptors (NATS), and waits while the pieces land as the prefill
-computes. A cancel, a deadline, a stall of a whole lease, a prefill worker that stops
-heartbeating or an abort from it ends the transfer on both sides, and the blocks may be freed
-only once no receive can write into them (the sequence's `kv_pending` says when).
+any prefix it holds). `open` makes the InboundTransfer that owns them (kv_transfer.py: its states
+and events); `fetch` drives it: posts a UCX receive for every piece straight into the blocks,
+sends the prefill worker their descriptors (NATS), and waits while the pieces land as the
+prefill computes. The fetcher only routes PrefillResults to their transfer by base tag, asks
+Liveness (in `_lost`, the one place), does each step's I/O, and keeps the quarantine list. The
+blocks may be freed once the transfer is settled (DecodeRequest.may_free).
 """
 
 import asyncio
@@ -13,6 +14,8 @@ import logging
 import secrets
 import time
 
+from services.decode.kv_transfer import InboundTransfer, TransferState
+from services.decode.request import DecodeRequest
 from shared.control.bus import BusError, MessageBus
 from shared.control.liveness import Liveness
 from shared.control.messages import (
@@ -25,22 +28,13 @@ from shared.control.messages import (
 from shared.control.subjects import Subjects
 from shared.dataplane.plan import PlanError, TransferPlan, new_base_tag
 from shared.dataplane.receiver import KVReceiver
-from shared.dataplane.ucx import DataPlane, KVTransferError, discard
-from shared.engine.sequence import Sequence
+from shared.dataplane.ucx import DataPlane, discard
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-
-class _Failed(Exception):
-    def __init__(
-        self, code: str, message: str, from_prefill: bool = False, pieces_sent: int | None = None
-    ):
-        super().__init__(message)
-        self.code, self.message = code, message
-        self.from_prefill = from_prefill  # the prefill worker ended it: no need to tell it
-        self.pieces_sent = pieces_sent  # how far the prefill worker got, when it said so
+POLL_S = 0.25  # how often the clocks and the prefill worker's liveness are looked at
 
 
 class KVFetcher:
@@ -58,73 +52,34 @@ class KVFetcher:
         self.plane = plane
         self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
-        self.results: dict[int, asyncio.Queue] = {}  # base tag -> the PrefillResults that came
-        self.draining: dict[
-            int, asyncio.Task
-        ] = {}  # base tag -> pieces of an aborted transfer to discard
+        self.transfers: dict[int, InboundTransfer] = {}  # base tag -> transfer, until drained
         self.drains: set[asyncio.Task] = set()
         self.quarantined: list[list[int]] = []  # blocks a receive that never ended may still write
         self.transports: set[str] = set()  # what prefill workers said carried KV here
 
-    async def fetch(self, seq: Sequence, prefill_worker: str) -> None:
-        """Reserves nothing new (admit did): posts the receives into seq's blocks, asks the prefill
-        worker for the KV, and waits for every piece; any failure aborts the transfer on both sides."""
+    def open(self, req: DecodeRequest, prefill_worker: str) -> bool:
+        """The transfer into req's reserved blocks (RESERVED); False, with req's error set, when
+        the reservation does not fit the prompt (a bug, but never a hang)."""
         try:
-            receiver = KVReceiver(self.plane, self.rt.runner.pool, self._plan(seq))
-        except PlanError as err:  # the reservation does not fit the prompt: a bug, but never a hang
-            log.exception("%s: no transfer plan", seq.request_id)
-            seq.error = ("INTERNAL", f"no KV transfer plan: {err}")
-            return
-        base_tag = receiver.plan.destination.base_tag
-        inbox = self.results[base_tag] = asyncio.Queue()
-        seq.kv_pending, asked = True, False
-        receiver.start()
-        try:
-            await self._request_prefill(seq, receiver.plan, prefill_worker)
-            asked = True
-            result = await self._await_transfer(seq, receiver, inbox, prefill_worker)
-            seq.first_token, seq.prefill_worker = result.first_token, result.prefill_worker
-            seq.queue_ms, seq.prefill_ms = result.queue_ms, result.prefill_ms
-            seq.cached_tokens = result.cached_tokens
-            if result.transport:
-                self.transports.add(result.transport)
-            self.rt.engine.kv_arrived(seq)
-        except _Failed as failure:
-            if not seq.cancel_reason:
-                seq.error = (failure.code, failure.message)
-                if failure.code in (
-                    "UNAVAILABLE",
-                    "RESOURCE_EXHAUSTED",
-                ):  # the prefill worker failed or
-                    seq.failed_worker = (
-                        prefill_worker  # was full, not the request: the gateway places it again
-                    )
-            await self._abort_transfer(
-                seq,
-                receiver,
-                inbox,
-                prefill_worker,
-                asked and not failure.from_prefill,
-                failure.pieces_sent,
-            )
-        except BusError:
-            seq.error = ("UNAVAILABLE", f"prefill worker {prefill_worker} did not answer")
-            seq.failed_worker = prefill_worker
-            await self._abort_transfer(seq, receiver, inbox, prefill_worker, True, None)
-        except (
-            Exception
-        ) as err:  # a bug: the request fails, the transfer ends, nothing hangs or leaks
-            log.exception("%s: KV fetch failed", seq.request_id)
-            seq.error = ("INTERNAL", f"KV fetch failed: {type(err).__name__}")
-            await self._abort_transfer(seq, receiver, inbox, prefill_worker, asked, None)
-        finally:
-            if base_tag not in self.draining:
-                self.results.pop(base_tag, None)
-            seq.kv_pending = False
+            plan = self._plan(req)
+        except PlanError as err:
+            log.exception("%s: no transfer plan", req.request_id)
+            req.fail("INTERNAL", f"no KV transfer plan: {err}")
+            return False
+        req.transfer = InboundTransfer(
+            req.request_id,
+            prefill_worker,
+            KVReceiver(self.plane, self.rt.runner.pool, plan),
+            lease_s=self.settings.kv_lease_s,
+            timeout_s=self.settings.prefill_timeout_s,
+            deadline=req.seq.task.deadline,
+        )
+        self.transfers[plan.destination.base_tag] = req.transfer
+        return True
 
-    def _plan(self, seq: Sequence) -> TransferPlan:
-        """Where seq's KV goes: its blocks past the prefix this worker already holds."""
-        bs = self.rt.blocks.block_size
+    def _plan(self, req: DecodeRequest) -> TransferPlan:
+        """Where the KV goes: the blocks past the prefix this worker already holds."""
+        seq, bs = req.seq, self.rt.blocks.block_size
         destination = KVDestination(
             ucx_address=self.plane.address,
             base_tag=new_base_tag(secrets.randbits(39)),
@@ -135,159 +90,145 @@ class KVFetcher:
         )
         return TransferPlan(self.rt.runner.layout, seq.prompt_len, destination)
 
-    async def _request_prefill(
-        self, seq: Sequence, plan: TransferPlan, prefill_worker: str
-    ) -> None:
-        task = PrefillTask(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.task.prompt_token_ids,
-            sampling=seq.sampling,
+    async def fetch(self, req: DecodeRequest) -> None:
+        """Drives req's transfer to COMPLETE (the KV is handed to the engine) or through an abort
+        to RELEASED or QUARANTINED (req's error set); either way it is settled on return."""
+        t = req.transfer
+        asking = None
+        try:
+            if t.active:
+                t.post_receives()
+            if t.active:
+                t.requested()
+                asking = asyncio.ensure_future(self._ask(req, t))
+            await self._follow(t)
+        except Exception as err:  # a bug: the request fails, the transfer ends, nothing hangs
+            log.exception("%s: KV fetch failed", req.request_id)
+            t.on_bug(err)
+        finally:
+            if asking is not None:
+                asking.cancel()  # ended, or this fetch was cancelled: nobody waits for the answer
+            if t.state is not TransferState.ABORTING:
+                self._forget(t)
+        if t.state is TransferState.COMPLETE:
+            self._land(req, t)
+        else:
+            await self._abort(req, t)
+
+    async def _ask(self, req: DecodeRequest, t: InboundTransfer) -> None:
+        """Sends the PrefillTask; its TaskAck (or its absence) is the transfer's next event."""
+        subject = self.subjects.prefill_tasks(t.prefill_worker)
+        try:
+            ack = await self.bus.request(subject, self._task(req, t), 5.0, TaskAck)
+        except BusError:
+            t.on_no_answer()
+            return
+        except Exception as err:  # a bug
+            log.exception("%s: KV fetch failed", req.request_id)
+            t.on_bug(err)
+            return
+        t.on_ack(ack)
+
+    def _task(self, req: DecodeRequest, t: InboundTransfer) -> PrefillTask:
+        task = req.seq.task
+        return PrefillTask(
+            request_id=task.request_id,
+            prompt_token_ids=task.prompt_token_ids,
+            sampling=task.sampling,
             layout=self.rt.runner.layout,
-            destination=plan.destination,
+            destination=t.receiver.plan.destination,
             decode_worker=self.rt.worker_id,
-            arrival_time=seq.task.arrival_time,
-            deadline=seq.task.deadline,
-            priority=seq.task.priority,
-            output_offset=seq.task.resume_tokens,
+            arrival_time=task.arrival_time,
+            deadline=task.deadline,
+            priority=task.priority,
+            output_offset=task.resume_tokens,
         )
-        asking = asyncio.ensure_future(
-            self.bus.request(self.subjects.prefill_tasks(prefill_worker), task, 5.0, TaskAck)
-        )
+
+    async def _follow(self, t: InboundTransfer) -> None:
+        """Until the transfer ends: its events come by themselves; the clocks and the prefill
+        worker's liveness are looked at between them."""
+        while t.active:
+            t.tick()
+            if t.active and await self._lost(t.prefill_worker):
+                t.on_peer_lost()
+            if t.active:
+                t.news.clear()
+                try:
+                    await asyncio.wait_for(t.news.wait(), POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _lost(self, worker_id: str) -> bool:
+        return await self.liveness.lost(worker_id)
+
+    def _land(self, req: DecodeRequest, t: InboundTransfer) -> None:
+        """COMPLETE: the timings come from the transfer, and the sequence joins the batch."""
+        seq, result = req.seq, t.result
+        seq.first_token, req.prefill_worker = result.first_token, result.prefill_worker
+        seq.queue_ms, seq.prefill_ms = result.queue_ms, result.prefill_ms
+        seq.cached_tokens = result.cached_tokens
+        seq.kv_transfer_ms, seq.kv_exposed_ms = t.kv_transfer_ms, t.kv_exposed_ms
+        if result.transport:
+            self.transports.add(result.transport)
+        self.rt.engine.kv_arrived(seq)
+
+    async def _abort(self, req: DecodeRequest, t: InboundTransfer) -> None:
+        """ABORTING: req gets the cause as its error, the prefill worker is told, every receive
+        is ended (RELEASED, or QUARANTINED with its blocks out of use), pieces sent drain."""
+        cause = t.cause
+        if not req.cancel_reason:
+            failed_worker = t.prefill_worker if cause.worker_failed else ""
+            req.fail(cause.code, cause.message, failed_worker)
+        if cause.tell_prefill:
+            await self._tell_prefill(req, t)
+        if await t.receiver.abort(self.settings.kv_lease_s):
+            t.released()
+        else:
+            self.quarantined.append(req.seq.block_table)  # a receive may still write there
+            req.seq.block_table = []
+            t.quarantined()
+        drain = asyncio.create_task(self._drain(t))
+        self.drains.add(drain)
+        drain.add_done_callback(self._drained(t))
+
+    async def _tell_prefill(self, req: DecodeRequest, t: InboundTransfer) -> None:
+        reason = req.cancel_reason or (req.error or ("", ""))[1]
+        message = TransferAbort(request_id=req.request_id, base_tag=t.base_tag, reason=reason)
         try:
-            while (
-                not asking.done()
-            ):  # a worker killed as it was asked never answers: do not wait the 5 s out
-                await asyncio.wait([asking], timeout=0.25)
-                if not asking.done() and await self.liveness.lost(prefill_worker):
-                    raise _Failed(
-                        "UNAVAILABLE", f"prefill worker {prefill_worker} stopped responding"
-                    )
-        finally:
-            asking.cancel()  # gone, or this fetch was cancelled: nobody waits for the answer any more
-        ack = asking.result()
-        if not ack.ok:
-            raise _Failed(ack.code or "UNAVAILABLE", ack.message, from_prefill=True)
+            await self.bus.publish(self.subjects.transfer_aborts(t.prefill_worker), message)
+        except Exception as err:  # the prefill worker's own lease ends its side
+            log.warning("could not tell %s to abort %s: %s", t.prefill_worker, req.request_id, err)
 
-    async def _await_transfer(
-        self, seq: Sequence, receiver: KVReceiver, inbox: asyncio.Queue, prefill_worker: str
-    ) -> PrefillResult:
-        """Until every piece has landed and the prefill worker has sent the first token."""
-        result, announced = None, 0.0
-        deadline = time.monotonic() + self.settings.prefill_timeout_s
-        lease = self.settings.kv_lease_s
-        while not (receiver.complete and result is not None):
-            while not inbox.empty():
-                news = inbox.get_nowait()
-                if not news.ok:
-                    raise _Failed(news.code or "UNAVAILABLE", news.message, True, news.pieces_sent)
-                result, announced = news, time.monotonic()
-            if seq.cancel_reason:
-                raise _Failed("CANCELLED", seq.cancel_reason)
-            if seq.expired:
-                raise _Failed("DEADLINE_EXCEEDED", "the request's deadline passed")
-            try:
-                receiver.check(lease)
-            except KVTransferError as err:
-                log.error("%s: %s", seq.request_id, err)
-                raise _Failed(
-                    "UNAVAILABLE", "the KV transfer from the prefill worker failed"
-                ) from None
-            if announced and time.monotonic() - max(announced, receiver.last_progress) > lease:
-                raise _Failed("UNAVAILABLE", f"the KV transfer stalled for {lease:.0f}s")
-            if await self.liveness.lost(prefill_worker):
-                raise _Failed("UNAVAILABLE", f"prefill worker {prefill_worker} stopped responding")
-            if time.monotonic() > deadline:
-                raise _Failed(
-                    "UNAVAILABLE", f"prefill worker {prefill_worker} did not finish in time"
-                )
-            await self._news(receiver, inbox, seq)
-        seq.kv_transfer_ms = (receiver.last_landed - receiver.first_landed) * 1000
-        seq.kv_exposed_ms = max(0.0, receiver.last_landed - result.computed_at) * 1000
-        return result
-
-    async def _news(self, receiver: KVReceiver, inbox: asyncio.Queue, seq: Sequence) -> None:
-        """Waits a moment for a landed transfer, a prefill result or a cancel."""
-        waits = [
-            asyncio.ensure_future(receiver.done.wait()),
-            asyncio.ensure_future(inbox.get()),
-            asyncio.ensure_future(seq.news.wait()),
-        ]
-        try:
-            done, _ = await asyncio.wait(waits, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        if waits[1] in done and not waits[1].cancelled():
-            inbox.put_nowait(waits[1].result())
-        seq.news.clear()
-
-    async def _abort_transfer(
-        self,
-        seq: Sequence,
-        receiver: KVReceiver,
-        inbox: asyncio.Queue,
-        prefill_worker: str,
-        tell_prefill: bool,
-        pieces_sent: int | None,
-    ) -> None:
-        """Ends the transfer on both sides; seq's blocks may be freed when this returns."""
-        base_tag = receiver.plan.destination.base_tag
-        if tell_prefill:
-            try:
-                await self.bus.publish(
-                    self.subjects.transfer_aborts(prefill_worker),
-                    TransferAbort(
-                        request_id=seq.request_id,
-                        base_tag=base_tag,
-                        reason=seq.cancel_reason or (seq.error or ("", ""))[1],
-                    ),
-                )
-            except Exception as err:  # the prefill worker's own lease ends its side
-                log.warning(
-                    "could not tell %s to abort %s: %s", prefill_worker, seq.request_id, err
-                )
-        if not await receiver.abort(self.settings.kv_lease_s):
-            self.quarantined.append(seq.block_table)  # a receive may still write there: never reuse
-            seq.block_table = []
-        drain = asyncio.create_task(
-            self._drain(seq.request_id, receiver, inbox, prefill_worker, pieces_sent)
-        )
-        self._track(drain)
-        self.draining[base_tag] = drain
-        drain.add_done_callback(
-            lambda _: (self.draining.pop(base_tag, None), self.results.pop(base_tag, None))
-        )
-
-    async def _drain(
-        self,
-        request_id: str,
-        receiver: KVReceiver,
-        inbox: asyncio.Queue,
-        prefill_worker: str,
-        pieces_sent: int | None,
-    ) -> None:
-        """Takes off the wire the pieces the prefill worker sent before it heard of the abort."""
-        deadline = time.monotonic() + self.settings.kv_lease_s
+    async def _drain(self, t: InboundTransfer) -> None:
+        """Takes off the wire the pieces the prefill worker sent before it heard of the abort:
+        how many, its failure result says (waited for up to a lease, unless it is gone)."""
+        gives_up_at = time.monotonic() + self.settings.kv_lease_s
         while (
-            pieces_sent is None
-            and time.monotonic() < deadline
-            and not await self.liveness.lost(prefill_worker)
+            t.cause.pieces_sent is None
+            and time.monotonic() < gives_up_at
+            and not await self._lost(t.prefill_worker)
         ):
+            t.news.clear()
             try:
-                news = await asyncio.wait_for(inbox.get(), 0.5)
+                await asyncio.wait_for(t.news.wait(), 0.5)
             except asyncio.TimeoutError:
                 continue
-            if not news.ok:
-                pieces_sent = news.pieces_sent
-        await discard(self.plane, receiver.unfilled(pieces_sent or 0), self.settings.kv_lease_s)
+        sent = t.cause.pieces_sent or 0
+        await discard(self.plane, t.receiver.unfilled(sent), self.settings.kv_lease_s)
+
+    def _drained(self, t: InboundTransfer):
+        def done(task: asyncio.Task) -> None:
+            self.drains.discard(task)
+            self._forget(t)
+            task.cancelled() or task.exception()  # its outcome only matters to the log
+
+        return done
+
+    def _forget(self, t: InboundTransfer) -> None:
+        if self.transfers.get(t.base_tag) is t:
+            del self.transfers[t.base_tag]
 
     async def on_prefill_result(self, result: PrefillResult, respond) -> None:
-        waiting = self.results.get(result.base_tag)
-        if waiting is not None:
-            waiting.put_nowait(result)
-
-    def _track(self, task: asyncio.Task) -> None:
-        """Keeps a background task alive until it ends; its outcome only matters to the log."""
-        self.drains.add(task)
-        task.add_done_callback(self.drains.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        t = self.transfers.get(result.base_tag)
+        if t is not None:
+            t.on_result(result)

@@ -8,6 +8,7 @@ import os
 
 from services.decode.decode_loop import DecodeLoop
 from services.decode.kv_fetch import KVFetcher
+from services.decode.request import DecodeRequest
 from shared.control.bus import MessageBus
 from shared.control.liveness import Liveness
 from shared.control.messages import (
@@ -89,7 +90,7 @@ class DecodeWorker:
     def _leaked(self) -> int:
         with self.rt.engine.lock:
             return self.rt.blocks.leaked(
-                [s.block_table for s in self.loop.seqs.values()] + self.kv.quarantined
+                [r.seq.block_table for r in self.loop.requests.values()] + self.kv.quarantined
             )
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -109,7 +110,7 @@ class DecodeWorker:
                 await announcer.announce()
                 log.info(
                     "draining %d request(s) for up to %.0fs",
-                    len(self.loop.seqs),
+                    len(self.loop.requests),
                     self.settings.drain_timeout_s,
                 )
                 await self.loop.drain(self.settings.drain_timeout_s)
@@ -137,14 +138,9 @@ class DecodeWorker:
             )
             seq = Sequence(task, detokenizer, self.rt.eos_token_ids, self.rt.max_model_len)
             if not assignment.prefill_worker:
-                seq.prefill_worker = self.rt.worker_id
-                self.loop.add(seq, local_prefill=True)
+                self.loop.add(DecodeRequest(seq, self.rt.worker_id), local_prefill=True)
             elif self.rt.engine.admit(seq):  # the prompt's blocks, reserved before its KV comes
-                seq.status = SeqStatus.WAITING_KV
-                self.loop.add(seq, local_prefill=False)
-                self.fetches[seq.request_id] = asyncio.create_task(
-                    self._fetch_kv(seq, assignment.prefill_worker)
-                )
+                self._prefill_remotely(DecodeRequest(seq), assignment.prefill_worker)
             else:
                 refusal = (
                     "RESOURCE_EXHAUSTED",
@@ -160,14 +156,14 @@ class DecodeWorker:
             return ("UNAVAILABLE", f"decode worker {self.rt.worker_id} is shutting down")
         if task.request_id in self.cancelled:
             return ("CANCELLED", f"request {task.request_id} was cancelled before it started")
-        if task.request_id in self.loop.seqs:
+        if task.request_id in self.loop.requests:
             return ("ALREADY_EXISTS", f"request {task.request_id} is already running")
         if len(task.prompt_token_ids) + task.sampling.max_tokens > self.rt.max_model_len:
             return (
                 "INVALID_ARGUMENT",
                 f"prompt plus max_tokens exceeds {self.rt.max_model_len} tokens",
             )
-        if len(self.loop.seqs) >= self.settings.max_queue:
+        if len(self.loop.requests) >= self.settings.max_queue:
             return ("RESOURCE_EXHAUSTED", f"decode worker {self.rt.worker_id} is full")
         if (
             self.rt.blocks.blocks_for(len(task.prompt_token_ids) + task.sampling.max_tokens)
@@ -181,31 +177,37 @@ class DecodeWorker:
 
     # -- remote prefill --------------------------------------------------------------------
 
-    async def _fetch_kv(self, seq: Sequence, prefill_worker: str) -> None:
+    def _prefill_remotely(self, req: DecodeRequest, prefill_worker: str) -> None:
+        """The blocks are reserved: the transfer into them is opened now (so they stay held
+        until it settles), and run in a task of its own."""
+        req.seq.status = SeqStatus.WAITING_KV
+        opened = self.kv.open(req, prefill_worker)
+        self.loop.add(req, local_prefill=False)
+        if opened:
+            self.fetches[req.request_id] = asyncio.create_task(self._fetch_kv(req))
+
+    async def _fetch_kv(self, req: DecodeRequest) -> None:
         try:
-            await self.kv.fetch(seq, prefill_worker)
+            await self.kv.fetch(req)
         finally:
-            self.fetches.pop(seq.request_id, None)
+            self.fetches.pop(req.request_id, None)
             self.loop.wakeup.set()
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
-        seq = self.loop.seqs.get(message.request_id)
-        if seq is None:
+        req = self.loop.requests.get(message.request_id)
+        if req is None:
             self.cancelled.add(message.request_id)
             return
-        seq.cancel_reason = message.reason or "cancelled"
-        seq.news.set()  # a transfer in flight aborts itself
+        req.cancel(message.reason or "cancelled")  # a transfer in flight aborts itself
         self.loop.wakeup.set()
 
     # -- output ----------------------------------------------------------------------------
 
-    def _chunk(self, seq: Sequence, **fields) -> TokenChunk:
-        chunk = TokenChunk(request_id=seq.request_id, index=seq.chunk_index, **fields)
-        seq.chunk_index += 1
-        return chunk
+    def _chunk(self, req: DecodeRequest, **fields) -> TokenChunk:
+        return TokenChunk(request_id=req.request_id, index=req.next_chunk_index(), **fields)
 
-    async def _publish(self, seq: Sequence, out: StepOutput) -> None:
-        extra = {}
+    async def _publish(self, req: DecodeRequest, out: StepOutput) -> None:
+        seq, extra = req.seq, {}
         if out.finish_reason:
             extra = dict(
                 prompt_tokens=seq.prompt_len - seq.output_offset,
@@ -215,39 +217,40 @@ class DecodeWorker:
                     prefill_ms=seq.prefill_ms,
                     kv_transfer_ms=seq.kv_transfer_ms,
                     kv_exposed_ms=seq.kv_exposed_ms,
-                    prefill_worker=seq.prefill_worker,
+                    prefill_worker=req.prefill_worker,
                     decode_worker=self.rt.worker_id,
-                    path="local" if seq.prefill_worker == self.rt.worker_id else "disaggregated",
+                    path="local" if req.prefill_worker == self.rt.worker_id else "disaggregated",
                     cached_tokens=seq.cached_tokens,
                 ),
             )
         chunk = self._chunk(
-            seq, token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason, **extra
+            req, token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason, **extra
         )
         await self.bus.publish(seq.task.reply_subject, chunk)
 
-    async def _finish(self, seq: Sequence) -> None:
-        """Tells the gateway how the sequence ended (the loop freed its blocks), on every path."""
-        if seq.status is SeqStatus.FINISHED and seq.error is None and not seq.cancel_reason:
+    async def _finish(self, req: DecodeRequest) -> None:
+        """Tells the gateway how the request ended (the loop freed its blocks), on every path."""
+        seq = req.seq
+        if seq.status is SeqStatus.FINISHED and req.error is None and not req.cancel_reason:
             self.served += 1
             return
         self.announcer.nudge()  # its blocks are free: the scheduler and ClusterStatus hear it now
-        if seq.cancel_reason:
+        if req.cancel_reason:
             chunk = self._chunk(
-                seq,
+                req,
                 finish_reason="cancelled",
                 prompt_tokens=seq.prompt_len - seq.output_offset,
                 completion_tokens=seq.position,
             )
         else:
             chunk = self._chunk(
-                seq,
-                code=seq.error[0],
-                message=seq.error[1],
-                retry=bool(seq.failed_worker),
-                failed_worker=seq.failed_worker,
+                req,
+                code=req.error[0],
+                message=req.error[1],
+                retry=bool(req.failed_worker),
+                failed_worker=req.failed_worker,
             )
         try:
             await self.bus.publish(seq.task.reply_subject, chunk)
         except Exception as err:
-            log.warning("could not tell the gateway that %s ended: %s", seq.request_id, err)
+            log.warning("could not tell the gateway that %s ended: %s", req.request_id, err)

@@ -5,7 +5,9 @@ The loop reads: drain inputs -> step the engine (prompt chunks of many requests 
 chunks compute (chunk-wise pipelining) -> when a prompt is done, tell its decode worker the
 first token. A prompt's blocks are held until every piece has left (pieces go straight from
 the pool where they can). Each transfer has a lease: a send that makes no progress for
-`lease_s` fails, and a TransferAbort from the decode worker stops it at once.
+`lease_s` fails, and a TransferAbort from the decode worker stops it at once. Each prompt's
+transfer is an OutboundTransfer (kv_transfer.py: its states and events); this worker does the
+I/O of each step.
 """
 
 import asyncio
@@ -13,8 +15,9 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
+from services.prefill.kv_transfer import OutboundState, OutboundTransfer
 from shared.control.bus import MessageBus
 from shared.control.messages import (
     CancelRequest,
@@ -30,25 +33,13 @@ from shared.dataplane.plan import PlanError, TransferPlan
 from shared.dataplane.sender import KVSender
 from shared.dataplane.ucx import DataPlane, KVTransferError
 from shared.engine.executor import EngineExecutor
-from shared.engine.sequence import SeqStatus, Sequence
+from shared.engine.sequence import Sequence
 from shared.lifecycle import wait_or_stop
 from shared.worker.announcer import Announcer
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Transfer:
-    task: PrefillTask
-    seq: Sequence
-    sender: KVSender
-    blocks_held: bool = True
-    first_token: int = -1
-    computed_at: float = 0.0
-    abort_reason: str = ""  # set by a TransferAbort; acted on between engine steps
-    finished: bool = False  # every segment is on the wire and the decode worker was told
 
 
 class PrefillWorker:
@@ -62,7 +53,7 @@ class PrefillWorker:
         self.plane = plane
         self.subjects = Subjects(settings.cluster)
         self.executor = EngineExecutor()
-        self.held: dict[str, _Transfer] = {}  # request id -> its transfer, until its KV has left
+        self.held: dict[str, OutboundTransfer] = {}  # request id -> its transfer, until released
         self.finishing: set[asyncio.Task] = set()
         self.wakeup = asyncio.Event()
         self.served = 0
@@ -77,11 +68,7 @@ class PrefillWorker:
         )
 
     def snapshot(self) -> WorkerHeartbeat:
-        queued = sum(
-            1
-            for t in self.held.values()
-            if t.seq.status is SeqStatus.WAITING and not t.seq.num_computed_tokens
-        )
+        queued = sum(t.state is OutboundState.QUEUED for t in self.held.values())
         return WorkerHeartbeat(
             worker_id=self.rt.worker_id,
             role="prefill",
@@ -107,7 +94,7 @@ class PrefillWorker:
     def _leaked(self) -> int:
         with self.engine.lock:
             return self.rt.blocks.leaked(
-                [t.seq.block_table for t in self.held.values() if t.blocks_held]
+                [t.seq.block_table for t in self.held.values() if t.holds_blocks]
             )
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -127,13 +114,10 @@ class PrefillWorker:
                 self.stopping = True  # no new work; the scheduler drops this worker now
                 await announcer.announce()
                 await self._drain(self.settings.drain_timeout_s)
-                for t in list(self.held.values()):
-                    if (
-                        t.seq.status is not SeqStatus.FINISHED
-                    ):  # not computed in time: tell its decode worker
-                        await self._abort(
-                            t, "UNAVAILABLE", f"prefill worker {self.rt.worker_id} shut down"
-                        )
+                for t in [t for t in self.held.values() if t.computing]:  # not computed in time
+                    await self._abort(
+                        t, "UNAVAILABLE", f"prefill worker {self.rt.worker_id} shut down"
+                    )
         finally:
             for sub in subs:
                 await sub.unsubscribe()
@@ -145,10 +129,7 @@ class PrefillWorker:
         """Computes and sends the prompts already accepted, for up to `timeout_s`."""
         log.info("draining %d prompt(s) for up to %.0fs", len(self.held), timeout_s)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(
-            t.seq.status is not SeqStatus.FINISHED and not t.sender.aborted
-            for t in self.held.values()
-        ):
+        while time.monotonic() < deadline and any(t.computing for t in self.held.values()):
             if not await self._iterate():
                 self.wakeup.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -176,7 +157,7 @@ class PrefillWorker:
             )
             seq = Sequence(request, None, set(), self.rt.max_model_len, prefill_only=True)
             sender = KVSender(self.plane, self.rt.runner.pool, plan, task.destination.lease_s)
-            self.held[task.request_id] = _Transfer(task, seq, sender)
+            self.held[task.request_id] = OutboundTransfer(task, seq, sender, self.engine.release)
             self.engine.add(seq)
             self.wakeup.set()
         elif refusal[0] == "RESOURCE_EXHAUSTED":
@@ -204,162 +185,109 @@ class PrefillWorker:
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
         t = self.held.get(message.request_id)
-        if t is not None and t.seq.status is not SeqStatus.FINISHED:
-            t.seq.cancel_reason = message.reason or "cancelled"
+        if t is not None:
+            t.on_cancel(message.reason or "cancelled")
             self.wakeup.set()
 
     async def on_abort(self, message: TransferAbort, respond) -> None:
         """The decode worker gave up on this transfer: stop it and free its blocks now."""
         t = self.held.get(message.request_id)
-        if (
-            t is not None
-            and t.task.destination.base_tag == message.base_tag
-            and not t.sender.aborted
-        ):
+        if t is not None and t.on_transfer_abort(message.base_tag, message.reason):
             log.info(
                 "%s: transfer aborted by its decode worker: %s", message.request_id, message.reason
             )
-            t.abort_reason = message.reason or "aborted"
-            t.seq.cancel_reason = (
-                t.seq.cancel_reason or t.abort_reason
-            )  # a step computing it may stop
             self.wakeup.set()
 
     # -- the loop -------------------------------------------------------------------------------
 
     async def _iterate(self) -> bool:
         for t in list(self.held.values()):
-            if t.sender.aborted:
-                continue
-            if t.abort_reason:
-                await self._abort(t, "CANCELLED", f"aborted by the decode worker: {t.abort_reason}")
-            elif t.seq.status is SeqStatus.FINISHED:
-                continue
-            elif t.seq.cancel_reason:
-                await self._abort(t, "CANCELLED", "cancelled before its prefill finished")
-            elif t.seq.expired:
-                await self._abort(t, "DEADLINE_EXCEEDED", "the request's deadline passed")
+            due = t.pending_abort()
+            if due is not None:
+                await self._abort(t, *due)
         if not self.engine.has_work():
             return False
         try:
             outputs = await self.executor.run(self.engine.step)
         except Exception as err:
             log.exception("prefill step failed")
-            for t in list(self.held.values()):
-                if t.seq.status is not SeqStatus.FINISHED and not t.sender.aborted:
-                    await self._abort(t, "INTERNAL", f"prefill failed: {type(err).__name__}")
+            for t in [t for t in self.held.values() if t.computing]:
+                await self._abort(t, "INTERNAL", f"prefill failed: {type(err).__name__}")
             return True
         if outputs is None:
             return False
         for seq, out in outputs:
-            self.held[seq.request_id].first_token = out.token_ids[0]
-            self.held[seq.request_id].computed_at = time.time()
+            self.held[seq.request_id].on_prompt_done(out.token_ids[0])
         await self._ship()
         return True
 
     async def _ship(self) -> None:
         """Puts every segment whose tokens are computed on the wire: first the pieces that go
         straight from the pool, then, gathered while those travel, the others."""
-        ready = [
-            (t, seg)
-            for t in self.held.values()
-            if not t.sender.aborted
-            for seg in t.sender.ready(t.seq.num_computed_tokens)
-        ]
+        ready = [(t, seg) for t in self.held.values() for seg in t.ready()]
         if not ready:
             return
         staged = await self.executor.run(
             lambda: [t.sender.stage(seg, t.seq.block_table) for t, seg in ready]
         )
-        live = [(t, st) for (t, _), st in zip(ready, staged) if not t.sender.aborted]
+        live = [(t, st) for (t, _), st in zip(ready, staged) if t.computing]
         for t, st in live:
             t.sender.send(st.direct)
         if any(st.scattered for _, st in live):
             gathered = await self.executor.run(lambda: [t.sender.gather(st) for t, st in live])
             for (t, _), pieces in zip(live, gathered):
-                if not t.sender.aborted:
+                if t.computing:
                     t.sender.send(pieces)
         for t in {id(t): t for t, _ in live}.values():
-            if t.sender.all_staged and not t.sender.aborted and not t.finished:
-                t.finished = True
+            if t.on_all_staged():
                 await self._finish(t)
 
-    async def _finish(self, t: _Transfer) -> None:
+    async def _finish(self, t: OutboundTransfer) -> None:
         """The whole prompt is computed and on the wire: tell the decode worker its first token."""
-        await self._publish(
-            t,
-            PrefillResult(
-                request_id=t.task.request_id,
-                base_tag=t.task.destination.base_tag,
-                ok=True,
-                first_token=t.first_token,
-                kv_bytes=t.sender.plan.nbytes,
-                queue_ms=t.seq.queue_ms,
-                prefill_ms=t.seq.prefill_ms,
-                prefill_worker=self.rt.worker_id,
-                transport=self.plane.transport_to(t.task.destination.ucx_address),
-                computed_at=t.computed_at,
-                cached_tokens=t.seq.cached_tokens,
-            ),
-        )
+        transport = self.plane.transport_to(t.task.destination.ucx_address)
+        await self._publish(t, t.result(self.rt.worker_id, transport))
         self._await_sends(t)
 
-    def _await_sends(self, t: _Transfer) -> None:
+    def _await_sends(self, t: OutboundTransfer) -> None:
         task = asyncio.create_task(self._sends_done(t))
         self.finishing.add(task)
         task.add_done_callback(self.finishing.discard)
 
-    async def _sends_done(self, t: _Transfer) -> None:
+    async def _sends_done(self, t: OutboundTransfer) -> None:
         """When every piece has left (or failed, at the latest after a lease), the blocks go."""
         try:
             await t.sender.finish()
-            if not t.sender.aborted:
+            if t.state is OutboundState.SENDING:
                 self.served += 1
         except KVTransferError as err:
-            if not t.sender.aborted:
-                t.sender.aborted = True
+            if t.state is OutboundState.SENDING:
+                t.abort()
                 log.error(
                     "KV of %s to %s not sent: %s", t.task.request_id, t.task.decode_worker, err
                 )
-                await self._publish(t, self._failure(t, "UNAVAILABLE", "KV transfer failed"))
+                failure = t.failure(self.rt.worker_id, "UNAVAILABLE", "KV transfer failed")
+                await self._publish(t, failure)
         finally:
-            self._release(t)
+            t.on_sends_done()
+            self._forget(t)
 
-    def _free_blocks(self, t: _Transfer) -> None:
-        if t.blocks_held:
-            t.blocks_held = False
-            self.engine.release(t.seq)
-
-    def _release(self, t: _Transfer) -> None:
-        self._free_blocks(t)
+    def _forget(self, t: OutboundTransfer) -> None:
         if self.held.get(t.task.request_id) is t:
             del self.held[t.task.request_id]
 
-    async def _abort(self, t: _Transfer, code: str, message: str) -> None:
+    async def _abort(self, t: OutboundTransfer, code: str, message: str) -> None:
         """Stops a transfer (between engine steps): no more segments, its blocks freed now, its
         decode worker told how far it got. Pieces still on the wire may read reused blocks; they
         belong to the aborted transfer, and the decode worker discards them."""
-        t.sender.aborted = True
-        await self._publish(t, self._failure(t, code, message))
-        self._free_blocks(t)
+        watch = t.abort()
+        await self._publish(t, t.failure(self.rt.worker_id, code, message))
         self.announcer.nudge()
-        if t.sender.sends:
+        if watch:
             self._await_sends(t)
-        else:
-            self._release(t)
+        elif t.state is OutboundState.RELEASED:
+            self._forget(t)
 
-    def _failure(self, t: _Transfer, code: str, message: str) -> PrefillResult:
-        return PrefillResult(
-            request_id=t.task.request_id,
-            base_tag=t.task.destination.base_tag,
-            ok=False,
-            code=code,
-            message=message,
-            pieces_sent=t.sender.pieces_sent,
-            prefill_worker=self.rt.worker_id,
-        )
-
-    async def _publish(self, t: _Transfer, result: PrefillResult) -> None:
+    async def _publish(self, t: OutboundTransfer, result: PrefillResult) -> None:
         try:
             await self.bus.publish(self.subjects.prefill_results(t.task.decode_worker), result)
         except Exception as err:  # NATS down: the decode worker's lease ends the transfer

@@ -9,6 +9,7 @@ receive still open (`DataPlane.release`) and only then lets the blocks go.
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from shared.dataplane.plan import TransferPlan
 from shared.dataplane.ucx import DataPlane, KVTransferError
@@ -34,9 +35,12 @@ class KVReceiver:
         self.done = asyncio.Event()
         self._tasks: dict[int, asyncio.Future] = {}  # tag -> its posted receive
         self._failure: BaseException | None = None
+        self._listener: Callable[[], None] = lambda: None
 
-    def start(self) -> None:
-        """Posts the receive of every piece (call before the prefill worker may send)."""
+    def start(self, listener: Callable[[], None] | None = None) -> None:
+        """Posts the receive of every piece (call before the prefill worker may send);
+        `listener` is called each time one ends (landed, failed or released)."""
+        self._listener = listener or self._listener
         pieces = [
             (self.plan.tag(p), self.pool.span(p.layer, p.kv, p.dst_slot, p.tokens))
             for p in self.plan.pieces
@@ -50,6 +54,7 @@ class KVReceiver:
             if self._failure is None and not task.cancelled():
                 self._failure = task.exception()
             self.done.set()
+            self._listener()
             return
         self.landed += 1
         self.landed_bytes += task.result()
@@ -58,6 +63,7 @@ class KVReceiver:
         self.first_landed = self.first_landed or self.last_landed
         if self.landed == len(self.plan.pieces):
             self.done.set()
+        self._listener()
 
     @property
     def complete(self) -> bool:

@@ -37,7 +37,6 @@ class KVSender:
             0  # pieces [0, pieces_sent) may be on the wire (the decode side drains them on abort)
         )
         self.bytes_sent = 0
-        self.aborted = False
         self.sends: list[asyncio.Task] = []
 
     @property

@@ -126,7 +126,7 @@ class Engine:
             started = time.perf_counter()
             logits = self.runner.forward(
                 [Segment(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work],
-                abandon=lambda: all(w.seq.cancel_reason for w in work),
+                abandon=lambda: all(w.seq.abandoned for w in work),
             )
             if logits is None:  # every sequence in it was cancelled meanwhile: they are freed next
                 return outputs

@@ -1,6 +1,5 @@
 """A Sequence: everything one request needs while a worker holds it."""
 
-import asyncio
 import enum
 import time
 from dataclasses import dataclass
@@ -50,19 +49,13 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the pool
         self.num_hashed_blocks = 0
         self.last_block_hash = b""
-        self.kv_pending = False  # a KV transfer may still write into its blocks: keep them
-        self.news = asyncio.Event()  # wakes a transfer in flight (a cancel came)
         self.first_token = -1  # sampled by the remote prefill
         self.finish_reason = ""
-        self.cancel_reason = ""
-        self.error: tuple[str, str] | None = None  # (gRPC code name, message)
-        self.failed_worker = ""  # with error: the worker that failed, not the request
-        self.chunk_index = 0
+        self.abandoned = False  # nobody wants its output any more: a step of only such stops early
         self.queue_ms = 0.0
         self.prefill_ms = 0.0
         self.kv_transfer_ms = 0.0  # first KV piece landed -> last one landed
         self.kv_exposed_ms = 0.0  # prefill finished -> last KV piece landed
-        self.prefill_worker = ""
         self.cached_tokens = 0  # prompt tokens a prefix cache served, for Timing
         self.prefill_started = 0.0
 

@@ -78,14 +78,20 @@ class InProcessDataPlane:
         return await self.post_receives([(tag, buffer)])[0]
 
     def post_receives(self, pieces: list[tuple[int, torch.Tensor]]) -> list[asyncio.Future]:
-        return [asyncio.ensure_future(self._receive(tag, buf)) for tag, buf in pieces]
+        """Posted now, as UCX does: a release() right after ends them."""
+        return [
+            asyncio.ensure_future(self._receive(tag, self._post(tag, buf))) for tag, buf in pieces
+        ]
 
-    async def _receive(self, tag: int, buffer: torch.Tensor) -> int:
+    def _post(self, tag: int, buffer: torch.Tensor) -> asyncio.Future:
         done = asyncio.get_running_loop().create_future()
         self._posted[tag] = (buffer, done)
         waiter = self._unexpected.pop(tag, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        return done
+
+    async def _receive(self, tag: int, done: asyncio.Future) -> int:
         nbytes = await asyncio.shield(done)
         if nbytes is None:
             raise KVTransferError(f"KV receive (tag {tag:#x}) released before any data came")

@@ -4,6 +4,7 @@ import asyncio
 import time
 
 from services.decode.decode_loop import DecodeLoop
+from services.decode.request import DecodeRequest
 from shared.engine.executor import EngineExecutor
 from tests.unit.test_engine import make_engine, make_seq
 
@@ -16,16 +17,16 @@ async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
     async def publish(seq, out):
         published.append(out)
 
-    async def finish(seq):
-        finished.append(seq.request_id)
+    async def finish(req):
+        finished.append(req.request_id)
 
     loop = DecodeLoop(engine, executor, publish, finish)
     try:
-        loop.add(make_seq(list(range(3, 20)), 6, request_id="a"), local_prefill=True)
+        loop.add(DecodeRequest(make_seq(list(range(3, 20)), 6, request_id="a")), local_prefill=True)
         started = time.monotonic()
         await asyncio.wait_for(loop.drain(timeout_s=30), timeout=20)
         assert time.monotonic() - started < 10  # not the 30 s drain deadline
-        assert finished == ["a"] and len(published) == 6 and not loop.seqs
+        assert finished == ["a"] and len(published) == 6 and not loop.requests
         assert engine.blocks.used == 0
     finally:
         executor.close()

@@ -1,0 +1,48 @@
+"""DecodeRequest: one request a decode worker holds: the engine's Sequence, plus what the decode
+service alone keeps about it (how it ended, its stream position, who prefilled it, its transfer).
+"""
+
+from services.decode.kv_transfer import InboundTransfer
+from shared.engine.sequence import SeqStatus, Sequence
+
+
+class DecodeRequest:
+    def __init__(self, seq: Sequence, prefill_worker: str = ""):
+        self.seq = seq
+        self.prefill_worker = prefill_worker  # who computed the prompt (this worker, if local)
+        self.transfer: InboundTransfer | None = None  # the remote prefill's KV, while it comes
+        self.cancel_reason = ""
+        self.error: tuple[str, str] | None = None  # (gRPC code name, message)
+        self.failed_worker = ""  # with error: the worker that failed, not the request
+        self.chunk_index = 0  # of the next TokenChunk
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def ended(self) -> bool:
+        """Finished, failed or cancelled: the loop takes it out and tells the gateway."""
+        return (
+            self.seq.status is SeqStatus.FINISHED
+            or self.error is not None
+            or bool(self.cancel_reason)
+        )
+
+    @property
+    def may_free(self) -> bool:
+        """No KV transfer can write into its blocks any more (or it never had one)."""
+        return self.transfer is None or self.transfer.settled
+
+    def cancel(self, reason: str) -> None:
+        self.cancel_reason = reason
+        self.seq.abandoned = True  # a step computing only abandoned sequences stops early
+        if self.transfer is not None:
+            self.transfer.on_cancel(reason)
+
+    def fail(self, code: str, message: str, failed_worker: str = "") -> None:
+        self.error, self.failed_worker = (code, message), failed_worker
+
+    def next_chunk_index(self) -> int:
+        index, self.chunk_index = self.chunk_index, self.chunk_index + 1
+        return index

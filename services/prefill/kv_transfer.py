@@ -1,0 +1,185 @@
+"""OutboundTransfer: one prompt's KV on the prefill side, as one state machine.
+
+    QUEUED -> PREFILLING -> SENDING -> SENT -> RELEASED
+        QUEUED, PREFILLING or SENDING -> ABORTING -> RELEASED
+
+QUEUED: accepted, nothing computed yet. PREFILLING: the engine computes the prompt; each
+segment goes on the wire as soon as its tokens are computed. SENDING: every segment is on the
+wire and the decode worker has the first token; the blocks stay held until every piece has left.
+SENT: every piece left. ABORTING: stopped (cancel, deadline, the decode worker's TransferAbort,
+a failed step or send): no more segments, the blocks freed at once; pieces already on the wire
+may still be leaving (the decode worker discards them). RELEASED: nothing of it is left here.
+
+The blocks are freed exactly once: on entering ABORTING, or on SENT -> RELEASED. Cancels and
+aborts from the decode worker arrive between engine steps and are acted on at the next one
+(`pending_abort`). A transition the table does not allow is a bug and raises.
+"""
+
+import enum
+import time
+from collections.abc import Callable
+
+from shared.control.messages import PrefillResult, PrefillTask
+from shared.dataplane.plan import Segment
+from shared.dataplane.sender import KVSender
+from shared.engine.sequence import SeqStatus, Sequence
+
+
+class OutboundState(enum.Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    SENDING = "sending"
+    SENT = "sent"
+    ABORTING = "aborting"
+    RELEASED = "released"
+
+
+S = OutboundState
+ALLOWED: dict[OutboundState, frozenset[OutboundState]] = {
+    S.QUEUED: frozenset({S.PREFILLING, S.ABORTING}),
+    S.PREFILLING: frozenset({S.SENDING, S.ABORTING}),
+    S.SENDING: frozenset({S.SENT, S.ABORTING}),
+    S.SENT: frozenset({S.RELEASED}),
+    S.ABORTING: frozenset({S.RELEASED}),
+    S.RELEASED: frozenset(),
+}
+COMPUTING = frozenset({S.QUEUED, S.PREFILLING})  # segments may still be staged
+HOLDING = frozenset({S.QUEUED, S.PREFILLING, S.SENDING, S.SENT})  # the blocks are held
+
+
+class IllegalTransition(RuntimeError):
+    """A transition the table does not allow: a bug in whoever drove the transfer."""
+
+
+class OutboundTransfer:
+    def __init__(
+        self,
+        task: PrefillTask,
+        seq: Sequence,
+        sender: KVSender,
+        free_blocks: Callable[[Sequence], None],
+    ):
+        self.task = task
+        self.seq = seq
+        self.sender = sender
+        self._free_blocks = free_blocks  # the engine's release: between steps only
+        self.state = S.QUEUED
+        self.first_token = -1
+        self.computed_at = 0.0  # unix time the prompt's last chunk was computed
+        self.cancel_reason = ""  # a CancelRequest came
+        self.abort_reason = ""  # the decode worker's TransferAbort came
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request_id
+
+    @property
+    def computing(self) -> bool:
+        return self.state in COMPUTING
+
+    @property
+    def holds_blocks(self) -> bool:
+        return self.state in HOLDING
+
+    def _to(self, state: OutboundState) -> None:
+        if state not in ALLOWED[self.state]:
+            raise IllegalTransition(f"{self.request_id}: {self.state.name} -> {state.name}")
+        if self.state in HOLDING and state not in HOLDING:
+            self._free_blocks(self.seq)
+        self.state = state
+
+    # -- events from the control plane (acted on between engine steps) ---------------------------
+
+    def on_cancel(self, reason: str) -> None:
+        if self.computing and self.seq.status is not SeqStatus.FINISHED:
+            self.cancel_reason = reason
+            self.seq.abandoned = True  # a step computing only abandoned prompts stops early
+
+    def on_transfer_abort(self, base_tag: int, reason: str) -> bool:
+        """The decode worker gave up on this transfer; False when it is not this one's."""
+        if base_tag != self.task.destination.base_tag or self.state not in HOLDING:
+            return False
+        self.abort_reason = reason or "aborted"
+        self.seq.abandoned = True  # a step computing it may stop
+        return True
+
+    def pending_abort(self) -> tuple[str, str] | None:
+        """(code, message) of the abort due now, between steps, if any."""
+        if self.state not in HOLDING or self.state is S.SENT:
+            return None
+        if self.abort_reason:
+            return ("CANCELLED", f"aborted by the decode worker: {self.abort_reason}")
+        if not self.computing:
+            return None
+        if self.cancel_reason:
+            return ("CANCELLED", "cancelled before its prefill finished")
+        if self.seq.expired:
+            return ("DEADLINE_EXCEEDED", "the request's deadline passed")
+        return None
+
+    # -- the normal path ---------------------------------------------------------------------------
+
+    def ready(self) -> list[Segment]:
+        """The segments computed since the last step, not staged yet (PREFILLING from the first)."""
+        if not self.computing:
+            return []
+        if self.state is S.QUEUED and self.seq.num_computed_tokens:
+            self._to(S.PREFILLING)
+        return self.sender.ready(self.seq.num_computed_tokens)
+
+    def on_prompt_done(self, first_token: int) -> None:
+        self.first_token, self.computed_at = first_token, time.time()
+
+    def on_all_staged(self) -> bool:
+        """Every segment is on the wire: SENDING (True) unless it ended meanwhile."""
+        if not self.sender.all_staged or not self.computing:
+            return False
+        if self.state is S.QUEUED:
+            self._to(S.PREFILLING)
+        self._to(S.SENDING)
+        return True
+
+    def on_sends_done(self) -> None:
+        """Every piece has left (or failed after an abort): nothing of it is left here."""
+        if self.state is S.SENDING:
+            self._to(S.SENT)
+        self._to(S.RELEASED)
+
+    # -- the abort path ----------------------------------------------------------------------------
+
+    def abort(self) -> bool:
+        """ABORTING: no more segments, the blocks freed now. True when pieces may still be
+        leaving (the owner waits for them, then `on_sends_done`); else RELEASED at once."""
+        was_sending = self.state is S.SENDING
+        self._to(S.ABORTING)
+        if self.sender.sends and not was_sending:
+            return True
+        if not self.sender.sends:
+            self._to(S.RELEASED)
+        return False
+
+    def result(self, worker_id: str, transport: str) -> PrefillResult:
+        return PrefillResult(
+            request_id=self.request_id,
+            base_tag=self.task.destination.base_tag,
+            ok=True,
+            first_token=self.first_token,
+            kv_bytes=self.sender.plan.nbytes,
+            queue_ms=self.seq.queue_ms,
+            prefill_ms=self.seq.prefill_ms,
+            prefill_worker=worker_id,
+            transport=transport,
+            computed_at=self.computed_at,
+            cached_tokens=self.seq.cached_tokens,
+        )
+
+    def failure(self, worker_id: str, code: str, message: str) -> PrefillResult:
+        return PrefillResult(
+            request_id=self.request_id,
+            base_tag=self.task.destination.base_tag,
+            ok=False,
+            code=code,
+            message=message,
+            pieces_sent=self.sender.pieces_sent,
+            prefill_worker=worker_id,
+        )

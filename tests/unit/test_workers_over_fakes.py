@@ -1,0 +1,69 @@
+"""A PrefillWorker and a DecodeWorker end to end over the in-memory bus and the in-process data
+plane (tiny model): the KV moves, the tokens are those of a local prefill, every block comes back
+exactly once on each side, on the normal path and when the request ends mid-transfer."""
+
+import time
+
+from shared.control.messages import CancelRequest
+from tests.unit.transfer_fakes import DECODE, PREFILL, Pair, make_task, until
+
+
+def in_flight(pair: Pair, request_id: str) -> bool:
+    """Pieces of the request are on the wire (and held there: the decode plane holds them)."""
+    t = pair.prefill.held.get(request_id)
+    return t is not None and bool(t.sender.sends)
+
+
+async def test_a_remote_prefill_streams_the_same_tokens_as_a_local_one(tiny_model):
+    async with Pair(tiny_model) as pair:
+        assert (await pair.submit(make_task("local", 70, max_tokens=6), remote=False)).ok
+        assert (await pair.submit(make_task("remote", 70, max_tokens=6))).ok
+        local, remote = await pair.outcome("local"), await pair.outcome("remote")
+        assert local.finish_reason == remote.finish_reason == "length"
+        assert pair.tokens("remote") == pair.tokens("local") and len(pair.tokens("local")) == 6
+        assert remote.timing.path == "disaggregated" and remote.timing.prefill_worker == PREFILL
+        assert local.timing.path == "local" and local.timing.prefill_worker == DECODE
+        assert [c.index for c in pair.chunks["remote"]] == list(range(len(pair.chunks["remote"])))
+        assert pair.prefill_plane.counters.bytes_sent == pair.decode_plane.counters.bytes_received
+        await pair.idle()
+        assert pair.prefill_freed == {"remote": 1}
+        assert pair.decode_freed == {"local": 1, "remote": 1}
+        assert pair.prefill.served == 1 and pair.decode.served == 2
+
+
+async def test_a_cancel_mid_transfer_frees_both_sides_once(tiny_model):
+    async with Pair(tiny_model) as pair:
+        pair.decode_plane.hold = True  # the KV cannot land: the transfer stays in flight
+        assert (await pair.submit(make_task("r", 200))).ok
+        await until(lambda: in_flight(pair, "r"))
+        await pair.bus.publish(pair.subjects.cancel, CancelRequest(request_id="r", reason="bye"))
+        pair.decode_plane.hold = False
+        last = await pair.outcome("r")
+        assert last.finish_reason == "cancelled"
+        await pair.idle()
+        assert pair.prefill_freed == {"r": 1} and pair.decode_freed == {"r": 1}
+
+
+async def test_a_deadline_during_the_transfer_is_deadline_exceeded(tiny_model):
+    async with Pair(tiny_model) as pair:
+        pair.decode_plane.hold = True
+        assert (await pair.submit(make_task("r", 200, deadline=time.time() + 0.5))).ok
+        last = await pair.outcome("r")
+        assert (last.code, last.message) == ("DEADLINE_EXCEEDED", "the request's deadline passed")
+        pair.decode_plane.hold = False
+        await pair.idle()
+        assert pair.prefill_freed == {"r": 1} and pair.decode_freed == {"r": 1}
+
+
+async def test_a_lost_prefill_worker_fails_the_request_for_another_one(tiny_model):
+    async with Pair(tiny_model) as pair:
+        pair.decode_plane.hold = True
+        pair.liveness.gone.add(PREFILL)
+        assert (await pair.submit(make_task("r", 200))).ok
+        last = await pair.outcome("r")
+        assert (last.code, last.retry, last.failed_worker) == ("UNAVAILABLE", True, PREFILL)
+        assert last.message == f"prefill worker {PREFILL} stopped responding"
+        pair.decode_plane.hold = False
+        pair.liveness.gone.clear()
+        await pair.idle()
+        assert pair.decode_freed == {"r": 1} and pair.prefill_freed.get("r", 0) <= 1

@@ -1,0 +1,256 @@
+"""Both ends of a KV transfer over the in-memory bus and the in-process data plane: a decode
+side (KVFetcher with a stand-in runtime), a scripted prefill worker, and tiny-model runtimes for
+whole workers."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import torch
+
+from services.decode.kv_fetch import KVFetcher
+from services.decode.request import DecodeRequest
+from shared.control.messages import (
+    GenerateTask,
+    KVLayout,
+    PrefillResult,
+    PrefillTask,
+    SamplingParams,
+    TaskAck,
+)
+from shared.control.subjects import Subjects
+from shared.dataplane.plan import TransferPlan
+from shared.dataplane.sender import KVSender
+from shared.engine.kv_cache import KVPool
+from shared.engine.sequence import Sequence
+from shared.worker.runtime import WorkerRuntime
+from shared.worker.settings import WorkerSettings
+from tests.fakes.bus import InMemoryBus
+from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
+from tests.unit.test_engine import make_engine
+
+BS = 4
+LAYOUT = KVLayout(
+    model="tiny", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS
+)
+PREFILL, DECODE = "prefill-1", "decode-1"
+
+
+class FakeLiveness:
+    """Liveness with the answer set by the test: the workers in `gone` are lost."""
+
+    def __init__(self) -> None:
+        self.gone: set[str] = set()
+        self.asked = 0
+
+    async def lost(self, worker_id: str) -> bool:
+        self.asked += 1
+        return worker_id in self.gone
+
+
+class FakeTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def settings(**overrides) -> WorkerSettings:
+    values = dict(block_size=BS, kv_segment_tokens=8, kv_lease_s=5.0, prefill_timeout_s=30.0)
+    return WorkerSettings(**{**values, **overrides})
+
+
+def make_task(request_id: str, prompt_len: int, deadline: float = 0.0, max_tokens: int = 4):
+    return GenerateTask(
+        request_id=request_id,
+        prompt_token_ids=[3 + i % 100 for i in range(prompt_len)],
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        reply_subject=f"reply.{request_id}",
+        arrival_time=time.time(),
+        deadline=deadline,
+    )
+
+
+class DecodeSide:
+    """A KVFetcher over the fakes, with one request whose blocks are 2, 3, 5 and 6."""
+
+    def __init__(self, prompt_len: int = 16, deadline: float = 0.0, **overrides):
+        self.net = LoopbackNetwork()
+        self.plane = InProcessDataPlane(self.net, "decode")
+        self.bus = InMemoryBus()
+        self.liveness = FakeLiveness()
+        self.arrived: list[Sequence] = []
+        self.pool = KVPool(LAYOUT, 8, BS, "cpu")
+        runtime = SimpleNamespace(
+            worker_id=DECODE,
+            runner=SimpleNamespace(pool=self.pool, layout=LAYOUT),
+            blocks=SimpleNamespace(block_size=BS),
+            engine=SimpleNamespace(kv_arrived=self.arrived.append),
+        )
+        self.settings = settings(**overrides)
+        self.fetcher = KVFetcher(self.settings, runtime, self.bus, self.plane, self.liveness)
+        seq = Sequence(make_task("r1", prompt_len, deadline), None, set(), 512)
+        seq.block_table = [2, 3, 5, 6][: -(-prompt_len // BS)]
+        self.req = DecodeRequest(seq)
+        self.prefill = ScriptedPrefill(self.bus, self.net)
+
+    async def start(self) -> asyncio.Task:
+        results = Subjects("default").prefill_results(DECODE)
+        await self.bus.subscribe(results, self.fetcher.on_prefill_result)
+        await self.prefill.listen()
+        assert self.fetcher.open(self.req, PREFILL)
+        return asyncio.create_task(self.fetcher.fetch(self.req))
+
+
+class ScriptedPrefill:
+    """The prefill worker's side, step by step as a test says: acks, sends, results."""
+
+    def __init__(self, bus: InMemoryBus, net: LoopbackNetwork, worker_id: str = PREFILL):
+        self.bus, self.worker_id = bus, worker_id
+        self.plane = InProcessDataPlane(net, worker_id)
+        self.subjects = Subjects("default")
+        self.pool = KVPool(LAYOUT, 8, BS, "cpu")
+        self.pool.kv.copy_(
+            torch.randn(self.pool.kv.shape, generator=torch.Generator().manual_seed(1))
+        )
+        self.ack: TaskAck | None = TaskAck(ok=True)  # None: never answers
+        self.answer = asyncio.Event()  # the ack waits for it
+        self.answer.set()
+        self.tasks: list[PrefillTask] = []
+        self.aborts: list = []
+        self.got_task = asyncio.Event()
+
+    async def listen(self) -> None:
+        await self.bus.subscribe(self.subjects.prefill_tasks(self.worker_id), self._on_task)
+        await self.bus.subscribe(self.subjects.transfer_aborts(self.worker_id), self._on_abort)
+
+    async def _on_task(self, task: PrefillTask, respond) -> None:
+        self.tasks.append(task)
+        self.got_task.set()
+        await self.answer.wait()
+        if self.ack is not None and respond is not None:
+            await respond(self.ack)
+
+    async def _on_abort(self, message, respond) -> None:
+        self.aborts.append(message)
+
+    def sender(self) -> KVSender:
+        task = self.tasks[-1]
+        plan = TransferPlan(task.layout, len(task.prompt_token_ids), task.destination)
+        return KVSender(self.plane, self.pool, plan, timeout_s=5.0)
+
+    def send(self, segments: int | None = None) -> KVSender:
+        """Puts the first `segments` segments (all by default) on the wire."""
+        sender = self.sender()
+        for seg in sender.plan.segments[:segments]:
+            staged = sender.stage(seg, [0, 1, 2, 3, 4, 5, 6, 7])
+            sender.send(staged.direct)
+            sender.send(sender.gather(staged))
+        return sender
+
+    async def result(self, ok: bool = True, **fields) -> None:
+        task = self.tasks[-1]
+        if ok:
+            fields = dict(first_token=7, computed_at=time.time(), transport="inprocess", **fields)
+        message = PrefillResult(
+            request_id=task.request_id,
+            base_tag=task.destination.base_tag,
+            ok=ok,
+            prefill_worker=self.worker_id,
+            **fields,
+        )
+        await self.bus.publish(self.subjects.prefill_results(task.decode_worker), message)
+
+
+class CountingEngine:
+    """Wraps an engine's release: how many times each request's blocks were freed."""
+
+    def __init__(self, engine) -> None:
+        self.freed: dict[str, int] = {}
+        release = engine.release
+
+        def counted(seq) -> None:
+            self.freed[seq.request_id] = self.freed.get(seq.request_id, 0) + 1
+            release(seq)
+
+        engine.release = counted
+
+
+def tiny_runtime(model, worker_id: str, role: str, num_blocks: int = 64) -> WorkerRuntime:
+    engine = make_engine(model, num_blocks=num_blocks)
+    return WorkerRuntime(
+        worker_id, role, "host", engine.runner, FakeTokenizer(), engine.blocks, engine, 512, set()
+    )
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    """Waits until condition() holds (the fakes hand work between tasks)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+class Pair:
+    """A PrefillWorker and a DecodeWorker on tiny models, over one in-memory bus and network."""
+
+    def __init__(self, model, **overrides):
+        from services.decode.worker import DecodeWorker
+        from services.prefill.worker import PrefillWorker
+
+        self.net, self.bus = LoopbackNetwork(), InMemoryBus()
+        self.settings = settings(
+            **{"block_size": 16, "kv_segment_tokens": 32, "drain_timeout_s": 5.0, **overrides}
+        )
+        self.prefill_rt = tiny_runtime(model, PREFILL, "prefill")
+        self.decode_rt = tiny_runtime(model, DECODE, "decode")
+        self.prefill_freed = CountingEngine(self.prefill_rt.engine).freed
+        self.decode_freed = CountingEngine(self.decode_rt.engine).freed
+        self.prefill_plane = InProcessDataPlane(self.net, PREFILL)
+        self.decode_plane = InProcessDataPlane(self.net, DECODE)
+        self.liveness = FakeLiveness()
+        self.prefill = PrefillWorker(self.settings, self.prefill_rt, self.bus, self.prefill_plane)
+        self.decode = DecodeWorker(
+            self.settings, self.decode_rt, self.bus, self.decode_plane, self.liveness
+        )
+        self.subjects = Subjects("default")
+        self.chunks: dict[str, list] = {}
+        self.stop = asyncio.Event()
+        self.serving: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> "Pair":
+        self.serving = [
+            asyncio.create_task(w.serve(self.stop)) for w in (self.prefill, self.decode)
+        ]
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop.set()
+        await asyncio.wait_for(asyncio.gather(*self.serving), 30)
+
+    async def submit(self, task: GenerateTask, remote: bool = True) -> TaskAck:
+        from shared.control.messages import DecodeAssignment
+
+        async def collect(chunk, respond):
+            self.chunks[task.request_id].append(chunk)
+
+        self.chunks[task.request_id] = []
+        await self.bus.subscribe(task.reply_subject, collect)
+        assignment = DecodeAssignment(task=task, prefill_worker=PREFILL if remote else "")
+        return await self.bus.request(self.subjects.decode_tasks(DECODE), assignment, 5, TaskAck)
+
+    async def outcome(self, request_id: str, timeout: float = 30.0):
+        """The last chunk of the request, once it came: a finish reason or an error."""
+        chunks = self.chunks[request_id]
+        await until(lambda: chunks and (chunks[-1].finish_reason or chunks[-1].code), timeout)
+        return chunks[-1]
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for c in self.chunks[request_id] for t in c.token_ids]
+
+    async def idle(self) -> None:
+        """Both workers hold nothing: every block back, nothing leaked."""
+        await until(lambda: not self.prefill.held and not self.decode.loop.requests)
+        await until(lambda: not self.decode.kv.transfers)
+        assert self.prefill_rt.blocks.used == 0 and self.decode_rt.blocks.used == 0
+        assert self.prefill.snapshot().kv_blocks_leaked == 0
+        assert self.decode.snapshot().kv_blocks_leaked == 0

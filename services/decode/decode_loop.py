@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from services.decode.request import DecodeRequest
+from shared.control.failure import Code, Failure, failed
 from shared.engine.engine import Engine
 from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import SeqStatus, StepOutput
@@ -61,11 +62,11 @@ class DecodeLoop:
                         self.wakeup.wait(), max(0.01, deadline - time.monotonic())
                     )
 
-    async def abort_all(self, code: str, message: str, failed_worker: str = "") -> None:
-        """Ends every request still held (shutdown): each gets its error, each frees its blocks."""
+    async def abort_all(self, failure: Failure) -> None:
+        """Ends every request still held (shutdown): each gets the failure, each frees its blocks."""
         for req in self.requests.values():
-            if req.error is None:
-                req.fail(code, message, failed_worker)
+            if req.failure is None:
+                req.fail(failure)
         await self._reap()
 
     async def _iterate(self) -> bool:
@@ -79,13 +80,13 @@ class DecodeLoop:
             log.exception("engine step failed")
             for req in self.requests.values():
                 if req.seq.status in (SeqStatus.WAITING, SeqStatus.RUNNING, SeqStatus.KV_READY):
-                    req.fail("INTERNAL", f"model step failed: {type(err).__name__}")
+                    req.fail(failed(Code.INTERNAL, f"model step failed: {type(err).__name__}"))
             return True
         if outputs is None:
             return False
         for seq, out in outputs:
             req = self.requests.get(seq.request_id)
-            if req is not None and not req.cancel_reason and req.error is None:
+            if req is not None and not req.cancel_reason and req.failure is None:
                 await self.publish(req, out)
         return True
 
@@ -94,8 +95,8 @@ class DecodeLoop:
             if not req.may_free:
                 continue  # its transfer ends itself first (see KVFetcher.fetch)
             seq = req.seq
-            if seq.status is not SeqStatus.FINISHED and seq.expired and req.error is None:
-                req.fail("DEADLINE_EXCEEDED", "the request's deadline passed")
+            if seq.status is not SeqStatus.FINISHED and seq.expired and req.failure is None:
+                req.fail(failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed"))
             if req.ended:
                 del self.requests[req.request_id]
                 self.engine.release(seq)

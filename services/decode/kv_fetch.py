@@ -17,6 +17,7 @@ import time
 from services.decode.kv_transfer import InboundTransfer, TransferState
 from services.decode.request import DecodeRequest
 from shared.control.bus import BusError, MessageBus
+from shared.control.failure import Code, failed
 from shared.control.liveness import Liveness
 from shared.control.messages import (
     KVDestination,
@@ -64,7 +65,7 @@ class KVFetcher:
             plan = self._plan(req)
         except PlanError as err:
             log.exception("%s: no transfer plan", req.request_id)
-            req.fail("INTERNAL", f"no KV transfer plan: {err}")
+            req.fail(failed(Code.INTERNAL, f"no KV transfer plan: {err}"))
             return False
         req.transfer = InboundTransfer(
             req.request_id,
@@ -177,8 +178,7 @@ class KVFetcher:
         is ended (RELEASED, or QUARANTINED with its blocks out of use), pieces sent drain."""
         cause = t.cause
         if not req.cancel_reason:
-            failed_worker = t.prefill_worker if cause.worker_failed else ""
-            req.fail(cause.code, cause.message, failed_worker)
+            req.fail(cause.failure)
         if cause.tell_prefill:
             await self._tell_prefill(req, t)
         if await t.receiver.abort(self.settings.kv_lease_s):
@@ -192,7 +192,7 @@ class KVFetcher:
         drain.add_done_callback(self._drained(t))
 
     async def _tell_prefill(self, req: DecodeRequest, t: InboundTransfer) -> None:
-        reason = req.cancel_reason or (req.error or ("", ""))[1]
+        reason = req.cancel_reason or (req.failure.message if req.failure else "")
         message = TransferAbort(request_id=req.request_id, base_tag=t.base_tag, reason=reason)
         try:
             await self.bus.publish(self.subjects.transfer_aborts(t.prefill_worker), message)

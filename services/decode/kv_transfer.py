@@ -22,8 +22,9 @@ import asyncio
 import enum
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from shared.control.failure import Code, Failure, failed, worker_failed
 from shared.control.messages import PrefillResult, TaskAck
 from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.ucx import KVTransferError
@@ -62,17 +63,12 @@ class IllegalTransition(RuntimeError):
 
 @dataclass(frozen=True)
 class AbortCause:
-    """Why a transfer was aborted: the request's error, and what the prefill worker is told."""
+    """Why a transfer was aborted: the request's failure (movable when the prefill worker failed
+    or was full, not the request: it blames that worker), and what the prefill worker is told."""
 
-    code: str
-    message: str
+    failure: Failure
     tell_prefill: bool  # it may hold the task and is not the one that ended it
     pieces_sent: int | None = None  # how far the prefill worker got, when it said so
-
-    @property
-    def worker_failed(self) -> bool:
-        """The prefill worker failed or was full, not the request: the gateway places it again."""
-        return self.code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
 
 class InboundTransfer:
@@ -96,7 +92,7 @@ class InboundTransfer:
         self.cause: AbortCause | None = None
         self.announced = 0.0  # monotonic time the PrefillResult came
         self.gives_up_at = 0.0  # monotonic; set when the prefill worker accepts
-        self.deferred: tuple[str, str] | None = None  # an abort due once the prefill answers
+        self.deferred: Failure | None = None  # an abort due once the prefill worker answers
         self.news = asyncio.Event()  # set at every change of state: wakes whoever drives it
 
     @property
@@ -132,13 +128,13 @@ class InboundTransfer:
     def on_ack(self, ack: TaskAck) -> None:
         if self.state is not S.REQUESTED:
             return  # ended meanwhile
-        if not ack.ok:
-            self.abort(ack.code or "UNAVAILABLE", ack.message, False, pieces_sent=0)
+        if ack.failure is not None:  # it blames the prefill worker when that one is at fault
+            self.abort(ack.failure, False, pieces_sent=0)
             return
         self.gives_up_at = time.monotonic() + self.timeout_s
         self._to(S.LANDING)
         if self.deferred is not None:
-            self.abort(*self.deferred)
+            self.abort(self.deferred)
         else:
             self._maybe_complete()
 
@@ -154,9 +150,9 @@ class InboundTransfer:
         self._maybe_complete()
 
     def on_result(self, result: PrefillResult) -> None:
-        if not result.ok:
+        if result.failure is not None:
             if self.active:
-                self.abort(result.code or "UNAVAILABLE", result.message, False, result.pieces_sent)
+                self.abort(result.failure, False, result.pieces_sent)
             elif self.cause is not None and self.cause.pieces_sent is None:
                 self._note_pieces_sent(result.pieces_sent)  # what the drain waits for
             return
@@ -181,47 +177,52 @@ class InboundTransfer:
     # -- the abort paths ------------------------------------------------------------------------
 
     def on_cancel(self, reason: str) -> None:
-        self._end("CANCELLED", reason)
+        self._end(failed(Code.CANCELLED, reason))
 
     def on_deadline(self) -> None:
-        self._end("DEADLINE_EXCEEDED", "the request's deadline passed")
+        self._end(failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed"))
 
     def on_lease_expired(self) -> None:
         """The PrefillResult came, and then no piece landed for a whole lease."""
-        self._end("UNAVAILABLE", f"the KV transfer stalled for {self.lease_s:.0f}s")
+        self._end(self._prefill_failed(f"the KV transfer stalled for {self.lease_s:.0f}s"))
 
     def on_timeout(self) -> None:
-        self._end("UNAVAILABLE", f"prefill worker {self.prefill_worker} did not finish in time")
+        message = f"prefill worker {self.prefill_worker} did not finish in time"
+        self._end(self._prefill_failed(message))
 
-    def _end(self, code: str, message: str) -> None:
+    def _prefill_failed(self, message: str) -> Failure:
+        """The prefill worker failed the request: it is placed again without that worker."""
+        return worker_failed(self.prefill_worker, message)
+
+    def _end(self, failure: Failure) -> None:
         """Aborts now, or, while the PrefillTask waits for its answer, once it came: a
         TransferAbort that overtook its task would find nothing to stop there, and the prefill
         worker would then send into released receives until its lease ran out."""
         if self.state is S.REQUESTED:
-            self.deferred = self.deferred or (code, message)
+            self.deferred = self.deferred or failure
         elif self.active:
-            self.abort(code, message)
+            self.abort(failure)
 
     def on_peer_lost(self) -> None:
         if self.active:
             message = f"prefill worker {self.prefill_worker} stopped responding"
-            self.abort("UNAVAILABLE", message, tell_prefill=self.state is S.LANDING)
+            self.abort(self._prefill_failed(message), tell_prefill=self.state is S.LANDING)
 
     def on_no_answer(self) -> None:
         """The PrefillTask got no TaskAck (the bus timed out, or nobody listens)."""
         if self.active:
             message = f"prefill worker {self.prefill_worker} did not answer"
-            self.abort("UNAVAILABLE", message, tell_prefill=True)
+            self.abort(self._prefill_failed(message), tell_prefill=True)
 
     def on_bug(self, err: Exception) -> None:
         if self.active:
             message = f"KV fetch failed: {type(err).__name__}"
-            self.abort("INTERNAL", message, tell_prefill=self.state is S.LANDING)
+            self.abort(failed(Code.INTERNAL, message), tell_prefill=self.state is S.LANDING)
 
     def _receive_failed(self, err: KVTransferError) -> None:
         if self.deferred is None:
             log.error("%s: %s", self.request_id, err)
-        self._end("UNAVAILABLE", "the KV transfer from the prefill worker failed")
+        self._end(self._prefill_failed("the KV transfer from the prefill worker failed"))
 
     def tick(self) -> None:
         """The clocks: the request's deadline, a stalled receive, the lease, the prefill timeout."""
@@ -239,19 +240,16 @@ class InboundTransfer:
         if self.active and self.gives_up_at and now > self.gives_up_at:
             self.on_timeout()
 
-    def abort(
-        self, code: str, message: str, tell_prefill: bool | None = None, pieces_sent=None
-    ) -> None:
+    def abort(self, failure: Failure, tell_prefill: bool | None = None, pieces_sent=None) -> None:
         """Ends the transfer: ABORTING until the owner has ended every receive (`released` or
         `quarantined`). By default the prefill worker is told once it may hold the task."""
         if tell_prefill is None:
             tell_prefill = self.state in (S.REQUESTED, S.LANDING)
-        self.cause = AbortCause(code, message, tell_prefill, pieces_sent)
+        self.cause = AbortCause(failure, tell_prefill, pieces_sent)
         self._to(S.ABORTING)
 
     def _note_pieces_sent(self, pieces_sent: int) -> None:
-        f = self.cause
-        self.cause = AbortCause(f.code, f.message, f.tell_prefill, pieces_sent)
+        self.cause = replace(self.cause, pieces_sent=pieces_sent)
         self.news.set()
 
     def released(self) -> None:

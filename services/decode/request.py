@@ -3,6 +3,7 @@ service alone keeps about it (how it ended, its stream position, who prefilled i
 """
 
 from services.decode.kv_transfer import InboundTransfer
+from shared.control.failure import Failure
 from shared.engine.sequence import SeqStatus, Sequence
 
 
@@ -12,8 +13,7 @@ class DecodeRequest:
         self.prefill_worker = prefill_worker  # who computed the prompt (this worker, if local)
         self.transfer: InboundTransfer | None = None  # the remote prefill's KV, while it comes
         self.cancel_reason = ""
-        self.error: tuple[str, str] | None = None  # (gRPC code name, message)
-        self.failed_worker = ""  # with error: the worker that failed, not the request
+        self.failure: Failure | None = None  # how it failed (movable: a worker's fault)
         self.chunk_index = 0  # of the next TokenChunk
 
     @property
@@ -25,7 +25,7 @@ class DecodeRequest:
         """Finished, failed or cancelled: the loop takes it out and tells the gateway."""
         return (
             self.seq.status is SeqStatus.FINISHED
-            or self.error is not None
+            or self.failure is not None
             or bool(self.cancel_reason)
         )
 
@@ -40,8 +40,8 @@ class DecodeRequest:
         if self.transfer is not None:
             self.transfer.on_cancel(reason)
 
-    def fail(self, code: str, message: str, failed_worker: str = "") -> None:
-        self.error, self.failed_worker = (code, message), failed_worker
+    def fail(self, failure: Failure) -> None:
+        self.failure = failure
 
     def next_chunk_index(self) -> int:
         index, self.chunk_index = self.chunk_index, self.chunk_index + 1

@@ -10,6 +10,7 @@ from services.decode.decode_loop import DecodeLoop
 from services.decode.kv_fetch import KVFetcher
 from services.decode.request import DecodeRequest
 from shared.control.bus import MessageBus
+from shared.control.failure import Code, Failure, failed, worker_failed, worker_full
 from shared.control.liveness import Liveness
 from shared.control.messages import (
     CancelRequest,
@@ -114,17 +115,18 @@ class DecodeWorker:
                     self.settings.drain_timeout_s,
                 )
                 await self.loop.drain(self.settings.drain_timeout_s)
-                await self.loop.abort_all(
-                    "UNAVAILABLE",
-                    "the decode worker shut down before the request finished",
-                    failed_worker=self.rt.worker_id,
-                )  # the gateway moves them elsewhere
+                await self.loop.abort_all(self._shut_down())  # the gateway moves them elsewhere
         finally:
             for task in [*self.fetches.values(), *self.kv.drains]:
                 task.cancel()
             for sub in subs:
                 await sub.unsubscribe()
             self.executor.close()
+
+    def _shut_down(self) -> Failure:
+        """A request not finished before this worker shut down: placed again elsewhere."""
+        message = "the decode worker shut down before the request finished"
+        return worker_failed(self.rt.worker_id, message)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -142,37 +144,34 @@ class DecodeWorker:
             elif self.rt.engine.admit(seq):  # the prompt's blocks, reserved before its KV comes
                 self._prefill_remotely(DecodeRequest(seq), assignment.prefill_worker)
             else:
-                refusal = (
-                    "RESOURCE_EXHAUSTED",
-                    f"decode worker {self.rt.worker_id} has no KV blocks free",
+                refusal = worker_full(
+                    self.rt.worker_id, f"decode worker {self.rt.worker_id} has no KV blocks free"
                 )
         if respond is not None:
-            code, message = refusal or ("", "")
-            await respond(TaskAck(ok=refusal is None, code=code, message=message))
+            await respond(TaskAck(refusal))
 
-    def _refusal(self, assignment: DecodeAssignment) -> tuple[str, str] | None:
-        task = assignment.task
+    def _refusal(self, assignment: DecodeAssignment) -> Failure | None:
+        """Why the assignment is not taken (None: it is). Full: the scheduler may place it here
+        again later; shutting down: elsewhere; anything else fails the request."""
+        task, me = assignment.task, self.rt.worker_id
         if self.stopping:
-            return ("UNAVAILABLE", f"decode worker {self.rt.worker_id} is shutting down")
+            return worker_failed(me, f"decode worker {me} is shutting down")
         if task.request_id in self.cancelled:
-            return ("CANCELLED", f"request {task.request_id} was cancelled before it started")
+            message = f"request {task.request_id} was cancelled before it started"
+            return failed(Code.CANCELLED, message, me)
         if task.request_id in self.loop.requests:
-            return ("ALREADY_EXISTS", f"request {task.request_id} is already running")
+            # no Code.ALREADY_EXISTS: the client gets INTERNAL, as it always did
+            return failed(Code.INTERNAL, f"request {task.request_id} is already running", me)
         if len(task.prompt_token_ids) + task.sampling.max_tokens > self.rt.max_model_len:
-            return (
-                "INVALID_ARGUMENT",
-                f"prompt plus max_tokens exceeds {self.rt.max_model_len} tokens",
-            )
+            message = f"prompt plus max_tokens exceeds {self.rt.max_model_len} tokens"
+            return failed(Code.INVALID_ARGUMENT, message, me)
         if len(self.loop.requests) >= self.settings.max_queue:
-            return ("RESOURCE_EXHAUSTED", f"decode worker {self.rt.worker_id} is full")
+            return worker_full(me, f"decode worker {me} is full")
         if (
             self.rt.blocks.blocks_for(len(task.prompt_token_ids) + task.sampling.max_tokens)
             > self.rt.blocks.num_blocks
         ):
-            return (
-                "RESOURCE_EXHAUSTED",
-                f"the request needs more KV than decode worker {self.rt.worker_id} has",
-            )
+            return worker_full(me, f"the request needs more KV than decode worker {me} has")
         return None
 
     # -- remote prefill --------------------------------------------------------------------
@@ -231,7 +230,7 @@ class DecodeWorker:
     async def _finish(self, req: DecodeRequest) -> None:
         """Tells the gateway how the request ended (the loop freed its blocks), on every path."""
         seq = req.seq
-        if seq.status is SeqStatus.FINISHED and req.error is None and not req.cancel_reason:
+        if seq.status is SeqStatus.FINISHED and req.failure is None and not req.cancel_reason:
             self.served += 1
             return
         self.announcer.nudge()  # its blocks are free: the scheduler and ClusterStatus hear it now
@@ -243,13 +242,7 @@ class DecodeWorker:
                 completion_tokens=seq.position,
             )
         else:
-            chunk = self._chunk(
-                req,
-                code=req.error[0],
-                message=req.error[1],
-                retry=bool(req.failed_worker),
-                failed_worker=req.failed_worker,
-            )
+            chunk = self._chunk(req, failure=req.failure)
         try:
             await self.bus.publish(seq.task.reply_subject, chunk)
         except Exception as err:

@@ -19,7 +19,7 @@ from services.gateway.migration import FULL_MOVES, WorkerLost
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
-from shared.control.failure import Code, Failure, Retry, failed, worker_failed, worker_full
+from shared.control.failure import Code, Failure, Retry, worker_failed
 from shared.control.liveness import Liveness
 from shared.control.messages import CancelRequest, GenerateTask, SubmitReply, TokenChunk
 from shared.control.subjects import Subjects
@@ -33,20 +33,6 @@ POLL_S = 0.5  # a silent stream: how often its worker's liveness and the timeout
 def grpc_status(code: Code) -> grpc.StatusCode:
     """The status a client gets for a failure: Code names are grpc.StatusCode's."""
     return grpc.StatusCode[code.value]
-
-
-def failure_of(chunk: TokenChunk) -> Failure | None:
-    """A chunk's failure (None: it carries output). A worker that failed, not the request, sets
-    retry and names itself; a full one is not avoided. (TokenChunk says a code's name and a retry
-    flag until the workers speak Failure too.)"""
-    if not chunk.code:
-        return None
-    code = Code(chunk.code) if chunk.code in Code.__members__ else Code.INTERNAL
-    if not chunk.retry:
-        return failed(code, chunk.message)
-    if code is Code.RESOURCE_EXHAUSTED:
-        return worker_full(chunk.failed_worker, chunk.message)
-    return worker_failed(chunk.failed_worker, chunk.message, code)
 
 
 class RequestRelay:
@@ -167,7 +153,7 @@ class RequestRelay:
     async def _next_chunk(self, attempt: Attempt) -> TokenChunk:
         """The chunk the attempt expects; WorkerLost when its worker or the chunk is lost."""
         chunk = await self._wait_for_chunk(attempt)
-        failure = failure_of(chunk)
+        failure = chunk.failure
         if failure and failure.movable:
             raise WorkerLost(failure)
         if failure:

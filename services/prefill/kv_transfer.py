@@ -19,6 +19,7 @@ import enum
 import time
 from collections.abc import Callable
 
+from shared.control.failure import Code, Failure, failed
 from shared.control.messages import PrefillResult, PrefillTask
 from shared.dataplane.plan import Segment
 from shared.dataplane.sender import KVSender
@@ -103,18 +104,18 @@ class OutboundTransfer:
         self.seq.abandoned = True  # a step computing it may stop
         return True
 
-    def pending_abort(self) -> tuple[str, str] | None:
-        """(code, message) of the abort due now, between steps, if any."""
+    def pending_abort(self) -> Failure | None:
+        """The abort due now, between steps, if any (the request's, not this worker's fault)."""
         if self.state not in HOLDING or self.state is S.SENT:
             return None
         if self.abort_reason:
-            return ("CANCELLED", f"aborted by the decode worker: {self.abort_reason}")
+            return failed(Code.CANCELLED, f"aborted by the decode worker: {self.abort_reason}")
         if not self.computing:
             return None
         if self.cancel_reason:
-            return ("CANCELLED", "cancelled before its prefill finished")
+            return failed(Code.CANCELLED, "cancelled before its prefill finished")
         if self.seq.expired:
-            return ("DEADLINE_EXCEEDED", "the request's deadline passed")
+            return failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed")
         return None
 
     # -- the normal path ---------------------------------------------------------------------------
@@ -162,7 +163,6 @@ class OutboundTransfer:
         return PrefillResult(
             request_id=self.request_id,
             base_tag=self.task.destination.base_tag,
-            ok=True,
             first_token=self.first_token,
             kv_bytes=self.sender.plan.nbytes,
             queue_ms=self.seq.queue_ms,
@@ -173,13 +173,11 @@ class OutboundTransfer:
             cached_tokens=self.seq.cached_tokens,
         )
 
-    def failure(self, worker_id: str, code: str, message: str) -> PrefillResult:
+    def aborted(self, worker_id: str, failure: Failure) -> PrefillResult:
         return PrefillResult(
             request_id=self.request_id,
             base_tag=self.task.destination.base_tag,
-            ok=False,
-            code=code,
-            message=message,
+            failure=failure,
             pieces_sent=self.sender.pieces_sent,
             prefill_worker=worker_id,
         )

@@ -19,6 +19,7 @@ from dataclasses import asdict
 
 from services.prefill.kv_transfer import OutboundState, OutboundTransfer
 from shared.control.bus import MessageBus
+from shared.control.failure import Code, Failure, failed, worker_failed, worker_full
 from shared.control.messages import (
     CancelRequest,
     GenerateTask,
@@ -115,9 +116,7 @@ class PrefillWorker:
                 await announcer.announce()
                 await self._drain(self.settings.drain_timeout_s)
                 for t in [t for t in self.held.values() if t.computing]:  # not computed in time
-                    await self._abort(
-                        t, "UNAVAILABLE", f"prefill worker {self.rt.worker_id} shut down"
-                    )
+                    await self._abort(t, self._shut_down())
         finally:
             for sub in subs:
                 await sub.unsubscribe()
@@ -143,7 +142,7 @@ class PrefillWorker:
             try:
                 plan = TransferPlan(task.layout, len(task.prompt_token_ids), task.destination)
             except PlanError as err:
-                refusal = ("INVALID_ARGUMENT", f"bad KV destination: {err}")
+                refusal = failed(Code.INVALID_ARGUMENT, f"bad KV destination: {err}")
         if refusal is None:
             request = GenerateTask(
                 request_id=task.request_id,
@@ -160,27 +159,30 @@ class PrefillWorker:
             self.held[task.request_id] = OutboundTransfer(task, seq, sender, self.engine.release)
             self.engine.add(seq)
             self.wakeup.set()
-        elif refusal[0] == "RESOURCE_EXHAUSTED":
+        elif refusal.code is Code.RESOURCE_EXHAUSTED:
             self.announcer.nudge()  # the scheduler hears now that this worker is full
         if respond is not None:
-            code, message = refusal or ("", "")
-            await respond(TaskAck(ok=refusal is None, code=code, message=message))
+            await respond(TaskAck(refusal))
 
-    def _refusal(self, task: PrefillTask) -> tuple[str, str] | None:
+    def _refusal(self, task: PrefillTask) -> Failure | None:
+        """Why the task is not taken (None: it is), blaming this worker. Full or shutting down:
+        the request is placed again; anything else fails it."""
+        me = self.rt.worker_id
         if self.stopping:
-            return ("UNAVAILABLE", f"prefill worker {self.rt.worker_id} is shutting down")
+            return worker_failed(me, f"prefill worker {me} is shutting down")
         if task.layout != self.rt.runner.layout:
-            return (
-                "FAILED_PRECONDITION",
+            message = (
                 f"KV layout mismatch: decode has {asdict(task.layout)}, "
-                f"prefill {self.rt.worker_id} has {asdict(self.rt.runner.layout)}",
+                f"prefill {me} has {asdict(self.rt.runner.layout)}"
             )
+            return failed(Code.FAILED_PRECONDITION, message, me)
         if task.request_id in self.held:
-            return ("ALREADY_EXISTS", f"request {task.request_id} is already here")
+            # no Code.ALREADY_EXISTS: the client gets INTERNAL, as it always did
+            return failed(Code.INTERNAL, f"request {task.request_id} is already here", me)
         if len(self.held) >= self.settings.max_queue:
-            return ("RESOURCE_EXHAUSTED", f"prefill worker {self.rt.worker_id} queue is full")
+            return worker_full(me, f"prefill worker {me} queue is full")
         if self.rt.blocks.blocks_for(len(task.prompt_token_ids)) > self.rt.blocks.num_blocks:
-            return ("RESOURCE_EXHAUSTED", "prompt is larger than the prefill worker's KV budget")
+            return worker_full(me, "prompt is larger than the prefill worker's KV budget")
         return None
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
@@ -204,7 +206,7 @@ class PrefillWorker:
         for t in list(self.held.values()):
             due = t.pending_abort()
             if due is not None:
-                await self._abort(t, *due)
+                await self._abort(t, due)
         if not self.engine.has_work():
             return False
         try:
@@ -212,7 +214,8 @@ class PrefillWorker:
         except Exception as err:
             log.exception("prefill step failed")
             for t in [t for t in self.held.values() if t.computing]:
-                await self._abort(t, "INTERNAL", f"prefill failed: {type(err).__name__}")
+                message = f"prefill failed: {type(err).__name__}"
+                await self._abort(t, failed(Code.INTERNAL, message, self.rt.worker_id))
             return True
         if outputs is None:
             return False
@@ -265,8 +268,8 @@ class PrefillWorker:
                 log.error(
                     "KV of %s to %s not sent: %s", t.task.request_id, t.task.decode_worker, err
                 )
-                failure = t.failure(self.rt.worker_id, "UNAVAILABLE", "KV transfer failed")
-                await self._publish(t, failure)
+                lost = worker_failed(self.rt.worker_id, "KV transfer failed")
+                await self._publish(t, t.aborted(self.rt.worker_id, lost))
         finally:
             t.on_sends_done()
             self._forget(t)
@@ -275,12 +278,16 @@ class PrefillWorker:
         if self.held.get(t.task.request_id) is t:
             del self.held[t.task.request_id]
 
-    async def _abort(self, t: OutboundTransfer, code: str, message: str) -> None:
+    def _shut_down(self) -> Failure:
+        """A prompt not computed before this worker shut down: placed again elsewhere."""
+        return worker_failed(self.rt.worker_id, f"prefill worker {self.rt.worker_id} shut down")
+
+    async def _abort(self, t: OutboundTransfer, failure: Failure) -> None:
         """Stops a transfer (between engine steps): no more segments, its blocks freed now, its
         decode worker told how far it got. Pieces still on the wire may read reused blocks; they
         belong to the aborted transfer, and the decode worker discards them."""
         watch = t.abort()
-        await self._publish(t, t.failure(self.rt.worker_id, code, message))
+        await self._publish(t, t.aborted(self.rt.worker_id, failure))
         self.announcer.nudge()
         if watch:
             self._await_sends(t)

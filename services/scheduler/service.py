@@ -21,7 +21,7 @@ from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
-from shared.control.failure import Code, Failure, Retry, failed, worker_failed, worker_full
+from shared.control.failure import Code, Failure, Retry, failed, worker_failed
 from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
@@ -38,20 +38,6 @@ from shared.control.subjects import Subjects
 log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
-
-
-def failure_of(ack: TaskAck, worker: str) -> Failure | None:
-    """A decode worker's answer to an assignment (None: it took the request). Full: place it again,
-    that worker allowed once it has room; draining or gone: place it again without it; anything
-    else fails the request. (TaskAck says a code's name until the workers speak Failure too.)"""
-    if ack.ok:
-        return None
-    if ack.code == Code.RESOURCE_EXHAUSTED:
-        return worker_full(worker, ack.message)
-    if ack.code == Code.UNAVAILABLE:
-        return worker_failed(worker, ack.message)
-    code = Code(ack.code) if ack.code in Code.__members__ else Code.INTERNAL
-    return failed(code if ack.code else Code.UNAVAILABLE, ack.message, worker)
 
 
 def final(failure: Failure) -> Failure:
@@ -270,7 +256,7 @@ class SchedulerService:
         except NoResponders:  # gone since its last heartbeat: it holds nothing, try another
             self.registry.drop(decode_id)
             return worker_failed(decode_id, f"decode worker {decode_id} is gone")
-        return failure_of(ack, decode_id)
+        return ack.failure  # full: blames itself, Retry.HERE; draining: Retry.ELSEWHERE
 
     async def _cancel(self, request_id: str, reason: str) -> None:
         try:

@@ -66,9 +66,13 @@ class DecodeAssignment:
 
 @dataclass
 class TaskAck:
-    ok: bool
-    code: str = ""
-    message: str = ""
+    """A worker's answer to a task it was handed (or to a Ping): taken, or why not."""
+
+    failure: Failure | None = None  # None: taken
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
 
 
 @dataclass
@@ -119,13 +123,11 @@ class PrefillTask:
 @dataclass
 class PrefillResult:
     """Prefill worker -> decode worker: every piece of the KV is on the wire (or the transfer is
-    aborted: ok is false, and the decode worker frees the blocks it reserved)."""
+    aborted: it has a failure, and the decode worker frees the blocks it reserved)."""
 
     request_id: str
     base_tag: int
-    ok: bool
-    code: str = ""
-    message: str = ""
+    failure: Failure | None = None  # the abort's; movable when the prefill worker is at fault
     first_token: int = -1
     kv_bytes: int = 0
     pieces_sent: int = 0  # on an abort: pieces handed to UCX before it stopped
@@ -135,6 +137,10 @@ class PrefillResult:
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     prefill_worker: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
 
 
 @dataclass
@@ -161,20 +167,19 @@ class Timing:
 
 @dataclass
 class TokenChunk:
-    """Worker -> gateway: new tokens of one request; the last one has finish_reason or an error code."""
+    """Worker -> gateway: new tokens of one request; the last one has finish_reason or a failure."""
 
     request_id: str
     index: int  # 0, 1, 2, ... per request, so the gateway can spot a gap
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""  # "", "stop", "length" or "cancelled"
-    code: str = ""  # a gRPC status code name when the request failed
-    message: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timing: Timing | None = None
-    retry: bool = False  # with a code: a worker failed, not the request; it may be placed again
-    failed_worker: str = ""  # with retry: the worker to avoid
+    # the request failed; movable: a worker failed (or was full), not the request, and the
+    # gateway places it again (avoiding the worker blamed, with Retry.ELSEWHERE)
+    failure: Failure | None = None
 
 
 @dataclass
@@ -231,7 +236,7 @@ class StatusRequest:
 
 @dataclass
 class Ping:
-    """Asks a worker whether it is still there; it answers TaskAck(ok=True)."""
+    """Asks a worker whether it is still there; it answers TaskAck() (ok)."""
 
 
 @dataclass

@@ -67,7 +67,7 @@ class Announcer:
 
     async def _on_ping(self, message: Ping, respond) -> None:
         if respond is not None and isinstance(message, Ping):
-            await respond(TaskAck(ok=True))
+            await respond(TaskAck())
 
     async def _loop(self) -> None:
         while True:

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from shared.control.bus import NatsBus
+from shared.control.failure import Code
 from shared.control.messages import KVDestination, KVLayout, PrefillTask, SamplingParams, TaskAck
 from shared.control.subjects import Subjects
 from tests.integration.helpers import chat_request, long_document
@@ -99,9 +100,9 @@ def test_layout_mismatch_is_refused_before_any_transfer(disagg, nats):
             )
 
     ack = asyncio.run(ask())
-    assert not ack.ok and ack.code == "FAILED_PRECONDITION" and "layout mismatch" in ack.message, (
-        ack
-    )
+    failure = ack.failure
+    assert failure and failure.code is Code.FAILED_PRECONDITION and not failure.movable, ack
+    assert "layout mismatch" in failure.message, ack
 
 
 def test_aborts_travel_both_ways_and_free_both_pools(processes, nats):

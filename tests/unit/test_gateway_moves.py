@@ -13,7 +13,7 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import Limits
 from shared.api import tandem_pb2 as pb
-from shared.control.failure import Code, Failure, Retry, worker_failed
+from shared.control.failure import Code, Failure, Retry, worker_failed, worker_full
 from shared.control.failure import failed as request_failed
 from shared.control.liveness import Liveness
 from shared.control.messages import CancelRequest, GenerateTask, SubmitReply, TokenChunk
@@ -142,15 +142,12 @@ def done(token_ids: list[int]) -> TokenChunk:
     )
 
 
-def failed(code: str, worker: str) -> TokenChunk:
-    return TokenChunk(
-        request_id="",
-        index=0,
-        code=code,
-        message=f"{worker} said {code}",
-        retry=True,
-        failed_worker=worker,
-    )
+def failed(code: Code, worker: str) -> TokenChunk:
+    """The last chunk of a request a worker failed (or was full for), not the request itself."""
+    message = f"{worker} said {code.value}"
+    if code is Code.RESOURCE_EXHAUSTED:
+        return TokenChunk(request_id="", index=0, failure=worker_full(worker, message))
+    return TokenChunk(request_id="", index=0, failure=worker_failed(worker, message, code))
 
 
 def cancels(bus: InMemoryBus) -> set[str]:
@@ -159,7 +156,7 @@ def cancels(bus: InMemoryBus) -> set[str]:
 
 async def test_a_prefill_worker_full_moves_the_request_without_avoiding_it(tokenizer):
     responses, context, cluster, bus = await generate(
-        [[failed("RESOURCE_EXHAUSTED", "p1")], [done([7, 8, 9])]], tokenizer=tokenizer
+        [[failed(Code.RESOURCE_EXHAUSTED, "p1")], [done([7, 8, 9])]], tokenizer=tokenizer
     )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     first, second = cluster.tasks
@@ -173,7 +170,7 @@ async def test_a_prefill_worker_full_moves_the_request_without_avoiding_it(token
 
 async def test_a_failed_worker_is_avoided_by_the_next_attempt(tokenizer):
     responses, context, cluster, _ = await generate(
-        [[chunk([7]), failed("UNAVAILABLE", "p1")], [done([8, 9])]], tokenizer=tokenizer
+        [[chunk([7]), failed(Code.UNAVAILABLE, "p1")], [done([8, 9])]], tokenizer=tokenizer
     )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     first, second = cluster.tasks
@@ -183,7 +180,7 @@ async def test_a_failed_worker_is_avoided_by_the_next_attempt(tokenizer):
 
 
 async def test_past_the_migration_limit_the_client_gets_the_last_failures_code(tokenizer):
-    full, broken = [failed("RESOURCE_EXHAUSTED", "p1")], [failed("UNAVAILABLE", "d1")]
+    full, broken = [failed(Code.RESOURCE_EXHAUSTED, "p1")], [failed(Code.UNAVAILABLE, "d1")]
     # Turned away as full: a limit of its own, whatever --max-migrations says.
     responses, context, cluster, _ = await generate(
         [full] * (FULL_MOVES + 2), max_migrations=0, tokenizer=tokenizer
@@ -269,7 +266,7 @@ async def test_a_refusal_after_a_move_says_why_the_request_moved(tokenizer):
         request_failed(Code.RESOURCE_EXHAUSTED, "the cluster is full"), retry_after_ms=1500
     )
     responses, context, _, _ = await generate(
-        [[chunk([7]), failed("UNAVAILABLE", "d1")]], replies={1: full}, tokenizer=tokenizer
+        [[chunk([7]), failed(Code.UNAVAILABLE, "d1")]], replies={1: full}, tokenizer=tokenizer
     )
     assert tokens(responses) == [7] and context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert context.message == "d1 said UNAVAILABLE, and the cluster is full (retry after 1.5s)"
@@ -294,10 +291,17 @@ async def test_a_silent_stream_fails_after_the_idle_timeout(tokenizer):
 
 
 async def test_a_chunk_with_a_final_error_ends_the_stream_with_its_code(tokenizer):
-    final = TokenChunk(request_id="", index=0, code="INVALID_ARGUMENT", message="bad stop")
+    final = TokenChunk(
+        request_id="", index=0, failure=request_failed(Code.INVALID_ARGUMENT, "bad stop")
+    )
     responses, context, _, _ = await generate([[chunk([7]), final]], tokenizer=tokenizer)
     assert tokens(responses) == [7]
     assert (context.code, context.message) == (grpc.StatusCode.INVALID_ARGUMENT, "bad stop")
+    blamed = request_failed(Code.FAILED_PRECONDITION, "layout mismatch", "p1")  # not movable
+    final = TokenChunk(request_id="", index=0, failure=blamed)
+    responses, context, cluster, _ = await generate([[final]], tokenizer=tokenizer)
+    assert (context.code, context.message) == (grpc.StatusCode.FAILED_PRECONDITION, blamed.message)
+    assert len(cluster.tasks) == 1  # not placed again
 
 
 async def test_a_client_going_away_cancels_the_attempt_and_a_finished_stream_does_not(tokenizer):
@@ -326,7 +330,7 @@ class RecordingBus(InMemoryBus):
 async def test_no_task_the_gateway_submitted_is_changed_afterwards(tokenizer):
     bus = RecordingBus()
     responses, context, _, _ = await generate(
-        [[chunk([7]), failed("UNAVAILABLE", "d1")], [done([8, 9])]],
+        [[chunk([7]), failed(Code.UNAVAILABLE, "d1")], [done([8, 9])]],
         replies={0: SubmitReply(SHUTTING_DOWN)},
         bus=bus,
         tokenizer=tokenizer,
@@ -336,14 +340,5 @@ async def test_no_task_the_gateway_submitted_is_changed_afterwards(tokenizer):
     assert len({task.request_id for task, _ in bus.asked}) == 3
 
 
-def test_a_chunks_failure_is_read_once_into_a_failure():
-    assert relay.failure_of(TokenChunk(request_id="", index=0, token_ids=[7])) is None
-    assert relay.failure_of(failed("RESOURCE_EXHAUSTED", "p1")) == Failure(
-        Code.RESOURCE_EXHAUSTED, "p1 said RESOURCE_EXHAUSTED", Retry.HERE, "p1"
-    )
-    assert relay.failure_of(failed("INTERNAL", "d1")) == worker_failed(
-        "d1", "d1 said INTERNAL", Code.INTERNAL
-    )
-    final = TokenChunk(request_id="", index=0, code="DEADLINE_EXCEEDED", message="late")
-    assert relay.failure_of(final) == request_failed(Code.DEADLINE_EXCEEDED, "late")
+def test_a_failures_code_is_the_grpc_status_of_the_same_name():
     assert relay.grpc_status(Code.DEADLINE_EXCEEDED) is grpc.StatusCode.DEADLINE_EXCEEDED

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.decode.kv_transfer import ALLOWED, IllegalTransition, InboundTransfer, TransferState
+from shared.control.failure import Code, failed, worker_full
 from shared.control.messages import KVDestination, PrefillResult, TaskAck
 from shared.dataplane.plan import TransferPlan
 from shared.dataplane.receiver import KVReceiver
@@ -28,7 +29,7 @@ async def test_the_normal_path_lands_every_piece_and_hands_the_kv_to_the_engine(
     await side.prefill.result(queue_ms=1.5, prefill_ms=2.5, cached_tokens=0)
     await asyncio.wait_for(fetch, 5)
     t, req = side.req.transfer, side.req
-    assert t.state is S.COMPLETE and req.may_free and req.error is None
+    assert t.state is S.COMPLETE and req.may_free and req.failure is None
     assert side.arrived == [req.seq] and req.seq.first_token == 7
     assert req.prefill_worker == PREFILL and side.fetcher.transports == {"inprocess"}
     assert (req.seq.queue_ms, req.seq.prefill_ms) == (1.5, 2.5)
@@ -40,12 +41,12 @@ async def test_the_normal_path_lands_every_piece_and_hands_the_kv_to_the_engine(
     assert not side.fetcher.transfers and not side.prefill.aborts
 
 
-async def aborted(side: DecodeSide, fetch: asyncio.Task, code: str | None) -> None:
+async def aborted(side: DecodeSide, fetch: asyncio.Task, code: Code | None) -> None:
     """The fetch ended through an abort: released, nothing arrived, the error as given."""
     await asyncio.wait_for(fetch, 5)
     assert side.req.transfer.state is S.RELEASED and side.req.may_free
     assert side.arrived == []
-    assert (side.req.error or (None,))[0] == code
+    assert (side.req.failure.code if side.req.failure else None) == code
 
 
 async def test_a_cancel_aborts_tells_the_prefill_worker_and_releases_every_receive():
@@ -75,8 +76,10 @@ async def test_a_cancel_before_the_prefill_worker_answered_waits_for_the_answer_
 async def test_a_passed_deadline_aborts_with_deadline_exceeded():
     side = DecodeSide(deadline=time.time() + 0.2)
     fetch = await side.start()
-    await aborted(side, fetch, "DEADLINE_EXCEEDED")
-    assert side.req.error[1] == "the request's deadline passed" and not side.req.failed_worker
+    await aborted(side, fetch, Code.DEADLINE_EXCEEDED)
+    assert (
+        side.req.failure.message == "the request's deadline passed" and not side.req.failure.movable
+    )
     assert len(side.prefill.aborts) == 1
 
 
@@ -86,12 +89,12 @@ async def test_a_transfer_stalled_for_a_lease_after_the_result_aborts():
     await until(lambda: side.req.transfer.state is S.LANDING)
     side.prefill.send(segments=1)  # half the pieces, then nothing
     await side.prefill.result()
-    await aborted(side, fetch, "UNAVAILABLE")
-    assert side.req.error[1] in (
+    await aborted(side, fetch, Code.UNAVAILABLE)
+    assert side.req.failure.message in (
         "the KV transfer stalled for 0s",
         "the KV transfer from the prefill worker failed",  # the receiver's own lease came first
     )
-    assert side.req.failed_worker == PREFILL and len(side.prefill.aborts) == 1
+    assert side.req.failure.avoid == PREFILL and len(side.prefill.aborts) == 1
 
 
 async def test_a_prefill_worker_lost_mid_transfer_fails_the_request_for_another_worker():
@@ -99,9 +102,9 @@ async def test_a_prefill_worker_lost_mid_transfer_fails_the_request_for_another_
     fetch = await side.start()
     await until(lambda: side.req.transfer.state is S.LANDING)
     side.liveness.gone.add(PREFILL)
-    await aborted(side, fetch, "UNAVAILABLE")
-    assert side.req.error[1] == f"prefill worker {PREFILL} stopped responding"
-    assert side.req.failed_worker == PREFILL
+    await aborted(side, fetch, Code.UNAVAILABLE)
+    assert side.req.failure.message == f"prefill worker {PREFILL} stopped responding"
+    assert side.req.failure.avoid == PREFILL
     assert len(side.prefill.aborts) == 1  # it may only be slow: told anyway
 
 
@@ -110,17 +113,17 @@ async def test_a_prefill_worker_lost_before_it_answered_is_not_told():
     side.prefill.ack = None  # never answers
     side.liveness.gone.add(PREFILL)
     fetch = await side.start()
-    await aborted(side, fetch, "UNAVAILABLE")
-    assert side.req.error[1] == f"prefill worker {PREFILL} stopped responding"
+    await aborted(side, fetch, Code.UNAVAILABLE)
+    assert side.req.failure.message == f"prefill worker {PREFILL} stopped responding"
     assert side.prefill.aborts == []
 
 
 async def test_a_full_prefill_worker_refuses_and_the_request_is_placed_again():
     side = DecodeSide()
-    side.prefill.ack = TaskAck(ok=False, code="RESOURCE_EXHAUSTED", message="queue is full")
+    side.prefill.ack = TaskAck(worker_full(PREFILL, "queue is full"))
     fetch = await side.start()
-    await aborted(side, fetch, "RESOURCE_EXHAUSTED")
-    assert side.req.error[1] == "queue is full" and side.req.failed_worker == PREFILL
+    await aborted(side, fetch, Code.RESOURCE_EXHAUSTED)
+    assert side.req.failure == worker_full(PREFILL, "queue is full")  # moved, PREFILL allowed
     assert side.prefill.aborts == []  # it ended the transfer itself
     await until(lambda: not side.fetcher.transfers)  # nothing was sent: nothing to drain
 
@@ -128,9 +131,9 @@ async def test_a_full_prefill_worker_refuses_and_the_request_is_placed_again():
 async def test_a_prefill_worker_nobody_listens_to_did_not_answer():
     side = DecodeSide()
     assert side.fetcher.open(side.req, PREFILL)  # no ScriptedPrefill listening
-    await aborted(side, asyncio.create_task(side.fetcher.fetch(side.req)), "UNAVAILABLE")
-    assert side.req.error[1] == f"prefill worker {PREFILL} did not answer"
-    assert side.req.failed_worker == PREFILL
+    await aborted(side, asyncio.create_task(side.fetcher.fetch(side.req)), Code.UNAVAILABLE)
+    assert side.req.failure.message == f"prefill worker {PREFILL} did not answer"
+    assert side.req.failure.avoid == PREFILL
 
 
 async def test_a_failed_receive_aborts_the_transfer():
@@ -140,8 +143,8 @@ async def test_a_failed_receive_aborts_the_transfer():
     first = side.prefill.tasks[-1].destination.base_tag
     too_big = torch.zeros(1 << 16, dtype=torch.uint8)  # more than the piece: truncated
     sending = asyncio.ensure_future(side.prefill.plane.send(b"decode", first, too_big, 1.0))
-    await aborted(side, fetch, "UNAVAILABLE")
-    assert side.req.error[1] == "the KV transfer from the prefill worker failed"
+    await aborted(side, fetch, Code.UNAVAILABLE)
+    assert side.req.failure.message == "the KV transfer from the prefill worker failed"
     assert len(side.prefill.aborts) == 1
     await asyncio.gather(sending, return_exceptions=True)
 
@@ -150,9 +153,9 @@ async def test_the_prefill_workers_own_abort_ends_the_transfer_without_telling_i
     side = DecodeSide()
     fetch = await side.start()
     await until(lambda: side.req.transfer.state is S.LANDING)
-    await side.prefill.result(ok=False, code="CANCELLED", message="gone", pieces_sent=0)
-    await aborted(side, fetch, "CANCELLED")
-    assert side.prefill.aborts == [] and not side.req.failed_worker
+    await side.prefill.result(failed(Code.CANCELLED, "gone"), pieces_sent=0)
+    await aborted(side, fetch, Code.CANCELLED)
+    assert side.prefill.aborts == [] and not side.req.failure.movable
 
 
 async def test_pieces_in_flight_at_an_abort_are_drained_and_discarded():
@@ -164,7 +167,7 @@ async def test_pieces_in_flight_at_an_abort_are_drained_and_discarded():
     assert side.fetcher.transfers  # still routed: the drain waits for how far the sender got
     before = side.pool.kv.clone()
     sender = side.prefill.send(segments=1)  # pieces that left before the abort reached it
-    await side.prefill.result(ok=False, code="CANCELLED", pieces_sent=sender.pieces_sent)
+    await side.prefill.result(failed(Code.CANCELLED, ""), pieces_sent=sender.pieces_sent)
     await asyncio.wait_for(sender.finish(), 5)  # taken off the wire...
     assert torch.equal(side.pool.kv, before)  # ...into a scratch buffer, not the blocks
     await until(lambda: not side.fetcher.transfers and not side.fetcher.drains)
@@ -203,10 +206,10 @@ async def test_a_transition_the_table_does_not_allow_raises():
         t.requested()  # the receives are not posted yet
     with pytest.raises(IllegalTransition):
         t.released()  # not aborting
-    t.abort("CANCELLED", "x")
+    t.abort(failed(Code.CANCELLED, "x"))
     t.released()
     with pytest.raises(IllegalTransition):
-        t.abort("CANCELLED", "again")
+        t.abort(failed(Code.CANCELLED, "again"))
     assert all(not ALLOWED[s] for s in (S.COMPLETE, S.RELEASED, S.QUARANTINED))
 
 
@@ -218,7 +221,7 @@ async def test_events_after_the_end_change_nothing():
     t.on_deadline()
     t.on_peer_lost()
     t.on_piece_landed()
-    t.on_ack(TaskAck(ok=True))
-    t.on_result(PrefillResult(request_id="r", base_tag=1 << 40, ok=True))
+    t.on_ack(TaskAck())
+    t.on_result(PrefillResult(request_id="r", base_tag=1 << 40))
     t.tick()
-    assert t.state is S.RELEASED and t.cause.message == "first" and t.result is None
+    assert t.state is S.RELEASED and t.cause.failure.message == "first" and t.result is None

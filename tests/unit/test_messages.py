@@ -3,7 +3,7 @@
 import msgpack
 import pytest
 
-from shared.control.failure import Code, Retry, failed, worker_failed
+from shared.control.failure import Code, Retry, failed, worker_failed, worker_full
 from shared.control.messages import (
     MESSAGE_TYPES,
     CancelRequest,
@@ -64,7 +64,7 @@ SAMPLES = [
     TASK,
     SubmitReply(worker_failed("d", "m"), prefill_worker="p", decode_worker="d"),
     DecodeAssignment(task=TASK, prefill_worker="prefill-1"),
-    TaskAck(ok=True),
+    TaskAck(),
     PrefillTask(
         request_id="r1",
         prompt_token_ids=[5, 6],
@@ -81,10 +81,10 @@ SAMPLES = [
         decode_worker="d",
         arrival_time=2.0,
     ),
+    PrefillResult(request_id="r1", base_tag=3, first_token=42, kv_bytes=1024, queue_ms=0.5),
     PrefillResult(
-        request_id="r1", base_tag=3, ok=True, first_token=42, kv_bytes=1024, queue_ms=0.5
+        request_id="r1", base_tag=3, failure=failed(Code.CANCELLED, "gone"), pieces_sent=120
     ),
-    PrefillResult(request_id="r1", base_tag=3, ok=False, code="CANCELLED", pieces_sent=120),
     TransferAbort(request_id="r1", base_tag=2**40, reason="lease expired"),
     TokenChunk(
         request_id="r1",
@@ -109,6 +109,8 @@ SAMPLES = [
     StatusRequest(),
     Ping(),
     SubmitReply(prefill_worker="p", decode_worker="d"),  # placed: no failure
+    TaskAck(worker_full("d", "full")),
+    TokenChunk(request_id="r1", index=4, failure=worker_failed("d", "shut down")),
     StatusReply(
         mode="disaggregated",
         ready=True,
@@ -152,8 +154,8 @@ def raw(**body) -> bytes:
         raw(type="NoSuchMessage"),
         msgpack.packb([1, 2, 3]),  # not a map
         raw(ok=True),  # no type
-        raw(type="TaskAck"),  # missing required field
-        raw(type="TaskAck", ok="yes"),  # str for bool
+        raw(type="PrefillResult", request_id="r"),  # missing required field
+        raw(type="StatusReply", mode="m", ready="yes"),  # str for bool
         raw(type="TokenChunk", request_id="r", index="1"),  # str for int
         raw(type="TokenChunk", request_id="r", index=True),  # bool for int
         raw(type="TokenChunk", request_id="r", index=1.0),  # float for int
@@ -179,9 +181,7 @@ def test_rejects_str_for_bytes():
 
 
 def test_float_field_accepts_int():
-    chunk = decode(
-        raw(type="PrefillResult", request_id="r", base_tag=1, ok=True, queue_ms=3), PrefillResult
-    )
+    chunk = decode(raw(type="PrefillResult", request_id="r", base_tag=1, queue_ms=3), PrefillResult)
     assert chunk.queue_ms == 3.0 and isinstance(chunk.queue_ms, float)
 
 
@@ -270,6 +270,20 @@ def _with(message, path: str, value) -> bytes:
 def test_values_out_of_range_are_rejected_on_receipt(message, path, value):
     with pytest.raises(MessageError):
         decode(_with(message, path, value))
+
+
+def test_acks_results_and_chunks_carry_a_typed_failure():
+    gone = worker_failed("p1", "KV transfer failed")
+    messages = [
+        TaskAck(gone),
+        PrefillResult(request_id="r", base_tag=1, failure=gone),
+        TokenChunk(request_id="r", index=0, failure=gone),
+    ]
+    for message in messages:
+        back = decode(encode(message), type(message))
+        assert back.failure == gone and type(back.failure.retry) is Retry
+    assert not TaskAck(gone).ok and TaskAck().ok
+    assert not PrefillResult("r", 1, gone).ok and PrefillResult("r", 1).ok
 
 
 def test_a_submit_reply_carries_a_typed_failure():

@@ -11,6 +11,7 @@ from services.prefill.kv_transfer import (
     OutboundState,
     OutboundTransfer,
 )
+from shared.control.failure import Code, failed
 from shared.control.messages import KVDestination, PrefillTask
 from shared.dataplane.plan import TransferPlan
 from shared.dataplane.receiver import KVReceiver
@@ -79,11 +80,11 @@ async def test_the_normal_path_sends_every_piece_then_frees_the_blocks_once():
 async def test_an_abort_before_anything_was_sent_releases_at_once():
     x = Transfer()
     x.t.on_cancel("client went away")
-    assert x.t.pending_abort() == ("CANCELLED", "cancelled before its prefill finished")
+    assert x.t.pending_abort() == failed(Code.CANCELLED, "cancelled before its prefill finished")
     assert x.seq.abandoned  # a step computing it stops early
     assert not x.t.abort()
     assert x.t.state is S.RELEASED and x.freed == [x.seq]
-    assert x.t.failure("p", "CANCELLED", "m").pieces_sent == 0
+    assert x.t.aborted("p", failed(Code.CANCELLED, "m")).pieces_sent == 0
 
 
 async def test_an_abort_with_pieces_on_the_wire_frees_now_and_releases_when_they_left():
@@ -91,10 +92,12 @@ async def test_an_abort_with_pieces_on_the_wire_frees_now_and_releases_when_they
     x.decode_plane.hold = True
     x.compute(8)
     assert x.t.on_transfer_abort(1 << 40, "stalled")
-    assert x.t.pending_abort() == ("CANCELLED", "aborted by the decode worker: stalled")
+    assert x.t.pending_abort() == failed(Code.CANCELLED, "aborted by the decode worker: stalled")
     assert x.t.abort()  # the owner waits for the sends
     assert x.t.state is S.ABORTING and x.freed == [x.seq]
-    assert x.t.failure("p", "CANCELLED", "m").pieces_sent == len(x.t.sender.plan.segments[0].pieces)
+    assert x.t.aborted("p", failed(Code.CANCELLED, "m")).pieces_sent == len(
+        x.t.sender.plan.segments[0].pieces
+    )
     x.decode_plane.hold = False
     x.receiver.start()
     await x.t.sender.finish()
@@ -111,7 +114,7 @@ async def test_a_transfer_abort_while_sending_frees_once_and_the_send_watcher_re
     assert x.t.pending_abort() is None
     assert not x.t.on_transfer_abort(1 << 41, "not this transfer")
     assert x.t.on_transfer_abort(1 << 40, "")
-    assert x.t.pending_abort() == ("CANCELLED", "aborted by the decode worker: aborted")
+    assert x.t.pending_abort() == failed(Code.CANCELLED, "aborted by the decode worker: aborted")
     assert not x.t.abort() and x.t.state is S.ABORTING and x.freed == [x.seq]
     x.decode_plane.hold = False
     x.receiver.start()
@@ -123,7 +126,7 @@ async def test_a_transfer_abort_while_sending_frees_once_and_the_send_watcher_re
 
 async def test_a_passed_deadline_is_due_between_steps():
     x = Transfer(deadline=time.time() - 1)
-    assert x.t.pending_abort() == ("DEADLINE_EXCEEDED", "the request's deadline passed")
+    assert x.t.pending_abort() == failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed")
 
 
 async def test_a_transition_the_table_does_not_allow_raises():

@@ -7,7 +7,7 @@ import pytest
 
 from services.scheduler.admission import AdmissionQueue
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.service import SchedulerService, failure_of
+from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
 from shared.control.failure import Code, Failure, Retry, failed, worker_failed, worker_full
 from shared.control.messages import (
@@ -201,7 +201,7 @@ async def submit(svc: SchedulerService, t: GenerateTask, timeout: float = 2.0) -
 async def test_dispatch_success_returns_the_pair():
     svc, bus = service()
     log = []
-    await fake_worker(bus, "d1", TaskAck(ok=True), log)
+    await fake_worker(bus, "d1", TaskAck(), log)
     svc.registry.update(beat("d1"))
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task(request_id="abc"))
@@ -216,37 +216,24 @@ async def test_dispatch_success_returns_the_pair():
 async def test_dispatch_colocated_has_no_prefill_worker():
     svc, bus = service("colocated")
     log = []
-    await fake_worker(bus, "c1", TaskAck(ok=True), log)
+    await fake_worker(bus, "c1", TaskAck(), log)
     svc.registry.update(beat("c1", role="colocated"))
     assert await submit(svc, task()) == SubmitReply(decode_worker="c1")
     assert log[0][1].prefill_worker == ""
 
 
-@pytest.mark.parametrize("code", ["RESOURCE_EXHAUSTED", "UNAVAILABLE"])
-async def test_a_full_or_draining_worker_makes_it_try_another(code):
+@pytest.mark.parametrize("refusal", [worker_full("d1", "no"), worker_failed("d1", "no")])
+async def test_a_full_or_draining_worker_makes_it_try_another(refusal):
     svc, bus = service()
     log = []
-    await fake_worker(bus, "d1", TaskAck(ok=False, code=code, message="no"), log)
-    await fake_worker(bus, "d2", TaskAck(ok=True), log)
+    await fake_worker(bus, "d1", TaskAck(refusal), log)
+    await fake_worker(bus, "d2", TaskAck(), log)
     svc.registry.update(beat("d1"))  # least loaded: tried first
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task())
     assert reply.ok and reply.decode_worker == "d2"
     assert [w for w, _ in log] == ["d1", "d2"]
-
-
-def test_a_decode_workers_answer_becomes_a_failure():
-    assert failure_of(TaskAck(ok=True), "d1") is None
-    full = failure_of(TaskAck(ok=False, code="RESOURCE_EXHAUSTED", message="full"), "d1")
-    assert full == worker_full("d1", "full") and full.retry is Retry.HERE
-    assert failure_of(TaskAck(ok=False, code="UNAVAILABLE", message="x"), "d1") == worker_failed(
-        "d1", "x"
-    )
-    bad = failure_of(TaskAck(ok=False, code="INVALID_ARGUMENT", message="bad"), "d1")
-    assert bad == failed(Code.INVALID_ARGUMENT, "bad", "d1") and not bad.movable
-    assert failure_of(TaskAck(ok=False, code="", message="?"), "d1").code is Code.UNAVAILABLE
-    assert failure_of(TaskAck(ok=False, code="NOT_FOUND", message="?"), "d1").code is Code.INTERNAL
 
 
 async def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once():
@@ -289,7 +276,7 @@ async def test_a_moved_request_avoids_the_workers_that_failed_it():
     svc, bus = service("auto")
     log = []
     for worker in ("d1", "d2"):
-        await fake_worker(bus, worker, TaskAck(ok=True), log)
+        await fake_worker(bus, worker, TaskAck(), log)
     svc.registry.update(beat("d1"))  # the emptiest, but it failed this request
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
@@ -319,9 +306,7 @@ async def test_workers_that_refuse_as_full_count_as_full_until_they_beat_again()
     await asyncio.sleep(0)
     log = []
     for name in ("d1", "d2"):
-        await fake_worker(
-            bus, name, TaskAck(ok=False, code="RESOURCE_EXHAUSTED", message="full"), log
-        )
+        await fake_worker(bus, name, TaskAck(worker_full(name, "full")), log)
         svc.registry.update(beat(name))
     svc.registry.update(beat("p1", role="prefill"))
     reply = await submit(svc, task())  # both refuse; it waits for room, then gives up
@@ -355,8 +340,8 @@ async def test_shutdown_hands_waiting_requests_back_for_another_scheduler():
 async def test_other_refusals_are_final():
     svc, bus = service()
     log = []
-    await fake_worker(bus, "d1", TaskAck(ok=False, code="INVALID_ARGUMENT", message="bad"), log)
-    await fake_worker(bus, "d2", TaskAck(ok=True), log)
+    await fake_worker(bus, "d1", TaskAck(failed(Code.INVALID_ARGUMENT, "bad", "d1")), log)
+    await fake_worker(bus, "d2", TaskAck(), log)
     svc.registry.update(beat("d1"))
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
@@ -368,7 +353,7 @@ async def test_other_refusals_are_final():
 async def test_silent_worker_is_dropped_and_another_tried():
     svc, bus = service()
     log = []
-    await fake_worker(bus, "d2", TaskAck(ok=True), log)
+    await fake_worker(bus, "d2", TaskAck(), log)
     svc.registry.update(beat("d1"))  # announced, but nobody listens on its subject
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
@@ -390,7 +375,7 @@ async def test_no_workers_is_unavailable():
 async def test_a_request_waits_for_room_and_is_placed_when_a_heartbeat_brings_it():
     svc, bus = service()
     log = []
-    await fake_worker(bus, "d1", TaskAck(ok=True), log)
+    await fake_worker(bus, "d1", TaskAck(), log)
     svc.registry.update(beat("d1", running=8, max_num_seqs=8))  # batch full
     svc.registry.update(beat("p1", role="prefill"))
     pending = asyncio.ensure_future(submit(svc, task()))
@@ -424,7 +409,7 @@ async def test_overload_is_refused_at_once_when_the_queue_is_full_and_after_the_
 async def test_higher_priority_is_placed_first_when_room_comes():
     svc, bus = service()
     log = []
-    await fake_worker(bus, "d1", TaskAck(ok=True), log)
+    await fake_worker(bus, "d1", TaskAck(), log)
     svc.registry.update(beat("d1", running=8, max_num_seqs=8))
     svc.registry.update(beat("p1", role="prefill"))
     low = asyncio.ensure_future(submit(svc, task(request_id="low")))
@@ -445,7 +430,7 @@ async def test_serve_answers_submit_and_status_over_the_bus():
     stop = asyncio.Event()
     server = asyncio.create_task(svc.serve(stop))
     await asyncio.sleep(0)
-    await fake_worker(bus, "d1", TaskAck(ok=True), [])
+    await fake_worker(bus, "d1", TaskAck(), [])
     await bus.publish(subjects.heartbeat, beat("d1"))
     status = await bus.request(subjects.status, StatusRequest(), 1.0, StatusReply)
     assert not status.ready  # no prefill worker yet

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shared.control.bus import NoResponders, RequestTimeout
+from shared.control.failure import Code, failed
 from shared.control.messages import CancelRequest, Discover, TaskAck
 from shared.dataplane.ucx import KVTransferError, discard
 from tests.fakes.bus import InMemoryBus
@@ -44,11 +45,11 @@ async def test_request_respond():
     bus = InMemoryBus()
 
     async def handler(msg, respond):
-        await respond(TaskAck(ok=False, code="X", message=msg.request_id))
+        await respond(TaskAck(failed(Code.INTERNAL, msg.request_id)))
 
     await bus.subscribe("s", handler)
     ack = await bus.request("s", CancelRequest(request_id="r9"), timeout=1.0, expected=TaskAck)
-    assert ack == TaskAck(ok=False, code="X", message="r9")
+    assert ack == TaskAck(failed(Code.INTERNAL, "r9"))
 
 
 async def test_queue_group_delivers_to_one_member_round_robin():
@@ -92,7 +93,7 @@ async def test_request_timeout_applies_to_slow_handlers():
 
     async def slow(msg, respond):
         await asyncio.sleep(5)
-        await respond(TaskAck(ok=True))
+        await respond(TaskAck())
 
     await bus.subscribe("s", slow)
     with pytest.raises(

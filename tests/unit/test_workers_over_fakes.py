@@ -4,6 +4,7 @@ exactly once on each side, on the normal path and when the request ends mid-tran
 
 import time
 
+from shared.control.failure import Code, failed, worker_failed
 from shared.control.messages import CancelRequest
 from tests.unit.transfer_fakes import DECODE, PREFILL, Pair, make_task, until
 
@@ -49,7 +50,7 @@ async def test_a_deadline_during_the_transfer_is_deadline_exceeded(tiny_model):
         pair.decode_plane.hold = True
         assert (await pair.submit(make_task("r", 200, deadline=time.time() + 0.5))).ok
         last = await pair.outcome("r")
-        assert (last.code, last.message) == ("DEADLINE_EXCEEDED", "the request's deadline passed")
+        assert last.failure == failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed")
         pair.decode_plane.hold = False
         await pair.idle()
         assert pair.prefill_freed == {"r": 1} and pair.decode_freed == {"r": 1}
@@ -61,8 +62,14 @@ async def test_a_lost_prefill_worker_fails_the_request_for_another_one(tiny_mode
         pair.liveness.gone.add(PREFILL)
         assert (await pair.submit(make_task("r", 200))).ok
         last = await pair.outcome("r")
-        assert (last.code, last.retry, last.failed_worker) == ("UNAVAILABLE", True, PREFILL)
-        assert last.message == f"prefill worker {PREFILL} stopped responding"
+        assert last.failure == worker_failed(
+            PREFILL, f"prefill worker {PREFILL} stopped responding"
+        )
+        assert (last.failure.code, last.failure.movable, last.failure.avoid) == (
+            Code.UNAVAILABLE,
+            True,
+            PREFILL,
+        )
         pair.decode_plane.hold = False
         pair.liveness.gone.clear()
         await pair.idle()

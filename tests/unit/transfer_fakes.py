@@ -10,6 +10,7 @@ import torch
 
 from services.decode.kv_fetch import KVFetcher
 from services.decode.request import DecodeRequest
+from shared.control.failure import Failure
 from shared.control.messages import (
     GenerateTask,
     KVLayout,
@@ -111,7 +112,7 @@ class ScriptedPrefill:
         self.pool.kv.copy_(
             torch.randn(self.pool.kv.shape, generator=torch.Generator().manual_seed(1))
         )
-        self.ack: TaskAck | None = TaskAck(ok=True)  # None: never answers
+        self.ack: TaskAck | None = TaskAck()  # None: never answers
         self.answer = asyncio.Event()  # the ack waits for it
         self.answer.set()
         self.tasks: list[PrefillTask] = []
@@ -146,14 +147,14 @@ class ScriptedPrefill:
             sender.send(sender.gather(staged))
         return sender
 
-    async def result(self, ok: bool = True, **fields) -> None:
+    async def result(self, failure: Failure | None = None, **fields) -> None:
         task = self.tasks[-1]
-        if ok:
+        if failure is None:
             fields = dict(first_token=7, computed_at=time.time(), transport="inprocess", **fields)
         message = PrefillResult(
             request_id=task.request_id,
             base_tag=task.destination.base_tag,
-            ok=ok,
+            failure=failure,
             prefill_worker=self.worker_id,
             **fields,
         )
@@ -241,7 +242,7 @@ class Pair:
     async def outcome(self, request_id: str, timeout: float = 30.0):
         """The last chunk of the request, once it came: a finish reason or an error."""
         chunks = self.chunks[request_id]
-        await until(lambda: chunks and (chunks[-1].finish_reason or chunks[-1].code), timeout)
+        await until(lambda: chunks and (chunks[-1].finish_reason or chunks[-1].failure), timeout)
         return chunks[-1]
 
     def tokens(self, request_id: str) -> list[int]:

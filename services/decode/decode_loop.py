@@ -6,9 +6,7 @@ were cancelled or ran past their deadline. Message handlers only record events a
 """
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from services.decode.request import DecodeRequest
@@ -16,7 +14,7 @@ from shared.control.failure import Code, Failure, failed
 from shared.engine.engine import Engine
 from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import SeqStatus, StepOutput
-from shared.lifecycle import wait_or_stop
+from shared.worker import steps
 
 log = logging.getLogger(__name__)
 
@@ -44,23 +42,11 @@ class DecodeLoop:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Steps until `stop` is set."""
-        while not stop.is_set():
-            if not await self._iterate():
-                self.wakeup.clear()
-                await wait_or_stop(self.wakeup.wait(), stop)
+        await steps.step_until_stopped(self._iterate, self.wakeup, stop)
 
     async def drain(self, timeout_s: float) -> None:
         """Keeps stepping the sequences already held until they finish or `timeout_s` passes."""
-        deadline = time.monotonic() + timeout_s
-        while self.requests and time.monotonic() < deadline:
-            if (
-                not await self._iterate() and self.requests
-            ):  # _iterate may just have reaped the last one
-                self.wakeup.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(
-                        self.wakeup.wait(), max(0.01, deadline - time.monotonic())
-                    )
+        await steps.drain(self._iterate, self.wakeup, lambda: bool(self.requests), timeout_s)
 
     async def abort_all(self, failure: Failure) -> None:
         """Ends every request still held (shutdown): each gets the failure, each frees its blocks."""

@@ -4,7 +4,6 @@ or prefills it here, and streams the tokens back to the gateway.
 
 import asyncio
 import logging
-import os
 
 from services.decode.decode_loop import DecodeLoop
 from services.decode.kv_fetch import KVFetcher
@@ -27,7 +26,9 @@ from shared.engine.detokenizer import Detokenizer
 from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 from shared.worker.announcer import Announcer
+from shared.worker.heartbeat import heartbeat, leaked_blocks
 from shared.worker.runtime import WorkerRuntime
+from shared.worker.serve import WorkerLifecycle
 from shared.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -66,62 +67,55 @@ class DecodeWorker:
         )
 
     def snapshot(self) -> WorkerHeartbeat:
-        return WorkerHeartbeat(
-            worker_id=self.rt.worker_id,
+        return heartbeat(
+            self.rt,
+            self.settings,
+            self.plane,
+            self.bus,
             role=self.rt.role,
-            host=self.rt.host,
-            pid=os.getpid(),
-            ucx_address=self.plane.address,
-            layout=self.rt.runner.layout,
-            max_model_len=self.rt.max_model_len,
             running=self.loop.count(SeqStatus.RUNNING, SeqStatus.KV_READY),
             queued=self.loop.count(SeqStatus.WAITING_KV, SeqStatus.WAITING),
-            requests_served=self.served,
-            **self.rt.load_report(),
-            messages_dropped=self.bus.dropped,
-            kv_bytes_sent=self.plane.counters.bytes_sent,
-            kv_bytes_received=self.plane.counters.bytes_received,
-            kv_transfers_failed=self.plane.counters.transfers_failed,
-            kv_blocks_leaked=self._leaked(),
-            kv_transport=",".join(sorted(self.kv.transports)),
-            zone=self.settings.zone,
+            served=self.served,
+            leaked=leaked_blocks(self.rt, self._held_tables),
+            transport=",".join(sorted(self.kv.transports)),
             stopping=self.stopping,
         )
 
-    def _leaked(self) -> int:
-        with self.rt.engine.lock:
-            return self.rt.blocks.leaked(
-                [r.seq.block_table for r in self.loop.requests.values()] + self.kv.quarantined
-            )
+    def _held_tables(self) -> list[list[int]]:
+        return [r.seq.block_table for r in self.loop.requests.values()] + self.kv.quarantined
 
     async def serve(self, stop: asyncio.Event) -> None:
-        subs = [
-            await self.bus.subscribe(
-                self.subjects.decode_tasks(self.rt.worker_id), self.on_assignment
-            ),
-            await self.bus.subscribe(
-                self.subjects.prefill_results(self.rt.worker_id), self.kv.on_prefill_result
-            ),
-            await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
-        ]
-        try:
-            async with self.announcer as announcer:
-                await self.loop.run(stop)
-                self.stopping = True  # no new work; the scheduler drops this worker now
-                await announcer.announce()
-                log.info(
-                    "draining %d request(s) for up to %.0fs",
-                    len(self.loop.requests),
-                    self.settings.drain_timeout_s,
-                )
-                await self.loop.drain(self.settings.drain_timeout_s)
-                await self.loop.abort_all(self._shut_down())  # the gateway moves them elsewhere
-        finally:
-            for task in [*self.fetches.values(), *self.kv.drains]:
-                task.cancel()
-            for sub in subs:
-                await sub.unsubscribe()
-            self.executor.close()
+        worker = self.rt.worker_id
+        await WorkerLifecycle(
+            self.bus,
+            self.announcer,
+            self.executor,
+            self.settings.drain_timeout_s,
+            subscriptions=[
+                (self.subjects.decode_tasks(worker), self.on_assignment),
+                (self.subjects.prefill_results(worker), self.kv.on_prefill_result),
+                (self.subjects.cancel, self.on_cancel),
+            ],
+            run=self.loop.run,
+            stop_accepting=self._stop_accepting,
+            drain=self._drain,
+            abort_rest=self._abort_rest,
+            cancel_tasks=self._cancel_tasks,
+        ).serve(stop)
+
+    def _stop_accepting(self) -> None:
+        self.stopping = True
+
+    async def _drain(self, timeout_s: float) -> None:
+        log.info("draining %d request(s) for up to %.0fs", len(self.loop.requests), timeout_s)
+        await self.loop.drain(timeout_s)
+
+    async def _abort_rest(self) -> None:
+        await self.loop.abort_all(self._shut_down())  # the gateway moves them elsewhere
+
+    def _cancel_tasks(self) -> None:
+        for task in [*self.fetches.values(), *self.kv.drains]:
+            task.cancel()
 
     def _shut_down(self) -> Failure:
         """A request not finished before this worker shut down: placed again elsewhere."""

@@ -11,10 +11,7 @@ I/O of each step.
 """
 
 import asyncio
-import contextlib
 import logging
-import os
-import time
 from dataclasses import asdict
 
 from services.prefill.kv_transfer import OutboundState, OutboundTransfer
@@ -35,9 +32,11 @@ from shared.dataplane.sender import KVSender
 from shared.dataplane.ucx import DataPlane, KVTransferError
 from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import Sequence
-from shared.lifecycle import wait_or_stop
+from shared.worker import steps
 from shared.worker.announcer import Announcer
+from shared.worker.heartbeat import heartbeat, leaked_blocks
 from shared.worker.runtime import WorkerRuntime
+from shared.worker.serve import WorkerLifecycle
 from shared.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -70,69 +69,63 @@ class PrefillWorker:
 
     def snapshot(self) -> WorkerHeartbeat:
         queued = sum(t.state is OutboundState.QUEUED for t in self.held.values())
-        return WorkerHeartbeat(
-            worker_id=self.rt.worker_id,
+        return heartbeat(
+            self.rt,
+            self.settings,
+            self.plane,
+            self.bus,
             role="prefill",
-            host=self.rt.host,
-            pid=os.getpid(),
-            ucx_address=self.plane.address,
-            layout=self.rt.runner.layout,
-            max_model_len=self.rt.max_model_len,
             running=len(self.held) - queued,
             queued=queued,
-            requests_served=self.served,
-            **self.rt.load_report(),
-            messages_dropped=self.bus.dropped,
-            kv_bytes_sent=self.plane.counters.bytes_sent,
-            kv_bytes_received=self.plane.counters.bytes_received,
-            kv_transfers_failed=self.plane.counters.transfers_failed,
-            kv_blocks_leaked=self._leaked(),
-            kv_transport=self.plane.transports(),
-            zone=self.settings.zone,
+            served=self.served,
+            leaked=leaked_blocks(self.rt, self._held_tables),
+            transport=self.plane.transports(),
             stopping=self.stopping,
         )
 
-    def _leaked(self) -> int:
-        with self.engine.lock:
-            return self.rt.blocks.leaked(
-                [t.seq.block_table for t in self.held.values() if t.holds_blocks]
-            )
+    def _held_tables(self) -> list[list[int]]:
+        return [t.seq.block_table for t in self.held.values() if t.holds_blocks]
 
     async def serve(self, stop: asyncio.Event) -> None:
-        subs = [
-            await self.bus.subscribe(self.subjects.prefill_tasks(self.rt.worker_id), self.on_task),
-            await self.bus.subscribe(
-                self.subjects.transfer_aborts(self.rt.worker_id), self.on_abort
-            ),
-            await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
-        ]
-        try:
-            async with self.announcer as announcer:
-                while not stop.is_set():
-                    if not await self._iterate():
-                        self.wakeup.clear()
-                        await wait_or_stop(self.wakeup.wait(), stop)
-                self.stopping = True  # no new work; the scheduler drops this worker now
-                await announcer.announce()
-                await self._drain(self.settings.drain_timeout_s)
-                for t in [t for t in self.held.values() if t.computing]:  # not computed in time
-                    await self._abort(t, self._shut_down())
-        finally:
-            for sub in subs:
-                await sub.unsubscribe()
-            if self.finishing:  # let transfers in flight finish (each is bounded by its lease)
-                await asyncio.gather(*self.finishing, return_exceptions=True)
-            self.executor.close()
+        worker = self.rt.worker_id
+        await WorkerLifecycle(
+            self.bus,
+            self.announcer,
+            self.executor,
+            self.settings.drain_timeout_s,
+            subscriptions=[
+                (self.subjects.prefill_tasks(worker), self.on_task),
+                (self.subjects.transfer_aborts(worker), self.on_abort),
+                (self.subjects.cancel, self.on_cancel),
+            ],
+            run=self._run,
+            stop_accepting=self._stop_accepting,
+            drain=self._drain,
+            abort_rest=self._abort_rest,
+            settle_tasks=self._settle,
+        ).serve(stop)
+
+    async def _run(self, stop: asyncio.Event) -> None:
+        await steps.step_until_stopped(self._iterate, self.wakeup, stop)
+
+    def _stop_accepting(self) -> None:
+        self.stopping = True
 
     async def _drain(self, timeout_s: float) -> None:
         """Computes and sends the prompts already accepted, for up to `timeout_s`."""
         log.info("draining %d prompt(s) for up to %.0fs", len(self.held), timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(t.computing for t in self.held.values()):
-            if not await self._iterate():
-                self.wakeup.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.wakeup.wait(), 0.1)
+        await steps.drain(self._iterate, self.wakeup, self._computing, timeout_s, poll_s=0.1)
+
+    def _computing(self) -> bool:
+        return any(t.computing for t in self.held.values())
+
+    async def _abort_rest(self) -> None:
+        for t in [t for t in self.held.values() if t.computing]:  # not computed in time
+            await self._abort(t, self._shut_down())
+
+    async def _settle(self) -> None:
+        if self.finishing:  # let transfers in flight finish (each is bounded by its lease)
+            await asyncio.gather(*self.finishing, return_exceptions=True)
 
     # -- inputs ---------------------------------------------------------------------------------
 

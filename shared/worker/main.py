@@ -1,0 +1,68 @@
+"""`python -m services.<role>`: the start-up every worker shares. Settings from flags and the
+environment, read once; the model loaded off the event loop; the bus, the KV data plane (and, for
+a worker that fetches KV from peers, their liveness) opened in one exit stack; then the worker
+serves until SIGINT or SIGTERM."""
+
+import asyncio
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from typing import Protocol
+
+from shared.control.bus import MessageBus, NatsBus
+from shared.control.liveness import Liveness
+from shared.control.subjects import Subjects
+from shared.dataplane.ucx import DataPlane, UcxDataPlane
+from shared.lifecycle import stop_on_signals
+from shared.settings import load_settings, nats_options, setup_logging
+from shared.worker.runtime import WorkerRuntime, load_runtime
+from shared.worker.settings import WorkerSettings
+
+
+class Worker(Protocol):
+    async def serve(self, stop: asyncio.Event) -> None: ...
+
+
+# (settings, runtime, bus, plane, liveness or None) -> the worker
+BuildWorker = Callable[
+    [WorkerSettings, WorkerRuntime, MessageBus, DataPlane, Liveness | None], Worker
+]
+
+
+async def run_worker(
+    settings: WorkerSettings, service: str, role: str, build: BuildWorker, with_liveness: bool
+) -> None:
+    """Serves one worker of `role` until a signal; `service` names its bus permissions."""
+    stop = stop_on_signals()
+    runtime = await asyncio.to_thread(load_runtime, settings, role)
+    async with AsyncExitStack() as stack:
+        bus = await stack.enter_async_context(
+            NatsBus(settings.nats_url, runtime.worker_id, nats_options(settings), role=service)
+        )
+        plane = await stack.enter_async_context(
+            UcxDataPlane(
+                settings.ucx_net_devices,
+                settings.ucx_tls,
+                settings.ucx_error_handling,
+                settings.ucx_progress_mode,
+            )
+        )
+        liveness = None
+        if with_liveness:
+            liveness = await stack.enter_async_context(
+                Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s)
+            )
+        await build(settings, runtime, bus, plane, liveness).serve(stop)
+
+
+def worker_main(
+    settings_class: type[WorkerSettings],
+    service: str,
+    build: BuildWorker,
+    argv=None,
+    with_liveness: bool = False,
+) -> int:
+    """The whole of `python -m services.<service>`; the role is the settings' `role`."""
+    settings = load_settings(settings_class, argv, prog=f"python -m services.{service}")
+    setup_logging(settings.log_level, settings.role)
+    asyncio.run(run_worker(settings, service, settings.role, build, with_liveness))
+    return 0

@@ -1,0 +1,40 @@
+"""The step-and-drain loop every worker runs around its engine: step while there is work, sleep
+until woken when there is none; on shutdown, keep stepping what is held for a bounded time.
+
+`iterate` does one step and returns False when nothing could run; message handlers only record
+events and set `wakeup`."""
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+from shared.lifecycle import wait_or_stop
+
+Iterate = Callable[[], Awaitable[bool]]
+
+
+async def step_until_stopped(iterate: Iterate, wakeup: asyncio.Event, stop: asyncio.Event) -> None:
+    """Steps until `stop` is set."""
+    while not stop.is_set():
+        if not await iterate():
+            wakeup.clear()
+            await wait_or_stop(wakeup.wait(), stop)
+
+
+async def drain(
+    iterate: Iterate,
+    wakeup: asyncio.Event,
+    busy: Callable[[], bool],
+    timeout_s: float,
+    poll_s: float | None = None,
+) -> None:
+    """Steps while `busy()` holds, for up to `timeout_s`. When idle it waits to be woken, or
+    `poll_s` at most (for events no message announces, like a lease running out)."""
+    deadline = time.monotonic() + timeout_s
+    while busy() and time.monotonic() < deadline:
+        if not await iterate() and busy():  # the step may just have ended the last one
+            wakeup.clear()
+            wait_s = poll_s or max(0.01, deadline - time.monotonic())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wakeup.wait(), wait_s)

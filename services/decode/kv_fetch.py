@@ -28,8 +28,8 @@ from shared.control.messages import (
 )
 from shared.control.subjects import Subjects
 from shared.dataplane.plan import PlanError, TransferPlan, new_base_tag
+from shared.dataplane.plane import DataPlane, discard
 from shared.dataplane.receiver import KVReceiver
-from shared.dataplane.ucx import DataPlane, discard
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 
 from shared.control.failure import Code, Failure, failed, worker_failed
 from shared.control.messages import PrefillResult, TaskAck
+from shared.dataplane.plane import KVTransferError
 from shared.dataplane.receiver import KVReceiver
-from shared.dataplane.ucx import KVTransferError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from shared.control.messages import (
 )
 from shared.control.recent import RecentIds
 from shared.control.subjects import Subjects
-from shared.dataplane.ucx import DataPlane
+from shared.dataplane.plane import DataPlane
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput

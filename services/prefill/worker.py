@@ -28,8 +28,8 @@ from shared.control.messages import (
 )
 from shared.control.subjects import Subjects
 from shared.dataplane.plan import PlanError, TransferPlan
+from shared.dataplane.plane import DataPlane, KVTransferError
 from shared.dataplane.sender import KVSender
-from shared.dataplane.ucx import DataPlane, KVTransferError
 from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import Sequence
 from shared.worker import steps

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from shared.dataplane.plan import TransferPlan
-from shared.dataplane.ucx import DataPlane, KVTransferError
+from shared.dataplane.plane import DataPlane, KVTransferError
 from shared.engine.kv_cache import KVPool
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.dataplane.plan import Segment, TransferPlan
-from shared.dataplane.ucx import DataPlane, KVTransferError
+from shared.dataplane.plane import DataPlane, KVTransferError
 from shared.engine.kv_cache import KVPool
 
 

@@ -1,4 +1,4 @@
-"""The KV data plane: tensors move worker-to-worker over UCX, never through NATS.
+"""UcxDataPlane: the KV data plane (shared.dataplane.plane.DataPlane) over ucxx.
 
 The receiving (decode) side owns the destination buffer and posts a tagged receive into it;
 the sending (prefill) side sends the packed KV with that tag to the receiver's UCX worker
@@ -10,78 +10,16 @@ import asyncio
 import logging
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy
 import torch
 
 from shared.dataplane import ucx_info, ucx_progress, ucxx_compat
+from shared.dataplane.plane import KVTransferError, TransferCounters, nbytes
 
 log = logging.getLogger(__name__)
 
 _EMPTY = numpy.zeros(0, dtype=numpy.uint8)  # what release() sends to end a posted receive
-
-
-class KVTransferError(Exception):
-    """A transfer that did not complete; the request it belonged to fails."""
-
-
-@dataclass
-class TransferCounters:
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    transfers_failed: int = 0
-    receives_released: int = 0  # posted receives ended by release() instead of data
-
-
-class DataPlane(Protocol):
-    address: bytes
-    counters: TransferCounters
-
-    async def send(
-        self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float
-    ) -> None:
-        """Sends `buffer` to the peer's receive posted with `tag`."""
-
-    async def send_many(
-        self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float
-    ) -> None:
-        """Sends every (tag, buffer) at once; returns when all have left, `timeout` in all."""
-
-    async def receive(self, tag: int, buffer: torch.Tensor) -> int:
-        """Receives the message sent with `tag` into `buffer`; its byte count. Raises KVTransferError
-        if release() ended it before any data came."""
-
-    def post_receives(self, pieces: list[tuple[int, torch.Tensor]]) -> list[asyncio.Future]:
-        """Posts a receive per (tag, buffer) now; one future each, as receive() would return."""
-
-    async def release(self, tags: list[int], timeout: float = 10.0) -> None:
-        """Ends the receives posted with these tags that no data has matched yet; returns when
-        none of them can write into its buffer any more, or after `timeout` (a receive that data
-        matched but that never completed stays open)."""
-
-    def transports(self) -> str:
-        """The transports this worker's endpoints use, e.g. "sysv+posix+cma" ("" before any send)."""
-
-    def transport_to(self, peer_address: bytes) -> str:
-        """The transports of the endpoint to this peer ("" when none is open)."""
-
-
-async def discard(plane: DataPlane, pieces: list[tuple[int, int]], timeout: float) -> None:
-    """Takes (tag, size) messages nobody wants off the wire (their transfer was aborted after
-    they were sent), all into one scratch buffer; those that do not come within `timeout` are
-    released."""
-    if not pieces:
-        return
-    scratch = torch.empty(
-        max(n for _, n in pieces), dtype=torch.uint8
-    )  # the bytes are garbage anyway
-    futures = plane.post_receives([(tag, scratch[:n]) for tag, n in pieces])
-    _, pending = await asyncio.wait(futures, timeout=timeout)
-    if pending:
-        await plane.release([tag for (tag, _), f in zip(pieces, futures) if f in pending])
-    await asyncio.gather(*futures, return_exceptions=True)
 
 
 def _ucx_view(tensor: torch.Tensor):
@@ -90,10 +28,6 @@ def _ucx_view(tensor: torch.Tensor):
         raise ValueError("KV buffers must be contiguous")
     # Bytes, not elements: numpy has no bfloat16.
     return tensor if tensor.is_cuda else tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 class UcxDataPlane:
@@ -262,7 +196,7 @@ class UcxDataPlane:
             raise KVTransferError(
                 f"KV send of {len(pieces)} piece(s) (tag {pieces[0][0]:#x}...) failed: {err!r}"
             ) from err
-        self.counters.bytes_sent += sum(_nbytes(buf) for _, buf in pieces)
+        self.counters.bytes_sent += sum(nbytes(buf) for _, buf in pieces)
 
     async def receive(self, tag: int, buffer: torch.Tensor) -> int:
         return await self.post_receives([(tag, buffer)])[0]
@@ -287,7 +221,7 @@ class UcxDataPlane:
     async def _complete(self, entries: list) -> None:
         """Resolves the futures of posted receives as their requests complete (in posting order)."""
         for tag, request, future, _, buf in entries:
-            nbytes = _nbytes(buf)
+            size = nbytes(buf)
             try:
                 await self._done(request)
                 error = None
@@ -303,8 +237,8 @@ class UcxDataPlane:
                 future.set_exception(error)
                 future.exception()  # retrieved: a released receive is expected, not an error to log
             else:
-                self.counters.bytes_received += nbytes
-                future.set_result(nbytes)
+                self.counters.bytes_received += size
+                future.set_result(size)
 
     async def release(self, tags: list[int], timeout: float = 10.0) -> None:
         """Ends open receives by sending each an empty message from this worker to itself; a

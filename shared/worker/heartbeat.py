@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from shared.control.bus import MessageBus
 from shared.control.messages import WorkerHeartbeat
-from shared.dataplane.ucx import DataPlane
+from shared.dataplane.plane import DataPlane
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 

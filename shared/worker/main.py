@@ -11,7 +11,8 @@ from typing import Protocol
 from shared.control.bus import MessageBus, NatsBus
 from shared.control.liveness import Liveness
 from shared.control.subjects import Subjects
-from shared.dataplane.ucx import DataPlane, UcxDataPlane
+from shared.dataplane.plane import DataPlane
+from shared.dataplane.ucx import UcxDataPlane
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
 from shared.worker.runtime import WorkerRuntime, load_runtime

@@ -4,7 +4,7 @@ import asyncio
 
 import torch
 
-from shared.dataplane.ucx import KVTransferError, TransferCounters, _nbytes
+from shared.dataplane.plane import KVTransferError, TransferCounters, nbytes
 
 
 class LoopbackNetwork:
@@ -54,7 +54,7 @@ class InProcessDataPlane:
         except (KVTransferError, asyncio.TimeoutError) as err:
             self.counters.transfers_failed += 1
             raise KVTransferError(f"KV send (tag {pieces[0][0]:#x}) failed: {err!r}") from None
-        self.counters.bytes_sent += sum(_nbytes(buf) for _, buf in pieces)
+        self.counters.bytes_sent += sum(nbytes(buf) for _, buf in pieces)
 
     async def _deliver(self, tag: int, buffer: torch.Tensor) -> None:
         while self.hold or tag not in self._posted:
@@ -66,13 +66,13 @@ class InProcessDataPlane:
                 continue
             await asyncio.sleep(0.01)
         dst, done = self._posted.pop(tag)
-        if _nbytes(buffer) > _nbytes(dst):
+        if nbytes(buffer) > nbytes(dst):
             done.set_exception(KVTransferError("message truncated"))
             raise KVTransferError("message truncated")
-        dst.reshape(-1).view(torch.uint8)[: _nbytes(buffer)].copy_(
+        dst.reshape(-1).view(torch.uint8)[: nbytes(buffer)].copy_(
             buffer.reshape(-1).view(torch.uint8)
         )
-        done.set_result(_nbytes(buffer))
+        done.set_result(nbytes(buffer))
 
     async def receive(self, tag: int, buffer: torch.Tensor) -> int:
         return await self.post_receives([(tag, buffer)])[0]

@@ -19,9 +19,10 @@ import torch
 
 from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.plan import TransferPlan
+from shared.dataplane.plane import discard
 from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.sender import KVSender
-from shared.dataplane.ucx import UcxDataPlane, discard
+from shared.dataplane.ucx import UcxDataPlane
 from shared.engine.kv_cache import KVPool
 
 

@@ -8,9 +8,9 @@ import torch
 
 from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.plan import MAX_PIECES, PlanError, TransferPlan, new_base_tag
+from shared.dataplane.plane import KVTransferError
 from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.sender import KVSender
-from shared.dataplane.ucx import KVTransferError
 from shared.engine.kv_cache import KVPool
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 

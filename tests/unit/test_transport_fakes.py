@@ -8,7 +8,7 @@ import torch
 from shared.control.bus import NoResponders, RequestTimeout
 from shared.control.failure import Code, failed
 from shared.control.messages import CancelRequest, Discover, TaskAck
-from shared.dataplane.ucx import KVTransferError, discard
+from shared.dataplane.plane import KVTransferError, discard
 from tests.fakes.bus import InMemoryBus
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 

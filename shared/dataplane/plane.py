@@ -1,0 +1,78 @@
+"""DataPlane: the interface the KV transfer sees (the real one is UcxDataPlane in
+shared/dataplane/ucx.py, the fake tests/fakes/dataplane.py), its error and counters, and
+discard(), which takes unwanted messages off the wire whatever the plane.
+
+Tensors move worker-to-worker on it, never through NATS: the receiving side posts a tagged
+receive into its own buffer, the sending side sends with that tag to the receiver's address.
+"""
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class KVTransferError(Exception):
+    """A transfer that did not complete; the request it belonged to fails."""
+
+
+@dataclass
+class TransferCounters:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_failed: int = 0
+    receives_released: int = 0  # posted receives ended by release() instead of data
+
+
+class DataPlane(Protocol):
+    address: bytes
+    counters: TransferCounters
+
+    async def send(
+        self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float
+    ) -> None:
+        """Sends `buffer` to the peer's receive posted with `tag`."""
+
+    async def send_many(
+        self, peer_address: bytes, pieces: list[tuple[int, torch.Tensor]], timeout: float
+    ) -> None:
+        """Sends every (tag, buffer) at once; returns when all have left, `timeout` in all."""
+
+    async def receive(self, tag: int, buffer: torch.Tensor) -> int:
+        """Receives the message sent with `tag` into `buffer`; its byte count. Raises KVTransferError
+        if release() ended it before any data came."""
+
+    def post_receives(self, pieces: list[tuple[int, torch.Tensor]]) -> list[asyncio.Future]:
+        """Posts a receive per (tag, buffer) now; one future each, as receive() would return."""
+
+    async def release(self, tags: list[int], timeout: float = 10.0) -> None:
+        """Ends the receives posted with these tags that no data has matched yet; returns when
+        none of them can write into its buffer any more, or after `timeout` (a receive that data
+        matched but that never completed stays open)."""
+
+    def transports(self) -> str:
+        """The transports this worker's endpoints use, e.g. "sysv+posix+cma" ("" before any send)."""
+
+    def transport_to(self, peer_address: bytes) -> str:
+        """The transports of the endpoint to this peer ("" when none is open)."""
+
+
+async def discard(plane: DataPlane, pieces: list[tuple[int, int]], timeout: float) -> None:
+    """Takes (tag, size) messages nobody wants off the wire (their transfer was aborted after
+    they were sent), all into one scratch buffer; those that do not come within `timeout` are
+    released."""
+    if not pieces:
+        return
+    scratch = torch.empty(
+        max(n for _, n in pieces), dtype=torch.uint8
+    )  # the bytes are garbage anyway
+    futures = plane.post_receives([(tag, scratch[:n]) for tag, n in pieces])
+    _, pending = await asyncio.wait(futures, timeout=timeout)
+    if pending:
+        await plane.release([tag for (tag, _), f in zip(pieces, futures) if f in pending])
+    await asyncio.gather(*futures, return_exceptions=True)
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

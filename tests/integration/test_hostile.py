@@ -1,4 +1,4 @@
-"""Hostile input against a real stack: thousands of random and adversarial requests at the gRPC API
+"""Hostile input against a real stack: a thousand random and adversarial requests at the gRPC API
 (hypothesis), raw garbage on the gRPC port, on every NATS subject the services listen to, and on
 the workers' UCX sockets. No service goes down, every reply is a proper status, nothing leaks, and
 the stack still answers correctly afterwards.
@@ -96,7 +96,7 @@ MUTATED = st.tuples(REQUESTS, st.randoms(use_true_random=False)).map(
 BODIES = st.one_of(REQUESTS, st.binary(max_size=2048), INVALID_UTF8, MUTATED)
 
 
-def test_thousands_of_random_requests_get_a_proper_status_each(hostile):
+def test_a_thousand_random_requests_get_a_proper_status_each(hostile):
     stack, reference = hostile
     channel = stack.channel()
     generate = channel.unary_stream(
@@ -107,7 +107,7 @@ def test_thousands_of_random_requests_get_a_proper_status_each(hostile):
     seen: dict = {}
 
     @settings(
-        max_examples=2000,
+        max_examples=1000,
         deadline=None,
         derandomize=True,
         database=None,

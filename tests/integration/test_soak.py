@@ -1,4 +1,4 @@
-"""Soak: 500 requests at mixed lengths, random cancellations and deadlines, a decode worker killed
+"""Soak: 300 requests at mixed lengths, random cancellations and deadlines, a decode worker killed
 midway. Every request completes with the tokens of an undisturbed run or ends with a clear status
 (never INTERNAL or UNKNOWN, never a hang); at the end every worker's KV pool is all free again.
 """
@@ -19,7 +19,7 @@ from tests.integration.stack import start_stack
 
 pytestmark = pytest.mark.slow
 
-REQUESTS = 500
+REQUESTS = 300  # 500 took over 5 min on a 2-core AVX2 machine; 300 keep every path
 CLEAR = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -68,7 +68,8 @@ def _run(stub, request, action: str, rng: random.Random) -> tuple[str, list[int]
     return "ok", ids
 
 
-def test_soak_500_requests_with_cancels_deadlines_and_a_killed_worker(processes, nats):
+@pytest.mark.timeout(600)
+def test_soak_300_requests_with_cancels_deadlines_and_a_killed_worker(processes, nats):
     stack = start_stack(processes, nats, "it-soak", "auto", prefill=1, decode=2)
     try:
         prompts = _prompts()

@@ -142,7 +142,7 @@ class KVFetcher:
             arrival_time=task.arrival_time,
             deadline=task.deadline,
             priority=task.priority,
-            output_offset=task.resume_tokens,
+            resume_tokens=task.resume_tokens,
         )
 
     async def _follow(self, t: InboundTransfer) -> None:

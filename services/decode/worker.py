@@ -203,7 +203,7 @@ class DecodeWorker:
         seq, extra = req.seq, {}
         if out.finish_reason:
             extra = dict(
-                prompt_tokens=seq.prompt_len - seq.output_offset,
+                prompt_tokens=seq.prompt_len - seq.resume_tokens,
                 completion_tokens=seq.position,
                 timing=Timing(
                     queue_ms=seq.queue_ms,
@@ -232,7 +232,7 @@ class DecodeWorker:
             chunk = self._chunk(
                 req,
                 finish_reason="cancelled",
-                prompt_tokens=seq.prompt_len - seq.output_offset,
+                prompt_tokens=seq.prompt_len - seq.resume_tokens,
                 completion_tokens=seq.position,
             )
         else:

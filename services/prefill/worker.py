@@ -145,7 +145,7 @@ class PrefillWorker:
                 arrival_time=task.arrival_time,
                 deadline=task.deadline,
                 priority=task.priority,
-                resume_tokens=task.output_offset,
+                resume_tokens=task.resume_tokens,
             )
             seq = Sequence(request, None, set(), self.rt.max_model_len, prefill_only=True)
             sender = KVSender(self.plane, self.rt.runner.pool, plan, task.destination.lease_s)

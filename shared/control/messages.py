@@ -117,7 +117,7 @@ class PrefillTask:
     arrival_time: float
     deadline: float = 0.0
     priority: int = 0
-    output_offset: int = 0  # output tokens before this prompt's first (a migrated request)
+    resume_tokens: int = 0  # the prompt's last tokens are output the client has (a moved request)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.model_runner import ModelRunner, Segment
+from shared.engine.model_runner import ModelRunner, SeqSpan
 from shared.engine.sampler import sample
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 
@@ -125,7 +125,7 @@ class Engine:
             decoding = any(w.seq.status is SeqStatus.RUNNING for w in work)
             started = time.perf_counter()
             logits = self.runner.forward(
-                [Segment(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work],
+                [SeqSpan(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work],
                 abandon=lambda: all(w.seq.abandoned for w in work),
             )
             if logits is None:  # every sequence in it was cancelled meanwhile: they are freed next

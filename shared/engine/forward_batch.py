@@ -1,10 +1,10 @@
 """ForwardBatch: where every row of one forward pass comes from and what its attention reads.
 
-The model runner computes a batch of sequence segments as one block of rows. Before the pass it
+The model runner computes a batch of sequence spans as one block of rows. Before the pass it
 arranges the batch: token ids, positions and the pool slots each row's KV is written to; the
 query ranges (prompt chunks aligned to absolute `chunk` boundaries, so a prompt is computed
 the same way whatever else is in the batch); the single rows that go to the paged decode
-kernel; and the row whose logits each segment wants.
+kernel; and the row whose logits each span wants.
 """
 
 from dataclasses import dataclass, field
@@ -15,8 +15,8 @@ from shared.engine.kv_cache import KVPool
 
 
 @dataclass
-class Segment:
-    """Positions [start, end) of one sequence computed in this pass."""
+class SeqSpan:
+    """Positions [start, end) of one sequence computed in this pass (its span of the batch)."""
 
     block_table: list[int]
     token_ids: list[int]
@@ -48,14 +48,14 @@ class ForwardBatch:
     last_rows: torch.Tensor
 
 
-def query_ranges(seg: Segment, chunk: int) -> list[tuple[int, int]]:
-    """[start, stop) query ranges of a segment: one decode token, or prompt chunks aligned to
+def query_ranges(span: SeqSpan, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) query ranges of a span: one decode token, or prompt chunks aligned to
     `chunk`."""
-    if seg.end - seg.start == 1:
-        return [(seg.start, seg.end)]
-    out, start = [], seg.start
-    while start < seg.end:
-        stop = min(seg.end, (start // chunk + 1) * chunk)
+    if span.end - span.start == 1:
+        return [(span.start, span.end)]
+    out, start = [], span.start
+    while start < span.end:
+        stop = min(span.end, (start // chunk + 1) * chunk)
         out.append((start, stop))
         start = stop
     return out
@@ -79,31 +79,31 @@ class _Builder:
     row: int = 0
     ctx: int = 0
 
-    def add(self, seg: Segment) -> None:
-        self.ids.extend(seg.token_ids[seg.start : seg.end])
-        self.positions.append(torch.arange(seg.start, seg.end))
-        self.slots.append(self.pool.slots(seg.block_table, seg.start, seg.end))
-        run = self.pool.contiguous_run(seg.block_table, seg.end)
+    def add(self, span: SeqSpan) -> None:
+        self.ids.extend(span.token_ids[span.start : span.end])
+        self.positions.append(torch.arange(span.start, span.end))
+        self.slots.append(self.pool.slots(span.block_table, span.start, span.end))
+        run = self.pool.contiguous_run(span.block_table, span.end)
         gathered = False
-        for start, stop in query_ranges(seg, self.chunk):
-            first = self.row + start - seg.start
+        for start, stop in query_ranges(span, self.chunk):
+            first = self.row + start - span.start
             if self.paged and stop - start == 1:
-                self._single_row(seg, stop, first)
+                self._single_row(span, stop, first)
                 continue
             if run is None and not gathered:  # scattered blocks: gather this context once per layer
-                self.context.append(self.pool.slots(seg.block_table, 0, seg.end))
+                self.context.append(self.pool.slots(span.block_table, 0, span.end))
                 gathered = True
             base = self.ctx if run is None else run
             n = stop - start
             mask = self._causal(n, stop)
             query = QueryRange(first, first + n, base, base + stop, mask, run is not None)
             self.attention.append(query)
-        self.row += seg.end - seg.start
-        self.ctx += seg.end if gathered else 0
+        self.row += span.end - span.start
+        self.ctx += span.end if gathered else 0
         self.last_rows.append(self.row - 1)
 
-    def _single_row(self, seg: Segment, stop: int, row: int) -> None:
-        self.tables.append(seg.block_table[: -(-stop // self.pool.block_size)])
+    def _single_row(self, span: SeqSpan, stop: int, row: int) -> None:
+        self.tables.append(span.block_table[: -(-stop // self.pool.block_size)])
         self.lengths.append(stop)
         self.single_rows.append(row)
 
@@ -127,14 +127,14 @@ class _Builder:
         )
 
 
-def arrange(segments: list[Segment], pool: KVPool, paged, chunk: int, device: str) -> ForwardBatch:
-    """The rows of one pass over `segments`, arranged.
+def arrange(spans: list[SeqSpan], pool: KVPool, paged, chunk: int, device: str) -> ForwardBatch:
+    """The rows of one pass over `spans`, arranged.
 
     Single rows (decode tokens, a prompt's one-token tail) go to the decode kernel when there is
     one. All the keys the other ranges read are gathered once per layer (`context`
     slots): a sequence's context appears once, and its ranges read prefixes of it.
     """
     builder = _Builder(pool, paged, chunk, device)
-    for seg in segments:
-        builder.add(seg)
+    for span in spans:
+        builder.add(span)
     return builder.build()

@@ -21,7 +21,7 @@ from shared.control.messages import KVLayout
 from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
 from shared.engine.decode_stack import decode_stack
-from shared.engine.forward_batch import ForwardBatch, Segment, arrange
+from shared.engine.forward_batch import ForwardBatch, SeqSpan, arrange
 from shared.engine.kernel_report import KernelReport, report_of
 from shared.engine.kv_cache import KVPool
 from shared.engine.layer_ops import layer_ops
@@ -117,7 +117,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, segments: list[Segment], abandon: Callable[[], bool] | None = None
+        self, segments: list[SeqSpan], abandon: Callable[[], bool] | None = None
     ) -> torch.Tensor | None:
         """Computes the segments; returns logits [len(segments), vocab] at each segment's last row.
         `abandon`, asked between layers, may stop a long step early (None returned): every

@@ -42,7 +42,7 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.prompt_token_ids = task.prompt_token_ids
         self.output_ids: list[int] = []
-        self.output_offset = task.resume_tokens  # output the client had before this (migrated) run
+        self.resume_tokens = task.resume_tokens  # output the client had before this (moved) attempt
         # Paged KV state (see BlockManager and KVPool).
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # served from the prefix cache at allocation
@@ -70,7 +70,7 @@ class Sequence:
     @property
     def position(self) -> int:
         """The output position of the next token: what seeded sampling is keyed by."""
-        return self.output_offset + len(self.output_ids)
+        return self.resume_tokens + len(self.output_ids)
 
     @property
     def prompt_len(self) -> int:

@@ -2,7 +2,7 @@
 
 import torch
 
-from shared.engine.model_runner import ModelRunner, Segment
+from shared.engine.model_runner import ModelRunner, SeqSpan
 
 
 def test_an_all_decode_step_gives_the_python_loops_bits(tiny_model):
@@ -14,8 +14,8 @@ def test_an_all_decode_step_gives_the_python_loops_bits(tiny_model):
         n = 4 + 13 * i
         tokens = torch.randint(3, 128, (n + 1,), generator=g).tolist()
         table = list(range(100 - 8 * i, 108 - 8 * i))[::-1]
-        runner.forward([Segment(table, tokens, 0, n)])
-        segments.append(Segment(table, tokens, n, n + 1))
+        runner.forward([SeqSpan(table, tokens, 0, n)])
+        segments.append(SeqSpan(table, tokens, n, n + 1))
     for batch in (segments[:1], segments[:3], segments):  # padded and unpadded row counts
         stacked = runner.forward(batch)
         kv_after_stack = runner.pool.kv.clone()
@@ -41,7 +41,7 @@ def test_the_stack_is_not_used_for_steps_with_prompt_chunks(tiny_model, monkeypa
 
     monkeypatch.setattr(runner.ops, "kernels", Spy())
     tokens = list(range(3, 40))
-    runner.forward([Segment([0, 1, 2], tokens, 0, 20)])
+    runner.forward([SeqSpan([0, 1, 2], tokens, 0, 20)])
     assert calls == []
-    runner.forward([Segment([0, 1, 2], tokens, 20, 21)])
+    runner.forward([SeqSpan([0, 1, 2], tokens, 20, 21)])
     assert calls == ["decode_stack"]

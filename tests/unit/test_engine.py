@@ -546,7 +546,7 @@ def test_a_resumed_sequence_goes_on_with_the_tokens_of_an_undisturbed_run(tiny_m
         engine = make_engine(tiny_model)
         seq = make_seq(prompt, max_tokens)
         seq.sampling.temperature, seq.sampling.seed = temperature, 7
-        seq.output_offset = seq.task.resume_tokens = resume
+        seq.resume_tokens = seq.task.resume_tokens = resume
         engine.add(seq)
         run_to_end(engine)
         return seq.output_ids

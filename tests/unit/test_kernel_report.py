@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 
 from shared.engine import kernel_report
 from shared.engine.kernel_report import bf16_path, cpu_capability
-from shared.engine.model_runner import ModelRunner, Segment
+from shared.engine.model_runner import ModelRunner, SeqSpan
 from shared.engine.projection import onednn_bf16
 from shared.model_store import quantize_int8
 from tests.unit.conftest import tiny_config
@@ -71,7 +71,7 @@ def test_bfloat16_runner_matches_hugging_face(bf16_model, rand_tokens, monkeypat
         report = runner.kernel_report()
         assert (report.projections, report.decode_stack) == ("torch", "per-layer")
     prompt = rand_tokens(40)
-    ours = runner.forward([Segment([0, 1, 2], prompt, 0, 40)])[0]
+    ours = runner.forward([SeqSpan([0, 1, 2], prompt, 0, 40)])[0]
     with torch.no_grad():
         theirs = bf16_model(torch.tensor([prompt])).logits[0, -1].float()
     torch.testing.assert_close(ours, theirs, rtol=5e-2, atol=5e-2)
@@ -92,8 +92,8 @@ def test_bfloat16_decode_does_not_depend_on_the_batch(bf16_model, rand_tokens):
     for i in range(4):
         tokens = rand_tokens(5 + 7 * i)
         blocks = [10 * i, 10 * i + 1, 10 * i + 2]
-        tokens.append(int(runner.forward([Segment(blocks, tokens, 0, len(tokens))])[0].argmax()))
-        segments.append(Segment(blocks, tokens, len(tokens) - 1, len(tokens)))
+        tokens.append(int(runner.forward([SeqSpan(blocks, tokens, 0, len(tokens))])[0].argmax()))
+        segments.append(SeqSpan(blocks, tokens, len(tokens) - 1, len(tokens)))
     alone = runner.forward(segments[:1])[0]
     together = runner.forward(segments)[0]
     assert torch.equal(alone, together), runner.kernel_report().line()

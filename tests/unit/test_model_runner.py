@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from shared.engine.model_runner import ModelRunner, Segment
+from shared.engine.model_runner import ModelRunner, SeqSpan
 from shared.engine.projection import SMALL
 
 BLOCK = 16
@@ -24,12 +24,12 @@ def runner(tiny_model):
 def greedy(runner: ModelRunner, prompt: list[int], new_tokens: int, first_block: int) -> list[int]:
     tokens = list(prompt)
     blocks = table(first_block, len(prompt) + new_tokens)
-    logits = runner.forward([Segment(blocks, tokens, 0, len(tokens))])
+    logits = runner.forward([SeqSpan(blocks, tokens, 0, len(tokens))])
     out = []
     for _ in range(new_tokens):
         out.append(int(logits[0].argmax()))
         tokens.append(out[-1])
-        logits = runner.forward([Segment(blocks, tokens, len(tokens) - 1, len(tokens))])
+        logits = runner.forward([SeqSpan(blocks, tokens, len(tokens) - 1, len(tokens))])
     return out
 
 
@@ -53,7 +53,7 @@ def test_greedy_generation_matches_hf_generate(tiny_model, runner, rand_tokens, 
 
 def test_prefill_logits_close_to_hf(tiny_model, runner, rand_tokens):
     prompt = rand_tokens(70)
-    ours = runner.forward([Segment(table(0, 70), prompt, 0, 70)])[0]
+    ours = runner.forward([SeqSpan(table(0, 70), prompt, 0, 70)])[0]
     with torch.no_grad():
         theirs = tiny_model(torch.tensor([prompt])).logits[0, -1].float()
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
@@ -63,9 +63,9 @@ def test_forward_returns_one_row_of_logits_per_segment(runner, rand_tokens):
     a, b, c = rand_tokens(5), rand_tokens(40), rand_tokens(1)
     logits = runner.forward(
         [
-            Segment(table(0, 5), a, 0, 5),
-            Segment(table(10, 40), b, 0, 40),
-            Segment(table(20, 1), c, 0, 1),
+            SeqSpan(table(0, 5), a, 0, 5),
+            SeqSpan(table(10, 40), b, 0, 40),
+            SeqSpan(table(20, 1), c, 0, 1),
         ]
     )
     assert logits.shape == (3, 128) and logits.dtype == torch.float32
@@ -136,8 +136,8 @@ def decoding(runner):
         n = 3 + 11 * i
         tokens = torch.randint(3, 128, (n,), generator=g).tolist()
         blocks = table(100 + 16 * i, n + 1)
-        tokens.append(int(runner.forward([Segment(blocks, tokens, 0, n)])[0].argmax()))
-        seqs.append(Segment(blocks, tokens, n, n + 1))
+        tokens.append(int(runner.forward([SeqSpan(blocks, tokens, 0, n)])[0].argmax()))
+        seqs.append(SeqSpan(blocks, tokens, n, n + 1))
     return seqs
 
 
@@ -154,8 +154,8 @@ def test_decode_logits_do_not_depend_on_the_batch(runner, decoding, threads, oth
 
 def test_prefill_logits_do_not_depend_on_the_batch(runner, decoding, rand_tokens):
     prompt = rand_tokens(50)
-    alone = runner.forward([Segment(table(400, 50), prompt, 0, 50)])[0]
-    mixed = runner.forward(decoding[:5] + [Segment(table(420, 50), prompt, 0, 50)] + decoding[5:9])
+    alone = runner.forward([SeqSpan(table(400, 50), prompt, 0, 50)])[0]
+    mixed = runner.forward(decoding[:5] + [SeqSpan(table(420, 50), prompt, 0, 50)] + decoding[5:9])
     assert torch.equal(mixed[5], alone)
     assert torch.equal(
         runner.pool.export(runner.pool.slots(table(400, 50), 0, 50)),
@@ -169,8 +169,8 @@ def test_without_batch_invariance_the_runner_still_computes(tiny_model, rand_tok
     )
     prompt = rand_tokens(20)
     strict = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=16, block_size=BLOCK, chunk=32)
-    a = loose.forward([Segment(table(0, 20), prompt, 0, 20)])[0]
-    b = strict.forward([Segment(table(0, 20), prompt, 0, 20)])[0]
+    a = loose.forward([SeqSpan(table(0, 20), prompt, 0, 20)])[0]
+    b = strict.forward([SeqSpan(table(0, 20), prompt, 0, 20)])[0]
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -180,11 +180,11 @@ def test_without_batch_invariance_the_runner_still_computes(tiny_model, rand_tok
 def test_chunked_prompt_gives_the_same_logits_as_one_segment(tiny_model, rand_tokens):
     runner = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=64, block_size=BLOCK, chunk=128)
     prompt = rand_tokens(300)
-    whole = runner.forward([Segment(table(0, 300), prompt, 0, 300)])
+    whole = runner.forward([SeqSpan(table(0, 300), prompt, 0, 300)])
     blocks = table(20, 300)
-    runner.forward([Segment(blocks, prompt, 0, 128)])
-    runner.forward([Segment(blocks, prompt, 128, 256)])
-    pieces = runner.forward([Segment(blocks, prompt, 256, 300)])
+    runner.forward([SeqSpan(blocks, prompt, 0, 128)])
+    runner.forward([SeqSpan(blocks, prompt, 128, 256)])
+    pieces = runner.forward([SeqSpan(blocks, prompt, 256, 300)])
     assert torch.equal(whole, pieces)
     assert torch.equal(
         runner.pool.export(runner.pool.slots(table(0, 300), 0, 300)),
@@ -196,12 +196,12 @@ def test_a_decode_step_after_chunks_matches_after_one_segment(tiny_model, rand_t
     runner = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=64, block_size=BLOCK, chunk=128)
     prompt = rand_tokens(129)
     a, b = table(0, 131), table(20, 131)
-    tok = int(runner.forward([Segment(a, prompt, 0, 129)])[0].argmax())
-    runner.forward([Segment(b, prompt, 0, 128)])
-    assert int(runner.forward([Segment(b, prompt, 128, 129)])[0].argmax()) == tok
+    tok = int(runner.forward([SeqSpan(a, prompt, 0, 129)])[0].argmax())
+    runner.forward([SeqSpan(b, prompt, 0, 128)])
+    assert int(runner.forward([SeqSpan(b, prompt, 128, 129)])[0].argmax()) == tok
     seq = prompt + [tok]
     assert torch.equal(
-        runner.forward([Segment(a, seq, 129, 130)]), runner.forward([Segment(b, seq, 129, 130)])
+        runner.forward([SeqSpan(a, seq, 129, 130)]), runner.forward([SeqSpan(b, seq, 129, 130)])
     )
 
 
@@ -211,8 +211,8 @@ def test_a_decode_step_after_chunks_matches_after_one_segment(tiny_model, rand_t
 def test_identical_prompts_write_identical_kv(runner, rand_tokens):
     prompt = rand_tokens(77)
     first, second = table(300, 77), table(330, 77)
-    runner.forward([Segment(first, prompt, 0, 77)])
-    runner.forward([Segment(second, prompt, 0, 77)])
+    runner.forward([SeqSpan(first, prompt, 0, 77)])
+    runner.forward([SeqSpan(second, prompt, 0, 77)])
     kv_first = runner.pool.export(runner.pool.slots(first, 0, 77))
     kv_second = runner.pool.export(runner.pool.slots(second, 0, 77))
     assert kv_first.shape == (2, 2, 77, 2, 16)
@@ -223,7 +223,7 @@ def test_layer0_kv_is_the_projection_of_the_embeddings(tiny_model, runner, rand_
     """The pool holds the rotated keys and the values of HF's own layer-0 projections."""
     prompt = rand_tokens(9)
     blocks = table(360, 9)
-    runner.forward([Segment(blocks, prompt, 0, 9)])
+    runner.forward([SeqSpan(blocks, prompt, 0, 9)])
     keys, values = runner.pool.read(0, runner.pool.slots(blocks, 0, 9))
     with torch.no_grad():
         out = tiny_model(torch.tensor([prompt]), use_cache=True)
@@ -235,7 +235,7 @@ def test_layer0_kv_is_the_projection_of_the_embeddings(tiny_model, runner, rand_
 
 def test_kv_does_not_leak_into_other_blocks(tiny_model, rand_tokens):
     runner = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=8, block_size=BLOCK, chunk=32)
-    runner.forward([Segment([5, 2], rand_tokens(20), 0, 20)])
+    runner.forward([SeqSpan([5, 2], rand_tokens(20), 0, 20)])
     touched = (
         runner.pool.kv.reshape(2, 2, 8, BLOCK, -1).abs().sum(dim=(0, 1, 4)) != 0
     )  # [blocks, offsets]
@@ -255,11 +255,11 @@ def test_decoded_tokens_write_the_kv_a_prefill_of_them_writes(runner, rand_token
     prompt = rand_tokens(10)
     decoded, prefilled = table(440, 40), table(450, 40)
     tokens = list(prompt)
-    logits = runner.forward([Segment(decoded, tokens, 0, 10)])
+    logits = runner.forward([SeqSpan(decoded, tokens, 0, 10)])
     while len(tokens) < 40:
         tokens.append(int(logits[0].argmax()))
-        logits = runner.forward([Segment(decoded, tokens, len(tokens) - 1, len(tokens))])
-    runner.forward([Segment(prefilled, tokens, 0, 40)])
+        logits = runner.forward([SeqSpan(decoded, tokens, len(tokens) - 1, len(tokens))])
+    runner.forward([SeqSpan(prefilled, tokens, 0, 40)])
     kv_decoded = runner.pool.export(runner.pool.slots(decoded, 0, 40))
     kv_prefilled = runner.pool.export(runner.pool.slots(prefilled, 0, 40))
     assert torch.equal(kv_decoded[0], kv_prefilled[0])  # layer 0: projections only, equal already
@@ -279,7 +279,7 @@ def test_a_contiguous_block_run_is_read_in_place_with_the_same_bits(runner, rand
     outputs = []
     for blocks in (consecutive, scattered):
         tokens = list(prompt)
-        logits = runner.forward([Segment(blocks, tokens, 0, 70)])
+        logits = runner.forward([SeqSpan(blocks, tokens, 0, 70)])
         tokens.append(int(logits[0].argmax()))
-        outputs.append((logits, runner.forward([Segment(blocks, tokens, 70, 71)])))
+        outputs.append((logits, runner.forward([SeqSpan(blocks, tokens, 70, 71)])))
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])

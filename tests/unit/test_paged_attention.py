@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from shared.engine import kernels as cpu_kernels
 from shared.engine import paged_attention
-from shared.engine.model_runner import ModelRunner, Segment
+from shared.engine.model_runner import ModelRunner, SeqSpan
 
 BLOCK = 4
 
@@ -91,8 +91,8 @@ def test_runner_with_the_kernels_matches_the_plain_torch_path(tiny_model):
         tokens = torch.randint(3, 128, (n + 1,), generator=g).tolist()
         table = list(range(200 - 10 * i, 210 - 10 * i))[::-1]  # scattered, descending blocks
         for runner in (with_kernel, without):
-            runner.forward([Segment(table, tokens, 0, n)])
-        segments.append(Segment(table, tokens, n, n + 1))
+            runner.forward([SeqSpan(table, tokens, 0, n)])
+        segments.append(SeqSpan(table, tokens, n, n + 1))
     a, b = with_kernel.forward(segments), without.forward(segments)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -116,7 +116,7 @@ def test_without_a_compiler_the_runner_falls_back_with_a_warning(tiny_model, mon
         and type(runner.ops).__name__ == "TorchOps"
         and "no C++ compiler" in caplog.text
     )
-    logits = runner.forward([Segment([0, 1], list(range(3, 20)), 0, 17)])
+    logits = runner.forward([SeqSpan([0, 1], list(range(3, 20)), 0, 17)])
     assert logits.shape == (1, 128)
 
 

@@ -99,3 +99,37 @@ def test_the_rule_catches_a_service_importing_another(tmp_path, monkeypatch):
         "services.gateway.bad imports services.decode",
         "services.gateway.bad imports tests.fakes",
     ]
+
+
+MAX_MODULE_LINES = 300
+MAX_FUNCTION_LINES = 45  # "about 40": a few lines of slack for a long signature or docstring
+
+
+def runtime_sources() -> list[Path]:
+    """What services run, the generated gRPC stubs aside."""
+    paths = [p for folder in ("shared", "services") for p in (ROOT / folder).rglob("*.py")]
+    return sorted(p for p in paths if not p.name.startswith("tandem_pb2"))
+
+
+def test_no_module_is_over_300_lines():
+    long = [
+        f"{p.relative_to(ROOT)}: {n}"
+        for p in runtime_sources()
+        if (n := _lines(p)) > MAX_MODULE_LINES
+    ]
+    assert long == []
+
+
+def test_no_function_is_over_about_40_lines():
+    long = []
+    for path in runtime_sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {size}")
+    assert long == []
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())

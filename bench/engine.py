@@ -116,7 +116,7 @@ class EngineBench:
 
     def seq(self, ids: list[int], max_tokens: int, prefill_only: bool = False) -> Sequence:
         task = GenerateTask(
-            request_id=str(id(ids)) + str(time.perf_counter_ns()),
+            attempt_id=str(id(ids)) + str(time.perf_counter_ns()),
             prompt_token_ids=ids,
             sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             reply_subject="",
@@ -134,7 +134,7 @@ class EngineBench:
         while self.engine.has_work():
             t = time.perf_counter()
             for s, _ in self.engine.step() or []:
-                first.setdefault(s.request_id, time.perf_counter())
+                first.setdefault(s.attempt_id, time.perf_counter())
             steps.append((time.perf_counter() - t, len(self.engine.running)))
         end = time.perf_counter()
         for s in seqs:
@@ -144,7 +144,7 @@ class EngineBench:
         return {
             "prefill_s": all_first - started,
             "decode_s": end - all_first,
-            "ttft_s": [first[s.request_id] - started for s in seqs],
+            "ttft_s": [first[s.attempt_id] - started for s in seqs],
             "step_ms": 1000 * statistics.median(decode_steps) if decode_steps else None,
             "outputs": [s.output_ids for s in seqs],
         }

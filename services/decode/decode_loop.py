@@ -32,7 +32,7 @@ class DecodeLoop:
         self.wakeup = asyncio.Event()
 
     def add(self, req: DecodeRequest, local_prefill: bool) -> None:
-        self.requests[req.request_id] = req
+        self.requests[req.attempt_id] = req
         if local_prefill:
             self.engine.add(req.seq)
         self.wakeup.set()
@@ -71,7 +71,7 @@ class DecodeLoop:
         if outputs is None:
             return False
         for seq, out in outputs:
-            req = self.requests.get(seq.request_id)
+            req = self.requests.get(seq.attempt_id)
             if req is not None and not req.cancel_reason and req.failure is None:
                 await self.publish(req, out)
         return True
@@ -84,6 +84,6 @@ class DecodeLoop:
             if seq.status is not SeqStatus.FINISHED and seq.expired and req.failure is None:
                 req.fail(failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed"))
             if req.ended:
-                del self.requests[req.request_id]
+                del self.requests[req.attempt_id]
                 self.engine.release(seq)
                 await self.finish(req)

@@ -64,11 +64,11 @@ class KVFetcher:
         try:
             plan = self._plan(req)
         except PlanError as err:
-            log.exception("%s: no transfer plan", req.request_id)
+            log.exception("%s: no transfer plan", req.attempt_id)
             req.fail(failed(Code.INTERNAL, f"no KV transfer plan: {err}"))
             return False
         req.transfer = InboundTransfer(
-            req.request_id,
+            req.attempt_id,
             prefill_worker,
             KVReceiver(self.plane, self.rt.runner.pool, plan),
             lease_s=self.settings.kv_lease_s,
@@ -104,7 +104,7 @@ class KVFetcher:
                 asking = asyncio.ensure_future(self._ask(req, t))
             await self._follow(t)
         except Exception as err:  # a bug: the request fails, the transfer ends, nothing hangs
-            log.exception("%s: KV fetch failed", req.request_id)
+            log.exception("%s: KV fetch failed", req.attempt_id)
             t.on_bug(err)
         finally:
             if asking is not None:
@@ -125,7 +125,7 @@ class KVFetcher:
             t.on_no_answer()
             return
         except Exception as err:  # a bug
-            log.exception("%s: KV fetch failed", req.request_id)
+            log.exception("%s: KV fetch failed", req.attempt_id)
             t.on_bug(err)
             return
         t.on_ack(ack)
@@ -133,7 +133,7 @@ class KVFetcher:
     def _task(self, req: DecodeRequest, t: InboundTransfer) -> PrefillTask:
         task = req.seq.task
         return PrefillTask(
-            request_id=task.request_id,
+            attempt_id=task.attempt_id,
             prompt_token_ids=task.prompt_token_ids,
             sampling=task.sampling,
             layout=self.rt.runner.layout,
@@ -193,11 +193,11 @@ class KVFetcher:
 
     async def _tell_prefill(self, req: DecodeRequest, t: InboundTransfer) -> None:
         reason = req.cancel_reason or (req.failure.message if req.failure else "")
-        message = TransferAbort(request_id=req.request_id, base_tag=t.base_tag, reason=reason)
+        message = TransferAbort(attempt_id=req.attempt_id, base_tag=t.base_tag, reason=reason)
         try:
             await self.bus.publish(self.subjects.transfer_aborts(t.prefill_worker), message)
         except Exception as err:  # the prefill worker's own lease ends its side
-            log.warning("could not tell %s to abort %s: %s", t.prefill_worker, req.request_id, err)
+            log.warning("could not tell %s to abort %s: %s", t.prefill_worker, req.attempt_id, err)
 
     async def _drain(self, t: InboundTransfer) -> None:
         """Takes off the wire the pieces the prefill worker sent before it heard of the abort:

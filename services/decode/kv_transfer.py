@@ -74,14 +74,14 @@ class AbortCause:
 class InboundTransfer:
     def __init__(
         self,
-        request_id: str,
+        attempt_id: str,
         prefill_worker: str,
         receiver: KVReceiver,
         lease_s: float,
         timeout_s: float,
         deadline: float = 0.0,
     ):
-        self.request_id = request_id
+        self.attempt_id = attempt_id
         self.prefill_worker = prefill_worker
         self.receiver = receiver
         self.lease_s = lease_s
@@ -111,7 +111,7 @@ class InboundTransfer:
 
     def _to(self, state: TransferState) -> None:
         if state not in ALLOWED[self.state]:
-            raise IllegalTransition(f"{self.request_id}: {self.state.name} -> {state.name}")
+            raise IllegalTransition(f"{self.attempt_id}: {self.state.name} -> {state.name}")
         self.state = state
         self.news.set()
 
@@ -221,7 +221,7 @@ class InboundTransfer:
 
     def _receive_failed(self, err: KVTransferError) -> None:
         if self.deferred is None:
-            log.error("%s: %s", self.request_id, err)
+            log.error("%s: %s", self.attempt_id, err)
         self._end(self._prefill_failed("the KV transfer from the prefill worker failed"))
 
     def tick(self) -> None:

@@ -17,8 +17,8 @@ class DecodeRequest:
         self.chunk_index = 0  # of the next TokenChunk
 
     @property
-    def request_id(self) -> str:
-        return self.seq.request_id
+    def attempt_id(self) -> str:
+        return self.seq.attempt_id
 
     @property
     def ended(self) -> bool:

@@ -52,7 +52,7 @@ class DecodeWorker:
         self.executor = EngineExecutor()
         self.loop = DecodeLoop(runtime.engine, self.executor, self._publish, self._finish)
         self.kv = KVFetcher(settings, runtime, bus, plane, liveness)
-        self.fetches: dict[str, asyncio.Task] = {}  # request id -> its remote-prefill task
+        self.fetches: dict[str, asyncio.Task] = {}  # attempt id -> its remote-prefill task
         # A cancel can overtake its assignment (the gateway gave up while the scheduler placed it).
         self.cancelled = RecentIds(ttl_s=120)
         self.served = 0
@@ -150,12 +150,12 @@ class DecodeWorker:
         task, me = assignment.task, self.rt.worker_id
         if self.stopping:
             return worker_failed(me, f"decode worker {me} is shutting down")
-        if task.request_id in self.cancelled:
-            message = f"request {task.request_id} was cancelled before it started"
+        if task.attempt_id in self.cancelled:
+            message = f"attempt {task.attempt_id} was cancelled before it started"
             return failed(Code.CANCELLED, message, me)
-        if task.request_id in self.loop.requests:
+        if task.attempt_id in self.loop.requests:
             # no Code.ALREADY_EXISTS: the client gets INTERNAL, as it always did
-            return failed(Code.INTERNAL, f"request {task.request_id} is already running", me)
+            return failed(Code.INTERNAL, f"attempt {task.attempt_id} is already running", me)
         if len(task.prompt_token_ids) + task.sampling.max_tokens > self.rt.max_model_len:
             message = f"prompt plus max_tokens exceeds {self.rt.max_model_len} tokens"
             return failed(Code.INVALID_ARGUMENT, message, me)
@@ -177,19 +177,19 @@ class DecodeWorker:
         opened = self.kv.open(req, prefill_worker)
         self.loop.add(req, local_prefill=False)
         if opened:
-            self.fetches[req.request_id] = asyncio.create_task(self._fetch_kv(req))
+            self.fetches[req.attempt_id] = asyncio.create_task(self._fetch_kv(req))
 
     async def _fetch_kv(self, req: DecodeRequest) -> None:
         try:
             await self.kv.fetch(req)
         finally:
-            self.fetches.pop(req.request_id, None)
+            self.fetches.pop(req.attempt_id, None)
             self.loop.wakeup.set()
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
-        req = self.loop.requests.get(message.request_id)
+        req = self.loop.requests.get(message.attempt_id)
         if req is None:
-            self.cancelled.add(message.request_id)
+            self.cancelled.add(message.attempt_id)
             return
         req.cancel(message.reason or "cancelled")  # a transfer in flight aborts itself
         self.loop.wakeup.set()
@@ -197,7 +197,7 @@ class DecodeWorker:
     # -- output ----------------------------------------------------------------------------
 
     def _chunk(self, req: DecodeRequest, **fields) -> TokenChunk:
-        return TokenChunk(request_id=req.request_id, index=req.next_chunk_index(), **fields)
+        return TokenChunk(attempt_id=req.attempt_id, index=req.next_chunk_index(), **fields)
 
     async def _publish(self, req: DecodeRequest, out: StepOutput) -> None:
         seq, extra = req.seq, {}
@@ -240,4 +240,4 @@ class DecodeWorker:
         try:
             await self.bus.publish(seq.task.reply_subject, chunk)
         except Exception as err:
-            log.warning("could not tell the gateway that %s ended: %s", req.request_id, err)
+            log.warning("could not tell the gateway that %s ended: %s", req.attempt_id, err)

@@ -3,9 +3,9 @@
 A request may take several attempts. A scheduler that does not answer (it may have died holding
 the request) or hands the request back (it is shutting down) has it submitted once more; a worker
 that fails, or turns it away as full, has it moved: the next attempt goes on after the tokens the
-client already has (migration.resumed). Each attempt has its own id, the request_id of its
-GenerateTask on the wire: a client cannot cancel another's stream by reusing its id, and a retry
-never collides with the attempt it replaces.
+client already has (migration.resumed). Each attempt has its own id, the attempt_id of its
+GenerateTask: a client cannot cancel another's stream by reusing its id, and a retry never
+collides with the attempt it replaces.
 
 Every transition returns a new Attempt and leaves the old one as it was; the GenerateTask inside
 an attempt is never changed after it is made:
@@ -26,7 +26,7 @@ from shared.control.messages import GenerateTask, TokenChunk
 
 @dataclasses.dataclass(frozen=True)
 class Attempt:
-    task: GenerateTask  # what is submitted; task.request_id is this attempt's id
+    task: GenerateTask  # what is submitted; task.attempt_id is this attempt's id
     worker: str = ""  # the decode worker serving it; "" until placed
     sent: tuple[int, ...] = ()  # the output the client has received, over every attempt
     expected: int = 0  # the index of the next chunk of this attempt's stream
@@ -37,8 +37,8 @@ class Attempt:
 
     @property
     def id(self) -> str:
-        """The attempt id (request_id on the wire): the client's request id and a random part."""
-        return self.task.request_id
+        """The attempt id (task.attempt_id): the client's request id and a random part."""
+        return self.task.attempt_id
 
     @property
     def prompt(self) -> list[int]:
@@ -65,7 +65,7 @@ class Attempt:
     def resubmitted(self) -> "Attempt":
         if self.worker or self.resubmission:
             raise ValueError(f"{self.id} is not to be submitted again")
-        task = dataclasses.replace(self.task, request_id=new_attempt_id(client_id(self.id)))
+        task = dataclasses.replace(self.task, attempt_id=new_attempt_id(client_id(self.id)))
         return dataclasses.replace(self, task=task, resubmission=True)
 
     def moved(self, failure: Failure) -> "Attempt":

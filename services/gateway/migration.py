@@ -33,7 +33,7 @@ class WorkerLost(Exception):
 
 
 def new_attempt_id(request_id: str) -> str:
-    """The request's id inside the cluster for one attempt: the client's id and a random part."""
+    """A new attempt id for the client's request `request_id`: its id and a random part."""
     return f"{request_id}.{uuid.uuid4().hex[:12]}"
 
 
@@ -56,7 +56,7 @@ def resumed(
     )
     return dataclasses.replace(
         task,
-        request_id=new_attempt_id(client_id(task.request_id)),
+        attempt_id=new_attempt_id(client_id(task.attempt_id)),
         prompt_token_ids=prompt + sent,
         resume_tokens=len(sent),
         sampling=sampling,

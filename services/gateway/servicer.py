@@ -138,7 +138,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         """The request's first attempt, under an attempt id of its own (see attempt.py)."""
         remaining = context.time_remaining()
         return GenerateTask(
-            request_id=new_attempt_id(valid.request_id),
+            attempt_id=new_attempt_id(valid.request_id),
             prompt_token_ids=valid.prompt_token_ids,
             sampling=valid.sampling,
             reply_subject=self.streams.subject,

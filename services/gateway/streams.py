@@ -38,6 +38,6 @@ class StreamRouter:
         return attempt_id in self._queues
 
     async def _on_chunk(self, chunk: TokenChunk, respond) -> None:
-        queue = self._queues.get(chunk.request_id)  # request_id on the wire: the attempt id
+        queue = self._queues.get(chunk.attempt_id)
         if queue is not None:  # else: the attempt ended here already (cancelled, timed out, moved)
             queue.put_nowait(chunk)

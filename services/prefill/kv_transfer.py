@@ -71,8 +71,8 @@ class OutboundTransfer:
         self.abort_reason = ""  # the decode worker's TransferAbort came
 
     @property
-    def request_id(self) -> str:
-        return self.task.request_id
+    def attempt_id(self) -> str:
+        return self.task.attempt_id
 
     @property
     def computing(self) -> bool:
@@ -84,7 +84,7 @@ class OutboundTransfer:
 
     def _to(self, state: OutboundState) -> None:
         if state not in ALLOWED[self.state]:
-            raise IllegalTransition(f"{self.request_id}: {self.state.name} -> {state.name}")
+            raise IllegalTransition(f"{self.attempt_id}: {self.state.name} -> {state.name}")
         if self.state in HOLDING and state not in HOLDING:
             self._free_blocks(self.seq)
         self.state = state
@@ -161,7 +161,7 @@ class OutboundTransfer:
 
     def result(self, worker_id: str, transport: str) -> PrefillResult:
         return PrefillResult(
-            request_id=self.request_id,
+            attempt_id=self.attempt_id,
             base_tag=self.task.destination.base_tag,
             first_token=self.first_token,
             kv_bytes=self.sender.plan.nbytes,
@@ -175,7 +175,7 @@ class OutboundTransfer:
 
     def aborted(self, worker_id: str, failure: Failure) -> PrefillResult:
         return PrefillResult(
-            request_id=self.request_id,
+            attempt_id=self.attempt_id,
             base_tag=self.task.destination.base_tag,
             failure=failure,
             pieces_sent=self.sender.pieces_sent,

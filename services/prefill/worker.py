@@ -53,7 +53,7 @@ class PrefillWorker:
         self.plane = plane
         self.subjects = Subjects(settings.cluster)
         self.executor = EngineExecutor()
-        self.held: dict[str, OutboundTransfer] = {}  # request id -> its transfer, until released
+        self.held: dict[str, OutboundTransfer] = {}  # attempt id -> its transfer, until released
         self.finishing: set[asyncio.Task] = set()
         self.wakeup = asyncio.Event()
         self.served = 0
@@ -138,7 +138,7 @@ class PrefillWorker:
                 refusal = failed(Code.INVALID_ARGUMENT, f"bad KV destination: {err}")
         if refusal is None:
             request = GenerateTask(
-                request_id=task.request_id,
+                attempt_id=task.attempt_id,
                 prompt_token_ids=task.prompt_token_ids,
                 sampling=task.sampling,
                 reply_subject="",
@@ -149,7 +149,7 @@ class PrefillWorker:
             )
             seq = Sequence(request, None, set(), self.rt.max_model_len, prefill_only=True)
             sender = KVSender(self.plane, self.rt.runner.pool, plan, task.destination.lease_s)
-            self.held[task.request_id] = OutboundTransfer(task, seq, sender, self.engine.release)
+            self.held[task.attempt_id] = OutboundTransfer(task, seq, sender, self.engine.release)
             self.engine.add(seq)
             self.wakeup.set()
         elif refusal.code is Code.RESOURCE_EXHAUSTED:
@@ -169,9 +169,9 @@ class PrefillWorker:
                 f"prefill {me} has {asdict(self.rt.runner.layout)}"
             )
             return failed(Code.FAILED_PRECONDITION, message, me)
-        if task.request_id in self.held:
+        if task.attempt_id in self.held:
             # no Code.ALREADY_EXISTS: the client gets INTERNAL, as it always did
-            return failed(Code.INTERNAL, f"request {task.request_id} is already here", me)
+            return failed(Code.INTERNAL, f"attempt {task.attempt_id} is already here", me)
         if len(self.held) >= self.settings.max_queue:
             return worker_full(me, f"prefill worker {me} queue is full")
         if self.rt.blocks.blocks_for(len(task.prompt_token_ids)) > self.rt.blocks.num_blocks:
@@ -179,17 +179,17 @@ class PrefillWorker:
         return None
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
-        t = self.held.get(message.request_id)
+        t = self.held.get(message.attempt_id)
         if t is not None:
             t.on_cancel(message.reason or "cancelled")
             self.wakeup.set()
 
     async def on_abort(self, message: TransferAbort, respond) -> None:
         """The decode worker gave up on this transfer: stop it and free its blocks now."""
-        t = self.held.get(message.request_id)
+        t = self.held.get(message.attempt_id)
         if t is not None and t.on_transfer_abort(message.base_tag, message.reason):
             log.info(
-                "%s: transfer aborted by its decode worker: %s", message.request_id, message.reason
+                "%s: transfer aborted by its decode worker: %s", message.attempt_id, message.reason
             )
             self.wakeup.set()
 
@@ -213,7 +213,7 @@ class PrefillWorker:
         if outputs is None:
             return False
         for seq, out in outputs:
-            self.held[seq.request_id].on_prompt_done(out.token_ids[0])
+            self.held[seq.attempt_id].on_prompt_done(out.token_ids[0])
         await self._ship()
         return True
 
@@ -259,7 +259,7 @@ class PrefillWorker:
             if t.state is OutboundState.SENDING:
                 t.abort()
                 log.error(
-                    "KV of %s to %s not sent: %s", t.task.request_id, t.task.decode_worker, err
+                    "KV of %s to %s not sent: %s", t.task.attempt_id, t.task.decode_worker, err
                 )
                 lost = worker_failed(self.rt.worker_id, "KV transfer failed")
                 await self._publish(t, t.aborted(self.rt.worker_id, lost))
@@ -268,8 +268,8 @@ class PrefillWorker:
             self._forget(t)
 
     def _forget(self, t: OutboundTransfer) -> None:
-        if self.held.get(t.task.request_id) is t:
-            del self.held[t.task.request_id]
+        if self.held.get(t.task.attempt_id) is t:
+            del self.held[t.task.attempt_id]
 
     def _shut_down(self) -> Failure:
         """A prompt not computed before this worker shut down: placed again elsewhere."""
@@ -292,5 +292,5 @@ class PrefillWorker:
             await self.bus.publish(self.subjects.prefill_results(t.task.decode_worker), result)
         except Exception as err:  # NATS down: the decode worker's lease ends the transfer
             log.warning(
-                "could not tell %s about %s: %s", t.task.decode_worker, t.task.request_id, err
+                "could not tell %s about %s: %s", t.task.decode_worker, t.task.attempt_id, err
             )

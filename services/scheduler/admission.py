@@ -79,9 +79,9 @@ class AdmissionQueue:
         while self._placed and now - self._placed[0] > RATE_WINDOW_S:
             self._placed.popleft()
 
-    def remove(self, request_id: str) -> Pending | None:
+    def remove(self, attempt_id: str) -> Pending | None:
         """Takes a waiting request out (its client cancelled it); None when it is not waiting here."""
-        entry = next((e for e in self._heap if e.task.request_id == request_id), None)
+        entry = next((e for e in self._heap if e.task.attempt_id == attempt_id), None)
         if entry is not None:
             self._heap.remove(entry)
             heapq.heapify(self._heap)

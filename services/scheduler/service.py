@@ -148,7 +148,7 @@ class SchedulerService:
     async def on_cancel(self, message: CancelRequest, respond) -> None:
         """A request cancelled while it waits here leaves the queue at once (one already placed is
         the workers' to end: they hear the same cancel)."""
-        entry = self.queue.remove(message.request_id)
+        entry = self.queue.remove(message.attempt_id)
         if entry is not None:
             why = f"cancelled while waiting for room: {message.reason}"
             self.answers.refuse(entry, failed(Code.CANCELLED, why))
@@ -178,7 +178,7 @@ class SchedulerService:
                 )
                 continue
             except Exception:  # a bug: this request fails, the others go on
-                log.exception("routing %s failed", entry.task.request_id)
+                log.exception("routing %s failed", entry.task.attempt_id)
                 self.answers.refuse(
                     self.queue.pop(),
                     failed(Code.INTERNAL, "the scheduler failed to route the request"),
@@ -207,14 +207,14 @@ class SchedulerService:
         except (RequestTimeout, BadReply):
             # It may have taken the request after all: placing it elsewhere could run it twice.
             # The gateway moves it on (a new attempt id), cancelling this one.
-            log.warning("decode worker %s did not confirm %s in time", decode_id, task.request_id)
-            await self._cancel(task.request_id, "dispatch timed out")
+            log.warning("decode worker %s did not confirm %s in time", decode_id, task.attempt_id)
+            await self._cancel(task.attempt_id, "dispatch timed out")
             self.answers.refuse(
                 entry, worker_failed(decode_id, f"decode worker {decode_id} did not answer in time")
             )
             return
         except Exception:  # a bug or a broken connection: this request fails, nothing hangs
-            log.exception("assigning %s to %s failed", task.request_id, decode_id)
+            log.exception("assigning %s to %s failed", task.attempt_id, decode_id)
             failure = failed(Code.UNAVAILABLE, "the scheduler could not reach the decode worker")
         if failure is None:
             self.queue.placed()
@@ -258,8 +258,8 @@ class SchedulerService:
             return worker_failed(decode_id, f"decode worker {decode_id} is gone")
         return ack.failure  # full: blames itself, Retry.HERE; draining: Retry.ELSEWHERE
 
-    async def _cancel(self, request_id: str, reason: str) -> None:
+    async def _cancel(self, attempt_id: str, reason: str) -> None:
         try:
-            await self.bus.publish(self.subjects.cancel, CancelRequest(request_id, reason))
+            await self.bus.publish(self.subjects.cancel, CancelRequest(attempt_id, reason))
         except Exception as err:  # NATS down: the worker's own timeouts free the request
-            log.warning("could not broadcast the cancel of %s: %s", request_id, err)
+            log.warning("could not broadcast the cancel of %s: %s", attempt_id, err)

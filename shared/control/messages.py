@@ -24,7 +24,7 @@ class SamplingParams:
 class GenerateTask:
     """One request as it travels gateway -> scheduler -> decode worker."""
 
-    request_id: str
+    attempt_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reply_subject: str  # where the TokenChunks go
@@ -108,7 +108,7 @@ class KVDestination:
 class PrefillTask:
     """Decode worker -> prefill worker: compute this prompt and send its KV to me."""
 
-    request_id: str
+    attempt_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     layout: KVLayout
@@ -125,7 +125,7 @@ class PrefillResult:
     """Prefill worker -> decode worker: every piece of the KV is on the wire (or the transfer is
     aborted: it has a failure, and the decode worker frees the blocks it reserved)."""
 
-    request_id: str
+    attempt_id: str
     base_tag: int
     failure: Failure | None = None  # the abort's; movable when the prefill worker is at fault
     first_token: int = -1
@@ -148,7 +148,7 @@ class TransferAbort:
     """Decode worker -> prefill worker: stop this transfer and free its blocks (cancelled, lease
     expired, or the decode worker is shutting down)."""
 
-    request_id: str
+    attempt_id: str
     base_tag: int
     reason: str = ""
 
@@ -169,7 +169,7 @@ class Timing:
 class TokenChunk:
     """Worker -> gateway: new tokens of one request; the last one has finish_reason or a failure."""
 
-    request_id: str
+    attempt_id: str
     index: int  # 0, 1, 2, ... per request, so the gateway can spot a gap
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -184,7 +184,7 @@ class TokenChunk:
 
 @dataclass
 class CancelRequest:
-    request_id: str
+    attempt_id: str
     reason: str = "cancelled"
 
 

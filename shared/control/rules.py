@@ -45,15 +45,15 @@ def _sampling(m) -> str | None:
 
 
 def _task(m) -> str | None:
-    if not m.request_id or not m.prompt_token_ids:
-        return "empty request id or prompt"
+    if not m.attempt_id or not m.prompt_token_ids:
+        return "empty attempt id or prompt"
     if m.resume_tokens >= len(m.prompt_token_ids) or len(m.avoid_workers) > 64 or m.moves > 64:
         return "resume_tokens, avoid_workers or moves out of range"
     return None
 
 
 def _prefill_task(m) -> str | None:
-    return None if m.request_id and m.prompt_token_ids else "empty request id or prompt"
+    return None if m.attempt_id and m.prompt_token_ids else "empty attempt id or prompt"
 
 
 def _layout(m) -> str | None:

@@ -33,7 +33,7 @@ class Sequence:
         prefill_only: bool = False,
     ):
         self.task = task
-        self.request_id = task.request_id
+        self.attempt_id = task.attempt_id
         self.sampling = task.sampling
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids

@@ -164,21 +164,21 @@ def test_garbage_bytes_on_the_grpc_port(hostile):
 
 
 def _bad_payloads(rng: random.Random) -> list[bytes]:
-    out_of_range = dict(type="CancelRequest", request_id="r" * 100_000)
+    out_of_range = dict(type="CancelRequest", attempt_id="r" * 100_000)
     return [
         b"",
         os.urandom(64),
         os.urandom(200_000),
         msgpack.packb([1, 2, 3]),
         msgpack.packb({"type": "Nope"}),
-        msgpack.packb({"type": "TokenChunk", "request_id": "r", "index": -5}),
+        msgpack.packb({"type": "TokenChunk", "attempt_id": "r", "index": -5}),
         msgpack.packb(out_of_range),
         msgpack.packb({"type": "WorkerHeartbeat"}),
         msgpack.packb({"type": 7}),
         msgpack.packb(
             {
                 "type": "GenerateTask",
-                "request_id": "x",
+                "attempt_id": "x",
                 "prompt_token_ids": [-1],
                 "sampling": {},
                 "reply_subject": "r",

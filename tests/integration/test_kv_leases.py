@@ -84,7 +84,7 @@ def test_layout_mismatch_is_refused_before_any_transfer(disagg, nats):
         block_size=32,
     )
     task = PrefillTask(
-        request_id="mismatch",
+        attempt_id="mismatch",
         prompt_token_ids=list(range(100, 164)),
         sampling=SamplingParams(),
         layout=layout,

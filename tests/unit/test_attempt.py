@@ -18,7 +18,7 @@ FAILED = worker_failed("d1", "d1 stopped responding")
 def first_attempt() -> Attempt:
     return Attempt(
         GenerateTask(
-            request_id="req.aaaa",
+            attempt_id="req.aaaa",
             prompt_token_ids=[5, 6, 7],
             sampling=SamplingParams(max_tokens=10),
             reply_subject="g",
@@ -28,7 +28,7 @@ def first_attempt() -> Attempt:
 
 
 def chunk(index: int, token_ids: list[int]) -> TokenChunk:
-    return TokenChunk(request_id="req.aaaa", index=index, token_ids=token_ids)
+    return TokenChunk(attempt_id="req.aaaa", index=index, token_ids=token_ids)
 
 
 def test_an_attempt_placed_counts_the_chunks_and_tokens_it_receives():
@@ -53,7 +53,7 @@ def test_an_attempt_no_scheduler_placed_is_submitted_again_once_under_a_new_id()
     first = first_attempt()
     again = first.resubmitted()
     assert again.id != first.id and client_id(again.id) == client_id(first.id) == "req"
-    assert dataclasses.replace(again.task, request_id=first.id) == first.task
+    assert dataclasses.replace(again.task, attempt_id=first.id) == first.task
     assert again.resubmission and not first.resubmission and again.task.moves == 0
     with pytest.raises(ValueError):
         again.resubmitted()

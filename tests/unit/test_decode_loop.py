@@ -18,11 +18,11 @@ async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
         published.append(out)
 
     async def finish(req):
-        finished.append(req.request_id)
+        finished.append(req.attempt_id)
 
     loop = DecodeLoop(engine, executor, publish, finish)
     try:
-        loop.add(DecodeRequest(make_seq(list(range(3, 20)), 6, request_id="a")), local_prefill=True)
+        loop.add(DecodeRequest(make_seq(list(range(3, 20)), 6, attempt_id="a")), local_prefill=True)
         started = time.monotonic()
         await asyncio.wait_for(loop.drain(timeout_s=30), timeout=20)
         assert time.monotonic() - started < 10  # not the 30 s drain deadline

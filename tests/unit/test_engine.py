@@ -29,10 +29,10 @@ def make_engine(
 
 
 def make_seq(
-    prompt: list[int], max_tokens: int, request_id: str = "r", prefill_only: bool = False
+    prompt: list[int], max_tokens: int, attempt_id: str = "r", prefill_only: bool = False
 ) -> Sequence:
     task = GenerateTask(
-        request_id=request_id,
+        attempt_id=attempt_id,
         prompt_token_ids=list(prompt),
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
         reply_subject="reply",
@@ -103,13 +103,13 @@ def test_sequences_join_at_step_boundaries_and_get_one_token_per_step(model, ran
         if step < len(seqs):
             engine.add(seqs[step])
             assert seqs[step].status is SeqStatus.WAITING and not seqs[step].output_ids
-        before = {s.request_id: len(s.output_ids) for s in seqs}
+        before = {s.attempt_id: len(s.output_ids) for s in seqs}
         outputs = engine.step()
         joined = seqs[: min(step + 1, len(seqs))]
-        assert sorted(s.request_id for s, _ in outputs) == sorted(s.request_id for s in joined)
+        assert sorted(s.attempt_id for s, _ in outputs) == sorted(s.attempt_id for s in joined)
         for seq, out in outputs:
             assert len(out.token_ids) == 1 and out.token_ids[0] == seq.output_ids[-1]
-            assert len(seq.output_ids) == before[seq.request_id] + 1
+            assert len(seq.output_ids) == before[seq.attempt_id] + 1
             assert seq.status is SeqStatus.RUNNING
         assert engine.running == joined and not engine.waiting
     for i, seq in enumerate(seqs):
@@ -236,7 +236,7 @@ def test_preempted_sequences_are_recomputed_and_finish_with_the_same_tokens(mode
     assert max_used <= 6
     for seq, prompt in zip(seqs, prompts):
         assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 40
-        assert seq.output_ids == alone(model, prompt, 40), seq.request_id
+        assert seq.output_ids == alone(model, prompt, 40), seq.attempt_id
     assert engine.blocks.used == 0
 
 
@@ -492,15 +492,15 @@ def test_waiting_prompts_are_served_by_priority_then_arrival(tiny_model):
     engine = make_engine(tiny_model, max_batch_tokens=CHUNK, max_num_seqs=1)
     order = []
     for rid, priority in (("a", 0), ("b", 2), ("c", 0), ("d", 2), ("e", 5)):
-        seq = make_seq(toks_of(rid), 1, request_id=rid)
+        seq = make_seq(toks_of(rid), 1, attempt_id=rid)
         seq.task.priority = priority
         engine.add(seq)
-    assert [s.request_id for s in engine.waiting] == ["e", "b", "d", "a", "c"]
+    assert [s.attempt_id for s in engine.waiting] == ["e", "b", "d", "a", "c"]
     assert engine.prompt_tokens_queued() == 5 * 20
     while engine.has_work():
         for seq, out in engine.step() or []:
             if out.finish_reason:
-                order.append(seq.request_id)
+                order.append(seq.attempt_id)
     assert order == ["e", "b", "d", "a", "c"]
     assert engine.prefill_tokens_per_s == 0.0  # one-chunk-or-less prompt steps say nothing of speed
 
@@ -528,13 +528,13 @@ def toks_of(rid: str) -> list[int]:
 
 def test_a_started_prompt_is_never_overtaken_by_a_higher_priority(tiny_model):
     engine = make_engine(tiny_model)
-    started = make_seq(toks_of("a"), 4, request_id="a")
+    started = make_seq(toks_of("a"), 4, attempt_id="a")
     started.prefill_started = time.time()  # preempted after it had started: no blocks now
     engine.add(started)
-    urgent = make_seq(toks_of("b"), 4, request_id="b")
+    urgent = make_seq(toks_of("b"), 4, attempt_id="b")
     urgent.task.priority = 9
     engine.add(urgent)
-    assert [s.request_id for s in engine.waiting] == ["a", "b"]
+    assert [s.attempt_id for s in engine.waiting] == ["a", "b"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -560,8 +560,8 @@ def test_a_resumed_sequence_goes_on_with_the_tokens_of_an_undisturbed_run(tiny_m
 def test_a_step_whose_sequences_were_all_cancelled_stops_between_layers(tiny_model):
     engine = make_engine(tiny_model)
     gone, kept = (
-        make_seq(list(range(3, 60)), 4, request_id="gone"),
-        make_seq(list(range(3, 40)), 4, request_id="kept"),
+        make_seq(list(range(3, 60)), 4, attempt_id="gone"),
+        make_seq(list(range(3, 40)), 4, attempt_id="kept"),
     )
     engine.add(gone)
     layers_run = []

@@ -52,7 +52,7 @@ class FakeContext:
 class ScriptedCluster:
     """Answers submit n with `replies[n]` where given (a SubmitReply not ok, or SILENT: no answer),
     else as a scheduler placing it on decode worker d<p>, the pth placed, then plays script p, in
-    turn: a TokenChunk is sent (its request id and next index filled in), LOSE skips an index (a
+    turn: a TokenChunk is sent (its attempt id and next index filled in), LOSE skips an index (a
     chunk lost on the way), a callable is called with the bus."""
 
     def __init__(self, bus: InMemoryBus, scripts: list[list], replies: dict | None = None):
@@ -82,7 +82,7 @@ class ScriptedCluster:
             if callable(step):
                 step(self.bus)
                 continue
-            step.request_id, step.index = task.request_id, index
+            step.attempt_id, step.index = task.attempt_id, index
             index += 1
             await self.bus.publish(task.reply_subject, step)
 
@@ -128,12 +128,12 @@ def tokens(responses) -> list[int]:
 
 
 def chunk(token_ids: list[int]) -> TokenChunk:
-    return TokenChunk(request_id="", index=0, token_ids=token_ids)
+    return TokenChunk(attempt_id="", index=0, token_ids=token_ids)
 
 
 def done(token_ids: list[int]) -> TokenChunk:
     return TokenChunk(
-        request_id="",
+        attempt_id="",
         index=0,
         token_ids=token_ids,
         finish_reason="length",
@@ -146,12 +146,12 @@ def failed(code: Code, worker: str) -> TokenChunk:
     """The last chunk of a request a worker failed (or was full for), not the request itself."""
     message = f"{worker} said {code.value}"
     if code is Code.RESOURCE_EXHAUSTED:
-        return TokenChunk(request_id="", index=0, failure=worker_full(worker, message))
-    return TokenChunk(request_id="", index=0, failure=worker_failed(worker, message, code))
+        return TokenChunk(attempt_id="", index=0, failure=worker_full(worker, message))
+    return TokenChunk(attempt_id="", index=0, failure=worker_failed(worker, message, code))
 
 
 def cancels(bus: InMemoryBus) -> set[str]:
-    return {m.request_id for _, m in bus.published if isinstance(m, CancelRequest)}
+    return {m.attempt_id for _, m in bus.published if isinstance(m, CancelRequest)}
 
 
 async def test_a_prefill_worker_full_moves_the_request_without_avoiding_it(tokenizer):
@@ -162,9 +162,9 @@ async def test_a_prefill_worker_full_moves_the_request_without_avoiding_it(token
     first, second = cluster.tasks
     assert second.avoid_workers == [] and second.resume_tokens == 0
     assert (
-        second.prompt_token_ids == first.prompt_token_ids and second.request_id != first.request_id
+        second.prompt_token_ids == first.prompt_token_ids and second.attempt_id != first.attempt_id
     )
-    assert first.request_id in cancels(bus)
+    assert first.attempt_id in cancels(bus)
     assert responses[-1].timing.migrations == 1
 
 
@@ -215,7 +215,7 @@ async def test_a_last_chunk_lost_in_a_nats_reconnect_resumes_from_the_tokens_sen
     first, second = cluster.tasks
     assert second.resume_tokens == 1 and second.prompt_token_ids == first.prompt_token_ids + [7]
     assert second.avoid_workers == []  # nobody failed: the decode worker may take it again
-    assert first.request_id in cancels(bus)
+    assert first.attempt_id in cancels(bus)
 
 
 async def test_a_gap_in_the_chunk_indexes_resumes_after_the_last_chunk_received(tokenizer):
@@ -234,8 +234,8 @@ async def test_a_scheduler_handing_the_request_back_has_it_submitted_again_as_a_
     )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     first, second = cluster.tasks
-    assert client_id(first.request_id) == client_id(second.request_id) == "req"
-    assert second.request_id != first.request_id and first.request_id in cancels(bus)
+    assert client_id(first.attempt_id) == client_id(second.attempt_id) == "req"
+    assert second.attempt_id != first.attempt_id and first.attempt_id in cancels(bus)
     assert second.moves == 0 and responses[-1].timing.migrations == 0
 
 
@@ -247,7 +247,7 @@ async def test_a_request_no_scheduler_places_twice_fails_and_both_attempts_are_c
     )
     assert responses == [] and context.code == grpc.StatusCode.UNAVAILABLE
     assert context.message == "the scheduler did not place the request in time"
-    assert {t.request_id for t in cluster.tasks} <= cancels(bus) and len(cluster.tasks) == 2
+    assert {t.attempt_id for t in cluster.tasks} <= cancels(bus) and len(cluster.tasks) == 2
 
 
 async def test_a_worker_failing_to_confirm_the_placement_moves_the_request_without_it(tokenizer):
@@ -257,7 +257,7 @@ async def test_a_worker_failing_to_confirm_the_placement_moves_the_request_witho
     )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     first, second = cluster.tasks
-    assert second.avoid_workers == ["d9"] and first.request_id in cancels(bus)
+    assert second.avoid_workers == ["d9"] and first.attempt_id in cancels(bus)
     assert responses[-1].timing.migrations == 1
 
 
@@ -287,18 +287,18 @@ async def test_a_silent_stream_fails_after_the_idle_timeout(tokenizer):
     )
     assert tokens(responses) == [7] and context.code == grpc.StatusCode.UNAVAILABLE
     assert context.message == "the worker sent nothing for 0s"
-    assert cluster.tasks[0].request_id in cancels(bus)
+    assert cluster.tasks[0].attempt_id in cancels(bus)
 
 
 async def test_a_chunk_with_a_final_error_ends_the_stream_with_its_code(tokenizer):
     final = TokenChunk(
-        request_id="", index=0, failure=request_failed(Code.INVALID_ARGUMENT, "bad stop")
+        attempt_id="", index=0, failure=request_failed(Code.INVALID_ARGUMENT, "bad stop")
     )
     responses, context, _, _ = await generate([[chunk([7]), final]], tokenizer=tokenizer)
     assert tokens(responses) == [7]
     assert (context.code, context.message) == (grpc.StatusCode.INVALID_ARGUMENT, "bad stop")
     blamed = request_failed(Code.FAILED_PRECONDITION, "layout mismatch", "p1")  # not movable
-    final = TokenChunk(request_id="", index=0, failure=blamed)
+    final = TokenChunk(attempt_id="", index=0, failure=blamed)
     responses, context, cluster, _ = await generate([[final]], tokenizer=tokenizer)
     assert (context.code, context.message) == (grpc.StatusCode.FAILED_PRECONDITION, blamed.message)
     assert len(cluster.tasks) == 1  # not placed again
@@ -308,7 +308,7 @@ async def test_a_client_going_away_cancels_the_attempt_and_a_finished_stream_doe
     responses, _, cluster, bus = await generate(
         [[chunk([7]), chunk([8]), done([9])]], take=1, tokenizer=tokenizer
     )
-    assert tokens(responses) == [7] and cluster.tasks[0].request_id in cancels(bus)
+    assert tokens(responses) == [7] and cluster.tasks[0].attempt_id in cancels(bus)
     responses, _, cluster, bus = await generate([[done([7, 8, 9])]], tokenizer=tokenizer)
     assert tokens(responses) == [7, 8, 9] and cancels(bus) == set()
     timing = responses[-1].timing
@@ -337,7 +337,7 @@ async def test_no_task_the_gateway_submitted_is_changed_afterwards(tokenizer):
     )
     assert context.code is None and tokens(responses) == [7, 8, 9] and len(bus.asked) == 3
     assert all(task == as_asked for task, as_asked in bus.asked)
-    assert len({task.request_id for task, _ in bus.asked}) == 3
+    assert len({task.attempt_id for task, _ in bus.asked}) == 3
 
 
 def test_a_failures_code_is_the_grpc_status_of_the_same_name():

@@ -222,6 +222,6 @@ async def test_events_after_the_end_change_nothing():
     t.on_peer_lost()
     t.on_piece_landed()
     t.on_ack(TaskAck())
-    t.on_result(PrefillResult(request_id="r", base_tag=1 << 40))
+    t.on_result(PrefillResult(attempt_id="r", base_tag=1 << 40))
     t.tick()
     assert t.state is S.RELEASED and t.cause.failure.message == "first" and t.result is None

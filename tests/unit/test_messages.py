@@ -38,7 +38,7 @@ SAMPLING = SamplingParams(
 )
 LAYOUT = KVLayout(model="m", dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64)
 TASK = GenerateTask(
-    request_id="r1",
+    attempt_id="r1",
     prompt_token_ids=[1, 2, 49151],
     sampling=SAMPLING,
     reply_subject="tandem.c.gateway.g.tokens",
@@ -66,7 +66,7 @@ SAMPLES = [
     DecodeAssignment(task=TASK, prefill_worker="prefill-1"),
     TaskAck(),
     PrefillTask(
-        request_id="r1",
+        attempt_id="r1",
         prompt_token_ids=[5, 6],
         sampling=SAMPLING,
         layout=LAYOUT,
@@ -81,13 +81,13 @@ SAMPLES = [
         decode_worker="d",
         arrival_time=2.0,
     ),
-    PrefillResult(request_id="r1", base_tag=3, first_token=42, kv_bytes=1024, queue_ms=0.5),
+    PrefillResult(attempt_id="r1", base_tag=3, first_token=42, kv_bytes=1024, queue_ms=0.5),
     PrefillResult(
-        request_id="r1", base_tag=3, failure=failed(Code.CANCELLED, "gone"), pieces_sent=120
+        attempt_id="r1", base_tag=3, failure=failed(Code.CANCELLED, "gone"), pieces_sent=120
     ),
-    TransferAbort(request_id="r1", base_tag=2**40, reason="lease expired"),
+    TransferAbort(attempt_id="r1", base_tag=2**40, reason="lease expired"),
     TokenChunk(
-        request_id="r1",
+        attempt_id="r1",
         index=3,
         token_ids=[9],
         text="é🙂",
@@ -96,7 +96,7 @@ SAMPLES = [
             queue_ms=1.0, prefill_ms=2.0, kv_transfer_ms=3.0, prefill_worker="p", decode_worker="d"
         ),
     ),
-    CancelRequest(request_id="r1"),
+    CancelRequest(attempt_id="r1"),
     beat(
         "w1",
         running=2,
@@ -110,7 +110,7 @@ SAMPLES = [
     Ping(),
     SubmitReply(prefill_worker="p", decode_worker="d"),  # placed: no failure
     TaskAck(worker_full("d", "full")),
-    TokenChunk(request_id="r1", index=4, failure=worker_failed("d", "shut down")),
+    TokenChunk(attempt_id="r1", index=4, failure=worker_failed("d", "shut down")),
     StatusReply(
         mode="disaggregated",
         ready=True,
@@ -131,7 +131,7 @@ def test_round_trip(message):
 
 
 def test_round_trip_keeps_nested_types():
-    chunk = decode(encode(TokenChunk(request_id="r", index=0)), TokenChunk)
+    chunk = decode(encode(TokenChunk(attempt_id="r", index=0)), TokenChunk)
     assert chunk.timing is None
     reply = decode(encode(SAMPLES[-1]), StatusReply)
     assert isinstance(reply.workers[0], WorkerHeartbeat) and isinstance(
@@ -154,18 +154,18 @@ def raw(**body) -> bytes:
         raw(type="NoSuchMessage"),
         msgpack.packb([1, 2, 3]),  # not a map
         raw(ok=True),  # no type
-        raw(type="PrefillResult", request_id="r"),  # missing required field
+        raw(type="PrefillResult", attempt_id="r"),  # missing required field
         raw(type="StatusReply", mode="m", ready="yes"),  # str for bool
-        raw(type="TokenChunk", request_id="r", index="1"),  # str for int
-        raw(type="TokenChunk", request_id="r", index=True),  # bool for int
-        raw(type="TokenChunk", request_id="r", index=1.0),  # float for int
-        raw(type="TokenChunk", request_id="r", index=0, token_ids=[1, True]),
-        raw(type="TokenChunk", request_id="r", index=0, token_ids=5),
-        raw(type="TokenChunk", request_id="r", index=0, timing=5),
-        raw(type="TokenChunk", request_id="r", index=0, timing={"queue_ms": "x"}),
-        raw(type="CancelRequest", request_id=None),
+        raw(type="TokenChunk", attempt_id="r", index="1"),  # str for int
+        raw(type="TokenChunk", attempt_id="r", index=True),  # bool for int
+        raw(type="TokenChunk", attempt_id="r", index=1.0),  # float for int
+        raw(type="TokenChunk", attempt_id="r", index=0, token_ids=[1, True]),
+        raw(type="TokenChunk", attempt_id="r", index=0, token_ids=5),
+        raw(type="TokenChunk", attempt_id="r", index=0, timing=5),
+        raw(type="TokenChunk", attempt_id="r", index=0, timing={"queue_ms": "x"}),
+        raw(type="CancelRequest", attempt_id=None),
         raw(type="StatusReply", mode="m", ready=True, workers=[{"worker_id": "w"}]),
-        raw(type="DecodeAssignment", task={"request_id": "r"}),
+        raw(type="DecodeAssignment", task={"attempt_id": "r"}),
     ],
 )
 def test_rejects_malformed(data):
@@ -181,7 +181,7 @@ def test_rejects_str_for_bytes():
 
 
 def test_float_field_accepts_int():
-    chunk = decode(raw(type="PrefillResult", request_id="r", base_tag=1, queue_ms=3), PrefillResult)
+    chunk = decode(raw(type="PrefillResult", attempt_id="r", base_tag=1, queue_ms=3), PrefillResult)
     assert chunk.queue_ms == 3.0 and isinstance(chunk.queue_ms, float)
 
 
@@ -198,18 +198,18 @@ def test_encode_rejects_non_messages():
 
 
 def test_oversized_payloads():
-    big = TokenChunk(request_id="r", index=0, text="x" * MAX_MESSAGE_BYTES)
+    big = TokenChunk(attempt_id="r", index=0, text="x" * MAX_MESSAGE_BYTES)
     with pytest.raises(MessageError, match="limit"):
         encode(big)
     with pytest.raises(MessageError):
-        decode(raw(type="TokenChunk", request_id="r", index=0, text="x" * MAX_MESSAGE_BYTES))
+        decode(raw(type="TokenChunk", attempt_id="r", index=0, text="x" * MAX_MESSAGE_BYTES))
 
 
 def test_largest_generate_task_fits():
     sampling = SamplingParams(max_tokens=1, stop=["s" * 255 + str(i % 10) for i in range(16)])
     ids = [49151 - (i % 1000) for i in range(8192)]
     task = GenerateTask(
-        request_id="r" * 128,
+        attempt_id="r" * 128,
         prompt_token_ids=ids,
         sampling=sampling,
         reply_subject="tandem." + "c" * 64 + ".gateway.g.tokens",
@@ -252,7 +252,7 @@ def _with(message, path: str, value) -> bytes:
         (TASK, "deadline", float("inf")),
         (TASK, "arrival_time", float("nan")),
         (SAMPLES[4], "destination.lease_s", 1e9),
-        (TASK, "request_id", ""),
+        (TASK, "attempt_id", ""),
         (TASK, "avoid_workers", ["w"] * 65),
         (SAMPLES[4], "destination.block_ids", [7, -1]),
         (SAMPLES[4], "destination.lease_s", 0.0),
@@ -276,8 +276,8 @@ def test_acks_results_and_chunks_carry_a_typed_failure():
     gone = worker_failed("p1", "KV transfer failed")
     messages = [
         TaskAck(gone),
-        PrefillResult(request_id="r", base_tag=1, failure=gone),
-        TokenChunk(request_id="r", index=0, failure=gone),
+        PrefillResult(attempt_id="r", base_tag=1, failure=gone),
+        TokenChunk(attempt_id="r", index=0, failure=gone),
     ]
     for message in messages:
         back = decode(encode(message), type(message))

@@ -6,7 +6,7 @@ from shared.control.messages import GenerateTask, SamplingParams
 
 def test_a_resumed_attempt_carries_the_sent_tokens_and_what_is_left_to_generate():
     first = GenerateTask(
-        request_id="req-1.aaaa",
+        attempt_id="req-1.aaaa",
         prompt_token_ids=[5, 6, 7],
         reply_subject="g",
         arrival_time=1.0,
@@ -18,7 +18,7 @@ def test_a_resumed_attempt_carries_the_sent_tokens_and_what_is_left_to_generate(
     assert second.prompt_token_ids == [5, 6, 7, 20, 21, 22] and second.resume_tokens == 3
     assert second.sampling.max_tokens == 7 and second.sampling.stop == ["x"]
     assert second.avoid_workers == ["d1"]
-    assert client_id(second.request_id) == "req-1" and second.request_id != first.request_id
+    assert client_id(second.attempt_id) == "req-1" and second.attempt_id != first.attempt_id
     assert (second.deadline, second.priority, second.arrival_time) == (9.0, 3, 1.0)
     third = resumed(second, [5, 6, 7], [20, 21, 22, 23], "p2")
     assert third.prompt_token_ids == [5, 6, 7, 20, 21, 22, 23] and third.resume_tokens == 4

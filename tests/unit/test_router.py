@@ -34,7 +34,7 @@ def task(
 ) -> GenerateTask:
     ids = prompt if prompt is not None else list(range(1, prompt_len + 1))
     return GenerateTask(
-        request_id="r",
+        attempt_id="r",
         prompt_token_ids=ids,
         sampling=SamplingParams(max_tokens=max_tokens),
         reply_subject="g",

@@ -44,10 +44,10 @@ def beat(worker_id: str, role: str = "decode", layout: KVLayout = LAYOUT, **kw) 
 
 
 def task(
-    prompt_len: int = 10, max_tokens: int = 6, request_id: str = "r1", priority: int = 0
+    prompt_len: int = 10, max_tokens: int = 6, attempt_id: str = "r1", priority: int = 0
 ) -> GenerateTask:
     return GenerateTask(
-        request_id=request_id,
+        attempt_id=attempt_id,
         prompt_token_ids=[1] * prompt_len,
         sampling=SamplingParams(max_tokens=max_tokens),
         reply_subject="g",
@@ -125,15 +125,15 @@ def test_registry_keeps_each_workers_prefix_summary():
 def test_queue_serves_priority_first_then_arrival_order():
     queue = AdmissionQueue(max_pending=10, timeout_s=5, clock=Clock())
     for rid, prio in (("a", 0), ("b", 5), ("c", 0), ("d", 5), ("e", -1)):
-        queue.offer(task(request_id=rid, priority=prio), None)
-    assert [queue.pop().task.request_id for _ in range(5)] == ["b", "d", "a", "c", "e"]
+        queue.offer(task(attempt_id=rid, priority=prio), None)
+    assert [queue.pop().task.attempt_id for _ in range(5)] == ["b", "d", "a", "c", "e"]
 
 
 def test_queue_is_bounded_and_a_requeued_entry_keeps_its_place():
     queue = AdmissionQueue(max_pending=2, timeout_s=5, clock=Clock())
-    first = queue.offer(task(request_id="a"), None)
-    queue.offer(task(request_id="b"), None)
-    assert queue.offer(task(request_id="c"), None) is None
+    first = queue.offer(task(attempt_id="a"), None)
+    queue.offer(task(attempt_id="b"), None)
+    assert queue.offer(task(attempt_id="c"), None) is None
     assert queue.pop() is first
     queue.requeue(first)
     assert queue.head() is first
@@ -141,12 +141,12 @@ def test_queue_is_bounded_and_a_requeued_entry_keeps_its_place():
 
 def test_a_request_placed_again_goes_first_among_its_priority_and_past_a_full_queue():
     queue = AdmissionQueue(max_pending=2, timeout_s=5, clock=Clock())
-    queue.offer(task(request_id="a"), None)
-    queue.offer(task(request_id="b", priority=1), None)
-    moved = dataclasses.replace(task(request_id="m"), moves=1)
+    queue.offer(task(attempt_id="a"), None)
+    queue.offer(task(attempt_id="b", priority=1), None)
+    moved = dataclasses.replace(task(attempt_id="m"), moves=1)
     assert queue.offer(moved, None) is not None  # admitted before: the bound is for new requests
-    assert queue.offer(task(request_id="c"), None) is None
-    assert [queue.pop().task.request_id for _ in range(3)] == ["b", "m", "a"]
+    assert queue.offer(task(attempt_id="c"), None) is None
+    assert [queue.pop().task.attempt_id for _ in range(3)] == ["b", "m", "a"]
 
 
 def test_queue_expires_long_waits_and_hints_when_to_retry():
@@ -154,14 +154,14 @@ def test_queue_expires_long_waits_and_hints_when_to_retry():
     queue = AdmissionQueue(max_pending=10, timeout_s=5, clock=clock)
     assert queue.retry_after_ms() == 1000  # nothing placed yet
     for i in range(4):
-        queue.offer(task(request_id=f"r{i}"), None)
+        queue.offer(task(attempt_id=f"r{i}"), None)
     for _ in range(2):
         clock.now += 1.0
         queue.pop()
         queue.placed()  # two placed, 1 s apart
     clock.now += 3.6
-    queue.offer(task(request_id="late"), None)
-    assert [e.task.request_id for e in queue.expired()] == ["r2", "r3"]
+    queue.offer(task(attempt_id="late"), None)
+    assert [e.task.attempt_id for e in queue.expired()] == ["r2", "r3"]
     assert len(queue) == 1
     # 2 placed over the last 4.6 s (at least 1 s): (1 waiting + 1) / (2 / 4.6 per second) = 4.6 s
     assert queue.retry_after_ms() == 4600
@@ -204,11 +204,11 @@ async def test_dispatch_success_returns_the_pair():
     await fake_worker(bus, "d1", TaskAck(), log)
     svc.registry.update(beat("d1"))
     svc.registry.update(beat("p1", role="prefill"))
-    reply = await submit(svc, task(request_id="abc"))
+    reply = await submit(svc, task(attempt_id="abc"))
     assert reply == SubmitReply(prefill_worker="p1", decode_worker="d1")
     [(worker, assignment)] = log
     assert (
-        worker == "d1" and assignment.prefill_worker == "p1" and assignment.task.request_id == "abc"
+        worker == "d1" and assignment.prefill_worker == "p1" and assignment.task.attempt_id == "abc"
     )
     assert svc.registry.live("decode")[0].queued == 1  # counted until d1's next heartbeat
 
@@ -245,12 +245,12 @@ async def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once():
     async def respond(reply: SubmitReply) -> None:
         answers.append(reply)
 
-    await svc.on_submit(task(request_id="a"), respond)
-    await svc.on_submit(task(request_id="b"), respond)
+    await svc.on_submit(task(attempt_id="a"), respond)
+    await svc.on_submit(task(attempt_id="b"), respond)
     assert len(svc.queue) == 2
     await svc.on_cancel(CancelRequest("a", "client went away"), None)
     await asyncio.sleep(0)
-    assert len(svc.queue) == 1 and svc.queue.head().task.request_id == "b"
+    assert len(svc.queue) == 1 and svc.queue.head().task.attempt_id == "b"
     assert [(r.ok, r.failure.code) for r in answers] == [(False, Code.CANCELLED)]
     await svc.on_cancel(CancelRequest("nobody", ""), None)  # not waiting here: nothing happens
     assert len(svc.queue) == 1
@@ -265,11 +265,11 @@ async def test_a_worker_that_never_confirms_is_named_so_the_gateway_can_move_the
     await bus.subscribe(Subjects(CLUSTER).decode_tasks("d1"), silent)
     svc.registry.update(beat("d1"))
     svc.registry.update(beat("p1", role="prefill"))
-    reply = await submit(svc, task(request_id="x"))
+    reply = await submit(svc, task(attempt_id="x"))
     assert reply == SubmitReply(worker_failed("d1", "decode worker d1 did not answer in time"))
     # it may hold it: drop it
     cancels = [m for s, m in bus.published if s == Subjects(CLUSTER).cancel]
-    assert [c.request_id for c in cancels] == ["x"]
+    assert [c.attempt_id for c in cancels] == ["x"]
 
 
 async def test_a_moved_request_avoids_the_workers_that_failed_it():
@@ -281,7 +281,7 @@ async def test_a_moved_request_avoids_the_workers_that_failed_it():
     svc.registry.update(beat("d2", running=3))
     svc.registry.update(beat("p1", role="prefill"))
     # a long prompt
-    assert (await submit(svc, task(600, request_id="first"))).prefill_worker == "p1"
+    assert (await submit(svc, task(600, attempt_id="first"))).prefill_worker == "p1"
     moved = task(600)
     moved.avoid_workers = ["d1", "p1"]  # its decode worker, then its prefill worker, died
     reply = await submit(svc, moved)
@@ -289,7 +289,7 @@ async def test_a_moved_request_avoids_the_workers_that_failed_it():
         "d2",
         "",
     )  # auto: prefilled locally instead
-    moved = task(request_id="again")
+    moved = task(attempt_id="again")
     moved.avoid_workers = ["d1", "d2"]
     reply = await submit(svc, moved)
     assert (reply.ok, reply.failure.code, reply.failure.retry) == (
@@ -333,7 +333,7 @@ async def test_shutdown_hands_waiting_requests_back_for_another_scheduler():
     )
     assert reply == handed_back
     await asyncio.wait_for(server, 1.0)
-    late = await submit(svc, task(request_id="late"))
+    late = await submit(svc, task(attempt_id="late"))
     assert late == handed_back
 
 
@@ -392,9 +392,9 @@ async def test_overload_is_refused_at_once_when_the_queue_is_full_and_after_the_
     await asyncio.sleep(0)
     svc.registry.update(beat("d1", running=8, max_num_seqs=8))
     svc.registry.update(beat("p1", role="prefill"))
-    waiting = asyncio.ensure_future(submit(svc, task(request_id="a")))
+    waiting = asyncio.ensure_future(submit(svc, task(attempt_id="a")))
     await asyncio.sleep(0.05)
-    refused = await submit(svc, task(request_id="b"), timeout=0.1)  # at once: the queue is full
+    refused = await submit(svc, task(attempt_id="b"), timeout=0.1)  # at once: the queue is full
     assert (refused.failure.code, refused.retry_after_ms > 0) == (Code.RESOURCE_EXHAUSTED, True)
     late = await asyncio.wait_for(waiting, 1.0)  # after queue_timeout_s
     assert (late.failure.code, "within" in late.failure.message, late.retry_after_ms > 0) == (
@@ -412,14 +412,14 @@ async def test_higher_priority_is_placed_first_when_room_comes():
     await fake_worker(bus, "d1", TaskAck(), log)
     svc.registry.update(beat("d1", running=8, max_num_seqs=8))
     svc.registry.update(beat("p1", role="prefill"))
-    low = asyncio.ensure_future(submit(svc, task(request_id="low")))
+    low = asyncio.ensure_future(submit(svc, task(attempt_id="low")))
     await asyncio.sleep(0.01)
-    high = asyncio.ensure_future(submit(svc, task(request_id="high", priority=3)))
+    high = asyncio.ensure_future(submit(svc, task(attempt_id="high", priority=3)))
     await asyncio.sleep(0.01)
     await svc.on_heartbeat(beat("d1", running=7, max_num_seqs=8), None)  # room for one
     assert (await high).ok
     await asyncio.sleep(0.05)
-    assert not low.done() and [a.task.request_id for _, a in log] == ["high"]
+    assert not low.done() and [a.task.attempt_id for _, a in log] == ["high"]
     await svc.on_heartbeat(beat("d1", running=6, max_num_seqs=8), None)
     assert (await low).ok
 

@@ -22,11 +22,11 @@ async def test_publish_reaches_every_plain_subscriber_decoded():
     await bus.subscribe("s", handler)
     await bus.subscribe("s", handler)
     await bus.subscribe("other", handler)
-    await bus.publish("s", CancelRequest(request_id="r1"))
-    assert [m for m, _ in got] == [CancelRequest(request_id="r1")] * 2
+    await bus.publish("s", CancelRequest(attempt_id="r1"))
+    assert [m for m, _ in got] == [CancelRequest(attempt_id="r1")] * 2
     assert all(r is None for _, r in got)  # a publish has nobody to answer
     assert got[0][0] is not got[1][0]  # each subscriber decodes its own copy
-    assert bus.published == [("s", CancelRequest(request_id="r1"))]
+    assert bus.published == [("s", CancelRequest(attempt_id="r1"))]
 
 
 async def test_unsubscribe_stops_delivery():
@@ -45,10 +45,10 @@ async def test_request_respond():
     bus = InMemoryBus()
 
     async def handler(msg, respond):
-        await respond(TaskAck(failed(Code.INTERNAL, msg.request_id)))
+        await respond(TaskAck(failed(Code.INTERNAL, msg.attempt_id)))
 
     await bus.subscribe("s", handler)
-    ack = await bus.request("s", CancelRequest(request_id="r9"), timeout=1.0, expected=TaskAck)
+    ack = await bus.request("s", CancelRequest(attempt_id="r9"), timeout=1.0, expected=TaskAck)
     assert ack == TaskAck(failed(Code.INTERNAL, "r9"))
 
 

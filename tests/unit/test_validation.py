@@ -184,7 +184,7 @@ def test_the_most_a_valid_request_may_ask_passes_the_wire_checks(tokenizer):
     edge.priority = -(2**31)
     valid = validate(edge, tokenizer, LIMITS)
     task = GenerateTask(
-        request_id=valid.request_id + ".0123456789ab",
+        attempt_id=valid.request_id + ".0123456789ab",
         prompt_token_ids=valid.prompt_token_ids,
         sampling=valid.sampling,
         reply_subject="tandem.c.gateway.g.tokens",

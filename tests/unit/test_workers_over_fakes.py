@@ -9,9 +9,9 @@ from shared.control.messages import CancelRequest
 from tests.unit.transfer_fakes import DECODE, PREFILL, Pair, make_task, until
 
 
-def in_flight(pair: Pair, request_id: str) -> bool:
+def in_flight(pair: Pair, attempt_id: str) -> bool:
     """Pieces of the request are on the wire (and held there: the decode plane holds them)."""
-    t = pair.prefill.held.get(request_id)
+    t = pair.prefill.held.get(attempt_id)
     return t is not None and bool(t.sender.sends)
 
 
@@ -37,7 +37,7 @@ async def test_a_cancel_mid_transfer_frees_both_sides_once(tiny_model):
         pair.decode_plane.hold = True  # the KV cannot land: the transfer stays in flight
         assert (await pair.submit(make_task("r", 200))).ok
         await until(lambda: in_flight(pair, "r"))
-        await pair.bus.publish(pair.subjects.cancel, CancelRequest(request_id="r", reason="bye"))
+        await pair.bus.publish(pair.subjects.cancel, CancelRequest(attempt_id="r", reason="bye"))
         pair.decode_plane.hold = False
         last = await pair.outcome("r")
         assert last.finish_reason == "cancelled"

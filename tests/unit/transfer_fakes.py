@@ -59,12 +59,12 @@ def settings(**overrides) -> WorkerSettings:
     return WorkerSettings(**{**values, **overrides})
 
 
-def make_task(request_id: str, prompt_len: int, deadline: float = 0.0, max_tokens: int = 4):
+def make_task(attempt_id: str, prompt_len: int, deadline: float = 0.0, max_tokens: int = 4):
     return GenerateTask(
-        request_id=request_id,
+        attempt_id=attempt_id,
         prompt_token_ids=[3 + i % 100 for i in range(prompt_len)],
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-        reply_subject=f"reply.{request_id}",
+        reply_subject=f"reply.{attempt_id}",
         arrival_time=time.time(),
         deadline=deadline,
     )
@@ -152,7 +152,7 @@ class ScriptedPrefill:
         if failure is None:
             fields = dict(first_token=7, computed_at=time.time(), transport="inprocess", **fields)
         message = PrefillResult(
-            request_id=task.request_id,
+            attempt_id=task.attempt_id,
             base_tag=task.destination.base_tag,
             failure=failure,
             prefill_worker=self.worker_id,
@@ -169,7 +169,7 @@ class CountingEngine:
         release = engine.release
 
         def counted(seq) -> None:
-            self.freed[seq.request_id] = self.freed.get(seq.request_id, 0) + 1
+            self.freed[seq.attempt_id] = self.freed.get(seq.attempt_id, 0) + 1
             release(seq)
 
         engine.release = counted
@@ -232,21 +232,21 @@ class Pair:
         from shared.control.messages import DecodeAssignment
 
         async def collect(chunk, respond):
-            self.chunks[task.request_id].append(chunk)
+            self.chunks[task.attempt_id].append(chunk)
 
-        self.chunks[task.request_id] = []
+        self.chunks[task.attempt_id] = []
         await self.bus.subscribe(task.reply_subject, collect)
         assignment = DecodeAssignment(task=task, prefill_worker=PREFILL if remote else "")
         return await self.bus.request(self.subjects.decode_tasks(DECODE), assignment, 5, TaskAck)
 
-    async def outcome(self, request_id: str, timeout: float = 30.0):
+    async def outcome(self, attempt_id: str, timeout: float = 30.0):
         """The last chunk of the request, once it came: a finish reason or an error."""
-        chunks = self.chunks[request_id]
+        chunks = self.chunks[attempt_id]
         await until(lambda: chunks and (chunks[-1].finish_reason or chunks[-1].failure), timeout)
         return chunks[-1]
 
-    def tokens(self, request_id: str) -> list[int]:
-        return [t for c in self.chunks[request_id] for t in c.token_ids]
+    def tokens(self, attempt_id: str) -> list[int]:
+        return [t for c in self.chunks[attempt_id] for t in c.token_ids]
 
     async def idle(self) -> None:
         """Both workers hold nothing: every block back, nothing leaked."""

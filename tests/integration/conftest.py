@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from shared.cli.processes import ProcessGroup
-from tests.integration.stack import start_nats, start_stack
+from tests.integration.stack import AUTO_GATEWAY_ID, start_nats, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +26,27 @@ def disagg(processes, nats):
 @pytest.fixture(scope="session")
 def colocated(processes, nats, disagg):
     return start_stack(processes, nats, "it-colo", "colocated")
+
+
+@pytest.fixture(scope="session")
+def auto(processes, nats):
+    """An auto-mode stack (1 prefill, 1 decode worker) that prefills prompts under 64 tokens on
+    the decode worker, takes prompts of up to 512 tokens and answers at most 4: the hostile
+    tests' target, and the routing test's. Its gateway's id is fixed, so the hostile tests can
+    flood its token subject."""
+    return start_stack(
+        processes,
+        nats,
+        "it-auto",
+        "auto",
+        extra_env={
+            "TANDEM_GATEWAY_ID": AUTO_GATEWAY_ID,
+            "TANDEM_MAX_TOKENS_LIMIT": "4",
+            "TANDEM_DEFAULT_MAX_TOKENS": "4",
+            "TANDEM_LOCAL_PREFILL_TOKENS": "64",
+            "TANDEM_MAX_PROMPT_TOKENS": "512",
+        },
+    )
 
 
 @pytest.fixture(scope="session")

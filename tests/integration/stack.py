@@ -19,6 +19,8 @@ from shared.cli.processes import (
     wait_for_port,
 )
 
+AUTO_GATEWAY_ID = "gw-auto"  # the session's auto-mode stack's gateway (conftest.auto)
+
 
 @dataclass
 class NatsServer:

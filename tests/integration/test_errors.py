@@ -175,15 +175,10 @@ def _wait_for_unavailable(stack, reason: str) -> float:
         time.sleep(0.5)
 
 
-def test_no_workers_is_unavailable_quickly(processes, nats):
-    empty = start_stack(processes, nats, "it-empty", prefill=0, decode=0, wait=False)
-    _wait_for_unavailable(empty, "no live")
-    assert _wait_for_unavailable(empty, "no live") < 5  # a second request, with everything up
-    empty.stop()
-
-
-def test_no_scheduler_is_unavailable(processes, nats):
+def test_no_workers_and_then_no_scheduler_are_unavailable_quickly(processes, nats):
     lonely = start_stack(processes, nats, "it-lonely", prefill=0, decode=0, wait=False)
+    _wait_for_unavailable(lonely, "no live")
+    assert _wait_for_unavailable(lonely, "no live") < 5  # a second request, with everything up
     dict(processes.children)["it-lonely-scheduler"].terminate()
     # NATS answers "no responders" at once: no waiting for a timeout.
     assert _wait_for_unavailable(lonely, "scheduler") < 5

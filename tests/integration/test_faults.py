@@ -84,7 +84,7 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
         for question, path in (("river", "disaggregated"), ("forest", "local")):
             # distinct from the first token: no prefix cache shortens the prefill we kill
             long = chat_request(
-                f"About the {question}. {long_document(1200)} And near the {question}?", 8
+                f"About the {question}. {long_document(700)} And near the {question}?", 8
             )
             responses, killed = _kill_mid_prefill(stack, long, frozenset(killed_ids))
             killed_ids.add(killed.id)

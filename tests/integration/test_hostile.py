@@ -5,10 +5,12 @@ the stack still answers correctly afterwards.
 """
 
 import asyncio
+import concurrent.futures
 import os
 import random
 import socket
 import time
+from collections import Counter
 
 import grpc
 import msgpack
@@ -21,31 +23,16 @@ from hypothesis import strategies as st
 from shared.api import tandem_pb2 as pb
 from shared.control.subjects import Subjects
 from tests.integration.helpers import chat_request, collect, long_document
-from tests.integration.stack import start_stack
+from tests.integration.stack import AUTO_GATEWAY_ID
 
 pytestmark = pytest.mark.slow
 
-GATEWAY_ID = "gw-hostile"
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 @pytest.fixture(scope="module")
-def hostile(processes, nats):
-    stack = start_stack(
-        processes,
-        nats,
-        "it-hostile",
-        "auto",
-        extra_env={
-            "TANDEM_GATEWAY_ID": GATEWAY_ID,
-            "TANDEM_MAX_TOKENS_LIMIT": "4",
-            "TANDEM_DEFAULT_MAX_TOKENS": "4",
-            "TANDEM_LOCAL_PREFILL_TOKENS": "64",
-        },
-    )
-    reference = collect(stack.stub(), chat_request("Name a colour.", 4))[1]
-    yield stack, reference
-    stack.stop()
+def hostile(auto):
+    return auto, collect(auto.stub(), chat_request("Name a colour.", 4))[1]
 
 
 def _still_serving(stack, reference) -> None:
@@ -96,7 +83,27 @@ MUTATED = st.tuples(REQUESTS, st.randoms(use_true_random=False)).map(
 BODIES = st.one_of(REQUESTS, st.binary(max_size=2048), INVALID_UTF8, MUTATED)
 
 
+def _status_of(generate, body: bytes) -> str:
+    """'OK' (a valid request's first response; then we leave) or the refusal's status code."""
+    stream = generate(body, timeout=120)
+    try:
+        first = next(stream)
+        assert isinstance(first, pb.GenerateResponse)
+        stream.cancel()
+        return "OK"
+    except StopIteration:
+        raise AssertionError(
+            f"a stream ended without a response or a status: {body[:100]}"
+        ) from None
+    except grpc.RpcError as err:
+        assert err.code() in REFUSALS, (err.code(), err.details(), body[:100])
+        assert err.details(), f"a refusal without a message: {body[:100]}"
+        return err.code().name
+
+
 def test_a_thousand_random_requests_get_a_proper_status_each(hostile):
+    """Hypothesis makes the requests; eight at a time are in flight (one at a time left the
+    stack idle between them), and each one's outcome is checked once all have come back."""
     stack, reference = hostile
     channel = stack.channel()
     generate = channel.unary_stream(
@@ -104,7 +111,7 @@ def test_a_thousand_random_requests_get_a_proper_status_each(hostile):
         request_serializer=None,
         response_deserializer=pb.GenerateResponse.FromString,
     )
-    seen: dict = {}
+    sent: list[tuple[bytes, concurrent.futures.Future]] = []
 
     @settings(
         max_examples=1000,
@@ -115,22 +122,13 @@ def test_a_thousand_random_requests_get_a_proper_status_each(hostile):
     )
     @given(BODIES)
     def one(body: bytes) -> None:
-        stream = generate(body, timeout=60)
-        try:
-            first = next(stream)  # a valid request: its first response; then we leave
-            assert isinstance(first, pb.GenerateResponse)
-            seen["OK"] = seen.get("OK", 0) + 1
-            stream.cancel()
-        except StopIteration:
-            raise AssertionError("a stream that ended without a response or a status") from None
-        except grpc.RpcError as err:
-            assert err.code() in REFUSALS, (err.code(), err.details(), body[:100])
-            assert err.details(), "a refusal without a message"
-            seen[err.code().name] = seen.get(err.code().name, 0) + 1
+        sent.append((body, pool.submit(_status_of, generate, body)))
 
-    one()
-    print(f"gRPC API: {sum(seen.values())} requests: {seen}")
-    assert seen.get("OK") and seen.get("INVALID_ARGUMENT")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        one()
+    seen = Counter(future.result() for _, future in sent)  # the first failure raises here
+    print(f"gRPC API: {len(sent)} requests: {dict(seen)}")
+    assert len(sent) == 1000 and seen["OK"] and seen["INVALID_ARGUMENT"], seen
     channel.close()
     _still_serving(stack, reference)
 
@@ -190,16 +188,22 @@ def _bad_payloads(rng: random.Random) -> list[bytes]:
 
 
 async def _flood(url: str, subjects: list[str]) -> None:
+    """Each bad payload published on each subject, and sent as a request too (all at once: nobody
+    answers garbage, so each request waits for its timeout or hears no responders)."""
     client = await nats.connect(url)
     rng = random.Random(9)
+
+    async def ask(subject: str, payload: bytes) -> None:
+        try:
+            await client.request(subject, payload, timeout=0.5)
+        except Exception:  # a timeout or no responders
+            pass
+
     try:
-        for subject in subjects:
-            for payload in _bad_payloads(rng):
-                await client.publish(subject, payload)
-                try:
-                    await client.request(subject, payload, timeout=0.2)
-                except Exception:  # nobody answers garbage: a timeout or no responders
-                    pass
+        sent = [(subject, payload) for subject in subjects for payload in _bad_payloads(rng)]
+        for subject, payload in sent:
+            await client.publish(subject, payload)
+        await asyncio.gather(*(ask(subject, payload) for subject, payload in sent))
         await client.flush()
     finally:
         await client.close()
@@ -209,7 +213,14 @@ def test_garbage_on_every_nats_subject_is_dropped_and_counted(hostile, nats):
     stack, reference = hostile
     s = Subjects(stack.cluster)
     workers = [w.id for w in stack.status().workers]
-    subjects = [s.heartbeat, s.discover, s.submit, s.status, s.cancel, s.gateway_tokens(GATEWAY_ID)]
+    subjects = [
+        s.heartbeat,
+        s.discover,
+        s.submit,
+        s.status,
+        s.cancel,
+        s.gateway_tokens(AUTO_GATEWAY_ID),
+    ]
     for w in workers:
         subjects += [
             s.decode_tasks(w),

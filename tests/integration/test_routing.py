@@ -15,24 +15,17 @@ from tests.integration.stack import start_stack
 pytestmark = pytest.mark.slow
 
 
-def test_auto_mode_prefills_short_prompts_locally_and_long_ones_remotely(
-    processes, nats, hf_model, tokenizer
-):
-    stack = start_stack(
-        processes, nats, "it-auto", "auto", extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "128"}
-    )
-    try:
-        short, long = chat_request("Say hello.", 12), chat_request(long_document(400), 12)
-        paths = {}
-        for name, request in (("short", short), ("long", long)):
-            chunks, ids, _ = collect(stack.stub(), request, timeout=180)
-            timing = chunks[-1].timing
-            paths[name] = (timing.path, timing.prefill_worker == timing.decode_worker)
-            assert ids == hf_greedy(hf_model, tokenizer, request), name
-        assert paths == {"short": ("local", True), "long": ("disaggregated", False)}
-        stack.wait_idle()
-    finally:
-        stack.stop()
+def test_auto_mode_prefills_short_prompts_locally_and_long_ones_remotely(auto, hf_model, tokenizer):
+    # The session's auto-mode stack prefills prompts under 64 tokens locally.
+    short, long = chat_request("Say hello.", 4), chat_request(long_document(400), 4)
+    paths = {}
+    for name, request in (("short", short), ("long", long)):
+        chunks, ids, _ = collect(auto.stub(), request, timeout=180)
+        timing = chunks[-1].timing
+        paths[name] = (timing.path, timing.prefill_worker == timing.decode_worker)
+        assert ids == hf_greedy(hf_model, tokenizer, request), name
+    assert paths == {"short": ("local", True), "long": ("disaggregated", False)}
+    auto.wait_idle()
 
 
 def test_every_worker_serves_and_a_scheduler_replica_can_die(processes, nats):

@@ -37,8 +37,10 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Two xdist workers: one runs the integration tests (real stacks) one after another, the other
+# the unit tests meanwhile (tests/conftest.py keeps the integration tests together).
 test: lint kernels
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-fast: kernels
 	$(PY) -m pytest -q -m "not slow"

@@ -10,6 +10,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL_CACHE = os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models")
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Under xdist (`make test` runs `-n 2`) the integration tests are one unit of work: one worker
+    runs them one after another, as without xdist (they start real services, and their timing
+    bounds assume the machine to themselves), while the other runs the unit tests."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class IntegrationTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "integration" if nodeid.startswith("tests/integration/") else nodeid
+
+    return IntegrationTogether(config, log)
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     return model_store.prepare("", MODEL_CACHE)

@@ -97,7 +97,7 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
             ].usage.completion_tokens == len(ids)
 
         # 2. The decode worker streaming a request dies after 10 tokens.
-        story = chat_request("Write a long story about a fox who learns to sail.", 80)
+        story = chat_request("Write a long story about a fox who learns to sail.", 40)
         responses, victim = _stream_and_kill(stack, story, "decode", after_tokens=10)
         ids = [t for r in responses for t in r.token_ids]
         assert ids == hf_greedy(hf_model, tokenizer, story)

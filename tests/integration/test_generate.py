@@ -88,11 +88,11 @@ def test_stop_string_ends_the_answer(disagg):
 @pytest.mark.parametrize("stack_name", ["disagg", "colocated"])
 def test_greedy_is_the_same_alone_and_in_a_batch_of_16(stack_name, request):
     stack = request.getfixturevalue(stack_name)
-    requests = [chat_request(f"Give one fact about the number {n}.", 24) for n in range(16)]
-    alone = [collect(stack.stub(), r)[1] for r in requests[:4]]
+    requests = [chat_request(f"Give one fact about the number {n}.", 16) for n in range(16)]
+    alone = [collect(stack.stub(), r)[1] for r in requests[:3]]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda r: collect(stack.stub(), r)[1], requests))
-    assert together[:4] == alone
+    assert together[:3] == alone
     stack.wait_idle()
 
 

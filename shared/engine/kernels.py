@@ -34,7 +34,7 @@ CFLAGS = [
 _loaded: dict[str, object] = {}
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's feature list (x86 `flags`, ARM `Features`), or what platform knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -59,7 +59,7 @@ def module_name() -> str:
     digest = hashlib.sha256()
     for source in sorted(CSRC.glob("*.[ch]*")):
         digest.update(source.read_bytes())
-    digest.update((" ".join(CFLAGS) + _cpu_flags() + torch.__version__).encode())
+    digest.update((" ".join(CFLAGS) + cpu_flags() + torch.__version__).encode())
     return "tandem_kernels_" + digest.hexdigest()[:16]
 
 

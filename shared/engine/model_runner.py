@@ -13,6 +13,7 @@ absolute positions, decode tokens one at a time.
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,8 @@ from shared.engine.kernel_report import KernelReport, report_of
 from shared.engine.kv_cache import KVPool
 from shared.engine.layer_ops import layer_ops
 from shared.engine.paged_attention import PagedAttention
-from shared.engine.projection import SMALL, Projection, fastest_row_count, invariant_row_counts
+from shared.engine.projection import SMALL, Projection, invariant_row_counts
+from shared.engine.row_timing import cached_fastest_row_count
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class ModelRunner:
         chunk: int,
         batch_invariant: bool = True,
         use_kernels: bool = True,
+        row_timing: Path | None = None,  # where the fastest row count is kept (row_timing.py)
     ):
         self.model = model
         self.device = device
@@ -63,7 +66,9 @@ class ModelRunner:
         self._fuse_projections(model)
         self.batch_invariant = batch_invariant and device == "cpu"
         self.row_counts = self._invariant_rows() if self.batch_invariant else []
-        self.min_rows = fastest_row_count(self.projections, [c for c in self.row_counts if c <= 4])
+        self.min_rows = cached_fastest_row_count(
+            self.projections, [c for c in self.row_counts if c <= 4], row_timing
+        )
         kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
         self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim**-0.5)
         self.ops = layer_ops(kernels, model)

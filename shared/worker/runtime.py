@@ -3,6 +3,7 @@
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -106,6 +107,7 @@ def _runner(settings: WorkerSettings, model, device: str) -> ModelRunner:
         settings.block_size,
         settings.prefill_chunk_tokens,
         settings.batch_invariant,
+        row_timing=Path(settings.model_cache).expanduser() / "row-timing.json",
     )
     runner.release_model_weights()
     return runner

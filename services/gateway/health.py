@@ -1,6 +1,7 @@
 """Readiness: the gateway reports SERVING while a scheduler answers and has the workers it needs."""
 
 import asyncio
+import contextlib
 import logging
 
 from grpc_health.v1 import health_pb2
@@ -37,7 +38,6 @@ class ReadinessProbe:
     async def _set(self, serving: bool) -> None:
         if serving == self._serving:
             return
-        self._serving = serving
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -45,15 +45,31 @@ class ReadinessProbe:
         )
         for service in SERVICES:
             await self._health.set(service, status)
+        self._serving = serving  # only once every service has it: a failed set is tried again
         log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
 
     async def _loop(self) -> None:
+        """Checks every interval for as long as the gateway runs: a check that fails in any way
+        (a bug, a reply it cannot read) reads as not ready, is logged once in a row, and the
+        next check comes all the same."""
+        failing = False
         while True:
             try:
-                reply = await self._bus.request(
-                    self._subjects.status, StatusRequest(), 1.0, StatusReply
-                )
-                await self._set(reply.ready)
-            except BusError:
-                await self._set(False)
+                await self._set(await self._ready())
+                failing = False
+            except Exception:
+                if not failing:
+                    log.exception("readiness check failed: NOT_SERVING until one passes")
+                failing = True
+                with contextlib.suppress(Exception):
+                    await self._set(False)
             await asyncio.sleep(self._interval)
+
+    async def _ready(self) -> bool:
+        try:
+            reply = await self._bus.request(
+                self._subjects.status, StatusRequest(), 1.0, StatusReply
+            )
+        except BusError:  # no scheduler answers (yet): not ready, nothing to log
+            return False
+        return reply.ready

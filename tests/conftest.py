@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL_CACHE = os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models")
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest -p no:xdist still runs
 def pytest_xdist_make_scheduler(config, log):
     """Under xdist (`make test` runs `-n 2`) the integration tests are one unit of work: one worker
     runs them one after another, as without xdist (they start real services, and their timing

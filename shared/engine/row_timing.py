@@ -42,8 +42,9 @@ def cached_fastest_row_count(
         return fastest_row_count(projections, candidates)
     key = timing_key(projections, candidates)
     table = _read(path)
-    if table.get(key) in candidates:
-        return table[key]
+    kept = table.get(key)
+    if type(kept) is int and kept in candidates:  # not a bool, a string or a stale count
+        return kept
     rows = fastest_row_count(projections, candidates)
     table.pop(key, None)
     table[key] = rows

@@ -54,7 +54,9 @@ def test_other_threads_candidates_or_shapes_are_timed_again(projections, timed, 
     assert len(timed) == 4 and len(json.loads(path.read_text())) == 4
 
 
-@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"KEY": "4"}', '{"KEY": 3}'])
+@pytest.mark.parametrize(
+    "content", ["not json", "[1, 2]", '{"KEY": "4"}', '{"KEY": 3}', '{"KEY": true}']
+)
 def test_an_unusable_file_or_entry_is_timed_again(projections, timed, tmp_path, content):
     path = tmp_path / "row-timing.json"
     path.write_text(content.replace("KEY", timing_key(projections, [1, 2, 4])))

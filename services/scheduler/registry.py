@@ -1,7 +1,9 @@
 """WorkerRegistry: the live workers, as their heartbeats describe them. No static lists.
 
 A worker is known from its first heartbeat and dropped when it says it is stopping or has been
-silent for `timeout_s`. Between heartbeats the registry adds what this scheduler has placed on a
+silent for `timeout_s` while this scheduler could hear it: silence while its own NATS connection
+was down, or the server stalled, is no evidence (`excuse`); after it, every worker gets a whole
+timeout again, and a scheduler that knows of no worker yet waits that long before refusing. Between heartbeats the registry adds what this scheduler has placed on a
 worker since (`reserve`), so a burst of requests does not all land on the worker that looked
 emptiest half a second ago; the worker's next heartbeat replaces the estimate with the truth.
 """
@@ -25,8 +27,23 @@ class WorkerRegistry:
         self._timeout = timeout_s
         self._clock = clock
         self._workers: dict[str, WorkerEntry] = {}
+        self._hearing_from = clock()  # silence counts from here at the earliest
+        self._heard_any = float("-inf")  # when a heartbeat last came from anyone
+
+    def excuse(self) -> None:
+        """This scheduler could not hear until now: silence so far is not evidence."""
+        self._hearing_from = self._clock()
+
+    def quiet_s(self) -> float:
+        """Seconds since a heartbeat last came from anyone."""
+        return self._clock() - self._heard_any
+
+    def settling(self) -> bool:
+        """Within a timeout of starting, or of hearing again: heartbeats may be on their way."""
+        return self._clock() - self._hearing_from <= self._timeout
 
     def update(self, beat: WorkerHeartbeat) -> None:
+        self._heard_any = self._clock()
         if beat.stopping:
             self._workers.pop(beat.worker_id, None)
         else:
@@ -39,7 +56,11 @@ class WorkerRegistry:
 
     def live(self, role: str | None = None) -> list[WorkerHeartbeat]:
         now = self._clock()
-        for worker_id in [w for w, e in self._workers.items() if now - e.seen_at > self._timeout]:
+        since = self._hearing_from
+        silent = [
+            w for w, e in self._workers.items() if now - max(e.seen_at, since) > self._timeout
+        ]
+        for worker_id in silent:
             del self._workers[worker_id]
         return sorted(
             (e.beat for e in self._workers.values() if role is None or e.beat.role == role),

@@ -22,6 +22,7 @@ from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
 from shared.control.failure import Code, Failure, Retry, failed, worker_failed
+from shared.control.liveness import PROBE_TIMEOUT_S, QUICK_S
 from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
@@ -56,6 +57,8 @@ class SchedulerService:
         self.scheduler_id = settings.scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
         self.answers = Answers(self.queue)
         self._closing = False
+        self._reconnects = bus.reconnects
+        self._reach_checked = 0.0
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [
@@ -98,6 +101,7 @@ class SchedulerService:
         while True:
             await asyncio.sleep(0.1)
             try:
+                await self._keep_hearing()
                 for entry in self.queue.expired():
                     wait_s = self.settings.queue_timeout_s
                     self.answers.refuse(
@@ -108,6 +112,20 @@ class SchedulerService:
                 self.pump()
             except Exception:  # a bug: log it, keep expiring and placing
                 log.exception("scheduler tick failed")
+
+    async def _keep_hearing(self) -> None:
+        """While this scheduler cannot hear the workers (its connection down, the server stalled)
+        their silence is excused; after a reconnect it asks every worker to announce itself."""
+        if not self.bus.connected:
+            self.registry.excuse()
+        elif self.bus.reconnects != self._reconnects:
+            self._reconnects = self.bus.reconnects
+            self.registry.excuse()
+            await self.bus.publish(self.subjects.discover, Discover(scheduler_id=self.scheduler_id))
+        elif self.registry.quiet_s() > QUICK_S and time.monotonic() - self._reach_checked > QUICK_S:
+            self._reach_checked = time.monotonic()
+            if not await self.bus.reachable(PROBE_TIMEOUT_S):
+                self.registry.excuse()
 
     def ready(self) -> bool:
         roles = {"colocated": [("colocated",)], "disaggregated": [("prefill",), ("decode",)]}.get(
@@ -169,6 +187,8 @@ class SchedulerService:
             except NoRoom:
                 return
             except NoWorker as err:
+                if self._heartbeats_coming(entry, err):
+                    return
                 # every worker that could take it refused: say why the last one did
                 failure = final(entry.failure) if entry.failure else err.failure
                 self.answers.refuse(
@@ -187,6 +207,16 @@ class SchedulerService:
             self.queue.pop()
             self._reserve(entry, chosen)
             self.answers.spawn(self._assign(entry, chosen))
+
+    def _heartbeats_coming(self, entry: Pending, err: NoWorker) -> bool:
+        """No worker for the request, but this scheduler just started or heard again after an
+        outage, and none it knows of is excluded: the workers' heartbeats are on their way."""
+        if type(err) is not NoWorker:
+            return False
+        if not self.registry.settling() and self.bus.reconnects == self._reconnects:
+            return False
+        excluded = entry.tried | set(entry.task.avoid_workers)
+        return not any(w.worker_id in excluded for w in self.registry.live())
 
     def _reserve(self, entry: Pending, chosen: Route) -> None:
         self.registry.reserve(chosen.decode.worker_id, seqs=1, blocks=chosen.blocks)

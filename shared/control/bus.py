@@ -14,6 +14,10 @@ from shared.control.wire import MessageError, decode, encode
 
 log = logging.getLogger(__name__)
 
+# nats-py's buffer holds 2 MiB of unsent messages, then blocks (server stalled) or raises
+# (reconnecting); try_publish stops short of it
+BACKED_UP_BYTES = 1024 * 1024
+
 Respond = Callable[[Any], Awaitable[None]]
 Handler = Callable[[Any, Respond | None], Awaitable[None]]
 
@@ -47,6 +51,13 @@ class Subscription(Protocol):
 class MessageBus(Protocol):
     dropped: int  # malformed or out-of-range messages received and dropped (a metric)
     reconnects: int  # times the connection came back (messages in flight then may be lost)
+
+    @property
+    def connected(self) -> bool: ...  # False while the connection is down (reconnecting)
+
+    async def reachable(self, timeout: float) -> bool: ...  # the server answers within timeout
+
+    async def try_publish(self, subject: str, message: Any) -> bool: ...
 
     async def publish(self, subject: str, message: Any) -> None: ...
 
@@ -109,8 +120,32 @@ class NatsBus:
     def max_payload(self) -> int:
         return self._nc.max_payload
 
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def reachable(self, timeout: float) -> bool:
+        """True when the server answers a ping within `timeout` (False: down, stopped, or far)."""
+        try:
+            await self._nc.flush(timeout=timeout)
+        except Exception:  # timeout, reconnecting, closed: not reachable now
+            return False
+        return True
+
     async def publish(self, subject: str, message: Any) -> None:
         await self._nc.publish(subject, encode(message))
+
+    async def try_publish(self, subject: str, message: Any) -> bool:
+        """Publishes unless the connection is down or backed up; False when it did not. Never
+        blocks on a stalled server and never raises: the caller keeps what it could not send."""
+        if not self.connected or self._nc.pending_data_size > BACKED_UP_BYTES:
+            return False
+        try:
+            await self._nc.publish(subject, encode(message))
+        except nats.errors.Error as err:
+            log.debug("publish on %s failed: %s", subject, err)
+            return False
+        return True
 
     async def request(self, subject: str, message: Any, timeout: float, expected: type) -> Any:
         try:

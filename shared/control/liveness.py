@@ -7,6 +7,10 @@ its connection, and a killed process loses it at once (the server sees the socke
 that is only slow answers, or at least still listens, and gets the whole timeout; so does every
 worker for a timeout after this process's own NATS connection came back (subscriptions are still
 coming back then).
+
+Silence is evidence only while this process can hear: while its own connection is down, or the
+server is stalled (it answers no ping and no heartbeat comes from anyone), nobody is declared
+lost, and silence counts again from when hearing came back. A NATS outage is not a dead worker.
 """
 
 import asyncio
@@ -40,7 +44,10 @@ class Liveness:
         # worker -> the ping in flight (shared by every asker)
         self._probes: dict[str, asyncio.Future] = {}
         self._probed: dict[str, float] = {}  # worker -> when a ping last found it still there
-        self._reconnects, self._settled_from = bus.reconnects, clock()
+        self._reconnects = bus.reconnects
+        self._hearing_from = clock()  # silence counts from here at the earliest (see _silent_s)
+        self._heard_any = float("-inf")  # when a heartbeat last came from anyone
+        self._reach: asyncio.Future | None = None  # the server ping in flight (shared)
         self._sub = None
 
     async def __aenter__(self) -> "Liveness":
@@ -51,27 +58,29 @@ class Liveness:
         await self._sub.unsubscribe()
 
     async def on_heartbeat(self, beat: WorkerHeartbeat, respond) -> None:
-        self._seen[beat.worker_id] = self._clock()
+        self._seen[beat.worker_id] = self._heard_any = self._clock()
 
     def alive(self, worker_id: str) -> bool:
-        """False once a worker that was seen has been silent for the timeout.
+        """False once a worker that was seen has been silent for the timeout while this process
+        could hear it.
 
         A worker never seen yet counts as alive: this process may have started after its last
         beat; the timeout still applies from the first question asked about it.
         """
-        seen = self._seen.setdefault(worker_id, self._clock())
-        return self._clock() - seen <= self._timeout
+        return self._silent_s(worker_id) <= self._timeout
 
     async def lost(self, worker_id: str) -> bool:
-        """True when the worker is gone: silent for the timeout, or silent for QUICK_S and no
-        longer subscribed on NATS. One ping per worker per QUICK_S at most, however many ask."""
-        if not self.alive(worker_id):
-            return True
+        """True when the worker is gone: silent for the timeout (and this process can hear), or
+        silent for QUICK_S and no longer subscribed on NATS. One ping per worker per QUICK_S at
+        most, however many ask."""
+        silent = self._silent_s(worker_id)
+        if silent > self._timeout:
+            return await self._hearing()
         now = self._clock()
         if (
-            now - self._seen[worker_id] < self._quick
+            silent < self._quick
             or now - self._probed.get(worker_id, 0.0) < self._quick
-            or not self._settled()
+            or now - self._hearing_from <= self._timeout  # subscriptions may be coming back
         ):
             return False
         probe = self._probes.get(worker_id)
@@ -83,6 +92,27 @@ class Liveness:
             self._probed[worker_id] = now
         return gone
 
+    def _silent_s(self, worker_id: str) -> float:
+        """How long the worker has been silent while this process could hear it."""
+        now = self._clock()
+        if self._bus.reconnects != self._reconnects or not self._bus.connected:
+            self._reconnects, self._hearing_from = self._bus.reconnects, now
+        seen = self._seen.setdefault(worker_id, now)
+        return now - max(seen, self._hearing_from)
+
+    async def _hearing(self) -> bool:
+        """True when heartbeats can reach this process: one came from anyone lately, or the server
+        answers a ping. If not, the silence so far is not evidence: it counts again from now."""
+        if self._clock() - self._heard_any < self._quick:
+            return True
+        if self._reach is None:
+            self._reach = asyncio.ensure_future(self._bus.reachable(PROBE_TIMEOUT_S))
+            self._reach.add_done_callback(lambda _: setattr(self, "_reach", None))
+        if await asyncio.shield(self._reach):
+            return True
+        self._hearing_from = self._clock()
+        return False
+
     async def _gone(self, worker_id: str) -> bool:
         try:
             await self._bus.request(
@@ -93,9 +123,3 @@ class Liveness:
         except Exception:  # it listens but is slow, or NATS is (or is down): the timeout decides
             pass
         return False
-
-    def _settled(self) -> bool:
-        """False for a timeout after this process's NATS connection came back."""
-        if self._bus.reconnects != self._reconnects:
-            self._reconnects, self._settled_from = self._bus.reconnects, self._clock()
-        return self._clock() - self._settled_from > self._timeout

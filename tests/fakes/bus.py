@@ -27,6 +27,17 @@ class InMemoryBus:
         self.published: list[tuple[str, Any]] = []
         self.dropped = 0
         self.reconnects = 0
+        self.connected = True  # False: "reconnecting" (try_publish refuses)
+        self.server_up = True  # False: the "server" is stalled (reachable says no)
+
+    async def reachable(self, timeout: float) -> bool:
+        return self.connected and self.server_up
+
+    async def try_publish(self, subject: str, message: Any) -> bool:
+        if not (self.connected and self.server_up):
+            return False
+        await self.publish(subject, message)
+        return True
 
     async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
         entry = (queue, handler)
@@ -57,6 +68,8 @@ class InMemoryBus:
             log.exception("handler failed")
 
     async def request(self, subject: str, message: Any, timeout: float, expected: type) -> Any:
+        if not (self.connected and self.server_up):
+            raise RequestTimeout(f"no answer on {subject}: the server is not there")
         targets = self._targets(subject)
         if not targets:
             raise NoResponders(f"nobody listens on {subject}")

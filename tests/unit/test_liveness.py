@@ -77,9 +77,59 @@ async def test_after_our_own_reconnect_only_the_timeout_counts():
     await live.on_heartbeat(beat("w1"), None)
     bus.reconnects += 1  # subscriptions may still be coming back
     clock.now += 1.5
-    assert not await live.lost("w1")
-    clock.now += 1.6
-    assert await live.lost("w1")  # silent past the timeout: lost all the same
+    assert not await live.lost("w1")  # silence before the reconnect is no evidence
+    clock.now += 2.0
+    assert not await live.lost("w1")  # the quick rule waits out a timeout after it
+    clock.now += 1.1
+    assert await live.lost("w1")  # silent a timeout since: lost all the same
     await live.on_heartbeat(beat("w2"), None)
     clock.now += 1.5  # a timeout after the reconnect was noticed: the quick rule is back
     assert await live.lost("w2")
+
+
+async def test_silence_while_our_own_connection_is_down_is_no_evidence():
+    """NATS down for 10 s: no heartbeat reaches us, yet nobody is lost; after it comes back the
+    worker gets a whole timeout again (it failed before: lost the moment the timeout passed)."""
+    clock = Clock()
+    bus, live = await watching(clock)
+    await live.on_heartbeat(beat("w1"), None)
+    bus.connected = False
+    for _ in range(10):
+        clock.now += 1.0
+        assert not await live.lost("w1") and live.alive("w1")
+    bus.connected, bus.reconnects = True, bus.reconnects + 1
+    clock.now += 0.5
+    assert not await live.lost("w1")
+    await live.on_heartbeat(beat("w1"), None)  # its first beat after the reconnect
+    clock.now += 2.9
+    assert not await live.lost("w1")
+    clock.now += 0.2
+    assert await live.lost("w1")  # silent a timeout while we could hear: lost
+
+
+async def test_a_stalled_server_is_not_a_dead_worker():
+    """The server is stopped (SIGSTOP): our connection looks up, nobody's heartbeat comes, the
+    server answers no ping. Nobody is lost; once it answers again, silence counts from then."""
+    clock = Clock()
+    bus, live = await watching(clock)
+    await live.on_heartbeat(beat("w1"), None)
+    bus.server_up = False
+    for _ in range(20):
+        clock.now += 1.0
+        assert not await live.lost("w1")
+    bus.server_up = True
+    clock.now += 1.0
+    assert not await live.lost("w1")  # heard nothing from it yet, but only for a second
+    clock.now += 2.5
+    assert await live.lost("w1")  # the server answers, someone beats... not w1: lost
+
+
+async def test_silence_counts_when_others_are_heard():
+    clock = Clock()
+    bus, live = await watching(clock)
+    await live.on_heartbeat(beat("w1"), None)
+    bus.server_up = False  # no ping answered, but w2's heartbeats come: we can hear
+    for _ in range(4):
+        clock.now += 0.9
+        await live.on_heartbeat(beat("w2"), None)
+    assert await live.lost("w1")

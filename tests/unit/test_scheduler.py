@@ -88,6 +88,19 @@ def test_registry_expires_silent_workers():
     assert registry.live() == []
 
 
+def test_silence_the_registry_could_not_hear_is_excused():
+    clock = Clock()
+    registry = WorkerRegistry(timeout_s=3.0, clock=clock)
+    registry.update(beat("d1"))
+    clock.now += 10.0  # NATS was down: excused when the scheduler noticed
+    registry.excuse()
+    clock.now += 2.9
+    assert [w.worker_id for w in registry.live()] == ["d1"] and registry.settling()
+    assert abs(registry.quiet_s() - 12.9) < 1e-9
+    clock.now += 0.2
+    assert registry.live() == [] and not registry.settling()
+
+
 def test_registry_filters_by_role_and_sorts():
     registry = registry_with(beat("d2"), beat("p1", role="prefill"), beat("d1"))
     assert [w.worker_id for w in registry.live("decode")] == ["d1", "d2"]
@@ -362,14 +375,52 @@ async def test_silent_worker_is_dropped_and_another_tried():
     assert [w.worker_id for w in svc.registry.live("decode")] == ["d2"]
 
 
-async def test_no_workers_is_unavailable():
-    svc, _ = service()
-    reply = await submit(svc, task())
+async def test_no_workers_is_unavailable_after_a_timeout_of_waiting_for_heartbeats():
+    svc, _ = service(worker_timeout_s=0.3)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(svc.serve(stop))
+    try:
+        started = asyncio.get_running_loop().time()
+        reply = await submit(svc, task())
+        waited = asyncio.get_running_loop().time() - started
+    finally:
+        stop.set()
+        await serving
     assert (reply.ok, reply.failure.code, reply.failure.retry) == (
         False,
         Code.UNAVAILABLE,
         Retry.NEVER,
     )
+    assert waited >= 0.2  # it waited for heartbeats a fresh scheduler had not heard yet
+
+
+async def test_after_a_reconnect_the_scheduler_asks_for_heartbeats_and_waits_for_them():
+    """The registry is empty after an outage: a request waits for the workers' beats instead of
+    being refused "no worker" (it was, before)."""
+    svc, bus = service(worker_timeout_s=1.0)
+    log, asked = [], []
+    await fake_worker(bus, "d1", TaskAck(), log)
+
+    async def on_discover(message, respond) -> None:  # the workers answer Discover with a beat
+        asked.append(message)
+        await asyncio.sleep(0.3)
+        await svc.on_heartbeat(beat("d1"), None)
+        await svc.on_heartbeat(beat("p1", role="prefill"), None)
+
+    await bus.subscribe(Subjects(CLUSTER).discover, on_discover)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(svc.serve(stop))
+    try:
+        await asyncio.sleep(1.2)  # the Discover of its start was answered; the beats go quiet
+        svc.registry.drop("d1"), svc.registry.drop("p1")
+        bus.reconnects += 1
+        await asyncio.sleep(0.05)
+        reply = await submit(svc, task())
+    finally:
+        stop.set()
+        await serving
+    assert reply.ok and reply.decode_worker == "d1", reply
+    assert len(asked) == 2  # at its start, and after the reconnect
 
 
 async def test_a_request_waits_for_room_and_is_placed_when_a_heartbeat_brings_it():

@@ -15,6 +15,7 @@ class DecodeRequest:
         self.cancel_reason = ""
         self.failure: Failure | None = None  # how it failed (movable: a worker's fault)
         self.chunk_index = 0  # of the next TokenChunk
+        self.held = 0  # chunks in a row NATS could not take (see DecodeWorker._send)
 
     @property
     def attempt_id(self) -> str:

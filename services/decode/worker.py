@@ -8,12 +8,14 @@ import logging
 from services.decode.decode_loop import DecodeLoop
 from services.decode.kv_fetch import KVFetcher
 from services.decode.request import DecodeRequest
+from services.decode.stream_log import StreamLog
 from shared.control.bus import MessageBus
 from shared.control.failure import Code, Failure, failed, worker_failed, worker_full
 from shared.control.liveness import Liveness
 from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
+    StreamReplay,
     TaskAck,
     Timing,
     TokenChunk,
@@ -32,6 +34,8 @@ from shared.worker.serve import WorkerLifecycle
 from shared.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+
+MAX_ENDED_CHUNKS = 100_000  # chunks of ended streams kept for replay, at most
 
 
 class DecodeWorker:
@@ -55,6 +59,7 @@ class DecodeWorker:
         self.fetches: dict[str, asyncio.Task] = {}  # attempt id -> its remote-prefill task
         # A cancel can overtake its assignment (the gateway gave up while the scheduler placed it).
         self.cancelled = RecentIds(ttl_s=120)
+        self.streams = StreamLog(settings.stream_retain_s, MAX_ENDED_CHUNKS)
         self.served = 0
         self.stopping = False
         self.announcer = Announcer(
@@ -95,6 +100,7 @@ class DecodeWorker:
                 (self.subjects.decode_tasks(worker), self.on_assignment),
                 (self.subjects.prefill_results(worker), self.kv.on_prefill_result),
                 (self.subjects.cancel, self.on_cancel),
+                (self.subjects.stream_replay(worker), self.on_replay),
             ],
             run=self.loop.run,
             stop_accepting=self._stop_accepting,
@@ -133,11 +139,13 @@ class DecodeWorker:
                 task.prompt_token_ids[len(task.prompt_token_ids) - task.resume_tokens :]
             )
             seq = Sequence(task, detokenizer, self.rt.eos_token_ids, self.rt.max_model_len)
+            self.streams.open(task.attempt_id, task.reply_subject)
             if not assignment.prefill_worker:
                 self.loop.add(DecodeRequest(seq, self.rt.worker_id), local_prefill=True)
             elif self.rt.engine.admit(seq):  # the prompt's blocks, reserved before its KV comes
                 self._prefill_remotely(DecodeRequest(seq), assignment.prefill_worker)
             else:
+                self.streams.end(task.attempt_id)
                 refusal = worker_full(
                     self.rt.worker_id, f"decode worker {self.rt.worker_id} has no KV blocks free"
                 )
@@ -219,13 +227,47 @@ class DecodeWorker:
         chunk = self._chunk(
             req, token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason, **extra
         )
-        await self.bus.publish(seq.task.reply_subject, chunk)
+        await self._send(req, chunk)
+
+    async def _send(self, req: DecodeRequest, chunk: TokenChunk) -> None:
+        """Sends a chunk, kept for replay. NATS down or stalled: it is held (the gateway asks for
+        it again); too many held in a row, and the request fails (the gateway moves it on)."""
+        subject = req.seq.task.reply_subject
+        self.streams.record(subject, chunk)
+        if await self.bus.try_publish(subject, chunk):
+            req.held = 0
+            return
+        req.held += 1
+        if req.held > self.settings.max_held_chunks and not req.ended:
+            message = (
+                f"decode worker {self.rt.worker_id} could not send its tokens for {req.held} steps"
+            )
+            req.fail(worker_failed("", message))
+            self.loop.wakeup.set()
+
+    async def on_replay(self, message: StreamReplay, respond) -> None:
+        """Sends a stream's chunks again from the one the gateway expects."""
+        kept = self.streams.since(message.attempt_id, message.from_index)
+        if kept is None:
+            me = self.rt.worker_id
+            ack = TaskAck(
+                failed(Code.UNAVAILABLE, f"decode worker {me} no longer has the stream", me)
+            )
+        else:
+            subject, chunks = kept
+            for chunk in chunks:
+                if not await self.bus.try_publish(subject, chunk):
+                    break  # backed up again: the gateway asks once more
+            ack = TaskAck()
+        if respond is not None:
+            await respond(ack)
 
     async def _finish(self, req: DecodeRequest) -> None:
         """Tells the gateway how the request ended (the loop freed its blocks), on every path."""
         seq = req.seq
         if seq.status is SeqStatus.FINISHED and req.failure is None and not req.cancel_reason:
             self.served += 1
+            self.streams.end(req.attempt_id)
             return
         self.announcer.nudge()  # its blocks are free: the scheduler and ClusterStatus hear it now
         if req.cancel_reason:
@@ -237,7 +279,5 @@ class DecodeWorker:
             )
         else:
             chunk = self._chunk(req, failure=req.failure)
-        try:
-            await self.bus.publish(seq.task.reply_subject, chunk)
-        except Exception as err:
-            log.warning("could not tell the gateway that %s ended: %s", req.attempt_id, err)
+        await self._send(req, chunk)
+        self.streams.end(req.attempt_id)

@@ -1,8 +1,11 @@
 """RequestRelay: one request's token stream, followed across its attempts until it ends.
 
 The relay submits an attempt to the schedulers, waits for its chunks, and when the worker serving
-it is lost (dead, failed or full; or a chunk lost on the way) moves the request to a new attempt
-that goes on after the tokens the client has: the client sees one stream. It owns its attempts'
+it is lost (dead, failed or full) moves the request to a new attempt that goes on after the tokens
+the client has: the client sees one stream. A chunk lost on the way (NATS delivers at most once:
+an outage loses what was in flight) is asked for again (StreamReplay) when a later one shows the
+gap or the stream stays quiet; chunks come back in order, each once. Only a worker that no longer
+has the stream has the request moved. It owns its attempts'
 streams on the StreamRouter, and cancels on the cluster whatever an attempt it leaves unfinished
 holds. A failure the client must see ends the call with its gRPC status (context.abort).
 """
@@ -21,13 +24,22 @@ from services.gateway.streams import StreamRouter
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
 from shared.control.failure import Code, Failure, Retry, worker_failed
 from shared.control.liveness import Liveness
-from shared.control.messages import CancelRequest, GenerateTask, SubmitReply, TokenChunk
+from shared.control.messages import (
+    CancelRequest,
+    GenerateTask,
+    StreamReplay,
+    SubmitReply,
+    TaskAck,
+    TokenChunk,
+)
 from shared.control.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
-LOST_AFTER_RECONNECT_S = 3.0
 POLL_S = 0.5  # a silent stream: how often its worker's liveness and the timeouts are checked
+REPLAY_AFTER_RECONNECT_S = 1.0  # quiet this long since NATS reconnected: ask for the stream again
+REPLAY_AFTER_S = 2.0  # quiet this long anyway (a stalled server loses nothing, but delays): ask
+REPLAY_TIMEOUT_S = 1.0
 
 
 def grpc_status(code: Code) -> grpc.StatusCode:
@@ -50,6 +62,8 @@ class RequestRelay:
         self.liveness = liveness
         self.context = context
         self.subjects = Subjects(settings.cluster)
+        self._early: dict[int, TokenChunk] = {}  # chunks that came before one still missing
+        self._replayed_at = float("-inf")  # when the stream was last asked for again
 
     async def follow(self, task: GenerateTask) -> AsyncIterator[tuple[Attempt, TokenChunk]]:
         """Every chunk of the request's output, with the attempt as it is after that chunk."""
@@ -73,6 +87,7 @@ class RequestRelay:
 
     def _open(self, attempt: Attempt) -> Attempt:
         self.streams.open(attempt.id)
+        self._early.clear()
         return attempt
 
     async def _replace(self, ended: Attempt, following: Attempt) -> Attempt:
@@ -151,43 +166,72 @@ class RequestRelay:
         return await self._replace(attempt, moved)
 
     async def _next_chunk(self, attempt: Attempt) -> TokenChunk:
-        """The chunk the attempt expects; WorkerLost when its worker or the chunk is lost."""
+        """The chunk the attempt expects; WorkerLost when its worker is lost."""
         chunk = await self._wait_for_chunk(attempt)
         failure = chunk.failure
         if failure and failure.movable:
             raise WorkerLost(failure)
         if failure:
             await self.context.abort(grpc_status(failure.code), failure.message)
-        if chunk.index != attempt.expected:  # NATS delivers at most once: lost in a reconnect,
-            # say. Not the worker's fault: the request goes on from the tokens the client has.
-            lost = f"the token stream from {attempt.worker} lost chunk {attempt.expected}"
-            raise WorkerLost(worker_failed("", lost))
         return chunk
 
     async def _wait_for_chunk(self, attempt: Attempt) -> TokenChunk:
+        """The chunk with the index expected: later ones wait for it (and have it asked for
+        again), ones already had are dropped."""
         idle_since, reconnects = time.monotonic(), self.bus.reconnects
-        while True:
+        while (chunk := self._early.pop(attempt.expected, None)) is None:
             try:
-                return await self.streams.next(attempt.id, POLL_S)
+                chunk = await self.streams.next(attempt.id, POLL_S)
             except asyncio.TimeoutError:
-                await self._check_silence(attempt.worker, idle_since, reconnects)
+                await self._check_silence(attempt, idle_since, reconnects)
+                continue
+            if chunk.index == attempt.expected:
+                return chunk
+            if chunk.index > attempt.expected:  # one before it was lost on the way
+                self._early[chunk.index] = chunk
+                await self._ask_again(attempt)
+        return chunk
 
-    async def _check_silence(self, worker: str, idle_since: float, reconnects: int) -> None:
-        """Raises WorkerLost, or ends the call, when a silent stream is not worth waiting for."""
+    async def _check_silence(self, attempt: Attempt, idle_since: float, reconnects: int) -> None:
+        """Raises WorkerLost, or ends the call, when a silent stream is not worth waiting for; asks
+        for the stream again when a chunk may have been lost."""
+        worker = attempt.worker
         if await self.liveness.lost(worker):
             lost = worker_failed(worker, f"decode worker {worker} stopped responding")
             raise WorkerLost(lost) from None
         silent_s = time.monotonic() - idle_since
-        if self.bus.reconnects != reconnects and silent_s > LOST_AFTER_RECONNECT_S:
-            # NATS reconnected meanwhile: a chunk (the last one, even) may be lost, with nothing
-            # after it to show the gap. Go on from the tokens the client has.
-            lost = worker_failed("", f"no tokens from {worker} since NATS reconnected")
-            raise WorkerLost(lost) from None
+        reconnected = self.bus.reconnects != reconnects
+        if silent_s > (REPLAY_AFTER_RECONNECT_S if reconnected else REPLAY_AFTER_S):
+            await self._ask_again(attempt)
         if silent_s > self.settings.stream_idle_timeout_s:
             await self.context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s",
             )
+
+    async def _ask_again(self, attempt: Attempt) -> None:
+        """Asks the worker for the stream again from the chunk expected (at most once per
+        REPLAY_AFTER_S). WorkerLost when it no longer has the stream: the request goes on from
+        the tokens the client has. No answer: NATS or the worker is away; liveness decides."""
+        if time.monotonic() - self._replayed_at < REPLAY_AFTER_S:
+            return
+        self._replayed_at = time.monotonic()
+        subject = self.subjects.stream_replay(attempt.worker)
+        ask = StreamReplay(attempt.id, attempt.expected)
+        try:
+            ack = await self.bus.request(subject, ask, REPLAY_TIMEOUT_S, TaskAck)
+        except (NoResponders, RequestTimeout, BadReply) as err:
+            log.info(
+                "%s: asked %s for chunk %d again: %s",
+                attempt.id,
+                attempt.worker,
+                ask.from_index,
+                err,
+            )
+            return
+        if ack.failure:
+            lost = f"the token stream from {attempt.worker} lost chunk {attempt.expected}"
+            raise WorkerLost(worker_failed("", f"{lost}; {ack.failure.message}"))
 
 
 def _handed_back(reply: SubmitReply) -> bool:

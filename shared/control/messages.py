@@ -183,6 +183,16 @@ class TokenChunk:
 
 
 @dataclass
+class StreamReplay:
+    """Gateway -> the decode worker of a stream: send its chunks again from `from_index` on (some
+    were lost, or never sent, while NATS was away). Answered TaskAck(); a failure when the worker
+    no longer has the stream."""
+
+    attempt_id: str
+    from_index: int
+
+
+@dataclass
 class CancelRequest:
     attempt_id: str
     reason: str = "cancelled"
@@ -258,6 +268,7 @@ MESSAGE_TYPES: dict[str, type] = {
         PrefillResult,
         TransferAbort,
         TokenChunk,
+        StreamReplay,
         CancelRequest,
         WorkerHeartbeat,
         Discover,

@@ -38,7 +38,7 @@ def permissions(role: str, cluster: str) -> dict:
 
 
 def _gateway(s: Subjects) -> tuple[list[str], list[str]]:
-    publish = [s.submit, s.status, s.cancel, s.ping("*")]
+    publish = [s.submit, s.status, s.cancel, s.ping("*"), s.stream_replay("*")]
     return publish, [s.gateway_tokens("*"), s.heartbeat, inbox("gateway")]
 
 
@@ -57,7 +57,7 @@ def _decode(s: Subjects) -> tuple[list[str], list[str]]:
     publish = [s.heartbeat, s.prefill_tasks("*"), s.transfer_aborts("*"), s.gateway_tokens("*")]
     publish.append(s.ping("*"))
     subscribe = [s.decode_tasks("*"), s.prefill_results("*"), s.cancel, s.discover, s.heartbeat]
-    subscribe += [s.ping("*"), inbox("decode")]
+    subscribe += [s.ping("*"), s.stream_replay("*"), inbox("decode")]
     return publish, subscribe
 
 

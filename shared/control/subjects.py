@@ -41,6 +41,10 @@ class Subjects:
         workers' tasks, so NATS permissions can tell the two roles' work apart."""
         return f"{self._root}.decode.{worker_id}.tasks"
 
+    def stream_replay(self, worker_id: str) -> str:
+        """Gateway -> one decode worker: send a stream's chunks again (StreamReplay)."""
+        return f"{self._root}.decode.{worker_id}.replay"
+
     def prefill_tasks(self, worker_id: str) -> str:
         """Decode worker -> one prefill worker: a prompt to compute and send the KV of."""
         return f"{self._root}.prefill.{worker_id}.tasks"

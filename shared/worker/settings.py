@@ -130,6 +130,18 @@ class WorkerSettings(CommonSettings):
     prefill_timeout_s: float = field(
         default=300.0, metadata={"help": "how long a decode worker waits for a remote prefill"}
     )
+    stream_retain_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "a decode worker keeps an ended stream's token chunks this long, for a gateway that lost some (NATS outage)"
+        },
+    )
+    max_held_chunks: int = field(
+        default=4096,
+        metadata={
+            "help": "token chunks of one stream a decode worker holds unsent (NATS unreachable) before it fails the request"
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -146,6 +158,7 @@ class WorkerSettings(CommonSettings):
             "max_num_seqs",
             "max_batch_tokens",
             "prefill_chunk_tokens",
+            "max_held_chunks",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -163,6 +176,7 @@ class WorkerSettings(CommonSettings):
             "drain_timeout_s",
             "worker_timeout_s",
             "kv_lease_s",
+            "stream_retain_s",
         ):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be positive")

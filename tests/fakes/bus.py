@@ -4,7 +4,14 @@ import asyncio
 import logging
 from typing import Any
 
-from shared.control.bus import Handler, NoResponders, RequestTimeout, Respond, Subscription
+from shared.control.bus import (
+    BusError,
+    Handler,
+    NoResponders,
+    RequestTimeout,
+    Respond,
+    Subscription,
+)
 from shared.control.wire import decode, encode
 
 log = logging.getLogger(__name__)
@@ -55,6 +62,8 @@ class InMemoryBus:
         return chosen
 
     async def publish(self, subject: str, message: Any) -> None:
+        if not self.connected:  # as nats-py once its reconnect buffer is full
+            raise BusError("not connected")
         data = encode(message)
         self.published.append((subject, decode(data)))
         for handler in self._targets(subject):

@@ -16,12 +16,20 @@ from shared.api import tandem_pb2 as pb
 from shared.control.failure import Code, Failure, Retry, worker_failed, worker_full
 from shared.control.failure import failed as request_failed
 from shared.control.liveness import Liveness
-from shared.control.messages import CancelRequest, GenerateTask, SubmitReply, TokenChunk
+from shared.control.messages import (
+    CancelRequest,
+    GenerateTask,
+    StreamReplay,
+    SubmitReply,
+    TaskAck,
+    TokenChunk,
+)
 from shared.control.subjects import Subjects
 from tests.fakes.bus import InMemoryBus
 
 SHUTTING_DOWN = Failure(Code.UNAVAILABLE, "the scheduler is shutting down", Retry.ELSEWHERE)
 LOSE = "lose"
+FORGET = "forget"
 SILENT = "silent"
 LIMITS = Limits(
     max_model_len=2048, default_max_tokens=16, max_tokens_limit=1024, max_stop_strings=8
@@ -52,13 +60,16 @@ class FakeContext:
 class ScriptedCluster:
     """Answers submit n with `replies[n]` where given (a SubmitReply not ok, or SILENT: no answer),
     else as a scheduler placing it on decode worker d<p>, the pth placed, then plays script p, in
-    turn: a TokenChunk is sent (its attempt id and next index filled in), LOSE skips an index (a
-    chunk lost on the way), a callable is called with the bus."""
+    turn: a TokenChunk is sent (its attempt id and next index filled in), LOSE loses the next chunk
+    on the way (the worker keeps it: asked, it sends it again), FORGET has the worker forget the
+    stream (asked, it says so), a callable is called with the bus."""
 
     def __init__(self, bus: InMemoryBus, scripts: list[list], replies: dict | None = None):
         self.bus, self.scripts, self.replies = bus, scripts, replies or {}
         self.tasks: list[GenerateTask] = []
         self.plays: list[asyncio.Task] = []
+        self.kept: dict[str, list[TokenChunk]] = {}  # attempt id -> the chunks its worker keeps
+        self.replays: list[StreamReplay] = []
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
         self.tasks.append(task)
@@ -69,22 +80,38 @@ class ScriptedCluster:
             await respond(reply)
             return
         placed = len(self.plays) + 1
+        self.kept[task.attempt_id] = []
+        await self.bus.subscribe(Subjects("default").stream_replay(f"d{placed}"), self.on_replay)
         await respond(SubmitReply(prefill_worker="p1", decode_worker=f"d{placed}"))
         self.plays.append(asyncio.create_task(self._play(task, self.scripts[placed - 1])))
 
+    async def on_replay(self, ask: StreamReplay, respond) -> None:
+        self.replays.append(ask)
+        kept = self.kept.get(ask.attempt_id)
+        if kept is None:
+            await respond(TaskAck(worker_failed("d", "no longer has the stream")))
+            return
+        for sent in kept[ask.from_index :]:
+            await self.bus.publish(self.tasks[0].reply_subject, copy.copy(sent))
+        await respond(TaskAck())
+
     async def _play(self, task: GenerateTask, script: list) -> None:
-        index = 0
+        lose, kept = False, self.kept[task.attempt_id]
         for step in script:
             await asyncio.sleep(0.01)
-            if step is LOSE:
-                index += 1
+            if step is LOSE or step is FORGET:
+                lose = step is LOSE
+                if step is FORGET:
+                    del self.kept[task.attempt_id]
                 continue
             if callable(step):
                 step(self.bus)
                 continue
-            step.attempt_id, step.index = task.attempt_id, index
-            index += 1
-            await self.bus.publish(task.reply_subject, step)
+            step.attempt_id, step.index = task.attempt_id, len(kept)
+            kept.append(step)
+            if not lose:
+                await self.bus.publish(task.reply_subject, copy.copy(step))
+            lose = False
 
 
 async def generate(
@@ -198,32 +225,52 @@ async def test_past_the_migration_limit_the_client_gets_the_last_failures_code(t
     assert "moved 1 time(s)" in context.message
 
 
-async def test_a_last_chunk_lost_in_a_nats_reconnect_resumes_from_the_tokens_sent(
-    tokenizer, monkeypatch
-):
+async def test_a_last_chunk_lost_in_a_nats_reconnect_is_asked_for_again(tokenizer, monkeypatch):
     """The stream's last chunk vanishes while NATS reconnects: nothing after it shows a gap, so
-    the gateway goes on from the tokens the client has once the stream stays quiet."""
-    monkeypatch.setattr(relay, "LOST_AFTER_RECONNECT_S", 0.2)
+    once the stream stays quiet the gateway asks the worker for it again: no move (before, the
+    request moved, and was computed again, from the tokens sent)."""
+    monkeypatch.setattr(relay, "REPLAY_AFTER_RECONNECT_S", 0.2)
 
     def reconnect(bus):  # the connection came back; the final chunk was in flight and is lost
         bus.reconnects += 1
 
     responses, context, cluster, bus = await generate(
-        [[chunk([7]), reconnect, LOSE], [done([8, 9])]], tokenizer=tokenizer
+        [[chunk([7]), reconnect, LOSE, done([8, 9])]], tokenizer=tokenizer
+    )
+    assert context.code is None and tokens(responses) == [7, 8, 9]
+    assert len(cluster.tasks) == 1 and responses[-1].timing.migrations == 0
+    assert [(r.attempt_id, r.from_index) for r in cluster.replays] == [
+        (cluster.tasks[0].attempt_id, 1)
+    ]
+
+
+async def test_a_gap_in_the_chunk_indexes_is_filled_in_order_and_duplicates_are_dropped(
+    tokenizer,
+):
+    responses, context, cluster, _ = await generate(
+        [[chunk([7]), LOSE, chunk([8]), chunk([9]), done([10])]],
+        tokenizer=tokenizer,
+        **{"default_max_tokens": 4},
+    )
+    # the replay sends 8, 9 and 10 again after they came: each reaches the client once
+    assert context.code is None and tokens(responses) == [7, 8, 9, 10]
+    assert len(cluster.tasks) == 1 and responses[-1].timing.migrations == 0
+
+
+async def test_a_worker_that_no_longer_has_the_stream_has_it_moved_on(tokenizer, monkeypatch):
+    monkeypatch.setattr(relay, "REPLAY_AFTER_RECONNECT_S", 0.2)
+
+    def reconnect(bus):
+        bus.reconnects += 1
+
+    responses, context, cluster, bus = await generate(
+        [[chunk([7]), reconnect, FORGET, LOSE, done([99])], [done([8, 9])]], tokenizer=tokenizer
     )
     assert context.code is None and tokens(responses) == [7, 8, 9]
     first, second = cluster.tasks
     assert second.resume_tokens == 1 and second.prompt_token_ids == first.prompt_token_ids + [7]
     assert second.avoid_workers == []  # nobody failed: the decode worker may take it again
     assert first.attempt_id in cancels(bus)
-
-
-async def test_a_gap_in_the_chunk_indexes_resumes_after_the_last_chunk_received(tokenizer):
-    responses, context, cluster, _ = await generate(
-        [[chunk([7]), LOSE, chunk([99])], [done([8, 9])]], tokenizer=tokenizer
-    )
-    assert context.code is None and tokens(responses) == [7, 8, 9]
-    assert cluster.tasks[1].resume_tokens == 1 and cluster.tasks[1].avoid_workers == []
 
 
 async def test_a_scheduler_handing_the_request_back_has_it_submitted_again_as_a_new_attempt(

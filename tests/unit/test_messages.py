@@ -18,6 +18,7 @@ from shared.control.messages import (
     SamplingParams,
     StatusReply,
     StatusRequest,
+    StreamReplay,
     SubmitReply,
     TaskAck,
     Timing,
@@ -111,6 +112,7 @@ SAMPLES = [
     SubmitReply(prefill_worker="p", decode_worker="d"),  # placed: no failure
     TaskAck(worker_full("d", "full")),
     TokenChunk(attempt_id="r1", index=4, failure=worker_failed("d", "shut down")),
+    StreamReplay(attempt_id="r1", from_index=3),
     StatusReply(
         mode="disaggregated",
         ready=True,

@@ -14,6 +14,7 @@ def all_subjects(s: Subjects) -> list[str]:
         s.prefill_tasks("w1"),
         s.prefill_results("w1"),
         s.gateway_tokens("g1"),
+        s.stream_replay("w1"),
     ]
 
 

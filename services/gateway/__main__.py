@@ -86,7 +86,13 @@ async def run(settings: GatewaySettings) -> None:
     subjects = Subjects(settings.cluster)
     async with AsyncExitStack() as stack:
         bus = await stack.enter_async_context(
-            NatsBus(settings.nats_url, settings.gateway_id, nats_options(settings), role="gateway")
+            NatsBus(
+                settings.nats_url,
+                settings.gateway_id,
+                nats_options(settings),
+                role="gateway",
+                cluster=settings.cluster,
+            )
         )
         streams = await stack.enter_async_context(
             StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id))

@@ -13,7 +13,11 @@ from shared.settings import load_settings, nats_options, setup_logging
 async def run(settings: SchedulerSettings) -> None:
     stop = stop_on_signals()
     async with NatsBus(
-        settings.nats_url, "scheduler", nats_options(settings), role="scheduler"
+        settings.nats_url,
+        "scheduler",
+        nats_options(settings),
+        role="scheduler",
+        cluster=settings.cluster,
     ) as bus:
         await SchedulerService(settings, bus).serve(stop)
 

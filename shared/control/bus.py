@@ -10,6 +10,7 @@ import nats
 import nats.errors
 
 from shared.control.nats_auth import inbox_prefix
+from shared.control.subjects import Subjects
 from shared.control.wire import MessageError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,14 @@ class MessageBus(Protocol):
 class NatsBus:
     """The real bus. Use as `async with NatsBus(url, name) as bus:`; leaving drains the connection."""
 
-    def __init__(self, url: str, name: str, options: dict | None = None, role: str = ""):
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        options: dict | None = None,
+        role: str = "",
+        cluster: str = "default",
+    ):
         self._url = url
         self._shown_url = redacted(url)
         self._name = name
@@ -78,7 +86,9 @@ class NatsBus:
         if role:  # answers come to _INBOX.<role>.…: the only inboxes this role's NATS user may read
             self._options = {**self._options, "inbox_prefix": inbox_prefix(role)}
         self._nc: nats.NATS | None = None
+        self._probe_subject = Subjects(cluster).probe  # nobody subscribes: see reachable()
         self._closing = False
+        self._outage_logged = False  # the outage under way was logged already
         self.dropped = 0
         self.reconnects = 0
 
@@ -106,13 +116,16 @@ class NatsBus:
                 await self._nc.close()
 
     async def _on_error(self, err: Exception) -> None:
-        log.warning("NATS error: %s", err)
+        if self.connected or not self._outage_logged:  # one line per outage, not per retry
+            log.warning("NATS error: %s", err)
+        self._outage_logged = not self.connected
 
     async def _on_disconnect(self) -> None:
         if not self._closing:
             log.warning("disconnected from NATS at %s", self._shown_url)
 
     async def _on_reconnect(self) -> None:
+        self._outage_logged = False
         self.reconnects += 1
         log.info("reconnected to NATS at %s", self._shown_url)
 
@@ -125,12 +138,18 @@ class NatsBus:
         return self._nc is not None and self._nc.is_connected
 
     async def reachable(self, timeout: float) -> bool:
-        """True when the server answers a ping within `timeout` (False: down, stopped, or far)."""
+        """True when the server answers within `timeout` (False: down, stopped, or far). A request
+        on a subject nobody listens to: the server itself answers it, "no responders". (Not
+        nats-py's flush(timeout): a PONG after its timeout kills the client's read loop.)"""
+        if not self.connected:
+            return False
         try:
-            await self._nc.flush(timeout=timeout)
+            await self._nc.request(self._probe_subject, b"", timeout=timeout)
+        except nats.errors.NoRespondersError:
+            return True
         except Exception:  # timeout, reconnecting, closed: not reachable now
             return False
-        return True
+        return True  # somebody answered: the server is there all the same
 
     async def publish(self, subject: str, message: Any) -> None:
         await self._nc.publish(subject, encode(message))

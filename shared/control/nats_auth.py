@@ -33,8 +33,9 @@ def inbox(role: str) -> str:
 def permissions(role: str, cluster: str) -> dict:
     """{'publish': [...], 'subscribe': [...]} for `role`; worker and gateway ids are not known in
     advance, so their subjects are matched by wildcard (`*`) within the cluster."""
-    publish, subscribe = _ROLE_SUBJECTS[role](Subjects(cluster))
-    return {"publish": publish, "subscribe": subscribe}
+    subjects = Subjects(cluster)
+    publish, subscribe = _ROLE_SUBJECTS[role](subjects)
+    return {"publish": [*publish, subjects.probe], "subscribe": subscribe}
 
 
 def _gateway(s: Subjects) -> tuple[list[str], list[str]]:

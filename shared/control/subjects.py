@@ -22,6 +22,12 @@ class Subjects:
         return f"{self._root}.workers.discover"
 
     @property
+    def probe(self) -> str:
+        """Nobody subscribes: a request here is answered by the server itself ("no responders"),
+        which tells a process whether the server is there (MessageBus.reachable)."""
+        return f"{self._root}.probe"
+
+    @property
     def submit(self) -> str:
         """Gateway -> scheduler: a new request (queue group: any scheduler may take it)."""
         return f"{self._root}.scheduler.submit"

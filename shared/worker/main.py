@@ -37,7 +37,13 @@ async def run_worker(
     runtime = await asyncio.to_thread(load_runtime, settings, role)
     async with AsyncExitStack() as stack:
         bus = await stack.enter_async_context(
-            NatsBus(settings.nats_url, runtime.worker_id, nats_options(settings), role=service)
+            NatsBus(
+                settings.nats_url,
+                runtime.worker_id,
+                nats_options(settings),
+                role=service,
+                cluster=settings.cluster,
+            )
         )
         plane = await stack.enter_async_context(
             UcxDataPlane(

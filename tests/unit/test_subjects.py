@@ -15,6 +15,7 @@ def all_subjects(s: Subjects) -> list[str]:
         s.prefill_results("w1"),
         s.gateway_tokens("g1"),
         s.stream_replay("w1"),
+        s.probe,
     ]
 
 

@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from services.gateway.health import ReadinessProbe
+from services.gateway.schedulers import SchedulerPool
 from services.gateway.servicer import TandemServicer, add_to_server
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
@@ -100,8 +101,11 @@ async def run(settings: GatewaySettings) -> None:
         liveness = await stack.enter_async_context(
             Liveness(bus, subjects, settings.worker_timeout_s)
         )
+        schedulers = await stack.enter_async_context(
+            SchedulerPool(bus, subjects, settings.worker_timeout_s)
+        )
         limits = limits_of(settings, tokenizer)
-        servicer = TandemServicer(settings, bus, streams, tokenizer, limits, liveness)
+        servicer = TandemServicer(settings, bus, streams, tokenizer, limits, liveness, schedulers)
         server, health_servicer = grpc_server(settings, servicer)
         port = listen(server, settings)
         await server.start()

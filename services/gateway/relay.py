@@ -19,6 +19,7 @@ import grpc
 
 from services.gateway.attempt import Attempt
 from services.gateway.migration import FULL_MOVES, WorkerLost
+from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
@@ -40,6 +41,11 @@ POLL_S = 0.5  # a silent stream: how often its worker's liveness and the timeout
 REPLAY_AFTER_RECONNECT_S = 1.0  # quiet this long since NATS reconnected: ask for the stream again
 REPLAY_AFTER_S = 2.0  # quiet this long anyway (a stalled server loses nothing, but delays): ask
 REPLAY_TIMEOUT_S = 1.0
+MAX_PICKS = 3  # scheduler replicas tried for one submission when the one picked is gone
+
+
+class SchedulerLost(Exception):
+    """The scheduler replica holding a submission was lost."""
 
 
 def grpc_status(code: Code) -> grpc.StatusCode:
@@ -55,6 +61,7 @@ class RequestRelay:
         streams: StreamRouter,
         liveness: Liveness,
         context,
+        schedulers: SchedulerPool | None = None,
     ):
         self.settings = settings
         self.bus = bus
@@ -64,6 +71,8 @@ class RequestRelay:
         self.subjects = Subjects(settings.cluster)
         self._early: dict[int, TokenChunk] = {}  # chunks that came before one still missing
         self._replayed_at = float("-inf")  # when the stream was last asked for again
+        self.schedulers = schedulers  # None: submit to the queue group only
+        self._lost_schedulers: set[str] = set()  # replicas lost while they held this request
 
     async def follow(self, task: GenerateTask) -> AsyncIterator[tuple[Attempt, TokenChunk]]:
         """Every chunk of the request's output, with the attempt as it is after that chunk."""
@@ -122,23 +131,48 @@ class RequestRelay:
         return attempt.placed(reply.decode_worker)
 
     async def _ask_scheduler(self, attempt: Attempt) -> SubmitReply | None:
-        """The scheduler's reply; None when none came in time to a first submission."""
+        """The scheduler's reply; None when none came in time to a first submission, or the
+        replica holding it was lost (then it is submitted again, to another)."""
         why = _refusal_start(attempt)
-        try:
-            return await self.bus.request(
-                self.subjects.submit, attempt.task, self.settings.submit_timeout_s, SubmitReply
+        for _ in range(MAX_PICKS):
+            target = self.schedulers.pick(self._lost_schedulers) if self.schedulers else ""
+            subject = self.subjects.submit_to(target) if target else self.subjects.submit
+            asking = self.bus.request(
+                subject, attempt.task, self.settings.submit_timeout_s, SubmitReply
             )
-        except NoResponders:
-            await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + "no scheduler is running")
-        except BadReply as err:
-            await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + str(err))
-        except RequestTimeout:
-            if attempt.resubmission:
-                await self.context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    why + "the scheduler did not place the request in time",
-                )
-            return None
+            try:
+                return await self._watched(target, asking)
+            except NoResponders:
+                if not target:
+                    await self.context.abort(
+                        grpc.StatusCode.UNAVAILABLE, why + "no scheduler is running"
+                    )
+                self._lost_schedulers.add(target)  # gone since its last beat: never had it
+            except BadReply as err:
+                await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + str(err))
+            except (RequestTimeout, SchedulerLost) as err:
+                if attempt.resubmission:
+                    await self.context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        why + _no_placement(err),
+                    )
+                if isinstance(err, SchedulerLost):
+                    self._lost_schedulers.add(target)
+                    log.warning("%s: %s", attempt.id, err)
+                return None
+        await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + "no scheduler is running")
+
+    async def _watched(self, target: str, asking) -> SubmitReply:
+        """The answer to `asking`; SchedulerLost when the replica `target` is lost meanwhile."""
+        task = asyncio.ensure_future(asking)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=POLL_S)
+            if done:
+                return task.result()
+            if target and await self.schedulers.lost(target):
+                # left to its timeout (cancelling a nats-py request leaks its reply slot)
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                raise SchedulerLost(f"scheduler {target} was lost while it held the request")
 
     async def _refused(self, attempt: Attempt, reply: SubmitReply) -> None:
         failure = reply.failure
@@ -239,6 +273,12 @@ def _handed_back(reply: SubmitReply) -> bool:
     return (
         bool(reply.failure) and reply.failure.retry is Retry.ELSEWHERE and not reply.failure.blame
     )
+
+
+def _no_placement(err: Exception) -> str:
+    if isinstance(err, SchedulerLost):
+        return str(err)
+    return "the scheduler did not place the request in time"
 
 
 def _refusal_start(attempt: Attempt) -> str:

@@ -12,6 +12,7 @@ import grpc
 from services.gateway.migration import new_attempt_id
 from services.gateway.relay import RequestRelay
 from services.gateway.responses import cluster_status_response, generate_response
+from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import InvalidRequest, Limits, ValidRequest, validate
@@ -75,8 +76,10 @@ class TandemServicer(pb_grpc.TandemServicer):
         tokenizer,
         limits: Limits,
         liveness: Liveness,
+        schedulers: SchedulerPool | None = None,
     ):
         self.settings = settings
+        self.schedulers = schedulers  # None: the schedulers' queue group only
         self.bus = bus
         self.streams = streams
         self.tokenizer = tokenizer
@@ -113,7 +116,9 @@ class TandemServicer(pb_grpc.TandemServicer):
 
     async def _generate(self, request: pb.GenerateRequest, context, arrival: float):
         valid = await self._validated(request, context)
-        relay = RequestRelay(self.settings, self.bus, self.streams, self.liveness, context)
+        relay = RequestRelay(
+            self.settings, self.bus, self.streams, self.liveness, context, self.schedulers
+        )
         first_at = None  # when the first token came
         task = self._first_task(valid, request.priority, context, arrival)
         async with contextlib.aclosing(relay.follow(task)) as chunks:

@@ -13,20 +13,18 @@ import dataclasses
 import logging
 import time
 import uuid
-from pathlib import Path
 
 from services.scheduler.admission import AdmissionQueue, Pending
 from services.scheduler.answers import SHUTTING_DOWN, Answers
+from services.scheduler.presence import Presence
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
 from shared.control.failure import Code, Failure, Retry, failed, worker_failed
-from shared.control.liveness import PROBE_TIMEOUT_S, QUICK_S
 from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
-    Discover,
     GenerateTask,
     StatusReply,
     StatusRequest,
@@ -57,8 +55,9 @@ class SchedulerService:
         self.scheduler_id = settings.scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
         self.answers = Answers(self.queue)
         self._closing = False
-        self._reconnects = bus.reconnects
-        self._reach_checked = 0.0
+        self.presence = Presence(
+            bus, self.subjects, self.scheduler_id, self.registry, lambda: len(self.queue)
+        )
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [
@@ -66,8 +65,12 @@ class SchedulerService:
             await self.bus.subscribe(self.subjects.submit, self.on_submit, queue="schedulers"),
             await self.bus.subscribe(self.subjects.status, self.on_status, queue="schedulers"),
             await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
+            await self.bus.subscribe(self.subjects.submit_to(self.scheduler_id), self.on_submit),
+            await self.bus.subscribe(
+                self.subjects.scheduler_ping(self.scheduler_id), self.presence.on_ping
+            ),
         ]
-        await self.bus.publish(self.subjects.discover, Discover(scheduler_id=self.scheduler_id))
+        await self.presence.discover()
         log.info(
             "%s up in %s mode on cluster %r",
             self.scheduler_id,
@@ -76,7 +79,7 @@ class SchedulerService:
         )
         tickers = [asyncio.create_task(self._tick())]
         if self.settings.alive_file:
-            tickers.append(asyncio.create_task(self._keep_alive()))
+            tickers.append(asyncio.create_task(self.presence.keep_alive(self.settings.alive_file)))
         try:
             await stop.wait()
         finally:
@@ -84,24 +87,19 @@ class SchedulerService:
                 ticker.cancel()
             for sub in subs:
                 await sub.unsubscribe()
+            await self.presence.beat(stopping=True)  # gateways stop picking this replica now
             self._closing = True  # from here on nothing is placed: what waits is handed back
             while len(self.queue):
                 self.answers.hand_back(self.queue.pop())
             await self.answers.settle()
 
-    async def _keep_alive(self) -> None:
-        """Touches the alive file while the event loop runs (the container health check reads it)."""
-        path = Path(self.settings.alive_file)
-        while True:
-            path.touch()
-            await asyncio.sleep(1.0)
-
     async def _tick(self) -> None:
-        """Ends the waits that ran out, and places what the last heartbeats made room for."""
+        """Ends the waits that ran out, places what the last heartbeats made room for, and keeps
+        this replica known (Presence)."""
         while True:
             await asyncio.sleep(0.1)
             try:
-                await self._keep_hearing()
+                await self.presence.tick()
                 for entry in self.queue.expired():
                     wait_s = self.settings.queue_timeout_s
                     self.answers.refuse(
@@ -112,20 +110,6 @@ class SchedulerService:
                 self.pump()
             except Exception:  # a bug: log it, keep expiring and placing
                 log.exception("scheduler tick failed")
-
-    async def _keep_hearing(self) -> None:
-        """While this scheduler cannot hear the workers (its connection down, the server stalled)
-        their silence is excused; after a reconnect it asks every worker to announce itself."""
-        if not self.bus.connected:
-            self.registry.excuse()
-        elif self.bus.reconnects != self._reconnects:
-            self._reconnects = self.bus.reconnects
-            self.registry.excuse()
-            await self.bus.publish(self.subjects.discover, Discover(scheduler_id=self.scheduler_id))
-        elif self.registry.quiet_s() > QUICK_S and time.monotonic() - self._reach_checked > QUICK_S:
-            self._reach_checked = time.monotonic()
-            if not await self.bus.reachable(PROBE_TIMEOUT_S):
-                self.registry.excuse()
 
     def ready(self) -> bool:
         roles = {"colocated": [("colocated",)], "disaggregated": [("prefill",), ("decode",)]}.get(
@@ -213,7 +197,7 @@ class SchedulerService:
         outage, and none it knows of is excluded: the workers' heartbeats are on their way."""
         if type(err) is not NoWorker:
             return False
-        if not self.registry.settling() and self.bus.reconnects == self._reconnects:
+        if not self.registry.settling() and not self.presence.reconnect_unnoticed:
             return False
         excluded = entry.tried | set(entry.task.avoid_workers)
         return not any(w.worker_id in excluded for w in self.registry.live())

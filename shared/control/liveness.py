@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from shared.control.bus import MessageBus, NoResponders
-from shared.control.messages import Ping, TaskAck, WorkerHeartbeat
+from shared.control.messages import Ping, SchedulerHeartbeat, TaskAck, WorkerHeartbeat
 from shared.control.subjects import Subjects
 
 QUICK_S = 1.0  # silent this long (two missed beats at the default interval): worth asking NATS
@@ -26,7 +26,8 @@ PROBE_TIMEOUT_S = 0.25
 
 
 class Liveness:
-    """Watches the heartbeat subject. `async with Liveness(bus, subjects, timeout_s) as live:`."""
+    """Watches the workers' heartbeat subject. `async with Liveness(bus, subjects, timeout_s) as
+    live:`. With `schedulers=True`, the scheduler replicas' instead."""
 
     def __init__(
         self,
@@ -34,9 +35,11 @@ class Liveness:
         subjects: Subjects,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        schedulers: bool = False,
     ):
         self._bus = bus
-        self._subjects = subjects
+        self._beats = subjects.scheduler_heartbeat if schedulers else subjects.heartbeat
+        self._ping = subjects.scheduler_ping if schedulers else subjects.ping
         self._timeout = timeout_s
         self._quick = min(QUICK_S, timeout_s)
         self._clock = clock
@@ -51,14 +54,15 @@ class Liveness:
         self._sub = None
 
     async def __aenter__(self) -> "Liveness":
-        self._sub = await self._bus.subscribe(self._subjects.heartbeat, self.on_heartbeat)
+        self._sub = await self._bus.subscribe(self._beats, self.on_heartbeat)
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self._sub.unsubscribe()
 
-    async def on_heartbeat(self, beat: WorkerHeartbeat, respond) -> None:
-        self._seen[beat.worker_id] = self._heard_any = self._clock()
+    async def on_heartbeat(self, beat: WorkerHeartbeat | SchedulerHeartbeat, respond) -> None:
+        sender = beat.scheduler_id if isinstance(beat, SchedulerHeartbeat) else beat.worker_id
+        self._seen[sender] = self._heard_any = self._clock()
 
     def alive(self, worker_id: str) -> bool:
         """False once a worker that was seen has been silent for the timeout while this process
@@ -115,9 +119,7 @@ class Liveness:
 
     async def _gone(self, worker_id: str) -> bool:
         try:
-            await self._bus.request(
-                self._subjects.ping(worker_id), Ping(), PROBE_TIMEOUT_S, TaskAck
-            )
+            await self._bus.request(self._ping(worker_id), Ping(), PROBE_TIMEOUT_S, TaskAck)
         except NoResponders:
             return True
         except Exception:  # it listens but is slow, or NATS is (or is down): the timeout decides

@@ -235,6 +235,16 @@ class WorkerHeartbeat:
 
 
 @dataclass
+class SchedulerHeartbeat:
+    """A scheduler replica is up (every half second), or leaving (stopping): gateways submit to a
+    live one by name, and move what a dead one held to another within about a second."""
+
+    scheduler_id: str
+    queued: int = 0  # requests waiting in its queue for room
+    stopping: bool = False
+
+
+@dataclass
 class Discover:
     scheduler_id: str
 
@@ -271,6 +281,7 @@ MESSAGE_TYPES: dict[str, type] = {
         StreamReplay,
         CancelRequest,
         WorkerHeartbeat,
+        SchedulerHeartbeat,
         Discover,
         StatusRequest,
         StatusReply,

@@ -40,12 +40,14 @@ def permissions(role: str, cluster: str) -> dict:
 
 def _gateway(s: Subjects) -> tuple[list[str], list[str]]:
     publish = [s.submit, s.status, s.cancel, s.ping("*"), s.stream_replay("*")]
-    return publish, [s.gateway_tokens("*"), s.heartbeat, inbox("gateway")]
+    publish += [s.submit_to("*"), s.scheduler_ping("*")]
+    return publish, [s.gateway_tokens("*"), s.heartbeat, s.scheduler_heartbeat, inbox("gateway")]
 
 
 def _scheduler(s: Subjects) -> tuple[list[str], list[str]]:
-    publish = [s.discover, s.decode_tasks("*"), s.cancel]
-    return publish, [s.submit, s.status, s.heartbeat, s.cancel, inbox("scheduler")]
+    publish = [s.discover, s.decode_tasks("*"), s.cancel, s.scheduler_heartbeat]
+    subscribe = [s.submit, s.status, s.heartbeat, s.cancel, inbox("scheduler")]
+    return publish, subscribe + [s.submit_to("*"), s.scheduler_ping("*")]
 
 
 def _prefill(s: Subjects) -> tuple[list[str], list[str]]:

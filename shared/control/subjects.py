@@ -33,6 +33,19 @@ class Subjects:
         return f"{self._root}.scheduler.submit"
 
     @property
+    def scheduler_heartbeat(self) -> str:
+        """Schedulers announce themselves here (SchedulerHeartbeat)."""
+        return f"{self._root}.scheduler.heartbeat"
+
+    def submit_to(self, scheduler_id: str) -> str:
+        """Gateway -> one scheduler replica: a new request, to a replica it watches."""
+        return f"{self._root}.scheduler.{scheduler_id}.submit"
+
+    def scheduler_ping(self, scheduler_id: str) -> str:
+        """Gateway -> one scheduler: still there? (No responders: its process is gone.)"""
+        return f"{self._root}.scheduler.{scheduler_id}.ping"
+
+    @property
     def status(self) -> str:
         """Gateway -> scheduler: which workers are alive."""
         return f"{self._root}.scheduler.status"

@@ -16,6 +16,7 @@ from shared.control.messages import (
     PrefillResult,
     PrefillTask,
     SamplingParams,
+    SchedulerHeartbeat,
     StatusReply,
     StatusRequest,
     StreamReplay,
@@ -113,6 +114,7 @@ SAMPLES = [
     TaskAck(worker_full("d", "full")),
     TokenChunk(attempt_id="r1", index=4, failure=worker_failed("d", "shut down")),
     StreamReplay(attempt_id="r1", from_index=3),
+    SchedulerHeartbeat(scheduler_id="s1", queued=2),
     StatusReply(
         mode="disaggregated",
         ready=True,

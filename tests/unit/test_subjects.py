@@ -16,6 +16,9 @@ def all_subjects(s: Subjects) -> list[str]:
         s.gateway_tokens("g1"),
         s.stream_replay("w1"),
         s.probe,
+        s.scheduler_heartbeat,
+        s.submit_to("s1"),
+        s.scheduler_ping("s1"),
     ]
 
 

@@ -1,0 +1,70 @@
+"""SchedulerPool: the scheduler replicas a gateway submits to, known from their heartbeats.
+
+A request goes to one live replica by name (in turn), so the gateway knows who holds it while it
+waits for a place; when that replica is lost (its heartbeats stop and NATS says nobody listens on
+its ping subject: a killed process, in about a second) the request is submitted again to another.
+Before any replica was heard from (a gateway just started, or one whose NATS was away) a request
+goes to the schedulers' queue group instead, as it always could.
+"""
+
+import time
+from collections.abc import Callable
+
+from shared.control.bus import MessageBus
+from shared.control.liveness import Liveness
+from shared.control.messages import SchedulerHeartbeat
+from shared.control.subjects import Subjects
+
+FORGET_S = 300.0  # a replica silent this long is forgotten (restarts come back under new names)
+
+
+class SchedulerPool:
+    def __init__(
+        self,
+        bus: MessageBus,
+        subjects: Subjects,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._bus = bus
+        self._subjects = subjects
+        self._timeout = timeout_s
+        self._clock = clock
+        self._liveness = Liveness(bus, subjects, timeout_s, clock, schedulers=True)
+        self._beats: dict[str, SchedulerHeartbeat] = {}
+        self._seen: dict[str, float] = {}
+        self._turn = 0
+        self._sub = None
+
+    async def __aenter__(self) -> "SchedulerPool":
+        await self._liveness.__aenter__()
+        self._sub = await self._bus.subscribe(self._subjects.scheduler_heartbeat, self.on_heartbeat)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._sub.unsubscribe()
+        await self._liveness.__aexit__(*exc)
+
+    async def on_heartbeat(self, beat: SchedulerHeartbeat, respond) -> None:
+        now = self._clock()
+        for gone in [s for s, seen in self._seen.items() if now - seen > FORGET_S]:
+            del self._beats[gone], self._seen[gone]
+        self._beats[beat.scheduler_id] = beat
+        self._seen[beat.scheduler_id] = now
+
+    def pick(self, avoid: set[str]) -> str:
+        """A live replica that is not stopping and not in `avoid`, in turn; "" when none is known
+        (then the queue group)."""
+        now = self._clock()
+        live = sorted(
+            s
+            for s, beat in self._beats.items()
+            if not beat.stopping and now - self._seen[s] <= self._timeout and s not in avoid
+        )
+        if not live:
+            return ""
+        self._turn += 1
+        return live[self._turn % len(live)]
+
+    async def lost(self, scheduler_id: str) -> bool:
+        return await self._liveness.lost(scheduler_id)

@@ -1,0 +1,90 @@
+"""Presence: a scheduler replica's side of staying known and keeping its view honest.
+
+It beats (SchedulerHeartbeat, every half second) so gateways submit to it by name and notice
+within about a second when it is gone; it answers pings; it touches the alive file for container
+health checks; and it watches its own hearing: while its NATS connection is down or the server is
+stalled, the workers' silence is excused (WorkerRegistry.excuse), and after a reconnect it asks
+every worker to announce itself (Discover).
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from services.scheduler.registry import WorkerRegistry
+from shared.control.bus import MessageBus
+from shared.control.liveness import PROBE_TIMEOUT_S, QUICK_S
+from shared.control.messages import Discover, Ping, SchedulerHeartbeat, TaskAck
+from shared.control.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 0.5
+
+
+class Presence:
+    def __init__(
+        self,
+        bus: MessageBus,
+        subjects: Subjects,
+        scheduler_id: str,
+        registry: WorkerRegistry,
+        queued: Callable[[], int],
+    ):
+        self.bus = bus
+        self.subjects = subjects
+        self.scheduler_id = scheduler_id
+        self.registry = registry
+        self.queued = queued
+        self._reconnects = bus.reconnects
+        self._reach_checked = 0.0
+        self._beaten = float("-inf")
+
+    @property
+    def reconnect_unnoticed(self) -> bool:
+        """The connection came back and the workers were not asked to announce themselves yet."""
+        return self.bus.reconnects != self._reconnects
+
+    async def discover(self) -> None:
+        """Asks every worker to announce itself now."""
+        await self.bus.publish(self.subjects.discover, Discover(scheduler_id=self.scheduler_id))
+
+    async def tick(self) -> None:
+        if time.monotonic() - self._beaten >= BEAT_S:
+            await self.beat()
+        await self._keep_hearing()
+
+    async def beat(self, stopping: bool = False) -> None:
+        self._beaten = time.monotonic()
+        beat = SchedulerHeartbeat(self.scheduler_id, queued=self.queued(), stopping=stopping)
+        try:
+            await self.bus.publish(self.subjects.scheduler_heartbeat, beat)
+        except Exception as err:  # NATS away: the next beat will do
+            log.debug("scheduler heartbeat not sent: %s", err)
+
+    async def on_ping(self, message: Ping, respond) -> None:
+        if respond is not None:
+            await respond(TaskAck())
+
+    async def keep_alive(self, alive_file: str) -> None:
+        """Touches the alive file while the event loop runs (the container health check reads it)."""
+        path = Path(alive_file)
+        while True:
+            path.touch()
+            await asyncio.sleep(1.0)
+
+    async def _keep_hearing(self) -> None:
+        """While this scheduler cannot hear the workers (its connection down, the server stalled)
+        their silence is excused; after a reconnect it asks every worker to announce itself."""
+        if not self.bus.connected:
+            self.registry.excuse()
+        elif self.reconnect_unnoticed:
+            self._reconnects = self.bus.reconnects
+            self.registry.excuse()
+            await self.discover()
+        elif self.registry.quiet_s() > QUICK_S and time.monotonic() - self._reach_checked > QUICK_S:
+            self._reach_checked = time.monotonic()
+            if not await self.bus.reachable(PROBE_TIMEOUT_S):
+                self.registry.excuse()

@@ -10,6 +10,7 @@ blocks may be freed once the transfer is settled (DecodeRequest.may_free).
 """
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -36,6 +37,25 @@ from shared.worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 POLL_S = 0.25  # how often the clocks and the prefill worker's liveness are looked at
+RECLAIM_POLL_S = 1.0  # how often a quarantine's peer is looked at
+
+
+@dataclasses.dataclass
+class Quarantine:
+    """KV blocks a receive that could not be proven ended may still write into, and its peer."""
+
+    blocks: list[int]
+    peer: str  # the prefill worker that was sending
+
+
+@dataclasses.dataclass
+class _Table:
+    """Blocks to free, in the shape BlockManager.deallocate takes."""
+
+    block_table: list[int]
+    num_cached_tokens: int = 0
+    num_hashed_blocks: int = 0
+    last_block_hash: bytes = b""
 
 
 class KVFetcher:
@@ -55,7 +75,7 @@ class KVFetcher:
         self.subjects = Subjects(settings.cluster)
         self.transfers: dict[int, InboundTransfer] = {}  # base tag -> transfer, until drained
         self.drains: set[asyncio.Task] = set()
-        self.quarantined: list[list[int]] = []  # blocks a receive that never ended may still write
+        self.quarantined: list[Quarantine] = []  # blocks a receive that never ended may write
         self.transports: set[str] = set()  # what prefill workers said carried KV here
 
     def open(self, req: DecodeRequest, prefill_worker: str) -> bool:
@@ -183,13 +203,30 @@ class KVFetcher:
             await self._tell_prefill(req, t)
         if await t.receiver.abort(self.settings.kv_lease_s):
             t.released()
-        else:
-            self.quarantined.append(req.seq.block_table)  # a receive may still write there
+        else:  # a receive may still write there: out of use until the prefill worker is gone
+            held = Quarantine(req.seq.block_table, t.prefill_worker)
+            self.quarantined.append(held)
             req.seq.block_table = []
             t.quarantined()
-        drain = asyncio.create_task(self._drain(t))
-        self.drains.add(drain)
+            self._track(asyncio.create_task(self._reclaim(held)))
+        drain = self._track(asyncio.create_task(self._drain(t)))
         drain.add_done_callback(self._drained(t))
+
+    def _track(self, task: asyncio.Task) -> asyncio.Task:
+        """A task of this fetcher's own: cancelled at shutdown (see DecodeWorker._cancel_tasks)."""
+        self.drains.add(task)
+        task.add_done_callback(self.drains.discard)
+        return task
+
+    async def _reclaim(self, held: "Quarantine") -> None:
+        """Frees quarantined blocks once their peer is known gone: nothing can write there any
+        more. (A peer that lives on keeps them out of use, counted in every heartbeat.)"""
+        while not await self._lost(held.peer):
+            await asyncio.sleep(RECLAIM_POLL_S)
+        with self.rt.engine.lock:
+            self.rt.blocks.deallocate(_Table(held.blocks))
+        self.quarantined.remove(held)
+        log.info("reclaimed %d quarantined KV blocks: %s is gone", len(held.blocks), held.peer)
 
     async def _tell_prefill(self, req: DecodeRequest, t: InboundTransfer) -> None:
         reason = req.cancel_reason or (req.failure.message if req.failure else "")
@@ -218,7 +255,6 @@ class KVFetcher:
 
     def _drained(self, t: InboundTransfer):
         def done(task: asyncio.Task) -> None:
-            self.drains.discard(task)
             self._forget(t)
             task.cancelled() or task.exception()  # its outcome only matters to the log
 

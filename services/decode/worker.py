@@ -82,12 +82,14 @@ class DecodeWorker:
             queued=self.loop.count(SeqStatus.WAITING_KV, SeqStatus.WAITING),
             served=self.served,
             leaked=leaked_blocks(self.rt, self._held_tables),
+            quarantined=sum(len(q.blocks) for q in self.kv.quarantined),
             transport=",".join(sorted(self.kv.transports)),
             stopping=self.stopping,
         )
 
     def _held_tables(self) -> list[list[int]]:
-        return [r.seq.block_table for r in self.loop.requests.values()] + self.kv.quarantined
+        held = [r.seq.block_table for r in self.loop.requests.values()]
+        return held + [q.blocks for q in self.kv.quarantined]
 
     async def serve(self, stop: asyncio.Event) -> None:
         worker = self.rt.worker_id

@@ -4,7 +4,7 @@ ClusterStatusResponse from the scheduler's StatusReply."""
 import time
 
 from shared.api import tandem_pb2 as pb
-from shared.control.messages import StatusReply, TokenChunk, WorkerHeartbeat
+from shared.control.messages import StatusReply, TokenChunk, WorkerStatus
 
 FINISH = {
     "stop": pb.FINISH_REASON_STOP,
@@ -49,16 +49,19 @@ def worker_timing(chunk: TokenChunk) -> pb.Timing:
     )
 
 
-def cluster_status_response(reply: StatusReply, gateway_dropped: int) -> pb.ClusterStatusResponse:
+def cluster_status_response(
+    reply: StatusReply, workers: list[WorkerStatus], gateway_dropped: int
+) -> pb.ClusterStatusResponse:
+    """`reply`: the scheduler's first page; `workers`: every page's."""
     return pb.ClusterStatusResponse(
         mode=reply.mode,
-        workers=[worker_status(w) for w in reply.workers],
+        workers=[worker_status(w) for w in workers],
         scheduler_messages_dropped=reply.messages_dropped,
         gateway_messages_dropped=gateway_dropped,
     )
 
 
-def worker_status(w: WorkerHeartbeat) -> pb.WorkerStatus:
+def worker_status(w: WorkerStatus) -> pb.WorkerStatus:
     return pb.WorkerStatus(
         id=w.worker_id,
         role=w.role,
@@ -73,6 +76,7 @@ def worker_status(w: WorkerHeartbeat) -> pb.WorkerStatus:
         kv_bytes_received=w.kv_bytes_received,
         kv_transfers_failed=w.kv_transfers_failed,
         kv_blocks_leaked=w.kv_blocks_leaked,
+        kv_blocks_quarantined=w.kv_blocks_quarantined,
         kv_transport=w.kv_transport,
         zone=w.zone,
         messages_dropped=w.messages_dropped,

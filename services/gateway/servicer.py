@@ -67,6 +67,9 @@ def add_to_server(servicer: "TandemServicer", server) -> None:
     )
 
 
+STATUS_PAGE = 128  # workers asked for per status request (the scheduler caps it too)
+
+
 class TandemServicer(pb_grpc.TandemServicer):
     def __init__(
         self,
@@ -159,8 +162,13 @@ class TandemServicer(pb_grpc.TandemServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"not a ClusterStatusRequest: {request.error}"
             )
-        try:
-            reply = await self.bus.request(self.subjects.status, StatusRequest(), 2.0, StatusReply)
-        except BusError:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler answered")
-        return cluster_status_response(reply, self.bus.dropped)
+        pages, after = [], ""
+        while not pages or (pages[-1].more and pages[-1].workers):
+            try:
+                ask = StatusRequest(after=after, limit=STATUS_PAGE)
+                pages.append(await self.bus.request(self.subjects.status, ask, 2.0, StatusReply))
+            except BusError:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler answered")
+            after = pages[-1].workers[-1].worker_id if pages[-1].workers else after
+        workers = [w for page in pages for w in page.workers]
+        return cluster_status_response(pages[0], workers, self.bus.dropped)

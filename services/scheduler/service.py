@@ -31,12 +31,19 @@ from shared.control.messages import (
     SubmitReply,
     TaskAck,
     WorkerHeartbeat,
+    WorkerStatus,
 )
 from shared.control.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
+STATUS_PAGE = 128  # workers per status reply: within the wire cap whatever their labels
+
+
+def worker_status(beat: WorkerHeartbeat) -> WorkerStatus:
+    """What ClusterStatus shows of a worker."""
+    return WorkerStatus(**{f.name: getattr(beat, f.name) for f in dataclasses.fields(WorkerStatus)})
 
 
 def final(failure: Failure) -> Failure:
@@ -122,15 +129,19 @@ class SchedulerService:
         self.pump()
 
     async def on_status(self, request: StatusRequest, respond) -> None:
-        if respond is not None:
-            await respond(
-                StatusReply(
-                    mode=self.settings.mode,
-                    ready=self.ready(),
-                    workers=self.registry.live(),
-                    messages_dropped=self.bus.dropped,
-                )
+        if respond is None:
+            return
+        after = [w for w in self.registry.live() if w.worker_id > request.after]
+        page = after[: min(request.limit, STATUS_PAGE)]
+        await respond(
+            StatusReply(
+                mode=self.settings.mode,
+                ready=self.ready(),
+                workers=[worker_status(w) for w in page],
+                messages_dropped=self.bus.dropped,
+                more=len(after) > len(page),
             )
+        )
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
         if self._closing:

@@ -63,7 +63,8 @@ def generate_command(args) -> int:
     return 0
 
 
-HEADER = "WORKER ROLE HOST ZONE PID RUNNING QUEUED KV_BLOCKS LEAKED SERVED KV_SENT KV_RECEIVED "
+HEADER = "WORKER ROLE HOST ZONE PID RUNNING QUEUED KV_BLOCKS LEAKED QUARANTINED SERVED KV_SENT "
+HEADER += "KV_RECEIVED "
 HEADER += "KV_FAILED KV_TRANSPORT"
 
 
@@ -78,6 +79,7 @@ def _row(w: pb.WorkerStatus) -> tuple[str, ...]:
         str(w.queued),
         f"{w.kv_blocks_used}/{w.kv_blocks_total}",
         str(w.kv_blocks_leaked),
+        str(w.kv_blocks_quarantined),
         str(w.requests_served),
         _bytes(w.kv_bytes_sent),
         _bytes(w.kv_bytes_received),

@@ -184,9 +184,8 @@ class TokenChunk:
 
 @dataclass
 class StreamReplay:
-    """Gateway -> the decode worker of a stream: send its chunks again from `from_index` on (some
-    were lost, or never sent, while NATS was away). Answered TaskAck(); a failure when the worker
-    no longer has the stream."""
+    """Gateway -> decode worker: send the stream again from chunk `from_index` (some were lost
+    while NATS was away). Answered TaskAck(); a failure when the worker no longer has it."""
 
     attempt_id: str
     from_index: int
@@ -198,46 +197,53 @@ class CancelRequest:
     reason: str = "cancelled"
 
 
-@dataclass
-class WorkerHeartbeat:
+@dataclass(kw_only=True)
+class WorkerStatus:
+    """A worker as ClusterStatus shows it (a page of 128 fits the wire cap with room to spare)."""
+
     worker_id: str
     role: str  # prefill, decode or colocated
     host: str
     pid: int
-    ucx_address: bytes
-    layout: KVLayout
-    max_model_len: int
     running: int = 0
     queued: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
-    block_size: int = 16
     requests_served: int = 0
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
     kv_transfers_failed: int = 0
     kv_blocks_leaked: int = 0  # held by no live request or transfer: must stay 0
+    # held by receives whose end could not be proven (their peer died mid-transfer): out of use
+    # until the peer is known gone, then reclaimed
+    kv_blocks_quarantined: int = 0
     kv_transport: str = ""  # the UCX transports this worker's KV travels on, e.g. "sysv/cma"
     zone: str = ""  # topology label (rack, zone) from settings; host is the other one
-    stopping: bool = False  # draining: take no new work
-    max_num_seqs: int = 0  # running batch capacity
-    max_queue: int = (
-        0  # requests held (running and waiting) beyond which it refuses new ones; 0 = unknown
-    )
-    prefill_tokens_queued: int = 0  # prompt tokens accepted here and not computed yet
-    prefill_tokens_per_s: float = 0.0  # measured prompt throughput; 0 = not measured yet
-    decode_step_ms: float = 0.0  # measured time of a step while sequences decode (their ITL)
-    prefix_granularity: int = 0  # tokens per prefix-cache granule (the summary's unit)
-    # granule keys cached here (granule_keys)
-    prefix_summary: list[int] = field(default_factory=list)
     messages_dropped: int = 0  # control messages received malformed or out of range
     kernels: str = ""  # which kernels its engine runs (KernelReport.line); at most MAX_LABEL
 
 
+@dataclass(kw_only=True)
+class WorkerHeartbeat(WorkerStatus):
+    """A worker's state, every half second: its status and what routing needs besides."""
+
+    ucx_address: bytes
+    layout: KVLayout
+    max_model_len: int
+    block_size: int = 16
+    stopping: bool = False  # draining: take no new work
+    max_num_seqs: int = 0  # running batch capacity
+    max_queue: int = 0  # requests held beyond which it refuses new ones; 0 = unknown
+    prefill_tokens_queued: int = 0  # prompt tokens accepted here and not computed yet
+    prefill_tokens_per_s: float = 0.0  # measured prompt throughput; 0 = not measured yet
+    decode_step_ms: float = 0.0  # measured time of a step while sequences decode (their ITL)
+    prefix_granularity: int = 0  # tokens per prefix-cache granule (the summary's unit)
+    prefix_summary: list[int] = field(default_factory=list)  # granule keys cached here
+
+
 @dataclass
 class SchedulerHeartbeat:
-    """A scheduler replica is up (every half second), or leaving (stopping): gateways submit to a
-    live one by name, and move what a dead one held to another within about a second."""
+    """A scheduler replica is up (every half second), or leaving: gateways submit to live ones."""
 
     scheduler_id: str
     queued: int = 0  # requests waiting in its queue for room
@@ -251,7 +257,10 @@ class Discover:
 
 @dataclass
 class StatusRequest:
-    pass
+    """Gateway -> scheduler: the cluster's state, a page of workers at a time (sorted by id)."""
+
+    after: str = ""  # the workers whose id sorts after this one
+    limit: int = 0  # this many at most (the scheduler caps it); 0: none, readiness only
 
 
 @dataclass
@@ -263,8 +272,9 @@ class Ping:
 class StatusReply:
     mode: str
     ready: bool
-    workers: list[WorkerHeartbeat] = field(default_factory=list)
+    workers: list[WorkerStatus] = field(default_factory=list)  # the page asked for
     messages_dropped: int = 0  # by this scheduler
+    more: bool = False  # workers after this page: ask again, after the last one
 
 
 MESSAGE_TYPES: dict[str, type] = {

@@ -25,6 +25,7 @@ def heartbeat(
     leaked: int,
     transport: str,
     stopping: bool,
+    quarantined: int = 0,
 ) -> WorkerHeartbeat:
     """The heartbeat of a worker: identity, layout and load from the runtime, KV counters from
     the data plane, dropped messages from the bus; the rest as the worker says."""
@@ -45,6 +46,7 @@ def heartbeat(
         kv_bytes_received=plane.counters.bytes_received,
         kv_transfers_failed=plane.counters.transfers_failed,
         kv_blocks_leaked=leaked,
+        kv_blocks_quarantined=quarantined,
         kv_transport=transport,
         zone=settings.zone,
         stopping=stopping,

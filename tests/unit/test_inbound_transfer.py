@@ -173,7 +173,8 @@ async def test_pieces_in_flight_at_an_abort_are_drained_and_discarded():
     await until(lambda: not side.fetcher.transfers and not side.fetcher.drains)
 
 
-async def test_a_receive_that_never_ends_quarantines_the_blocks():
+async def test_a_receive_that_never_ends_quarantines_the_blocks_until_its_peer_is_gone():
+    """Before, quarantined blocks were lost for good (and counted nowhere)."""
     side = DecodeSide(kv_lease_s=0.2)
     release = side.plane.release
 
@@ -187,7 +188,11 @@ async def test_a_receive_that_never_ends_quarantines_the_blocks():
     side.req.cancel("client went away")
     await asyncio.wait_for(fetch, 5)
     assert side.req.transfer.state is S.QUARANTINED and side.req.may_free
-    assert side.fetcher.quarantined == [blocks] and side.req.seq.block_table == []
+    assert [q.blocks for q in side.fetcher.quarantined] == [blocks]
+    assert side.req.seq.block_table == [] and side.freed == []
+    side.liveness.gone.add(PREFILL)  # the sender is known gone: nothing can write there now
+    await until(lambda: not side.fetcher.quarantined)
+    assert side.freed == [blocks]
     side.plane.release = release
     await side.plane.release([side.prefill.tasks[-1].destination.base_tag])
 

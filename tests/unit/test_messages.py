@@ -26,6 +26,7 @@ from shared.control.messages import (
     TokenChunk,
     TransferAbort,
     WorkerHeartbeat,
+    WorkerStatus,
 )
 from shared.control.wire import MAX_MESSAGE_BYTES, MessageError, decode, encode
 
@@ -118,7 +119,13 @@ SAMPLES = [
     StatusReply(
         mode="disaggregated",
         ready=True,
-        workers=[beat("w1"), beat("w2", queued=4, kernels="avx512+amx · float32")],
+        workers=[
+            WorkerStatus(worker_id="w1", role="decode", host="h", pid=7),
+            WorkerStatus(
+                worker_id="w2", role="decode", host="h", pid=7, queued=4, kernels="avx512 · f32"
+            ),
+        ],
+        more=True,
     ),
 ]
 
@@ -138,10 +145,9 @@ def test_round_trip_keeps_nested_types():
     chunk = decode(encode(TokenChunk(attempt_id="r", index=0)), TokenChunk)
     assert chunk.timing is None
     reply = decode(encode(SAMPLES[-1]), StatusReply)
-    assert isinstance(reply.workers[0], WorkerHeartbeat) and isinstance(
-        reply.workers[0].layout, KVLayout
-    )
-    assert isinstance(reply.workers[0].ucx_address, bytes)
+    assert isinstance(reply.workers[0], WorkerStatus) and reply.more
+    beat_back = decode(encode(SAMPLES[10]), WorkerHeartbeat)
+    assert isinstance(beat_back.layout, KVLayout) and isinstance(beat_back.ucx_address, bytes)
     task = decode(encode(TASK), GenerateTask)
     assert isinstance(task.sampling, SamplingParams)
 

@@ -486,8 +486,9 @@ async def test_serve_answers_submit_and_status_over_the_bus():
     status = await bus.request(subjects.status, StatusRequest(), 1.0, StatusReply)
     assert not status.ready  # no prefill worker yet
     await bus.publish(subjects.heartbeat, beat("p1", role="prefill"))
-    status = await bus.request(subjects.status, StatusRequest(), 1.0, StatusReply)
+    status = await bus.request(subjects.status, StatusRequest(limit=10), 1.0, StatusReply)
     assert status.ready and [w.worker_id for w in status.workers] == ["d1", "p1"]
+    assert not status.more
     reply = await bus.request(subjects.submit, task(), 1.0, SubmitReply)
     assert reply == SubmitReply(prefill_worker="p1", decode_worker="d1")
     stop.set()

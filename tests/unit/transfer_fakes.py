@@ -3,6 +3,7 @@ side (KVFetcher with a stand-in runtime), a scripted prefill worker, and tiny-mo
 whole workers."""
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -79,12 +80,15 @@ class DecodeSide:
         self.bus = InMemoryBus()
         self.liveness = FakeLiveness()
         self.arrived: list[Sequence] = []
+        self.freed: list[list[int]] = []  # block tables handed back to the block manager
         self.pool = KVPool(LAYOUT, 8, BS, "cpu")
         runtime = SimpleNamespace(
             worker_id=DECODE,
             runner=SimpleNamespace(pool=self.pool, layout=LAYOUT),
-            blocks=SimpleNamespace(block_size=BS),
-            engine=SimpleNamespace(kv_arrived=self.arrived.append),
+            blocks=SimpleNamespace(
+                block_size=BS, deallocate=lambda seq: self.freed.append(seq.block_table)
+            ),
+            engine=SimpleNamespace(kv_arrived=self.arrived.append, lock=threading.Lock()),
         )
         self.settings = settings(**overrides)
         self.fetcher = KVFetcher(self.settings, runtime, self.bus, self.plane, self.liveness)

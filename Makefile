@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-kv bench bench-tax bench-scale bench-overload clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-kv bench bench-tax bench-scale bench-overload bench-flood clean
 
 install: $(STAMP)
 
@@ -82,6 +82,10 @@ bench-scale: kernels
 bench-overload: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/overload.py
+
+bench-flood: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	$(PY) bench/flood.py
 
 proto: install
 	$(PY) proto/codegen.py

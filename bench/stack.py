@@ -41,9 +41,13 @@ class BenchStack:
         workers: list[Worker],
         scheduler_env: dict | None = None,
         common_env: dict | None = None,
+        gateway_env: dict | None = None,
+        metadata=(),
     ):
         self.name, self.mode, self.workers = name, mode, workers
         self.scheduler_env = scheduler_env or {}
+        self.gateway_env = gateway_env or {}
+        self.metadata = metadata  # an API key's, when gateway_env configures keys
         self.common_env = common_env or {}
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{name}-"))
         self.group = ProcessGroup(self.log_dir)
@@ -91,10 +95,12 @@ class BenchStack:
         self.group.spawn(
             "gateway",
             py + ["services.gateway"],
-            child_env({**common, "TANDEM_GRPC_PORT": str(grpc_port)}),
+            child_env({**common, "TANDEM_GRPC_PORT": str(grpc_port), **self.gateway_env}),
         )
         self.address = f"127.0.0.1:{grpc_port}"
-        wait_until_serving(self.address, self.group, 300, workers=len(self.workers))
+        wait_until_serving(
+            self.address, self.group, 300, workers=len(self.workers), metadata=self.metadata
+        )
 
 
 def cores() -> int:

@@ -9,12 +9,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from services.gateway.clients import ClientKeys
 from services.gateway.health import ReadinessProbe
 from services.gateway.schedulers import SchedulerPool
-from services.gateway.servicer import TandemServicer, add_to_server
+from services.gateway.servicer import TandemServicer, add_to_server, default_policy
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
-from services.gateway.validation import Limits
+from services.gateway.validation import Limits, max_prompt_chars
 from shared import model_store
 from shared.control.bus import NatsBus
 from shared.control.liveness import Liveness
@@ -34,12 +35,14 @@ def limits_of(settings: GatewaySettings, tokenizer) -> Limits:
 
     config = AutoConfig.from_pretrained(tokenizer.name_or_path)
     model_limit = int(getattr(config, "max_position_embeddings", 2048))
+    max_model_len = min(settings.max_model_len or model_limit, model_limit)
     return Limits(
-        max_model_len=min(settings.max_model_len or model_limit, model_limit),
+        max_model_len=max_model_len,
         default_max_tokens=settings.default_max_tokens,
         max_tokens_limit=settings.max_tokens_limit,
         max_stop_strings=settings.max_stop_strings,
         max_prompt_tokens=settings.max_prompt_tokens,
+        max_prompt_chars=max_prompt_chars(tokenizer, settings.max_prompt_tokens or max_model_len),
     )
 
 
@@ -81,31 +84,35 @@ def transport_of(settings: GatewaySettings) -> str:
     return "TLS" + (" with client certificates" if settings.grpc_tls_client_ca else "")
 
 
+async def servicer_of(settings: GatewaySettings, tokenizer, stack: AsyncExitStack):
+    """The API's servicer and its bus, with the bus's watchers entered on `stack`."""
+    subjects = Subjects(settings.cluster)
+    bus = await stack.enter_async_context(
+        NatsBus(
+            settings.nats_url,
+            settings.gateway_id,
+            nats_options(settings),
+            role="gateway",
+            cluster=settings.cluster,
+        )
+    )
+    streams = await stack.enter_async_context(
+        StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id))
+    )
+    liveness = await stack.enter_async_context(Liveness(bus, subjects, settings.worker_timeout_s))
+    schedulers = await stack.enter_async_context(
+        SchedulerPool(bus, subjects, settings.worker_timeout_s)
+    )
+    keys = ClientKeys.load(settings.api_keys_file, default_policy(settings))
+    limits = limits_of(settings, tokenizer)
+    return TandemServicer(settings, bus, streams, tokenizer, limits, liveness, schedulers, keys)
+
+
 async def run(settings: GatewaySettings) -> None:
     stop = stop_on_signals()
     tokenizer = await asyncio.to_thread(load_tokenizer, settings)
-    subjects = Subjects(settings.cluster)
     async with AsyncExitStack() as stack:
-        bus = await stack.enter_async_context(
-            NatsBus(
-                settings.nats_url,
-                settings.gateway_id,
-                nats_options(settings),
-                role="gateway",
-                cluster=settings.cluster,
-            )
-        )
-        streams = await stack.enter_async_context(
-            StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id))
-        )
-        liveness = await stack.enter_async_context(
-            Liveness(bus, subjects, settings.worker_timeout_s)
-        )
-        schedulers = await stack.enter_async_context(
-            SchedulerPool(bus, subjects, settings.worker_timeout_s)
-        )
-        limits = limits_of(settings, tokenizer)
-        servicer = TandemServicer(settings, bus, streams, tokenizer, limits, liveness, schedulers)
+        servicer = await servicer_of(settings, tokenizer, stack)
         server, health_servicer = grpc_server(settings, servicer)
         port = listen(server, settings)
         await server.start()
@@ -117,7 +124,7 @@ async def run(settings: GatewaySettings) -> None:
             transport_of(settings),
             settings.cluster,
         )
-        async with ReadinessProbe(bus, subjects, health_servicer):
+        async with ReadinessProbe(servicer.bus, servicer.subjects, health_servicer):
             await stop.wait()
             log.info(
                 "stopping: no new requests; streams in flight get up to %.0fs",

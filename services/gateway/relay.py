@@ -34,6 +34,7 @@ from shared.control.messages import (
     TokenChunk,
 )
 from shared.control.subjects import Subjects
+from shared.control.wire import MessageError
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,8 @@ class RequestRelay:
             )
             try:
                 return await self._watched(target, asking)
+            except MessageError as err:  # too large to send: the request's fault, not the cluster's
+                await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, why + str(err))
             except NoResponders:
                 if not target:
                     await self.context.abort(

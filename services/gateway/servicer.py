@@ -1,14 +1,21 @@
 """TandemServicer: the gRPC API. It checks a request and hands it to a RequestRelay, which places
 it on the cluster and follows its token stream; ClusterStatus asks a scheduler."""
 
-import asyncio
-import collections
-import concurrent.futures
 import contextlib
 import time
 
 import grpc
 
+from services.gateway.clients import (
+    RETRY_AFTER_MS,
+    Client,
+    ClientKeys,
+    ClientPolicy,
+    ClientUsage,
+    Unauthenticated,
+    cert_subject,
+)
+from services.gateway.fair_tokenizer import FairTokenizer
 from services.gateway.migration import new_attempt_id
 from services.gateway.relay import RequestRelay
 from services.gateway.responses import cluster_status_response, generate_response
@@ -70,6 +77,16 @@ def add_to_server(servicer: "TandemServicer", server) -> None:
 STATUS_PAGE = 128  # workers asked for per status request (the scheduler caps it too)
 
 
+def default_policy(settings: GatewaySettings) -> ClientPolicy:
+    """What a client without a key of its own may ask for and hold."""
+    return ClientPolicy(
+        max_priority=settings.default_max_priority,
+        max_streams=settings.max_streams_per_client,
+        max_queued=settings.max_queued_per_client,
+        max_kv_tokens=settings.max_kv_tokens_per_client,
+    )
+
+
 class TandemServicer(pb_grpc.TandemServicer):
     def __init__(
         self,
@@ -80,6 +97,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         limits: Limits,
         liveness: Liveness,
         schedulers: SchedulerPool | None = None,
+        keys: ClientKeys | None = None,
     ):
         self.settings = settings
         self.schedulers = schedulers  # None: the schedulers' queue group only
@@ -89,10 +107,9 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.limits = limits
         self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
-        # client address -> the streams it has open
-        self._open_per_client: collections.Counter[str] = collections.Counter()
-        # One thread: HF tokenizers are not safe to call from several threads at once.
-        self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.keys = keys or ClientKeys(default_policy(settings), {})
+        self.usage = ClientUsage()  # what each client holds here now
+        self._tokenize = FairTokenizer()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.time()
@@ -100,30 +117,50 @@ class TandemServicer(pb_grpc.TandemServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.error}"
             )
-        client = client_address(context.peer())
-        if self._open_per_client[client] >= self.settings.max_streams_per_client:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this client already has "
-                f"{self.settings.max_streams_per_client} streams open, the limit",
-            )
-        self._open_per_client[client] += 1
+        client = await self._identify(context)
+        await self._within_limits(client, 0, context)  # before the tokenizer's work
+        valid = await self._validated(request, context, client)
+        kv_tokens = len(valid.prompt_token_ids) + valid.sampling.max_tokens
+        await self._within_limits(client, kv_tokens, context)
+        self.usage.open(client, kv_tokens)
+        started = False
         try:
-            async with contextlib.aclosing(self._generate(request, context, arrival)) as responses:
+            priority = min(request.priority, client.policy.max_priority)
+            generating = self._generate(valid, priority, client, context, arrival)
+            async with contextlib.aclosing(generating) as responses:
                 async for response in responses:  # closed on every exit: its cancel always runs now
+                    if not started and response.token_ids:
+                        started = True
+                        self.usage.started(client)
                     yield response
         finally:
-            self._open_per_client[client] -= 1
-            if not self._open_per_client[client]:
-                del self._open_per_client[client]
+            self.usage.close(client, kv_tokens, started)
 
-    async def _generate(self, request: pb.GenerateRequest, context, arrival: float):
-        valid = await self._validated(request, context)
+    async def _identify(self, context) -> Client:
+        """Who sent the request; UNAUTHENTICATED without a valid key when keys are required."""
+        try:
+            return self.keys.identify(
+                context.invocation_metadata(),
+                cert_subject(context.auth_context()),
+                client_address(context.peer()),
+            )
+        except Unauthenticated as err:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+
+    async def _within_limits(self, client: Client, kv_tokens: int, context) -> None:
+        why = self.usage.over_limit(client, kv_tokens)
+        if why:
+            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+
+    async def _generate(
+        self, valid: ValidRequest, priority: int, client: Client, context, arrival: float
+    ):
         relay = RequestRelay(
             self.settings, self.bus, self.streams, self.liveness, context, self.schedulers
         )
         first_at = None  # when the first token came
-        task = self._first_task(valid, request.priority, context, arrival)
+        task = self._first_task(valid, priority, client, context, arrival)
         async with contextlib.aclosing(relay.follow(task)) as chunks:
             async for attempt, chunk in chunks:
                 if first_at is None and chunk.token_ids:
@@ -132,16 +169,18 @@ class TandemServicer(pb_grpc.TandemServicer):
                     valid.request_id, chunk, arrival, first_at, attempt.task.moves
                 )
 
-    async def _validated(self, request: pb.GenerateRequest, context) -> ValidRequest:
+    async def _validated(
+        self, request: pb.GenerateRequest, context, client: Client
+    ) -> ValidRequest:
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._tokenize, validate, request, self.tokenizer, self.limits
+            return await self._tokenize.run(
+                client.name, validate, request, self.tokenizer, self.limits
             )
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
     def _first_task(
-        self, valid: ValidRequest, priority: int, context, arrival: float
+        self, valid: ValidRequest, priority: int, client: Client, context, arrival: float
     ) -> GenerateTask:
         """The request's first attempt, under an attempt id of its own (see attempt.py)."""
         remaining = context.time_remaining()
@@ -153,6 +192,7 @@ class TandemServicer(pb_grpc.TandemServicer):
             arrival_time=arrival,
             deadline=arrival + remaining if remaining else 0.0,
             priority=priority,
+            client=client.name,
         )
 
     async def ClusterStatus(
@@ -162,6 +202,7 @@ class TandemServicer(pb_grpc.TandemServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"not a ClusterStatusRequest: {request.error}"
             )
+        await self._identify(context)  # with keys configured, status needs one too
         pages, after = [], ""
         while not pages or (pages[-1].more and pages[-1].workers):
             try:

@@ -1,3 +1,4 @@
+import ipaddress
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -15,6 +16,12 @@ class GatewaySettings(CommonSettings):
         metadata={"help": "address the gRPC API listens on (0.0.0.0 only when configured)"},
     )
     grpc_port: int = field(default=50051, metadata={"help": "gRPC port; 0 = any free port"})
+    allow_plaintext: bool = field(
+        default=False,
+        metadata={
+            "help": "listen without TLS on an address other than loopback (prompts and API keys cross the network in the clear)"
+        },
+    )
     grpc_tls_cert: str = field(
         default="",
         metadata={"help": "server certificate (PEM); set = the gRPC API speaks TLS only"},
@@ -79,9 +86,25 @@ class GatewaySettings(CommonSettings):
         },
     )
     max_streams_per_client: int = field(
-        default=256,
+        default=64,
+        metadata={"help": "streams one client may hold open at once; more: RESOURCE_EXHAUSTED"},
+    )
+    max_queued_per_client: int = field(
+        default=32,
+        metadata={"help": "streams of one client waiting for their first token, at most"},
+    )
+    max_kv_tokens_per_client: int = field(
+        default=262_144,
+        metadata={"help": "KV tokens (prompt + max_tokens) one client's open streams may reserve"},
+    )
+    default_max_priority: int = field(
+        default=0,
+        metadata={"help": "the highest priority a client without a key of its own may ask for"},
+    )
+    api_keys_file: str = field(
+        default="",
         metadata={
-            "help": "concurrent streams one client address may hold; more get RESOURCE_EXHAUSTED"
+            "help": "JSON file of API keys (names, keys, limits); set: every request needs one"
         },
     )
     max_migrations: int = field(
@@ -100,11 +123,19 @@ class GatewaySettings(CommonSettings):
             raise ValueError("drain_timeout_s must be >= 0")
         if self.max_request_bytes < 1024 or self.max_streams_per_client < 1:
             raise ValueError("max_request_bytes must be >= 1024 and max_streams_per_client >= 1")
+        if self.max_queued_per_client < 1 or self.max_kv_tokens_per_client < 1:
+            raise ValueError("max_queued_per_client and max_kv_tokens_per_client must be >= 1")
         if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key) or (
             self.grpc_tls_client_ca and not self.grpc_tls_cert
         ):
             raise ValueError(
                 "grpc_tls_cert and grpc_tls_key go together; grpc_tls_client_ca needs them"
+            )
+        if not (self.grpc_tls_cert or self.allow_plaintext or _loopback(self.grpc_host)):
+            raise ValueError(
+                f"grpc_host {self.grpc_host} is not a loopback address and no TLS certificate is "
+                "set: prompts and API keys would cross the network in the clear. Give "
+                "grpc_tls_cert and grpc_tls_key, or allow_plaintext to accept that"
             )
         if not 0 <= self.max_migrations <= 16:
             raise ValueError("max_migrations must be in 0..16")
@@ -121,3 +152,12 @@ class GatewaySettings(CommonSettings):
             self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.gateway_id):  # one NATS subject token
             raise ValueError(f"gateway_id must be 1-64 of A-Z a-z 0-9 _ -, got {self.gateway_id!r}")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

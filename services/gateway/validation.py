@@ -26,6 +26,9 @@ class Limits:
     max_tokens_limit: int
     max_stop_strings: int
     max_prompt_tokens: int = 0  # 0: any prompt that fits the context with its max_tokens
+    # a prompt this many characters long cannot fit (no token covers more than the longest in
+    # the vocabulary): refused by its size, before any tokenizer work. 0: no such check
+    max_prompt_chars: int = 0
 
 
 @dataclass
@@ -33,6 +36,13 @@ class ValidRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+
+
+def max_prompt_chars(tokenizer, max_tokens: int) -> int:
+    """Characters beyond which a prompt has more than `max_tokens` tokens, whatever they are: each
+    token covers at most as many characters as its vocabulary entry is long."""
+    longest = max((len(piece) for piece in tokenizer.get_vocab()), default=0)
+    return (max_tokens + 1) * max(longest, 1)
 
 
 def request_id_of(request: pb.GenerateRequest) -> str:
@@ -99,6 +109,12 @@ def prompt_ids_of(request: pb.GenerateRequest, tokenizer) -> list[int]:
 def validate(request: pb.GenerateRequest, tokenizer, limits: Limits) -> ValidRequest:
     request_id = request_id_of(request)
     sampling = sampling_of(request, limits)
+    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    if limits.max_prompt_chars and chars > limits.max_prompt_chars:
+        raise InvalidRequest(
+            f"the prompt is {chars} characters: more than the model's context of "
+            f"{limits.max_model_len} tokens can hold"
+        )
     ids = prompt_ids_of(request, tokenizer)
     if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequest(

@@ -1,5 +1,7 @@
-"""AdmissionQueue: requests waiting for room, highest priority first, first come first served
-among equals. Bounded in length and in waiting time, so overload is refused quickly (with a
+"""AdmissionQueue: requests waiting for room, highest priority first; among equals, each client
+in turn (start-time fair queueing: a client's next request is stamped one turn after its last
+one, or after the turn now served, whichever is later), so a client that floods the queue waits
+behind itself. Bounded in length and in waiting time, so overload is refused quickly (with a
 retry-after hint) instead of queueing without end.
 
 A request placed again (its worker failed, or was full; its client may be mid-stream) was admitted
@@ -30,11 +32,13 @@ class Pending:
     enqueued_at: float = field(compare=False)
     tried: set = field(default_factory=set, compare=False)  # workers that refused or failed it
     attempts: int = field(default=0, compare=False)
+    turn: int = field(default=0, compare=False)  # its client's turn among its priority's
+    skipped: int = field(default=0, compare=False)  # times requests behind it went first
     # how the last worker it was offered to refused it: said if no other one takes it
     failure: Failure | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        self.sort_key = (-self.priority, 0 if self.task.moves else 1, self.order)
+        self.sort_key = (-self.priority, 0 if self.task.moves else 1, self.turn, self.order)
 
 
 class AdmissionQueue:
@@ -47,6 +51,8 @@ class AdmissionQueue:
         self._heap: list[Pending] = []
         self._order = itertools.count()
         self._placed: deque[float] = deque()  # when requests were placed, the last RATE_WINDOW_S
+        self._serving: dict[int, int] = {}  # priority -> the turn served last
+        self._last_turn: dict[tuple[int, str], int] = {}  # (priority, client) -> its last turn
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -56,10 +62,27 @@ class AdmissionQueue:
         if len(self._heap) >= self.max_pending and not task.moves:
             return None
         entry = Pending(
-            task.priority, next(self._order), task, respond, self._clock(), set(task.avoid_workers)
+            task.priority,
+            next(self._order),
+            task,
+            respond,
+            self._clock(),
+            set(task.avoid_workers),
+            turn=self._next_turn(task),
         )
         heapq.heappush(self._heap, entry)
         return entry
+
+    def _next_turn(self, task: GenerateTask) -> int:
+        key = (task.priority, task.client)
+        serving = self._serving.get(task.priority, 0)
+        turn = max(serving, self._last_turn.get(key, 0)) + 1
+        self._last_turn[key] = turn
+        if len(self._last_turn) > 4 * self.max_pending:  # forget clients with nothing waiting
+            self._last_turn = {
+                k: t for k, t in self._last_turn.items() if t > self._serving.get(k[0], 0)
+            }
+        return turn
 
     def requeue(self, entry: Pending) -> None:
         """Back in its old place (a worker refused it after it was placed)."""
@@ -68,9 +91,23 @@ class AdmissionQueue:
     def head(self) -> Pending | None:
         return self._heap[0] if self._heap else None
 
+    def first(self, count: int) -> list[Pending]:
+        """The first `count` entries, in order."""
+        return heapq.nsmallest(count, self._heap)
+
     def pop(self) -> Pending:
         """The head leaves the queue (for a worker, or refused)."""
-        return heapq.heappop(self._heap)
+        return self.take(self._heap[0])
+
+    def take(self, entry: Pending) -> Pending:
+        """An entry leaves the queue (for a worker, or refused): its turn is being served."""
+        if self._heap and self._heap[0] is entry:
+            heapq.heappop(self._heap)
+        else:
+            self._heap.remove(entry)
+            heapq.heapify(self._heap)
+        self._serving[entry.priority] = max(self._serving.get(entry.priority, 0), entry.turn)
+        return entry
 
     def placed(self) -> None:
         """A request was accepted by a worker: counts toward the rate the queue drains at."""

@@ -20,30 +20,25 @@ from services.scheduler.presence import Presence
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.status import status_page
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
 from shared.control.failure import Code, Failure, Retry, failed, worker_failed
 from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
     GenerateTask,
-    StatusReply,
     StatusRequest,
     SubmitReply,
     TaskAck,
     WorkerHeartbeat,
-    WorkerStatus,
 )
 from shared.control.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
-STATUS_PAGE = 128  # workers per status reply: within the wire cap whatever their labels
-
-
-def worker_status(beat: WorkerHeartbeat) -> WorkerStatus:
-    """What ClusterStatus shows of a worker."""
-    return WorkerStatus(**{f.name: getattr(beat, f.name) for f in dataclasses.fields(WorkerStatus)})
+SKIP_AHEAD = 8  # requests behind a head that fits nowhere that may be placed before it
+MAX_SKIPS = 16  # times a head may be passed so; then it waits at the head until it fits
 
 
 def final(failure: Failure) -> Failure:
@@ -129,19 +124,11 @@ class SchedulerService:
         self.pump()
 
     async def on_status(self, request: StatusRequest, respond) -> None:
-        if respond is None:
-            return
-        after = [w for w in self.registry.live() if w.worker_id > request.after]
-        page = after[: min(request.limit, STATUS_PAGE)]
-        await respond(
-            StatusReply(
-                mode=self.settings.mode,
-                ready=self.ready(),
-                workers=[worker_status(w) for w in page],
-                messages_dropped=self.bus.dropped,
-                more=len(after) > len(page),
+        if respond is not None:
+            live = self.registry.live()
+            await respond(
+                status_page(live, request, self.settings.mode, self.ready(), self.bus.dropped)
             )
-        )
 
     async def on_submit(self, task: GenerateTask, respond) -> None:
         if self._closing:
@@ -169,39 +156,52 @@ class SchedulerService:
     # -- placing ------------------------------------------------------------------------------
 
     def pump(self) -> None:
-        """Places queued requests in order while workers have room; the head waits when none has."""
-        while not self._closing and (entry := self.queue.head()) is not None:
-            if entry.task.deadline and time.time() > entry.task.deadline:
-                self.answers.refuse(
-                    self.queue.pop(),
-                    failed(Code.DEADLINE_EXCEEDED, "the deadline passed while it waited for room"),
-                )
-                continue
-            try:
-                chosen = self.router.route(entry.task, entry.tried)
-            except NoRoom:
+        """Places queued requests in order while workers have room. A head that fits no worker
+        now lets up to SKIP_AHEAD requests behind it go first, MAX_SKIPS times at most; then it
+        waits at the head until it fits (a big request is not starved by small ones)."""
+        while not self._closing and len(self.queue):
+            head, *behind = self.queue.first(SKIP_AHEAD + 1)
+            candidates = [head] + (behind if head.skipped < MAX_SKIPS else [])
+            went = next((entry for entry in candidates if self._settle(entry)), None)
+            if went is None:
                 return
-            except NoWorker as err:
-                if self._heartbeats_coming(entry, err):
-                    return
-                # every worker that could take it refused: say why the last one did
-                failure = final(entry.failure) if entry.failure else err.failure
-                self.answers.refuse(
-                    self.queue.pop(),
-                    failure,
-                    retry_after=failure.code is Code.RESOURCE_EXHAUSTED and err.retry_later,
-                )
-                continue
-            except Exception:  # a bug: this request fails, the others go on
-                log.exception("routing %s failed", entry.task.attempt_id)
-                self.answers.refuse(
-                    self.queue.pop(),
-                    failed(Code.INTERNAL, "the scheduler failed to route the request"),
-                )
-                continue
-            self.queue.pop()
-            self._reserve(entry, chosen)
-            self.answers.spawn(self._assign(entry, chosen))
+            if went is not head:
+                head.skipped += 1
+
+    def _settle(self, entry: Pending) -> bool:
+        """Places or refuses one waiting request; False when it waits for room."""
+        if entry.task.deadline and time.time() > entry.task.deadline:
+            self.answers.refuse(
+                self.queue.take(entry),
+                failed(Code.DEADLINE_EXCEEDED, "the deadline passed while it waited for room"),
+            )
+            return True
+        try:
+            chosen = self.router.route(entry.task, entry.tried)
+        except NoRoom:
+            return False
+        except NoWorker as err:
+            if self._heartbeats_coming(entry, err):
+                return False
+            # every worker that could take it refused: say why the last one did
+            failure = final(entry.failure) if entry.failure else err.failure
+            self.answers.refuse(
+                self.queue.take(entry),
+                failure,
+                retry_after=failure.code is Code.RESOURCE_EXHAUSTED and err.retry_later,
+            )
+            return True
+        except Exception:  # a bug: this request fails, the others go on
+            log.exception("routing %s failed", entry.task.attempt_id)
+            self.answers.refuse(
+                self.queue.take(entry),
+                failed(Code.INTERNAL, "the scheduler failed to route the request"),
+            )
+            return True
+        self.queue.take(entry)
+        self._reserve(entry, chosen)
+        self.answers.spawn(self._assign(entry, chosen))
+        return True
 
     def _heartbeats_coming(self, entry: Pending, err: NoWorker) -> bool:
         """No worker for the request, but this scheduler just started or heard again after an

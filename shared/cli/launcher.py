@@ -35,9 +35,12 @@ READY_TIMEOUT_S = 300
 SERVICES = ("nats", "scheduler", "gateway")  # one of each, restarted in place when it crashes
 
 
-def wait_until_serving(address: str, group: ProcessGroup, timeout: float, workers: int = 0) -> None:
+def wait_until_serving(
+    address: str, group: ProcessGroup, timeout: float, workers: int = 0, metadata=()
+) -> None:
     """Until the gateway is SERVING and, when `workers` is given, that many workers have joined
-    (in auto mode the gateway serves once a decode worker is up; a prefill worker may still load)."""
+    (in auto mode the gateway serves once a decode worker is up; a prefill worker may still load).
+    `metadata`: an API key's, when the gateway requires one."""
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
         health, api = health_pb2_grpc.HealthStub(channel), pb_grpc.TandemStub(channel)
@@ -49,7 +52,11 @@ def wait_until_serving(address: str, group: ProcessGroup, timeout: float, worker
                 reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING and (
                     not workers
-                    or len(api.ClusterStatus(pb.ClusterStatusRequest(), timeout=2).workers)
+                    or len(
+                        api.ClusterStatus(
+                            pb.ClusterStatusRequest(), timeout=2, metadata=metadata
+                        ).workers
+                    )
                     >= workers
                 ):
                     return
@@ -150,7 +157,21 @@ def _refusal(args) -> str:
             "--secure starts a NATS server of its own; for yours, give each service its "
             "credentials (TANDEM_NATS_USER, TANDEM_NATS_PASSWORD_FILE; see README)"
         )
+    if args.secure and args.insecure:
+        return "--secure and --insecure contradict each other"
     return ""
+
+
+def secured(args) -> bool:
+    """NATS authentication is on unless --insecure says otherwise (or NATS is the user's own)."""
+    if args.insecure:
+        print(
+            "warning: --insecure: NATS without authentication; any local process may submit, "
+            "cancel or read every stream",
+            file=sys.stderr,
+            flush=True,
+        )
+    return not args.insecure and not args.nats_url
 
 
 def up_command(args) -> int:
@@ -169,7 +190,7 @@ def up_command(args) -> int:
                 tempfile.TemporaryDirectory(prefix="tandem-secrets-") as secrets,
                 ProcessGroup(log_dir) as group,
             ):
-                secrets_dir = Path(secrets) if args.secure else None
+                secrets_dir = Path(secrets) if secured(args) else None
                 return _serve(args, group, control, log_dir, signals, secrets_dir)
     except ControlError as err:
         print(f"error: {err}", file=sys.stderr)

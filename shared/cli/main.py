@@ -71,8 +71,14 @@ def _up_access_arguments(up) -> None:
     up.add_argument(
         "--secure",
         action="store_true",
-        help="the NATS server it starts admits one user per role, "
+        help="the default: the NATS server it starts admits one user per role, "
         "each allowed only its own subjects, with fresh passwords (files readable by you only)",
+    )
+    up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="start NATS without authentication (any local process may then submit, cancel or "
+        "read every stream): for debugging only",
     )
 
 
@@ -90,9 +96,17 @@ def _nats_config_command(sub) -> None:
         "are in this directory (as the server sees it; deploy/make-certs.sh makes them)",
     )
     conf.add_argument(
+        "--monitor-port",
+        type=int,
+        default=0,
+        help="serve NATS monitoring on this port of the server's loopback only (its health check)",
+    )
+    conf.add_argument(
         "--new-env",
-        action="store_true",
-        help="print a compose .env of fresh passwords instead (the config reads them from there)",
+        default="",
+        metavar="FILE",
+        help="write a compose .env of fresh passwords to FILE instead, readable by you only "
+        "(the config reads them from there); refuses to overwrite one",
     )
     conf.set_defaults(run=nats_config_command)
 
@@ -138,14 +152,21 @@ def _scale_command(sub) -> None:
 
 def nats_config_command(args) -> int:
     if args.new_env:
-        print(nats_auth.env_file(nats_auth.new_passwords()), end="")
+        try:
+            fd = os.open(args.new_env, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            print(f"error: {args.new_env} exists; not overwriting its passwords", file=sys.stderr)
+            return 1
+        with os.fdopen(fd, "w") as out:
+            out.write(nats_auth.env_file(nats_auth.new_passwords()))
+        print(f"wrote {args.new_env} (mode 0600)", file=sys.stderr)
         return 0
     tls = (
         {"cert_file": f"{args.tls_dir}/server.pem", "key_file": f"{args.tls_dir}/server.key"}
         if args.tls_dir
         else None
     )
-    print(nats_auth.server_config(args.cluster, tls=tls), end="")
+    print(nats_auth.server_config(args.cluster, tls=tls, monitor_port=args.monitor_port), end="")
     return 0
 
 

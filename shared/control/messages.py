@@ -31,11 +31,11 @@ class GenerateTask:
     arrival_time: float  # unix time the gateway accepted it
     deadline: float = 0.0  # unix time after which nobody should work on it; 0 = none
     priority: int = 0  # higher first; first come, first served among equals
-    # A migrated request (its worker died): the last resume_tokens of prompt_token_ids are output
-    # the client has already received; generation goes on after them.
+    # moved: the prompt's last resume_tokens are output the client has; generation goes on after
     resume_tokens: int = 0
     avoid_workers: list[str] = field(default_factory=list)  # failed this request before: not again
     moves: int = 0  # times it was placed again (a worker failed or was full): it waits first
+    client: str = ""  # who sent it: schedulers take equal priorities from each client in turn
 
 
 @dataclass
@@ -192,7 +192,7 @@ class StreamReplay:
 
 
 @dataclass
-class CancelRequest:
+class CancelRequest:  # gateway -> every worker
     attempt_id: str
     reason: str = "cancelled"
 

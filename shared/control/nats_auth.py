@@ -79,11 +79,15 @@ def new_passwords() -> dict[str, str]:
 
 
 def server_config(
-    cluster: str, passwords: dict[str, str] | None = None, tls: dict | None = None
+    cluster: str,
+    passwords: dict[str, str] | None = None,
+    tls: dict | None = None,
+    monitor_port: int = 0,
 ) -> str:
     """A nats-server config: one user per role (`tandem-<role>`) with its permissions. Without
     `passwords`, each is read from the server's environment ($TANDEM_NATS_<ROLE>_PASSWORD).
-    `tls`: {'cert_file', 'key_file', optional 'ca_file' (then clients must show a certificate)}."""
+    `tls`: {'cert_file', 'key_file', optional 'ca_file' (then clients must show a certificate)}.
+    `monitor_port`: the monitoring endpoint, on the server's loopback only (a health check)."""
     users = []
     for role in ROLES:
         password = (
@@ -112,6 +116,8 @@ def server_config(
         if tls.get("ca_file"):
             lines += [f"  ca_file: {json.dumps(tls['ca_file'])}", "  verify: true"]
         lines += ["}"]
+    if monitor_port:
+        lines += [f'http: "127.0.0.1:{monitor_port}"']
     return "\n".join(lines) + "\n"
 
 

@@ -4,9 +4,12 @@ A message is a map with its type name under "type"; unknown types, missing or mi
 values out of range (shared.control.rules) and oversized payloads are rejected with MessageError.
 """
 
+import array
 import dataclasses
 import enum
 import functools
+import sys
+import time
 import types
 import typing
 from typing import Any, TypeVar
@@ -16,9 +19,16 @@ import msgpack
 from shared.control import rules as message_rules
 from shared.control.messages import MESSAGE_TYPES
 
-# NATS refuses payloads over its max_payload (1 MiB by default). Stay far below it so a
-# message that grows with its input fails here, loudly, instead of as a timeout there.
-MAX_MESSAGE_BYTES = 256 * 1024
+# NATS refuses payloads over its max_payload (1 MiB by default). Stay below it so a message
+# that grows with its input fails here, loudly, instead of as a timeout there. A prompt's token
+# ids travel packed (PACKED): 4 bytes each, so a 128k-token prompt takes 512 KiB of it.
+MAX_MESSAGE_BYTES = 1000 * 1024
+PACKED = {"prompt_token_ids"}  # list[int] fields sent as little-endian uint32 bytes
+_UINT32 = "I" if array.array("I").itemsize == 4 else "L"
+# Deadlines are instants of the local clock (unix time; 0: none) in a process, and travel as the
+# time left (seconds; negative: passed): hosts' clocks may disagree, a duration does not care.
+DEADLINES = {"deadline"}
+PASSED_S = -1e-3  # what a deadline already passed travels as (0 would read as "none")
 
 M = TypeVar("M")
 
@@ -27,11 +37,49 @@ class MessageError(ValueError):
     """A payload that is not a valid Tandem message."""
 
 
+def _now() -> float:
+    return time.time()
+
+
+def _time_left(deadline: float) -> float:
+    left = deadline - _now()
+    return left if left > 0 else min(left, PASSED_S)
+
+
+def _pack(ids: list[int]) -> bytes:
+    try:
+        packed = array.array(_UINT32, ids)
+    except (OverflowError, TypeError) as err:
+        raise MessageError(f"token ids must be uint32: {err}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(data: bytes, where: str) -> list[int]:
+    if len(data) % 4:
+        raise MessageError(f"{where}: packed token ids are not a whole number of uint32")
+    ids = array.array(_UINT32)
+    ids.frombytes(data)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
+
+
 def _to_plain(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        body = {}
+        for f in dataclasses.fields(value):
+            field_value = getattr(value, f.name)
+            if f.name in PACKED:
+                body[f.name] = _pack(field_value)
+            elif f.name in DEADLINES and field_value:
+                body[f.name] = _time_left(field_value)
+            else:
+                body[f.name] = _to_plain(field_value)
+        return body
     if isinstance(value, list):
         return [_to_plain(v) for v in value]
     return value
@@ -91,7 +139,12 @@ def _build(cls: type, body: dict, where: str) -> Any:
     values = {}
     for f, kind in _fields(cls):
         if f.name in body:
-            values[f.name] = _check(kind, body[f.name], f"{where}.{f.name}")
+            value = body[f.name]
+            if f.name in PACKED and isinstance(value, bytes):
+                value = _unpack(value, f"{where}.{f.name}")
+            elif f.name in DEADLINES and isinstance(value, float) and value:
+                value = _now() + value  # the time left, as an instant of this host's clock
+            values[f.name] = _check(kind, value, f"{where}.{f.name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise MessageError(f"{where}: missing field {f.name!r}")
     message = cls(**values)

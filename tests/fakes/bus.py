@@ -77,6 +77,7 @@ class InMemoryBus:
             log.exception("handler failed")
 
     async def request(self, subject: str, message: Any, timeout: float, expected: type) -> Any:
+        data = encode(message)  # as NatsBus: a message too large fails before it is sent
         if not (self.connected and self.server_up):
             raise RequestTimeout(f"no answer on {subject}: the server is not there")
         targets = self._targets(subject)
@@ -88,7 +89,7 @@ class InMemoryBus:
             if not answer.done():
                 answer.set_result(encode(reply))
 
-        handling = asyncio.create_task(self._call(targets[0], decode(encode(message)), respond))
+        handling = asyncio.create_task(self._call(targets[0], decode(data), respond))
         try:
             return decode(await asyncio.wait_for(answer, timeout), expected)
         except asyncio.TimeoutError:

@@ -39,7 +39,20 @@ def compose():
 def test_compose_declares_a_scalable_healthy_stack(compose):
     services = compose["services"]
     assert set(services) == {"nats", "scheduler", "prefill", "decode", "gateway"}
-    assert "-js" in services["nats"]["command"] and "-c" in services["nats"]["command"]
+    # nothing enabled that nothing uses: no JetStream, no monitoring port but on the NATS
+    # container's loopback (its health check); only the server's certificate and key mounted
+    assert services["nats"]["command"] == ["-c", "/etc/nats/nats.conf"]
+    assert not any(
+        "ca.key" in v or v.startswith("./deploy/certs:")
+        for s in services.values()
+        for v in s.get("volumes", [])
+    )
+    for name, spec in services.items():  # every service has memory and CPU limits
+        assert spec["mem_limit"] and spec["cpus"], name
+    ignored = (ROOT / ".dockerignore").read_text().splitlines()
+    let_in = [line[1:] for line in ignored if line.startswith("!")]
+    assert ignored[[i for i, line in enumerate(ignored) if not line.startswith("#")][0]] == "*"
+    assert not any(p.startswith((".env", ".venv", "deploy/certs", "deploy/nats")) for p in let_in)
     for name in set(services) - {"nats"}:  # every service logs in as its role, only its role
         env = services[name]["environment"]
         assert (
@@ -48,7 +61,9 @@ def test_compose_declares_a_scalable_healthy_stack(compose):
         )
     tls = {"cert_file": "/etc/nats/certs/server.pem", "key_file": "/etc/nats/certs/server.key"}
     # tandem nats-config --tls-dir
-    assert (ROOT / "deploy/nats.conf").read_text() == server_config("default", tls=tls)
+    assert (ROOT / "deploy/nats.conf").read_text() == server_config(
+        "default", tls=tls, monitor_port=8222
+    )
     for name in WORKERS:
         assert "container_name" not in services[name] and "ports" not in services[name]
     for name in services:
@@ -70,14 +85,13 @@ def _start_nats(group: ProcessGroup, spec: dict, dotenv: dict[str, str], certs: 
     port, monitor = free_port(), free_port()
     assert {
         "./deploy/nats.conf:/etc/nats/nats.conf:ro",
-        "./deploy/certs:/etc/nats/certs:ro",
-    } <= set(spec["volumes"])
+        "./deploy/certs/server.pem:/etc/nats/certs/server.pem:ro",
+        "./deploy/certs/server.key:/etc/nats/certs/server.key:ro",
+    } == set(spec["volumes"])
     conf = certs / "nats.conf"
-    conf.write_text((ROOT / "deploy/nats.conf").read_text().replace("/etc/nats/certs", str(certs)))
-    argv = [
-        str(conf) if part == "/etc/nats/nats.conf" else str(monitor) if part == "8222" else part
-        for part in spec["command"]
-    ]
+    text = (ROOT / "deploy/nats.conf").read_text().replace("/etc/nats/certs", str(certs))
+    conf.write_text(text.replace('"127.0.0.1:8222"', f'"127.0.0.1:{monitor}"'))
+    argv = [str(conf) if part == "/etc/nats/nats.conf" else part for part in spec["command"]]
     env = {key: _interpolate(value, dotenv) for key, value in spec["environment"].items()}
     group.spawn(
         "nats", [nats_server_binary(), *argv, "-a", "127.0.0.1", "-p", str(port)], child_env(env)

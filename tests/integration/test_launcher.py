@@ -1,4 +1,4 @@
-"""`tandem up`: starts the whole stack (here with --secure: NATS users per role), says ready,
+"""`tandem up`: starts the whole stack (secure by default: NATS users per role), says ready,
 answers the demo, starts again whatever crashes, and Ctrl-C leaves no process and no secret behind."""
 
 import asyncio
@@ -98,9 +98,9 @@ async def _nats_admits_strangers(port: int) -> bool:
     return True
 
 
-def test_tandem_up_secure_serves_and_stops_cleanly(tmp_path):
+def test_tandem_up_secure_by_default_serves_and_stops_cleanly(tmp_path):
     port = free_port()
-    launcher = _launch(tmp_path, port, "--secure")
+    launcher = _launch(tmp_path, port)  # no flag: NATS users per role (it was --secure before)
     children = []
     try:
         lines = _read_until(

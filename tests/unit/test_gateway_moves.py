@@ -42,9 +42,19 @@ class Aborted(Exception):
 
 class FakeContext:
     code = None
+    trailing = ()
+
+    def __init__(self, metadata=(), peer: str = "ipv4:127.0.0.1:5000"):
+        self.metadata, self._peer = tuple(metadata), peer
 
     def peer(self) -> str:
-        return "ipv4:127.0.0.1:5000"
+        return self._peer
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def auth_context(self) -> dict:
+        return {}
 
     def time_remaining(self):
         return None

@@ -499,3 +499,26 @@ async def test_auto_mode_is_ready_with_decode_workers_alone():
     svc, _ = service("auto")
     svc.registry.update(beat("d1"))
     assert svc.ready()
+
+
+async def test_a_head_that_fits_nowhere_lets_smaller_requests_by_a_bounded_number_of_times(
+    monkeypatch,
+):
+    """Before, the head waited and every request behind it waited too."""
+    from services.scheduler import service as scheduler_service
+
+    monkeypatch.setattr(scheduler_service, "MAX_SKIPS", 2)
+    svc, bus = service("colocated")
+    log = []
+    await fake_worker(bus, "c1", TaskAck(), log)
+    # 4 blocks of 16 free: a 100-token prompt waits, a 10-token one fits
+    svc.registry.update(beat("c1", role="colocated", kv_blocks_total=10, kv_blocks_used=6))
+    big = svc.queue.offer(task(100, attempt_id="big"), None)
+    for n in range(3):
+        svc.queue.offer(task(10, max_tokens=6, attempt_id=f"small{n}"), None)
+        svc.pump()
+        svc.registry.update(beat("c1", role="colocated", kv_blocks_total=10, kv_blocks_used=6))
+    await asyncio.sleep(0.05)
+    placed = [a.task.attempt_id for _, a in log]
+    assert placed == ["small0", "small1"]  # passed the big one twice: then it holds the head
+    assert big.skipped == 2 and svc.queue.head() is big and len(svc.queue) == 2

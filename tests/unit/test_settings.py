@@ -112,3 +112,26 @@ def test_cluster_name_with_trailing_newline_is_rejected():
 def test_nan_timeout_is_rejected():
     with pytest.raises(SystemExit):
         load_settings(SchedulerSettings, [], env={"TANDEM_WORKER_TIMEOUT_S": "nan"})
+
+
+def test_a_gateway_off_loopback_needs_tls_or_allow_plaintext():
+    """Before, a gateway bound 0.0.0.0 without TLS started, prompts and keys in the clear."""
+    from services.gateway.settings import GatewaySettings
+
+    with pytest.raises(ValueError, match="loopback"):
+        GatewaySettings(grpc_host="0.0.0.0")
+    assert GatewaySettings(grpc_host="0.0.0.0", allow_plaintext=True).allow_plaintext
+    assert GatewaySettings(grpc_host="10.1.2.3", grpc_tls_cert="c.pem", grpc_tls_key="k.pem")
+    assert GatewaySettings(grpc_host="::1") and GatewaySettings(grpc_host="localhost")
+
+
+def test_tandem_up_is_secure_unless_told_otherwise(capsys):
+    """Before, NATS authentication took --secure."""
+    from shared.cli.launcher import _refusal, secured
+    from shared.cli.main import parser
+
+    assert secured(parser().parse_args(["up"]))
+    insecure = parser().parse_args(["up", "--insecure"])
+    assert not secured(insecure) and "warning: --insecure" in capsys.readouterr().err
+    assert not secured(parser().parse_args(["up", "--nats-url", "nats://10.0.0.2:4222"]))
+    assert "contradict" in _refusal(parser().parse_args(["up", "--secure", "--insecure"]))

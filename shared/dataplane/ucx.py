@@ -15,6 +15,7 @@ import numpy
 import torch
 
 from shared.dataplane import ucx_info, ucx_progress, ucxx_compat
+from shared.dataplane.abandoned import AbandonedSends
 from shared.dataplane.plane import KVTransferError, TransferCounters, nbytes
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class UcxDataPlane:
     """
 
     MAX_ENDPOINTS = 256
+    MAX_RETIRED = 64  # endpoints of failed peers kept unclosed; older ones are let go
 
     def __init__(
         self,
@@ -65,8 +67,8 @@ class UcxDataPlane:
         self._completing: set[asyncio.Task] = set()
         self._verdicts: dict[int, asyncio.Future] = {}  # tag -> True when release() ended it empty
         # ucxx cannot cancel one posted request: a send that timed out may still be read, so its
-        # buffer must outlive it (a gathered copy, or a view that keeps the pool alive anyway).
-        self._abandoned: list[torch.Tensor] = []
+        # buffers must outlive it (see AbandonedSends)
+        self._abandoned = AbandonedSends()
         self.counters = TransferCounters()
         self.address = b""
         self._peer_transports: dict[bytes, str] = {}  # peer -> what UCX chose to reach it
@@ -97,14 +99,12 @@ class UcxDataPlane:
     async def __aexit__(self, *exc) -> None:
         if self._posted:
             await self.release(list(self._posted))
-        for ep in self._endpoints.values():
-            try:
-                await ep.close()
-            except Exception as err:  # a peer that is gone already
-                log.debug("closing a UCX endpoint: %s", err)
-        self._endpoints.clear()
+        # Not closed: closing one whose peer is gone blocks until UCX gives up (see forget), and
+        # which peers are gone is not known here. The process's exit ends them all.
+        for peer_address in list(self._endpoints):
+            self.forget(peer_address)
         if self._abandoned:
-            log.warning("%d abandoned KV send buffer(s) at shutdown", len(self._abandoned))
+            log.warning("%d abandoned KV send(s) at shutdown", len(self._abandoned))
 
     def _done(self, request):
         """Awaitable end of a UCX request: from our progress driver, or ucxx's own wait."""
@@ -169,7 +169,8 @@ class UcxDataPlane:
         if ep is not None:
             _never_close(ep)
             self._retired.append(ep)
-            self._peer_transports.pop(peer_address, None)
+            del self._retired[: -self.MAX_RETIRED]  # its finalizer is detached: dropping it
+            self._peer_transports.pop(peer_address, None)  # closes nothing, blocks on nothing
 
     async def send(
         self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float
@@ -181,6 +182,7 @@ class UcxDataPlane:
     ) -> None:
         """Puts every (tag, buffer) on the wire at once (one UCX request each, no task per piece)
         and waits for all of them, `timeout` in all."""
+        requests = []
         try:
             ep = await self._endpoint(peer_address)
             # The views stay alive until every send completes.
@@ -191,7 +193,7 @@ class UcxDataPlane:
             await asyncio.wait_for(asyncio.gather(*(self._done(r) for r in requests)), timeout)
         except Exception as err:
             self.counters.transfers_failed += 1
-            self._abandoned.extend(buf for _, buf in pieces)  # UCX may still be reading them
+            self._abandoned.keep(requests, [buf for _, buf in pieces])
             self.forget(peer_address)
             raise KVTransferError(
                 f"KV send of {len(pieces)} piece(s) (tag {pieces[0][0]:#x}...) failed: {err!r}"

@@ -1,0 +1,154 @@
+"""UCX peer-death experiment (`python bench/ucx_crash.py`): does a receiver survive a sender that
+is SIGKILLed while its KV pieces are on the wire?
+
+Two real processes (tests/fakes/kv_peer.py) over real UCX, as a prefill and a decode worker are:
+the receiver posts every piece of a 2,048-token prompt, the sender sends them all at once (no
+compute pauses: rendezvous messages in flight), and is SIGKILLed at a random moment between
+its first piece landing and 30 ms later. The receiver then ends its receives (as a decode worker
+does on a dead peer) and must answer a command. A receiver that died (a segfault inside UCX) is
+counted, and replaced for the next try. `--kill receiver` turns it around: the receiver is
+SIGKILLed while pieces are on the wire, and the sender (a prefill worker) must survive. UCX_*
+environment variables reach both processes: the same experiment measures a UCX setting against
+the default.
+Writes bench/results/ucx_crash.json (appending one entry per run).
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shared.control.messages import KVLayout  # noqa: E402
+from shared.dataplane.plan import new_base_tag  # noqa: E402
+from tests.fakes.kv_peer import KVPeer  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BS = 16
+LAYOUT = KVLayout(
+    model="m", dtype="float32", num_layers=30, num_kv_heads=3, head_dim=64, block_size=BS
+)
+PROMPT = 2048
+KILL = "sender"  # which side is SIGKILLed (--kill)
+
+
+def one_try(receiver: KVPeer, rng: random.Random) -> str:
+    """'survived', 'crashed' (the receiver died), 'wedged' (alive, but no piece lands any more)
+    or 'skipped' (the send ended before the kill)."""
+    if KILL == "receiver":
+        return one_reverse_try(receiver, rng)
+    n = PROMPT // BS
+    src, dst = rng.sample(range(160), n), rng.sample(range(192), n)
+    dest = dict(
+        ucx_address=receiver.call("address")["address"],
+        base_tag=new_base_tag(rng.getrandbits(39)),
+        block_ids=dst,
+        segment_tokens=256,
+        lease_s=1.0,
+    )
+    with KVPeer(LAYOUT, num_blocks=160, seed=1) as sender:
+        sender.call("address")
+        receiver.call("receive", prompt_len=PROMPT, destination=dest)
+        sender.start("send", prompt_len=PROMPT, src_table=src, destination=dest)
+        deadline = time.monotonic() + 20
+        while not receiver.call("wait", base_tag=dest["base_tag"], timeout_s=0.002)["landed"]:
+            if time.monotonic() > deadline:
+                return "wedged"  # the receiver is alive, but nothing lands any more
+        time.sleep(rng.uniform(0, 0.03))
+        sender.kill()
+    complete = False
+    try:
+        landed = receiver.call("wait", base_tag=dest["base_tag"], timeout_s=10, lease_s=1.0)
+        complete = landed["complete"]
+        receiver.call("abort", base_tag=dest["base_tag"], wait_s=30)
+        receiver.call("counters", wait_s=10)
+    except (TimeoutError, RuntimeError, EOFError, OSError) as err:
+        print(f"  the receiver did not answer: {err!r}", flush=True)
+    time.sleep(0.2)
+    if not receiver.process.is_alive():
+        return "crashed"
+    return "skipped" if complete else "survived"
+
+
+def one_reverse_try(sender: KVPeer, rng: random.Random) -> str:
+    """The receiver dies mid-transfer: 'survived' or 'crashed' (the sender died)."""
+    n = PROMPT // BS
+    src, dst = rng.sample(range(160), n), rng.sample(range(192), n)
+    with KVPeer(LAYOUT, num_blocks=192) as receiver:
+        dest = dict(
+            ucx_address=receiver.call("address")["address"],
+            base_tag=new_base_tag(rng.getrandbits(39)),
+            block_ids=dst,
+            segment_tokens=256,
+            lease_s=1.0,
+        )
+        receiver.call("receive", prompt_len=PROMPT, destination=dest)
+        sender.start("send", prompt_len=PROMPT, src_table=src, destination=dest, timeout_s=5.0)
+        deadline = time.monotonic() + 20
+        while not receiver.call("wait", base_tag=dest["base_tag"], timeout_s=0.002)["landed"]:
+            if time.monotonic() > deadline:
+                return "skipped"
+        time.sleep(rng.uniform(0, 0.03))
+        receiver.kill()
+    try:
+        sent = sender.result(wait_s=30)
+        sender.call("counters", wait_s=10)
+    except (TimeoutError, RuntimeError, EOFError, OSError) as err:
+        print(f"  the sender did not answer: {err!r}", flush=True)
+        sent = {"ok": False}
+    time.sleep(0.2)
+    if not sender.process.is_alive():
+        return "crashed"
+    return "skipped" if sent.get("ok") else "survived"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tries", type=int, default=30)
+    parser.add_argument("--label", default="default")
+    parser.add_argument("--kill", choices=("sender", "receiver"), default="sender")
+    args = parser.parse_args(argv)
+    global KILL
+    KILL = args.kill
+    rng, outcomes, exit_codes = (
+        random.Random(7),
+        {"survived": 0, "crashed": 0, "wedged": 0, "skipped": 0},
+        [],
+    )
+    survivor = dict(num_blocks=192) if args.kill == "sender" else dict(num_blocks=160, seed=1)
+    peer = KVPeer(LAYOUT, **survivor).__enter__()
+    try:
+        for i in range(args.tries):
+            try:
+                outcome = one_try(peer, rng)
+            except (TimeoutError, RuntimeError, EOFError, OSError) as err:
+                print(f"  the survivor did not answer: {err!r}", flush=True)
+                outcome = "survived"
+            time.sleep(1.0)  # a crash may come a moment after the receives ended
+            if not peer.process.is_alive():
+                outcome = "crashed"
+            outcomes[outcome] += 1
+            if outcome == "crashed":
+                exit_codes.append(peer.process.exitcode)
+                peer.__exit__(None, None, None)
+                peer = KVPeer(LAYOUT, **survivor).__enter__()
+            print(f"try {i + 1}: {outcome}", flush=True)
+    finally:
+        peer.__exit__(None, None, None)
+    ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    entry = {"label": args.label, "killed": args.kill, "ucx_env": ucx_env, **outcomes}
+    entry["exit_codes"] = exit_codes
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "ucx_crash.json"
+    runs = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps([*runs, entry], indent=2))
+    print(json.dumps(entry))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

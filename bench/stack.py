@@ -24,6 +24,14 @@ from shared.cli.processes import (  # noqa: E402
     wait_for_port,
 )
 
+# The benchmarks' load generator is one client standing for many users: the per-client limits
+# (meant to keep one tenant from starving others) would cap the load it offers.
+LOAD_GENERATOR = {
+    "TANDEM_MAX_STREAMS_PER_CLIENT": "100000",
+    "TANDEM_MAX_QUEUED_PER_CLIENT": "100000",
+    "TANDEM_MAX_KV_TOKENS_PER_CLIENT": "1000000000",
+}
+
 
 @dataclass
 class Worker:
@@ -95,7 +103,9 @@ class BenchStack:
         self.group.spawn(
             "gateway",
             py + ["services.gateway"],
-            child_env({**common, "TANDEM_GRPC_PORT": str(grpc_port), **self.gateway_env}),
+            child_env(
+                {**common, "TANDEM_GRPC_PORT": str(grpc_port), **LOAD_GENERATOR, **self.gateway_env}
+            ),
         )
         self.address = f"127.0.0.1:{grpc_port}"
         wait_until_serving(

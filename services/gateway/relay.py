@@ -168,14 +168,15 @@ class RequestRelay:
     async def _watched(self, target: str, asking) -> SubmitReply:
         """The answer to `asking`; SchedulerLost when the replica `target` is lost meanwhile."""
         task = asyncio.ensure_future(asking)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=POLL_S)
-            if done:
-                return task.result()
-            if target and await self.schedulers.lost(target):
-                # left to its timeout (cancelling a nats-py request leaks its reply slot)
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
-                raise SchedulerLost(f"scheduler {target} was lost while it held the request")
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=POLL_S)
+                if done:
+                    return task.result()
+                if target and await self.schedulers.lost(target):
+                    raise SchedulerLost(f"scheduler {target} was lost while it held the request")
+        finally:
+            task.cancel()  # no answer is awaited any more (nats-py frees its reply slot)
 
     async def _refused(self, attempt: Attempt, reply: SubmitReply) -> None:
         failure = reply.failure

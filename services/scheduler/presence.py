@@ -79,7 +79,7 @@ class Presence:
         """While this scheduler cannot hear the workers (its connection down, the server stalled)
         their silence is excused; after a reconnect it asks every worker to announce itself."""
         if not self.bus.connected:
-            self.registry.excuse()
+            self.registry.excuse(deaf=True)
         elif self.reconnect_unnoticed:
             self._reconnects = self.bus.reconnects
             self.registry.excuse()
@@ -87,4 +87,4 @@ class Presence:
         elif self.registry.quiet_s() > QUICK_S and time.monotonic() - self._reach_checked > QUICK_S:
             self._reach_checked = time.monotonic()
             if not await self.bus.reachable(PROBE_TIMEOUT_S):
-                self.registry.excuse()
+                self.registry.excuse(deaf=True)

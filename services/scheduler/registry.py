@@ -29,10 +29,13 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerEntry] = {}
         self._hearing_from = clock()  # silence counts from here at the earliest
         self._heard_any = float("-inf")  # when a heartbeat last came from anyone
+        self._deaf = False
 
-    def excuse(self) -> None:
-        """This scheduler could not hear until now: silence so far is not evidence."""
+    def excuse(self, deaf: bool = False) -> None:
+        """This scheduler could not hear until now: silence so far is not evidence. `deaf`: nor
+        can it now (the next heartbeat says it hears again)."""
         self._hearing_from = self._clock()
+        self._deaf = self._deaf or deaf
 
     def quiet_s(self) -> float:
         """Seconds since a heartbeat last came from anyone."""
@@ -43,7 +46,10 @@ class WorkerRegistry:
         return self._clock() - self._hearing_from <= self._timeout
 
     def update(self, beat: WorkerHeartbeat) -> None:
-        self._heard_any = self._clock()
+        now = self._clock()
+        if self._deaf:  # hearing again: silence counts from now
+            self._deaf, self._hearing_from = False, now
+        self._heard_any = now
         if beat.stopping:
             self._workers.pop(beat.worker_id, None)
         else:

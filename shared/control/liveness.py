@@ -50,6 +50,7 @@ class Liveness:
         self._reconnects = bus.reconnects
         self._hearing_from = clock()  # silence counts from here at the earliest (see _silent_s)
         self._heard_any = float("-inf")  # when a heartbeat last came from anyone
+        self._deaf = False  # the last look found this process could not hear
         self._reach: asyncio.Future | None = None  # the server ping in flight (shared)
         self._sub = None
 
@@ -62,7 +63,10 @@ class Liveness:
 
     async def on_heartbeat(self, beat: WorkerHeartbeat | SchedulerHeartbeat, respond) -> None:
         sender = beat.scheduler_id if isinstance(beat, SchedulerHeartbeat) else beat.worker_id
-        self._seen[sender] = self._heard_any = self._clock()
+        now = self._clock()
+        if self._deaf:  # hearing again: silence counts from now
+            self._deaf, self._hearing_from = False, now
+        self._seen[sender] = self._heard_any = now
 
     def alive(self, worker_id: str) -> bool:
         """False once a worker that was seen has been silent for the timeout while this process
@@ -101,20 +105,23 @@ class Liveness:
         now = self._clock()
         if self._bus.reconnects != self._reconnects or not self._bus.connected:
             self._reconnects, self._hearing_from = self._bus.reconnects, now
+            self._deaf = not self._bus.connected
         seen = self._seen.setdefault(worker_id, now)
         return now - max(seen, self._hearing_from)
 
     async def _hearing(self) -> bool:
         """True when heartbeats can reach this process: one came from anyone lately, or the server
         answers a ping. If not, the silence so far is not evidence: it counts again from now."""
-        if self._clock() - self._heard_any < self._quick:
+        if self._clock() - self._heard_any < self._quick and not self._deaf:
             return True
         if self._reach is None:
             self._reach = asyncio.ensure_future(self._bus.reachable(PROBE_TIMEOUT_S))
             self._reach.add_done_callback(lambda _: setattr(self, "_reach", None))
-        if await asyncio.shield(self._reach):
+        reachable = await asyncio.shield(self._reach)
+        if reachable and not self._deaf:
             return True
-        self._hearing_from = self._clock()
+        # deaf now, or just hearing again: either way silence counts from now
+        self._deaf, self._hearing_from = not reachable, self._clock()
         return False
 
     async def _gone(self, worker_id: str) -> bool:

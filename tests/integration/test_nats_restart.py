@@ -65,7 +65,11 @@ class Server:
 def outage_stack(processes):
     server = Server(processes)
     nats = NatsServer(f"nats://127.0.0.1:{server.port}", server.monitor)
-    stack = start_stack(processes, nats, "it-nats", "auto", prefill=1, decode=1)
+    # one client (this test) holds 64 streams at once: past the per-client defaults
+    one_client = {"TANDEM_MAX_STREAMS_PER_CLIENT": "128", "TANDEM_MAX_QUEUED_PER_CLIENT": "128"}
+    stack = start_stack(
+        processes, nats, "it-nats", "auto", prefill=1, decode=1, role_env={"gateway": one_client}
+    )
     yield stack, server
     stack.stop()
     server.kill()

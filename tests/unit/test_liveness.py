@@ -121,7 +121,9 @@ async def test_a_stalled_server_is_not_a_dead_worker():
     clock.now += 1.0
     assert not await live.lost("w1")  # heard nothing from it yet, but only for a second
     clock.now += 2.5
-    assert await live.lost("w1")  # the server answers, someone beats... not w1: lost
+    assert not await live.lost("w1")  # the server answers: hearing again, from now
+    clock.now += 3.1
+    assert await live.lost("w1")  # a timeout since, and nothing from w1: lost
 
 
 async def test_silence_counts_when_others_are_heard():
@@ -133,3 +135,21 @@ async def test_silence_counts_when_others_are_heard():
         clock.now += 0.9
         await live.on_heartbeat(beat("w2"), None)
     assert await live.lost("w1")
+
+
+async def test_after_a_stall_silence_counts_from_when_hearing_came_back():
+    """The server resumes; another worker's beat comes first. The silence since the last failed
+    probe (up to a timeout old) must not count: before, the worker was lost at once."""
+    clock = Clock()
+    bus, live = await watching(clock)
+    await live.on_heartbeat(beat("w1"), None)
+    bus.server_up = False
+    clock.now += 3.5
+    assert not await live.lost("w1")  # the probe fails: deaf from here
+    clock.now += 3.2  # nobody asks meanwhile (a probe comes a timeout after the last)
+    bus.server_up = True
+    await live.on_heartbeat(beat("w2"), None)  # w2's beat comes first
+    clock.now += 0.1
+    assert not await live.lost("w1")
+    clock.now += 3.0
+    assert await live.lost("w1")  # a timeout since hearing came back, and w1 still silent

@@ -101,6 +101,23 @@ def test_silence_the_registry_could_not_hear_is_excused():
     assert registry.live() == [] and not registry.settling()
 
 
+def test_after_a_stall_the_registry_counts_silence_from_the_first_beat_heard():
+    clock = Clock()
+    registry = WorkerRegistry(timeout_s=3.0, clock=clock)
+    registry.update(beat("d1"))
+    registry.update(beat("p1", role="prefill"))
+    clock.now += 3.5
+    registry.excuse(deaf=True)  # the server stalled: the probe failed
+    clock.now += 2.9  # then it resumes; p1's beat comes first
+    registry.update(beat("p1", role="prefill"))
+    clock.now += 0.2
+    assert [w.worker_id for w in registry.live()] == ["d1", "p1"]  # d1 gets a timeout again
+    clock.now += 2.9
+    registry.update(beat("p1", role="prefill"))
+    clock.now += 0.2
+    assert [w.worker_id for w in registry.live()] == ["p1"]
+
+
 def test_registry_filters_by_role_and_sorts():
     registry = registry_with(beat("d2"), beat("p1", role="prefill"), beat("d1"))
     assert [w.worker_id for w in registry.live("decode")] == ["d1", "d2"]

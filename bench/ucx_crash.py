@@ -36,11 +36,8 @@ PROMPT = 2048
 KILL = "sender"  # which side is SIGKILLed (--kill)
 
 
-def one_try(receiver: KVPeer, rng: random.Random) -> str:
-    """'survived', 'crashed' (the receiver died), 'wedged' (alive, but no piece lands any more)
-    or 'skipped' (the send ended before the kill)."""
-    if KILL == "receiver":
-        return one_reverse_try(receiver, rng)
+def transfer(receiver: KVPeer, rng: random.Random) -> tuple[list[int], dict]:
+    """A prompt's source blocks and its destination in `receiver`'s pool."""
     n = PROMPT // BS
     src, dst = rng.sample(range(160), n), rng.sample(range(192), n)
     dest = dict(
@@ -50,6 +47,15 @@ def one_try(receiver: KVPeer, rng: random.Random) -> str:
         segment_tokens=256,
         lease_s=1.0,
     )
+    return src, dest
+
+
+def one_try(receiver: KVPeer, rng: random.Random) -> str:
+    """'survived', 'crashed' (the receiver died), 'wedged' (alive, but no piece lands any more)
+    or 'skipped' (the send ended before the kill)."""
+    if KILL == "receiver":
+        return one_reverse_try(receiver, rng)
+    src, dest = transfer(receiver, rng)
     with KVPeer(LAYOUT, num_blocks=160, seed=1) as sender:
         sender.call("address")
         receiver.call("receive", prompt_len=PROMPT, destination=dest)
@@ -76,16 +82,8 @@ def one_try(receiver: KVPeer, rng: random.Random) -> str:
 
 def one_reverse_try(sender: KVPeer, rng: random.Random) -> str:
     """The receiver dies mid-transfer: 'survived' or 'crashed' (the sender died)."""
-    n = PROMPT // BS
-    src, dst = rng.sample(range(160), n), rng.sample(range(192), n)
     with KVPeer(LAYOUT, num_blocks=192) as receiver:
-        dest = dict(
-            ucx_address=receiver.call("address")["address"],
-            base_tag=new_base_tag(rng.getrandbits(39)),
-            block_ids=dst,
-            segment_tokens=256,
-            lease_s=1.0,
-        )
+        src, dest = transfer(receiver, rng)
         receiver.call("receive", prompt_len=PROMPT, destination=dest)
         sender.start("send", prompt_len=PROMPT, src_table=src, destination=dest, timeout_s=5.0)
         deadline = time.monotonic() + 20

@@ -57,7 +57,9 @@ class ClientKeys:
             return cls(default, {})
         doc = json.loads(Path(path).read_text())
         entries = {}
-        for item in doc.get("clients", []):
+        for n, item in enumerate(doc.get("clients", [])):
+            if not isinstance(item, dict) or "name" not in item or "key" not in item:
+                raise ValueError(f"{path}: client {n} needs a name and a key")
             name, key = str(item["name"]), str(item["key"])
             if len(key) < 16:
                 raise ValueError(f"the key of client {name!r} is shorter than 16 characters")

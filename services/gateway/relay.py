@@ -258,8 +258,8 @@ class RequestRelay:
         ask = StreamReplay(attempt.id, attempt.expected)
         try:
             ack = await self.bus.request(subject, ask, REPLAY_TIMEOUT_S, TaskAck)
-        except (NoResponders, RequestTimeout, BadReply) as err:
-            log.info(
+        except (NoResponders, RequestTimeout, BadReply) as err:  # every 2 s per stream: debug
+            log.debug(
                 "%s: asked %s for chunk %d again: %s",
                 attempt.id,
                 attempt.worker,

@@ -51,6 +51,17 @@ def test_a_client_is_its_key_name_else_its_certificate_else_its_address(tmp_path
     assert open_.identify([], "", "ipv4:1.2.3.4") == Client("addr:ipv4:1.2.3.4", DEFAULT)
 
 
+def test_a_keys_file_entry_without_a_name_or_key_is_a_clear_error(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"clients": [{"name": "a", "key": KEY_A}, {"key": KEY_B}]}))
+    with pytest.raises(ValueError, match="client 1 needs a name and a key") as err:
+        ClientKeys.load(str(path), DEFAULT)
+    assert KEY_B not in str(err.value)
+    path.write_text(json.dumps({"clients": [{"name": "a", "key": "short"}]}))
+    with pytest.raises(ValueError, match="shorter than 16"):
+        ClientKeys.load(str(path), DEFAULT)
+
+
 def test_usage_limits_streams_waiting_requests_and_kv_tokens():
     usage, c = ClientUsage(), Client("addr:x", DEFAULT)
     usage.open(c, 400)

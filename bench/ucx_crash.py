@@ -2,14 +2,19 @@
 is SIGKILLed while its KV pieces are on the wire?
 
 Two real processes (tests/fakes/kv_peer.py) over real UCX, as a prefill and a decode worker are:
-the receiver posts every piece of a 2,048-token prompt, the sender sends them all at once (no
-compute pauses: rendezvous messages in flight), and is SIGKILLed at a random moment between
-its first piece landing and 30 ms later. The receiver then ends its receives (as a decode worker
-does on a dead peer) and must answer a command. A receiver that died (a segfault inside UCX) is
-counted, and replaced for the next try. `--kill receiver` turns it around: the receiver is
+the receiver posts every piece of a 2,048-token prompt, the sender sends it a segment at a time
+with a pause standing in for each segment's compute (`--chunk-tokens`, `--chunk-delay-s`; 0 sends
+it all at once), and is SIGKILLed at a random moment between its first piece landing and
+`--kill-within-s` later, so that most kills land while pieces are on the wire. The receiver then
+ends its receives (as a decode worker does on a dead peer) and must answer a command. A receiver
+that died (a segfault inside UCX) is counted, and replaced for the next try; one that stops
+answering is counted too (`answer_timeouts`). `--kill receiver` turns it around: the receiver is
 SIGKILLed while pieces are on the wire, and the sender (a prefill worker) must survive. UCX_*
-environment variables reach both processes: the same experiment measures a UCX setting against
-the default.
+environment variables reach both processes and win over the data plane's own options: the same
+experiment measures a UCX setting (UCX_RNDV_SCHEME=put_zcopy, =am) against the default (UCX's own
+rendezvous, a cma read by the receiver); `--error-handling` puts both peers in UCX's
+peer-failure mode: tcp, or shared memory with UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y
+UCX_KEEPALIVE_INTERVAL=1s.
 Writes bench/results/ucx_crash.json (appending one entry per run).
 """
 
@@ -34,6 +39,10 @@ LAYOUT = KVLayout(
 )
 PROMPT = 2048
 KILL = "sender"  # which side is SIGKILLed (--kill)
+PACE = dict(chunk_tokens=256, chunk_delay_s=0.006)  # the sender's compute pauses
+KILL_WITHIN_S = 0.02
+UNSAFE_ABORTS, ANSWER_TIMEOUTS = [0], [0]
+PEER = dict(error_handling=False)  # UcxDataPlane's peer-failure mode (--error-handling)
 
 
 def transfer(receiver: KVPeer, rng: random.Random) -> tuple[list[int], dict]:
@@ -56,24 +65,26 @@ def one_try(receiver: KVPeer, rng: random.Random) -> str:
     if KILL == "receiver":
         return one_reverse_try(receiver, rng)
     src, dest = transfer(receiver, rng)
-    with KVPeer(LAYOUT, num_blocks=160, seed=1) as sender:
+    with KVPeer(LAYOUT, num_blocks=160, seed=1, **PEER) as sender:
         sender.call("address")
         receiver.call("receive", prompt_len=PROMPT, destination=dest)
-        sender.start("send", prompt_len=PROMPT, src_table=src, destination=dest)
+        sender.start("send", prompt_len=PROMPT, src_table=src, destination=dest, **PACE)
         deadline = time.monotonic() + 20
         while not receiver.call("wait", base_tag=dest["base_tag"], timeout_s=0.002)["landed"]:
             if time.monotonic() > deadline:
                 return "wedged"  # the receiver is alive, but nothing lands any more
-        time.sleep(rng.uniform(0, 0.03))
+        time.sleep(rng.uniform(0, KILL_WITHIN_S))
         sender.kill()
     complete = False
     try:
         landed = receiver.call("wait", base_tag=dest["base_tag"], timeout_s=10, lease_s=1.0)
         complete = landed["complete"]
-        receiver.call("abort", base_tag=dest["base_tag"], wait_s=30)
+        ended = receiver.call("abort", base_tag=dest["base_tag"], timeout_s=3.0, wait_s=30)
+        UNSAFE_ABORTS[0] += not ended["safe"]  # receives still open 3 s after their release
         receiver.call("counters", wait_s=10)
     except (TimeoutError, RuntimeError, EOFError, OSError) as err:
         print(f"  the receiver did not answer: {err!r}", flush=True)
+        ANSWER_TIMEOUTS[0] += 1
     time.sleep(0.2)
     if not receiver.process.is_alive():
         return "crashed"
@@ -82,21 +93,24 @@ def one_try(receiver: KVPeer, rng: random.Random) -> str:
 
 def one_reverse_try(sender: KVPeer, rng: random.Random) -> str:
     """The receiver dies mid-transfer: 'survived' or 'crashed' (the sender died)."""
-    with KVPeer(LAYOUT, num_blocks=192) as receiver:
+    with KVPeer(LAYOUT, num_blocks=192, **PEER) as receiver:
         src, dest = transfer(receiver, rng)
         receiver.call("receive", prompt_len=PROMPT, destination=dest)
-        sender.start("send", prompt_len=PROMPT, src_table=src, destination=dest, timeout_s=5.0)
+        sender.start(
+            "send", prompt_len=PROMPT, src_table=src, destination=dest, timeout_s=5.0, **PACE
+        )
         deadline = time.monotonic() + 20
         while not receiver.call("wait", base_tag=dest["base_tag"], timeout_s=0.002)["landed"]:
             if time.monotonic() > deadline:
                 return "skipped"
-        time.sleep(rng.uniform(0, 0.03))
+        time.sleep(rng.uniform(0, KILL_WITHIN_S))
         receiver.kill()
     try:
         sent = sender.result(wait_s=30)
         sender.call("counters", wait_s=10)
     except (TimeoutError, RuntimeError, EOFError, OSError) as err:
         print(f"  the sender did not answer: {err!r}", flush=True)
+        ANSWER_TIMEOUTS[0] += 1
         sent = {"ok": False}
     time.sleep(0.2)
     if not sender.process.is_alive():
@@ -109,15 +123,24 @@ def main(argv=None) -> int:
     parser.add_argument("--tries", type=int, default=30)
     parser.add_argument("--label", default="default")
     parser.add_argument("--kill", choices=("sender", "receiver"), default="sender")
+    parser.add_argument("--chunk-tokens", type=int, default=PACE["chunk_tokens"])
+    parser.add_argument("--chunk-delay-s", type=float, default=PACE["chunk_delay_s"])
+    parser.add_argument("--kill-within-s", type=float, default=0.02)
+    parser.add_argument(
+        "--error-handling", action="store_true", help="both peers in UCX's peer-failure mode"
+    )
     args = parser.parse_args(argv)
-    global KILL
-    KILL = args.kill
+    global KILL, KILL_WITHIN_S
+    KILL, KILL_WITHIN_S = args.kill, args.kill_within_s
+    PACE.update(chunk_tokens=args.chunk_tokens, chunk_delay_s=args.chunk_delay_s)
+    PEER.update(error_handling=args.error_handling)
     rng, outcomes, exit_codes = (
         random.Random(7),
         {"survived": 0, "crashed": 0, "wedged": 0, "skipped": 0},
         [],
     )
     survivor = dict(num_blocks=192) if args.kill == "sender" else dict(num_blocks=160, seed=1)
+    survivor.update(PEER)
     peer = KVPeer(LAYOUT, **survivor).__enter__()
     try:
         for i in range(args.tries):
@@ -125,6 +148,7 @@ def main(argv=None) -> int:
                 outcome = one_try(peer, rng)
             except (TimeoutError, RuntimeError, EOFError, OSError) as err:
                 print(f"  the survivor did not answer: {err!r}", flush=True)
+                ANSWER_TIMEOUTS[0] += 1
                 outcome = "survived"
             time.sleep(1.0)  # a crash may come a moment after the receives ended
             if not peer.process.is_alive():
@@ -138,7 +162,9 @@ def main(argv=None) -> int:
     finally:
         peer.__exit__(None, None, None)
     ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    entry = {"label": args.label, "killed": args.kill, "ucx_env": ucx_env, **outcomes}
+    entry = {"label": args.label, "killed": args.kill, "ucx_env": ucx_env, "pace": PACE, **PEER}
+    entry.update(kill_within_s=KILL_WITHIN_S, **outcomes, unsafe_aborts=UNSAFE_ABORTS[0])
+    entry["answer_timeouts"] = ANSWER_TIMEOUTS[0]
     entry["exit_codes"] = exit_codes
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "ucx_crash.json"

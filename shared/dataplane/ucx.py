@@ -39,6 +39,13 @@ class UcxDataPlane:
     is set (then UCX uses tcp even on one host). Dead peers are found by the transfer leases
     and worker heartbeats instead, and a failed endpoint is dropped and reopened.
 
+    Without that mode, a transfer UCX fails on this side because the peer died frees the
+    endpoint while the peer's queued messages still name it: the next one is a use after free (a
+    segfault). With UCX's own rendezvous the receiver reads from the sender's memory, so a
+    prefill worker SIGKILLed mid-transfer can take the decode worker with it. `rndv_scheme`
+    (UCX_RNDV_SCHEME) "put_zcopy" spares the receiver and exposes the sender instead (README, "A
+    dead peer inside UCX"; bench/ucx_crash.py).
+
     Progress is driven from the event loop ("blocking": woken by the UCX worker's event fd,
     re-armed after every wake-up by shared.dataplane.ucx_progress)
     rather than by ucxx's default progress thread: on a few cores that thread competes with the
@@ -54,11 +61,11 @@ class UcxDataPlane:
         tls: str = "",
         error_handling: bool = False,
         progress_mode: str = "blocking",
+        rndv_scheme: str = "",
     ):
-        self._options = {"NET_DEVICES": net_devices}
+        options = {"NET_DEVICES": net_devices, "TLS": tls, "RNDV_SCHEME": rndv_scheme}
+        self._options = {k: v for k, v in options.items() if v}  # empty: UCX's choice
         self._progress_mode = progress_mode
-        if tls:
-            self._options["TLS"] = tls
         self._error_handling = error_handling
         self._endpoints: OrderedDict[bytes, object] = OrderedDict()
         self._retired: list = []  # endpoints of failed peers, never closed (see forget)

@@ -22,6 +22,11 @@ from shared.dataplane import ucxx_compat
 log = logging.getLogger(__name__)
 
 SAFETY_INTERVAL_S = 1.0  # progress at least this often, in case an event is ever missed
+# Progress rounds per wake-up before the event loop gets a turn. UCX can report progress on every
+# round for as long as a peer's queue stays full (a keepalive it retries): unbounded, that loop
+# held a receiver's event loop for good after a peer's death, in UCX's peer-failure mode on
+# shared memory (bench/ucx_crash.py --error-handling; a core stuck in uct_mm_ep_am_bcopy).
+MAX_ROUNDS = 1000
 
 
 class EventLoopProgress:
@@ -39,13 +44,15 @@ class EventLoopProgress:
         self.wake()
 
     def wake(self) -> None:
-        """Progresses everything pending, then arms; if events came meanwhile, again soon."""
+        """Progresses what is pending (at most MAX_ROUNDS rounds), then arms; if events came
+        meanwhile, or work is left, again soon."""
         self._again = False
         self.wakeups += 1
-        while self.worker.progress_once():
-            pass
+        rounds = 0
+        while rounds < MAX_ROUNDS and self.worker.progress_once():
+            rounds += 1
         self._check()
-        if not self.worker.arm() and not self._again:
+        if (rounds == MAX_ROUNDS or not self.worker.arm()) and not self._again:
             self._again = True  # after the callbacks that are ready now, not in a tight loop
             self.loop.call_soon(self.wake)
 

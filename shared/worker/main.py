@@ -51,6 +51,7 @@ async def run_worker(
                 settings.ucx_tls,
                 settings.ucx_error_handling,
                 settings.ucx_progress_mode,
+                settings.ucx_rndv_scheme,
             )
         )
         liveness = None

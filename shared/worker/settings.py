@@ -84,6 +84,12 @@ class WorkerSettings(CommonSettings):
             "help": "UCX peer-failure mode on KV endpoints; UCX then uses tcp only, never shared memory (dead peers are found by leases either way)"
         },
     )
+    ucx_rndv_scheme: str = field(
+        default="",
+        metadata={
+            "help": "UCX_RNDV_SCHEME for large KV pieces; empty = UCX's choice (on one host the receiver reads the sender's memory). put_zcopy: the sender writes, so a prefill worker SIGKILLed mid-transfer cannot crash a decode worker, but a decode worker's death can crash the prefill worker (README: A dead peer inside UCX)"
+        },
+    )
     ucx_progress_mode: str = field(
         default="blocking",
         metadata={

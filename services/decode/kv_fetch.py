@@ -29,7 +29,7 @@ from shared.control.messages import (
 )
 from shared.control.subjects import Subjects
 from shared.dataplane.plan import PlanError, TransferPlan, new_base_tag
-from shared.dataplane.plane import DataPlane, discard
+from shared.dataplane.plane import DataPlane
 from shared.dataplane.receiver import KVReceiver
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
@@ -251,7 +251,7 @@ class KVFetcher:
             except asyncio.TimeoutError:
                 continue
         sent = t.cause.pieces_sent or 0
-        await discard(self.plane, t.receiver.unfilled(sent), self.settings.kv_lease_s)
+        await self.plane.discard(t.receiver.unfilled(sent), self.settings.kv_lease_s)
 
     def _drained(self, t: InboundTransfer):
         def done(task: asyncio.Task) -> None:

@@ -6,11 +6,15 @@ are kept until every request of the send completed, or for `ttl_s` (the receiver
 over by then), and never more than `max_sends` sends: the oldest go first.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass

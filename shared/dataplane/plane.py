@@ -6,15 +6,24 @@ Tensors move worker-to-worker on it, never through NATS: the receiving side post
 receive into its own buffer, the sending side sends with that tag to the receiver's address.
 """
 
+from __future__ import annotations
+
 import asyncio
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+import numpy
+
+if TYPE_CHECKING:
+    import torch
 
 
 class KVTransferError(Exception):
     """A transfer that did not complete; the request it belonged to fails."""
+
+
+class ReceiveReleased(KVTransferError):
+    """release() ended a posted receive before any data came."""
 
 
 @dataclass
@@ -23,6 +32,7 @@ class TransferCounters:
     bytes_received: int = 0
     transfers_failed: int = 0
     receives_released: int = 0  # posted receives ended by release() instead of data
+    plane_restarts: int = 0  # data-plane helper processes replaced (HelperDataPlane)
 
 
 class DataPlane(Protocol):
@@ -51,6 +61,9 @@ class DataPlane(Protocol):
         none of them can write into its buffer any more, or after `timeout` (a receive that data
         matched but that never completed stays open)."""
 
+    async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
+        """Takes (tag, size) messages nobody wants off the wire (see discard())."""
+
     def transports(self) -> str:
         """The transports this worker's endpoints use, e.g. "sysv+posix+cma" ("" before any send)."""
 
@@ -64,9 +77,7 @@ async def discard(plane: DataPlane, pieces: list[tuple[int, int]], timeout: floa
     released."""
     if not pieces:
         return
-    scratch = torch.empty(
-        max(n for _, n in pieces), dtype=torch.uint8
-    )  # the bytes are garbage anyway
+    scratch = numpy.empty(max(n for _, n in pieces), dtype=numpy.uint8)  # the bytes are garbage
     futures = plane.post_receives([(tag, scratch[:n]) for tag, n in pieces])
     _, pending = await asyncio.wait(futures, timeout=timeout)
     if pending:
@@ -74,5 +85,6 @@ async def discard(plane: DataPlane, pieces: list[tuple[int, int]], timeout: floa
     await asyncio.gather(*futures, return_exceptions=True)
 
 
-def nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def nbytes(buffer: torch.Tensor | numpy.ndarray | list) -> int:
+    """A buffer's size; of a list of spans (a piece a helper plane gathers), their sum."""
+    return sum(nbytes(part) for part in buffer) if isinstance(buffer, list) else buffer.nbytes

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.dataplane.plan import Segment, TransferPlan
-from shared.dataplane.plane import DataPlane, KVTransferError
+from shared.dataplane.plane import DataPlane, KVTransferError, nbytes
 from shared.engine.kv_cache import KVPool
 
 
@@ -72,8 +72,13 @@ class KVSender:
         self.next_segment = segment.index + 1
         return staged
 
-    def gather(self, staged: Staged) -> list[tuple[int, torch.Tensor]]:
-        """Engine thread: the one copy on this side, of the pieces whose slots are not consecutive."""
+    def gather(self, staged: Staged) -> list[tuple[int, torch.Tensor | list[torch.Tensor]]]:
+        """Engine thread: the one copy on this side, of the pieces whose slots are not consecutive;
+        for a plane that gathers (`gathers`, in its helper process), the spans of each instead."""
+        if getattr(self.plane, "gathers", False):
+            return [
+                (tag, self._spans(layer, kv, slots)) for tag, layer, kv, slots in staged.scattered
+            ]
         out = [
             (tag, self.pool.kv[layer, kv].index_select(0, slots))
             for tag, layer, kv, slots in staged.scattered
@@ -83,6 +88,15 @@ class KVSender:
         ):  # UCX reads them on its own streams: the copies must have landed
             torch.cuda.current_stream().synchronize()
         return out
+
+    def _spans(self, layer: int, kv: int, slots: torch.Tensor) -> list[torch.Tensor]:
+        """The pool spans of runs of consecutive slots, in order."""
+        spans, values, start = [], slots.tolist(), 0
+        for i in range(1, len(values) + 1):
+            if i == len(values) or values[i] != values[i - 1] + 1:
+                spans.append(self.pool.span(layer, kv, values[start], i - start))
+                start = i
+        return spans
 
     def _first_slot(self, block_table: list[int], start: int, end: int) -> int | torch.Tensor:
         """The first slot of positions [start, end) when they are consecutive slots, else all their slots."""
@@ -105,7 +119,7 @@ class KVSender:
 
     async def _send_all(self, pieces: list[tuple[int, torch.Tensor]]) -> None:
         await self.plane.send_many(self.plan.destination.ucx_address, pieces, self.timeout_s)
-        self.bytes_sent += sum(b.numel() * b.element_size() for _, b in pieces)
+        self.bytes_sent += sum(nbytes(b) for _, b in pieces)
 
     async def finish(self) -> None:
         """Waits for every segment put on the wire; raises KVTransferError if any piece failed."""

@@ -6,25 +6,41 @@ address. Tags are 64-bit ids chosen by the receiver per transfer, so concurrent 
 on one endpoint never mix. `InProcessDataPlane` (tests.fakes.dataplane) is the fake for unit tests.
 """
 
+from __future__ import annotations
+
 import asyncio
 import logging
-import weakref
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy
-import torch
 
 from shared.dataplane import ucx_info, ucx_progress, ucxx_compat
 from shared.dataplane.abandoned import AbandonedSends
-from shared.dataplane.plane import KVTransferError, TransferCounters, nbytes
+from shared.dataplane.plane import (
+    KVTransferError,
+    ReceiveReleased,
+    TransferCounters,
+    discard,
+    nbytes,
+)
+
+if TYPE_CHECKING:  # the data-plane helper process runs this without torch
+    import torch
 
 log = logging.getLogger(__name__)
 
 _EMPTY = numpy.zeros(0, dtype=numpy.uint8)  # what release() sends to end a posted receive
 
 
-def _ucx_view(tensor: torch.Tensor):
+def _ucx_view(tensor: torch.Tensor | numpy.ndarray):
     """What ucxx accepts: host memory through the array interface, CUDA memory through its own."""
+    if isinstance(tensor, numpy.ndarray):
+        if not tensor.flags.c_contiguous:
+            raise ValueError("KV buffers must be contiguous")
+        return tensor.reshape(-1).view(numpy.uint8)
+    import torch  # a torch tensor: torch is loaded
+
     if not tensor.is_contiguous():
         raise ValueError("KV buffers must be contiguous")
     # Bytes, not elements: numpy has no bfloat16.
@@ -39,16 +55,13 @@ class UcxDataPlane:
     is set (then UCX uses tcp even on one host). Dead peers are found by the transfer leases
     and worker heartbeats instead, and a failed endpoint is dropped and reopened.
 
-    Without that mode, a transfer UCX fails on this side because the peer died frees the
-    endpoint while the peer's queued messages still name it: the next one is a use after free (a
-    segfault). With UCX's own rendezvous the receiver reads from the sender's memory, so a
-    prefill worker SIGKILLed mid-transfer can take the decode worker with it. `rndv_scheme`
-    (UCX_RNDV_SCHEME) "put_zcopy" spares the receiver and exposes the sender instead (README, "A
-    dead peer inside UCX"; bench/ucx_crash.py).
+    Without that mode, a transfer UCX fails because the peer died frees the endpoint while the
+    peer's queued messages still name it: the next one is a use after free, a segfault (README,
+    "A dead peer inside UCX"). Workers therefore run this plane in a helper process of their own
+    (shared.dataplane.helper_plane), where such a crash costs only the transfers in flight.
 
     Progress is driven from the event loop ("blocking": woken by the UCX worker's event fd,
-    re-armed after every wake-up by shared.dataplane.ucx_progress)
-    rather than by ucxx's default progress thread: on a few cores that thread competes with the
+    re-armed after every wake-up by shared.dataplane.ucx_progress) rather than by ucxx's thread: on a few cores that thread competes with the
     model and its peer's, and one transfer in many pieces ran at half the speed it reaches here.
     """
 
@@ -81,7 +94,7 @@ class UcxDataPlane:
         self._peer_transports: dict[bytes, str] = {}  # peer -> what UCX chose to reach it
         self._progress = None
 
-    async def __aenter__(self) -> "UcxDataPlane":
+    async def __aenter__(self) -> UcxDataPlane:
         ucxx_compat.check()  # an incompatible ucxx fails here, naming its version
         import ucxx
 
@@ -99,7 +112,7 @@ class UcxDataPlane:
             self._options,
             self._progress_mode,
             "on (tcp only)" if self._error_handling else "off (shared memory on one host)",
-            _active_transports(ucxx),
+            ucx_info.active_transports(ucxx),
         )
         return self
 
@@ -174,7 +187,7 @@ class UcxDataPlane:
         whose finalizer closes it the same way)."""
         ep = self._endpoints.pop(peer_address, None)
         if ep is not None:
-            _never_close(ep)
+            ucx_info.never_close(ep)
             self._retired.append(ep)
             del self._retired[: -self.MAX_RETIRED]  # its finalizer is detached: dropping it
             self._peer_transports.pop(peer_address, None)  # closes nothing, blocks on nothing
@@ -239,7 +252,7 @@ class UcxDataPlane:
             self._posted.pop(tag, None)
             verdict = self._verdicts.pop(tag, None)
             if error is None and verdict is not None and await verdict:
-                error = KVTransferError(f"KV receive (tag {tag:#x}) released before any data came")
+                error = ReceiveReleased(f"KV receive (tag {tag:#x}) released before any data came")
             if error is not None:
                 if verdict is None:  # a failure, not a release
                     self.counters.transfers_failed += 1
@@ -248,6 +261,9 @@ class UcxDataPlane:
             else:
                 self.counters.bytes_received += size
                 future.set_result(size)
+
+    async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
+        await discard(self, pieces, timeout)
 
     async def release(self, tags: list[int], timeout: float = 10.0) -> None:
         """Ends open receives by sending each an empty message from this worker to itself; a
@@ -281,19 +297,3 @@ class UcxDataPlane:
                 self.counters.receives_released += empty
                 if not verdict.done():
                     verdict.set_result(empty)
-
-
-def _never_close(ep) -> None:
-    """Detaches the finalizer ucxx gives every endpoint: it would close it at exit, blocking for
-    ever on one whose peer is gone."""
-    for finalizer in list(weakref.finalize._registry):  # no public handle to it
-        info = finalizer.peek()
-        if info is not None and info[0] is ep:
-            finalizer.detach()
-
-
-def _active_transports(ucxx) -> str:
-    try:
-        return str(ucxx.get_active_transports())
-    except Exception as err:  # older ucxx builds lack it
-        return f"unknown ({err})"

@@ -6,6 +6,7 @@ import glob
 import logging
 import os
 import re
+import weakref
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +57,19 @@ def transport_summary(lanes: list[str]) -> str:
         if name not in names:
             names.append(name)
     return "+".join(names) if names else "unknown"
+
+
+def never_close(ep) -> None:
+    """Detaches the finalizer ucxx gives every endpoint: it would close it at exit, blocking for
+    ever on one whose peer is gone."""
+    for finalizer in list(weakref.finalize._registry):  # no public handle to it
+        info = finalizer.peek()
+        if info is not None and info[0] is ep:
+            finalizer.detach()
+
+
+def active_transports(ucxx) -> str:
+    try:
+        return str(ucxx.get_active_transports())
+    except Exception as err:  # older ucxx builds lack it
+        return f"unknown ({err})"

@@ -34,7 +34,7 @@ class EventLoopProgress:
         self.worker = worker
         self.loop = loop
         self.fd = worker.epoll_file_descriptor  # ucxx.init(progress_mode="blocking") set it up
-        self._again = False
+        self._scheduled: asyncio.Handle | None = None  # the one wake-up queued for the next turn
         self._waiting: list[
             tuple[object, asyncio.Future]
         ] = []  # (request, its future), not done yet
@@ -45,16 +45,21 @@ class EventLoopProgress:
 
     def wake(self) -> None:
         """Progresses what is pending (at most MAX_ROUNDS rounds), then arms; if events came
-        meanwhile, or work is left, again soon."""
-        self._again = False
+        meanwhile, or work is left, again on the next turn of the loop: one wake-up queued at
+        most, however often the event fd fires meanwhile (one queued per wake-up grew the queue
+        every turn, until a turn took seconds: a sender's helper went silent after its peer
+        died, `bench/ucx_crash.py --helper --kill receiver`)."""
         self.wakeups += 1
         rounds = 0
         while rounds < MAX_ROUNDS and self.worker.progress_once():
             rounds += 1
         self._check()
-        if (rounds == MAX_ROUNDS or not self.worker.arm()) and not self._again:
-            self._again = True  # after the callbacks that are ready now, not in a tight loop
-            self.loop.call_soon(self.wake)
+        if (rounds == MAX_ROUNDS or not self.worker.arm()) and self._scheduled is None:
+            self._scheduled = self.loop.call_soon(self._wake_scheduled)
+
+    def _wake_scheduled(self) -> None:
+        self._scheduled = None
+        self.wake()
 
     def done(self, request) -> asyncio.Future:
         """A future that ends as the UCX request does (raising its error, if it failed)."""
@@ -90,6 +95,8 @@ class EventLoopProgress:
 
     def stop(self) -> None:
         self._safety.cancel()
+        if self._scheduled is not None:
+            self._scheduled.cancel()
         self.loop.remove_reader(self.fd)
 
 

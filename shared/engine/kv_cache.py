@@ -5,9 +5,12 @@ so the keys (or values) of one layer over a run of consecutive blocks are one co
 that is what a KV transfer writes into directly (see shared.dataplane).
 """
 
+import math
+
 import torch
 
 from shared.control.messages import KVLayout
+from shared.engine.shared_region import SharedRegion
 
 
 def layout_of(config, model: str, dtype: torch.dtype, block_size: int = 16) -> KVLayout:
@@ -28,7 +31,9 @@ def bytes_per_token(layout: KVLayout) -> int:
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: str):
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, block_size: int, device: str, shared: bool = False
+    ):
         if layout.block_size != block_size:
             raise ValueError("the layout's block size and the pool's differ")
         self.layout = layout
@@ -42,7 +47,15 @@ class KVPool:
             layout.num_kv_heads,
             layout.head_dim,
         )
-        self.kv = torch.zeros(shape, dtype=getattr(torch, layout.dtype), device=device)
+        dtype = getattr(torch, layout.dtype)
+        self.region = None  # with `shared`: the memory a data-plane helper process maps too
+        if shared:
+            if device != "cpu":
+                raise ValueError("only a host-memory KV pool can be shared with a helper process")
+            self.region = SharedRegion(math.prod(shape) * dtype.itemsize)
+            self.kv = self.region.tensor().view(dtype).view(shape)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of token positions [start, end) of a sequence with this block table."""

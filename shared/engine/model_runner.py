@@ -45,6 +45,7 @@ class ModelRunner:
         batch_invariant: bool = True,
         use_kernels: bool = True,
         row_timing: Path | None = None,  # where the fastest row count is kept (row_timing.py)
+        shared_pool: bool = False,  # the pool in memory a data-plane helper process maps too
     ):
         self.model = model
         self.device = device
@@ -52,15 +53,11 @@ class ModelRunner:
         self.layout: KVLayout = kv_cache.layout_of(
             model.config, model_name, model.dtype, block_size
         )
-        self.pool = KVPool(self.layout, pool_blocks, block_size, device)
+        self.pool = KVPool(self.layout, pool_blocks, block_size, device, shared=shared_pool)
         self.chunk = chunk
         inner = model.model
-        self.embed, self.layers, self.norm, self.rotary = (
-            inner.embed_tokens,
-            inner.layers,
-            inner.norm,
-            inner.rotary_emb,
-        )
+        self.embed, self.layers = inner.embed_tokens, inner.layers
+        self.norm, self.rotary = inner.norm, inner.rotary_emb
         self.num_heads = model.config.num_attention_heads
         self.head_dim = self.layout.head_dim
         self._fuse_projections(model)

@@ -4,6 +4,7 @@ a worker that fetches KV from peers, their liveness) opened in one exit stack; t
 serves until SIGINT or SIGTERM."""
 
 import asyncio
+import logging
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from typing import Protocol
@@ -11,12 +12,15 @@ from typing import Protocol
 from shared.control.bus import MessageBus, NatsBus
 from shared.control.liveness import Liveness
 from shared.control.subjects import Subjects
+from shared.dataplane.helper_plane import HelperDataPlane
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.ucx import UcxDataPlane
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
 from shared.worker.runtime import WorkerRuntime, load_runtime
 from shared.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
 
 
 class Worker(Protocol):
@@ -45,21 +49,31 @@ async def run_worker(
                 cluster=settings.cluster,
             )
         )
-        plane = await stack.enter_async_context(
-            UcxDataPlane(
-                settings.ucx_net_devices,
-                settings.ucx_tls,
-                settings.ucx_error_handling,
-                settings.ucx_progress_mode,
-                settings.ucx_rndv_scheme,
-            )
-        )
+        plane = await stack.enter_async_context(data_plane(settings, runtime))
         liveness = None
         if with_liveness:
             liveness = await stack.enter_async_context(
                 Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s)
             )
         await build(settings, runtime, bus, plane, liveness).serve(stop)
+
+
+def data_plane(settings: WorkerSettings, runtime: WorkerRuntime) -> DataPlane:
+    """The KV data plane: in a helper process over the shared pool (--kv-plane helper), or in
+    this one (--kv-plane inprocess, and for a pool in GPU memory, which is not shared yet)."""
+    options = (
+        settings.ucx_net_devices,
+        settings.ucx_tls,
+        settings.ucx_error_handling,
+        settings.ucx_progress_mode,
+        settings.ucx_rndv_scheme,
+    )
+    region = runtime.runner.pool.region
+    if region is not None:
+        return HelperDataPlane([region], *options)
+    if settings.kv_plane == "helper":
+        log.warning("KV pool on %s: the data plane runs in this process", runtime.runner.device)
+    return UcxDataPlane(*options)
 
 
 def worker_main(

@@ -108,6 +108,7 @@ def _runner(settings: WorkerSettings, model, device: str) -> ModelRunner:
         settings.prefill_chunk_tokens,
         settings.batch_invariant,
         row_timing=Path(settings.model_cache).expanduser() / "row-timing.json",
+        shared_pool=settings.kv_plane == "helper" and device == "cpu",
     )
     runner.release_model_weights()
     return runner

@@ -90,6 +90,12 @@ class WorkerSettings(CommonSettings):
             "help": "UCX_RNDV_SCHEME for large KV pieces; empty = UCX's choice (on one host the receiver reads the sender's memory). put_zcopy: the sender writes, so a prefill worker SIGKILLed mid-transfer cannot crash a decode worker, but a decode worker's death can crash the prefill worker (README: A dead peer inside UCX)"
         },
     )
+    kv_plane: str = field(
+        default="helper",
+        metadata={
+            "help": "where the KV data plane's UCX runs: helper (a process of its own over the shared KV pool, so a crash inside UCX costs only the transfers in flight; host-memory pools) or inprocess"
+        },
+    )
     ucx_progress_mode: str = field(
         default="blocking",
         metadata={
@@ -168,6 +174,8 @@ class WorkerSettings(CommonSettings):
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.kv_plane not in ("helper", "inprocess"):
+            raise ValueError("kv_plane must be helper or inprocess")
         if self.ucx_progress_mode not in ("blocking", "thread", "polling"):
             raise ValueError("ucx_progress_mode must be blocking, thread or polling")
         if self.kv_segment_tokens <= 0 or self.kv_segment_tokens % self.block_size:

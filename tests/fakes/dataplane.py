@@ -2,9 +2,16 @@
 
 import asyncio
 
+import numpy
 import torch
 
-from shared.dataplane.plane import KVTransferError, TransferCounters, nbytes
+from shared.dataplane.plane import (
+    KVTransferError,
+    ReceiveReleased,
+    TransferCounters,
+    discard,
+    nbytes,
+)
 
 
 class LoopbackNetwork:
@@ -57,6 +64,8 @@ class InProcessDataPlane:
         self.counters.bytes_sent += sum(nbytes(buf) for _, buf in pieces)
 
     async def _deliver(self, tag: int, buffer: torch.Tensor) -> None:
+        if isinstance(buffer, numpy.ndarray):  # from a helper's region (HelperServer)
+            buffer = torch.from_numpy(buffer)
         while self.hold or tag not in self._posted:
             if not self.hold and tag not in self._posted:
                 waiter = self._unexpected.setdefault(
@@ -85,6 +94,8 @@ class InProcessDataPlane:
 
     def _post(self, tag: int, buffer: torch.Tensor) -> asyncio.Future:
         done = asyncio.get_running_loop().create_future()
+        if isinstance(buffer, numpy.ndarray):  # discard()'s scratch
+            buffer = torch.from_numpy(buffer)
         self._posted[tag] = (buffer, done)
         waiter = self._unexpected.pop(tag, None)
         if waiter is not None and not waiter.done():
@@ -94,9 +105,12 @@ class InProcessDataPlane:
     async def _receive(self, tag: int, done: asyncio.Future) -> int:
         nbytes = await asyncio.shield(done)
         if nbytes is None:
-            raise KVTransferError(f"KV receive (tag {tag:#x}) released before any data came")
+            raise ReceiveReleased(f"KV receive (tag {tag:#x}) released before any data came")
         self.counters.bytes_received += nbytes
         return nbytes
+
+    async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
+        await discard(self, pieces, timeout)
 
     async def release(self, tags: list[int], timeout: float = 10.0) -> None:
         for tag in tags:

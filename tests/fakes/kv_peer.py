@@ -18,8 +18,8 @@ import msgpack
 import torch
 
 from shared.control.messages import KVDestination, KVLayout
+from shared.dataplane.helper_plane import HelperDataPlane
 from shared.dataplane.plan import TransferPlan
-from shared.dataplane.plane import discard
 from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.sender import KVSender
 from shared.dataplane.ucx import UcxDataPlane
@@ -34,6 +34,8 @@ class _Peer:
         self.bare: dict[int, asyncio.Task] = {}
 
     async def op_address(self) -> dict:
+        if hasattr(self.plane, "up"):  # a helper plane: the one up now, after any restart
+            await self.plane.up(timeout=60)
         return {"address": self.plane.address}
 
     async def op_send(
@@ -116,7 +118,7 @@ class _Peer:
         receiver = self.receivers.pop(base_tag)
         safe = await receiver.abort(timeout_s)
         unfilled = receiver.unfilled(pieces_sent) if pieces_sent >= 0 else []
-        await discard(self.plane, unfilled, timeout_s)
+        await self.plane.discard(unfilled, timeout_s)
         return {
             "safe": safe,
             "released": self.plane.counters.receives_released,
@@ -157,6 +159,8 @@ class _Peer:
             "bytes_received": c.bytes_received,
             "transfers_failed": c.transfers_failed,
             "receives_released": c.receives_released,
+            "plane_restarts": c.plane_restarts,
+            "helper_pid": getattr(self.plane, "helper_pid", 0),
             "transports": self.plane.transports(),
             "pid": os.getpid(),
         }
@@ -171,9 +175,10 @@ async def _serve(
     net_devices: str,
     error_handling: bool,
     progress_mode: str,
+    helper: bool,
 ) -> None:
     layout = KVLayout(**layout)
-    pool = KVPool(layout, num_blocks, layout.block_size, device)
+    pool = KVPool(layout, num_blocks, layout.block_size, device, shared=helper)
     if seed:
         pool.kv.copy_(
             torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(seed)).to(
@@ -182,9 +187,11 @@ async def _serve(
         )
     else:
         pool.kv.fill_(0)
-    async with UcxDataPlane(
-        net_devices, error_handling=error_handling, progress_mode=progress_mode
-    ) as plane:
+    options = dict(
+        net_devices=net_devices, error_handling=error_handling, progress_mode=progress_mode
+    )
+    plane = HelperDataPlane([pool.region], **options) if helper else UcxDataPlane(**options)
+    async with plane:
         peer = _Peer(plane, pool)
         loop = asyncio.get_running_loop()
         while True:
@@ -217,6 +224,7 @@ class KVPeer:
         net_devices: str = "lo",
         error_handling: bool = False,
         progress_mode: str = "blocking",
+        helper: bool = False,  # the data plane in a helper process (HelperDataPlane)
     ):
         self._args = (
             asdict(layout),
@@ -226,6 +234,7 @@ class KVPeer:
             net_devices,
             error_handling,
             progress_mode,
+            helper,
         )
         self.process = None
         self._conn = None

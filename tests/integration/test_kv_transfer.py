@@ -1,5 +1,7 @@
-"""The KV data plane between two real processes over real UCX: the blocks arrive bit for bit,
-only the missing suffix moves, a stalled transfer is released, and a restarted peer is reached."""
+"""The KV data plane between two real processes over real UCX, with UCX in a data-plane helper
+process of each (the workers' default) and in-process: the blocks arrive bit for bit, only the
+missing suffix moves, a stalled transfer is released, a restarted peer is reached, and a crash
+inside UCX costs only the transfers in flight."""
 
 import os
 import random
@@ -20,15 +22,21 @@ LAYOUT = KVLayout(
 )
 
 
+@pytest.fixture(scope="module", params=[True, False], ids=["helper", "inprocess"])
+def helper(request) -> bool:
+    """Each test with UCX in a data-plane helper process (the workers' default) and in-process."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def prefill():
-    with KVPeer(LAYOUT, num_blocks=160, seed=1) as peer:
+def prefill(helper):
+    with KVPeer(LAYOUT, num_blocks=160, seed=1, helper=helper) as peer:
         yield peer
 
 
 @pytest.fixture()
-def decode():
-    with KVPeer(LAYOUT, num_blocks=192) as peer:
+def decode(helper):
+    with KVPeer(LAYOUT, num_blocks=192, helper=helper) as peer:
         yield peer
 
 
@@ -94,8 +102,8 @@ def test_only_the_missing_suffix_is_sent(prefill, decode):
     assert decode.call("digest", table=dst, start=0, end=skip) == zeros
 
 
-def test_a_stalled_sender_is_caught_by_the_lease_and_every_receive_released(decode):
-    with KVPeer(LAYOUT, num_blocks=160, seed=3) as slow:
+def test_a_stalled_sender_is_caught_by_the_lease_and_every_receive_released(decode, helper):
+    with KVPeer(LAYOUT, num_blocks=160, seed=3, helper=helper) as slow:
         slow.call("address")  # up and connected to UCX
         rng = random.Random(2)
         prompt = 2048
@@ -123,8 +131,8 @@ def test_a_stalled_sender_is_caught_by_the_lease_and_every_receive_released(deco
             slow.kill()
 
 
-def test_a_sender_killed_mid_transfer_leaves_no_receive_open(decode):
-    with KVPeer(LAYOUT, num_blocks=160, seed=4) as doomed:
+def test_a_sender_killed_mid_transfer_leaves_no_receive_open(decode, helper):
+    with KVPeer(LAYOUT, num_blocks=160, seed=4, helper=helper) as doomed:
         doomed.call("address")
         rng = random.Random(3)
         prompt = 2048
@@ -146,17 +154,17 @@ def test_a_sender_killed_mid_transfer_leaves_no_receive_open(decode):
         aborted = decode.call("abort", base_tag=dest["base_tag"])
         assert aborted["safe"] and aborted["released"] >= posted["pieces"] - landed["landed"]
     # the decode side still takes a transfer from a new sender
-    with KVPeer(LAYOUT, num_blocks=160, seed=5) as fresh:
+    with KVPeer(LAYOUT, num_blocks=160, seed=5, helper=helper) as fresh:
         dest = destination(decode.call("address")["address"], dst[:8])
         decode.call("receive", prompt_len=128, destination=dest)
         assert fresh.call("send", prompt_len=128, src_table=src[:8], destination=dest)["ok"]
         assert decode.call("wait", base_tag=dest["base_tag"], timeout_s=20)["complete"]
 
 
-def test_a_restarted_peer_is_reached_through_a_new_endpoint(prefill):
+def test_a_restarted_peer_is_reached_through_a_new_endpoint(prefill, helper):
     rng = random.Random(4)
     src, dst = tables(256, rng)
-    with KVPeer(LAYOUT, num_blocks=192) as first:
+    with KVPeer(LAYOUT, num_blocks=192, helper=helper) as first:
         dest = destination(first.call("address")["address"], dst)
         first.call("receive", prompt_len=256, destination=dest)
         assert prefill.call("send", prompt_len=256, src_table=src, destination=dest)["ok"]
@@ -168,7 +176,7 @@ def test_a_restarted_peer_is_reached_through_a_new_endpoint(prefill):
     )
     assert not failed["ok"]
     # ...and its new incarnation, at a new address, gets the next transfer
-    with KVPeer(LAYOUT, num_blocks=192) as second:
+    with KVPeer(LAYOUT, num_blocks=192, helper=helper) as second:
         dest = destination(second.call("address")["address"], dst)
         second.call("receive", prompt_len=256, destination=dest)
         assert prefill.call("send", prompt_len=256, src_table=src, destination=dest)["ok"]
@@ -178,7 +186,7 @@ def test_a_restarted_peer_is_reached_through_a_new_endpoint(prefill):
         )
 
 
-def test_only_an_announced_transfer_lands(prefill, decode):
+def test_only_an_announced_transfer_lands(prefill, decode, helper):
     """A peer that reaches the decode worker's UCX address but sends under a transfer tag the
     control plane never announced writes nothing: receives match announced tags (39 random bits
     each) only; the announced transfer lands bit for bit beside it."""
@@ -187,7 +195,7 @@ def test_only_an_announced_transfer_lands(prefill, decode):
     src, dst = tables(prompt, rng)
     address = decode.call("address")["address"]
     before = decode.call("digest", table=dst, start=0, end=prompt)
-    with KVPeer(LAYOUT, num_blocks=160, seed=99) as rogue:
+    with KVPeer(LAYOUT, num_blocks=160, seed=99, helper=helper) as rogue:
         announced = destination(address, dst)  # receives posted into dst, waiting for their tag
         decode.call("receive", prompt_len=prompt, destination=announced)
         forged = destination(address, dst)  # the same blocks, a tag nobody announced
@@ -202,4 +210,42 @@ def test_only_an_announced_transfer_lands(prefill, decode):
             decode.call("digest", table=dst, start=0, end=prompt)
             == prefill.call("digest", table=src, start=0, end=prompt)
             != rogue.call("digest", table=src, start=0, end=prompt)
+        )
+
+
+def test_a_crash_inside_ucx_costs_only_the_transfers_in_flight():
+    """The decode side's helper dies as UCX's use after free kills it (SIGSEGV) mid-transfer: the
+    worker process lives on, the transfer fails at once, no receive stays open, a new helper
+    takes over at a new address, and the next transfer lands bit for bit."""
+    rng = random.Random(5)
+    prompt = 2048
+    src, dst = tables(prompt, rng)
+    with (
+        KVPeer(LAYOUT, num_blocks=160, seed=6, helper=True) as sender,
+        KVPeer(LAYOUT, num_blocks=192, helper=True) as receiver,
+    ):
+        old = receiver.call("address")["address"]
+        dest = destination(old, dst, segment=256)
+        receiver.call("receive", prompt_len=prompt, destination=dest)
+        sender.start(
+            "send", prompt_len=prompt, src_table=src, destination=dest,
+            chunk_tokens=256, chunk_delay_s=0.3, timeout_s=5.0,
+        )  # fmt: skip
+        wait_for_first_piece(receiver, dest)
+        doomed = receiver.call("counters")["helper_pid"]
+        os.kill(doomed, signal.SIGSEGV)
+        landed = receiver.call("wait", base_tag=dest["base_tag"], timeout_s=20, lease_s=5.0)
+        assert not landed["complete"] and "helper" in landed["error"], landed
+        assert receiver.call("abort", base_tag=dest["base_tag"], timeout_s=5.0)["safe"]
+        assert not sender.result(wait_s=60)["ok"]  # its peer went away: the send fails, in time
+        after = receiver.call("counters")
+        assert after["plane_restarts"] == 1 and after["helper_pid"] not in (0, doomed), after
+        # the same worker, through its new helper, takes the next transfer
+        dest = destination(receiver.call("address")["address"], dst, segment=256)
+        assert dest["ucx_address"] != old
+        receiver.call("receive", prompt_len=prompt, destination=dest)
+        assert sender.call("send", prompt_len=prompt, src_table=src, destination=dest)["ok"]
+        assert receiver.call("wait", base_tag=dest["base_tag"], timeout_s=30)["complete"]
+        assert receiver.call("digest", table=dst, start=0, end=prompt) == sender.call(
+            "digest", table=src, start=0, end=prompt
         )

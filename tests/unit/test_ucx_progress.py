@@ -72,3 +72,46 @@ def test_a_calm_worker_is_armed_after_one_round(monkeypatch):
     finally:
         worker.close()
     assert worker.rounds == 1
+
+
+class SignalledWorker(BusyWorker):
+    """A worker whose event fd stays readable and that never arms (events keep coming), though
+    no round makes progress: what a sender's UCX did after its peer died mid-transfer."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoll_file_descriptor, self.write_fd = self.read_fd, self.epoll_file_descriptor
+        os.write(self.write_fd, b"x")  # never read: readable for good
+
+    def progress_once(self) -> bool:
+        self.rounds += 1
+        return False
+
+    def arm(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+
+def test_wake_ups_do_not_pile_up_when_the_event_fd_keeps_firing(monkeypatch):
+    monkeypatch.setattr(ucx_progress, "SAFETY_INTERVAL_S", 3600)
+    worker = SignalledWorker()
+
+    async def run() -> int:
+        progress = EventLoopProgress(worker, asyncio.get_running_loop())
+        try:
+            for _ in range(300):
+                await asyncio.sleep(0)
+            return progress.wakeups
+        finally:
+            progress.stop()
+
+    try:
+        wakeups = asyncio.run(asyncio.wait_for(run(), timeout=20))
+    finally:
+        worker.close()
+    # the fd's wake-up and the one queued, each turn: a queue that grew by one wake-up a turn
+    # made 300 turns cost about 45,000
+    assert wakeups <= 3 * 300, wakeups

@@ -1,0 +1,44 @@
+"""What a worker and its data-plane helper process say to each other: msgpack maps, each framed
+by its length, over a Unix socket pair. Only descriptors travel here (tags, region offsets and
+sizes, peer addresses), never KV bytes: those stay in the shared region (shared.engine.shared_region).
+
+Worker -> helper: {"op": "send" | "recv" | "release" | "discard" | "ping", ...}; helper ->
+worker: {"ev": "ready" | "reply" | "landed", ...}. A buffer is a ref: [region, offset, nbytes],
+or a list of refs, gathered by the helper into one message.
+"""
+
+import asyncio
+import struct
+
+import msgpack
+
+HEADER = struct.Struct("<I")
+MAX_FRAME = 64 << 20  # a 128k-token prompt's pieces, posted at once, are well below this
+
+# how a receive ended, in a "landed" item [tag, nbytes, outcome, detail]
+LANDED, RELEASED, FAILED = 0, 1, 2
+
+
+class HelperGone(ConnectionError):
+    """The other end closed the socket (the helper or its worker exited)."""
+
+
+def frame(message: dict) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"a {len(body)}-byte helper message is over {MAX_FRAME}")
+    return HEADER.pack(len(body)) + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict:
+    """The next message; HelperGone at the end of the stream."""
+    try:
+        (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if size > MAX_FRAME:
+            raise HelperGone(f"a {size}-byte frame is over {MAX_FRAME}: the stream is corrupt")
+        message = msgpack.unpackb(await reader.readexactly(size), raw=False)
+    except (asyncio.IncompleteReadError, ConnectionError) as err:
+        raise HelperGone(str(err) or "end of stream") from None
+    if not isinstance(message, dict):
+        raise HelperGone("a frame that is not a map")
+    return message

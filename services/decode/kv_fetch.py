@@ -117,6 +117,7 @@ class KVFetcher:
         t = req.transfer
         asking = None
         try:
+            await self._plane_ready(t)
             if t.active:
                 t.post_receives()
             if t.active:
@@ -135,6 +136,16 @@ class KVFetcher:
             self._land(req, t)
         else:
             await self._abort(req, t)
+
+    async def _plane_ready(self, t: InboundTransfer) -> None:
+        """Waits (up to a lease) for a data plane that is restarting (its helper replaced); the
+        destination then names the one up now. One still down fails the receives at once."""
+        if await self.plane.ready(self.settings.kv_lease_s):
+            plan = t.receiver.plan
+            if plan.destination.ucx_address != self.plane.address:
+                plan.destination = dataclasses.replace(
+                    plan.destination, ucx_address=self.plane.address
+                )
 
     async def _ask(self, req: DecodeRequest, t: InboundTransfer) -> None:
         """Sends the PrefillTask; its TaskAck (or its absence) is the transfer's next event."""

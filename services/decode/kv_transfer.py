@@ -24,9 +24,9 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from shared.control.failure import Code, Failure, failed, worker_failed
+from shared.control.failure import Code, Failure, failed, retry_anywhere, worker_failed
 from shared.control.messages import PrefillResult, TaskAck
-from shared.dataplane.plane import KVTransferError
+from shared.dataplane.plane import KVTransferError, PlaneRestarted
 from shared.dataplane.receiver import KVReceiver
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,10 @@ class InboundTransfer:
     def _receive_failed(self, err: KVTransferError) -> None:
         if self.deferred is None:
             log.error("%s: %s", self.attempt_id, err)
-        self._end(self._prefill_failed("the KV transfer from the prefill worker failed"))
+        if isinstance(err, PlaneRestarted):  # ours, not the prefill worker's
+            self._end(retry_anywhere("this decode worker's KV data plane restarted mid-transfer"))
+        else:
+            self._end(self._prefill_failed("the KV transfer from the prefill worker failed"))
 
     def tick(self) -> None:
         """The clocks: the request's deadline, a stalled receive, the lease, the prefill timeout."""

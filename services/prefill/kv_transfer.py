@@ -19,9 +19,10 @@ import enum
 import time
 from collections.abc import Callable
 
-from shared.control.failure import Code, Failure, failed
+from shared.control.failure import Code, Failure, failed, retry_anywhere, worker_failed
 from shared.control.messages import PrefillResult, PrefillTask
 from shared.dataplane.plan import Segment
+from shared.dataplane.plane import KVTransferError, PlaneRestarted
 from shared.dataplane.sender import KVSender
 from shared.engine.sequence import SeqStatus, Sequence
 
@@ -181,3 +182,11 @@ class OutboundTransfer:
             pieces_sent=self.sender.pieces_sent,
             prefill_worker=worker_id,
         )
+
+
+def send_failure(worker_id: str, err: KVTransferError) -> Failure:
+    """A send failed: this worker's own data plane restarted under it (retried anywhere), or the
+    transfer failed here (placed again without this worker)."""
+    if isinstance(err, PlaneRestarted):
+        return retry_anywhere(f"prefill worker {worker_id}'s KV data plane restarted mid-transfer")
+    return worker_failed(worker_id, "KV transfer failed")

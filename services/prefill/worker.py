@@ -14,7 +14,7 @@ import asyncio
 import logging
 from dataclasses import asdict
 
-from services.prefill.kv_transfer import OutboundState, OutboundTransfer
+from services.prefill.kv_transfer import OutboundState, OutboundTransfer, send_failure
 from shared.control.bus import MessageBus
 from shared.control.failure import Code, Failure, failed, worker_failed, worker_full
 from shared.control.messages import (
@@ -261,7 +261,7 @@ class PrefillWorker:
                 log.error(
                     "KV of %s to %s not sent: %s", t.task.attempt_id, t.task.decode_worker, err
                 )
-                lost = worker_failed(self.rt.worker_id, "KV transfer failed")
+                lost = send_failure(self.rt.worker_id, err)
                 await self._publish(t, t.aborted(self.rt.worker_id, lost))
         finally:
             t.on_sends_done()

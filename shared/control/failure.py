@@ -5,7 +5,8 @@ for a person, the worker it blames, and what may be done about it:
 
 - `Retry.NEVER`: the request itself is at fault (invalid, cancelled, out of time) or nothing
   can be done by us (every worker full: the client may try later, with a retry-after hint);
-- `Retry.HERE`: place the request again, the blamed worker allowed (it was full, not broken);
+- `Retry.HERE`: place the request again, the blamed worker allowed (it was full, not broken), or
+  with no worker blamed (a worker's own KV data plane restarted mid-transfer);
 - `Retry.ELSEWHERE`: place the request again, avoiding the blamed worker (it failed or left);
   with no worker blamed, submit it again to another scheduler (this one is shutting down).
 """
@@ -58,6 +59,12 @@ def failed(code: Code, message: str, blame: str = "") -> Failure:
 def worker_full(worker: str, message: str) -> Failure:
     """`worker` had no room: place the request again, that worker allowed."""
     return Failure(Code.RESOURCE_EXHAUSTED, message, Retry.HERE, worker)
+
+
+def retry_anywhere(message: str) -> Failure:
+    """Nobody failed the request (a worker's KV data plane restarted under it): place it again,
+    every worker allowed."""
+    return Failure(Code.UNAVAILABLE, message, Retry.HERE)
 
 
 def worker_failed(worker: str, message: str, code: Code = Code.UNAVAILABLE) -> Failure:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shared.dataplane.helper_wire import HelperGone, frame, read_frame
-from shared.dataplane.plane import KVTransferError, TransferCounters
+from shared.dataplane.plane import KVTransferError, PlaneRestarted, TransferCounters
 from shared.engine.shared_region import SharedRegion
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class HelperLink:
 
     def _lost(self, process) -> None:
         self.up.clear()
-        error = KVTransferError(
+        error = PlaneRestarted(
             f"the KV data-plane helper (pid {process.pid}) exited: its transfers in flight are lost"
         )
         replies, self._replies = list(self._replies.values()), {}
@@ -163,13 +163,13 @@ class HelperLink:
     def post(self, message: dict) -> None:
         """Sends a command that has no reply."""
         if not self.up.is_set():
-            raise KVTransferError("the KV data-plane helper is restarting")
+            raise PlaneRestarted("the KV data-plane helper is restarting")
         self._writer.write(frame(message))
 
     async def request(self, message: dict, timeout: float) -> dict:
         """Sends a command and waits for its reply."""
         if not self.up.is_set():
-            raise KVTransferError("the KV data-plane helper is restarting")
+            raise PlaneRestarted("the KV data-plane helper is restarting")
         message["id"] = request_id = next(self._ids)
         future = self._replies[request_id] = asyncio.get_running_loop().create_future()
         self._writer.write(frame(message))

@@ -18,7 +18,13 @@ import logging
 
 from shared.dataplane.helper_link import HelperLink
 from shared.dataplane.helper_wire import LANDED, RELEASED
-from shared.dataplane.plane import KVTransferError, ReceiveReleased, TransferCounters, nbytes
+from shared.dataplane.plane import (
+    KVTransferError,
+    PlaneRestarted,
+    ReceiveReleased,
+    TransferCounters,
+    nbytes,
+)
 from shared.engine.shared_region import SharedRegion, locate
 
 log = logging.getLogger(__name__)
@@ -70,9 +76,14 @@ class HelperDataPlane:
     def helper_pid(self) -> int:
         return self._link.process.pid if self._link.process is not None else 0
 
-    async def up(self, timeout: float) -> None:
-        """Waits until a helper is up (after a restart, with its new address)."""
-        await asyncio.wait_for(self._link.up.wait(), timeout)
+    async def ready(self, timeout: float) -> bool:
+        """Whether a helper is up, waiting up to `timeout` for one (after a restart, with its new
+        address)."""
+        try:
+            await asyncio.wait_for(self._link.up.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def _on_event(self, message: dict) -> None:
         if message.get("ev") == "landed":
@@ -129,6 +140,7 @@ class HelperDataPlane:
         await self.send_many(peer_address, [(tag, buffer)], timeout)
 
     async def send_many(self, peer_address: bytes, pieces: list, timeout: float) -> None:
+        await self.ready(timeout)  # a helper restarting: within the send's own time
         try:
             refs = [[tag, self._ref(buf)] for tag, buf in pieces]
             message = {"op": "send", "peer": peer_address, "pieces": refs, "timeout": timeout}
@@ -137,7 +149,8 @@ class HelperDataPlane:
                 raise KVTransferError(reply["error"])
         except (KVTransferError, ValueError, asyncio.TimeoutError) as err:
             self.counters.transfers_failed += 1
-            raise KVTransferError(f"KV send of {len(pieces)} piece(s) failed: {err}") from None
+            kind = PlaneRestarted if isinstance(err, PlaneRestarted) else KVTransferError
+            raise kind(f"KV send of {len(pieces)} piece(s) failed: {err}") from None
         self._transports[peer_address] = reply.get("transport", "")
         self.counters.bytes_sent += sum(nbytes(buf) for _, buf in pieces)
 
@@ -151,8 +164,9 @@ class HelperDataPlane:
             refs = [[tag, self._ref(buf)] for tag, buf in pieces]
             self._link.post({"op": "recv", "pieces": refs})
         except (KVTransferError, ValueError) as err:
+            kind = PlaneRestarted if isinstance(err, PlaneRestarted) else KVTransferError
             for future in futures:
-                future.set_exception(KVTransferError(f"KV receive not posted: {err}"))
+                future.set_exception(kind(f"KV receive not posted: {err}"))
             return futures
         for (tag, _), future in zip(pieces, futures):
             self._receives[tag] = future

@@ -22,6 +22,11 @@ class KVTransferError(Exception):
     """A transfer that did not complete; the request it belonged to fails."""
 
 
+class PlaneRestarted(KVTransferError):
+    """This worker's own data plane lost the transfer (its helper process was replaced): the
+    peer is not at fault, and the request may be placed again anywhere."""
+
+
 class ReceiveReleased(KVTransferError):
     """release() ended a posted receive before any data came."""
 
@@ -52,6 +57,10 @@ class DataPlane(Protocol):
     async def receive(self, tag: int, buffer: torch.Tensor) -> int:
         """Receives the message sent with `tag` into `buffer`; its byte count. Raises KVTransferError
         if release() ended it before any data came."""
+
+    async def ready(self, timeout: float) -> bool:
+        """Whether the plane can carry a transfer, waiting up to `timeout` while it restarts
+        (a helper process replaced); its `address` is then the one to announce."""
 
     def post_receives(self, pieces: list[tuple[int, torch.Tensor]]) -> list[asyncio.Future]:
         """Posts a receive per (tag, buffer) now; one future each, as receive() would return."""

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from shared.dataplane.plan import TransferPlan
-from shared.dataplane.plane import DataPlane, KVTransferError
+from shared.dataplane.plane import DataPlane, KVTransferError, PlaneRestarted
 from shared.engine.kv_cache import KVPool
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ class KVReceiver:
     def check(self, lease_s: float) -> None:
         """Raises if a receive failed, or if the transfer started and then stalled for a lease."""
         if self._failure is not None:
-            raise KVTransferError(f"a KV piece was not received: {self._failure!r}")
+            kind = PlaneRestarted if isinstance(self._failure, PlaneRestarted) else KVTransferError
+            raise kind(f"a KV piece was not received: {self._failure!r}")
         if (
             self.last_progress
             and not self.complete

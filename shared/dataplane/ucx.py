@@ -55,14 +55,12 @@ class UcxDataPlane:
     is set (then UCX uses tcp even on one host). Dead peers are found by the transfer leases
     and worker heartbeats instead, and a failed endpoint is dropped and reopened.
 
-    Without that mode, a transfer UCX fails because the peer died frees the endpoint while the
-    peer's queued messages still name it: the next one is a use after free, a segfault (README,
-    "A dead peer inside UCX"). Workers therefore run this plane in a helper process of their own
-    (shared.dataplane.helper_plane), where such a crash costs only the transfers in flight.
+    Without that mode, a peer that dies mid-transfer can make UCX use a freed endpoint, a
+    segfault (README, "A dead peer inside UCX"): workers run this plane in a helper process of
+    their own (shared.dataplane.helper_plane), where that costs only the transfers in flight.
 
-    Progress is driven from the event loop ("blocking": woken by the UCX worker's event fd,
-    re-armed after every wake-up by shared.dataplane.ucx_progress) rather than by ucxx's thread: on a few cores that thread competes with the
-    model and its peer's, and one transfer in many pieces ran at half the speed it reaches here.
+    Progress comes from the event loop (shared.dataplane.ucx_progress), not ucxx's thread: on a
+    few cores that thread competed with the model, and a many-piece transfer ran at half speed.
     """
 
     MAX_ENDPOINTS = 256
@@ -261,6 +259,9 @@ class UcxDataPlane:
             else:
                 self.counters.bytes_received += size
                 future.set_result(size)
+
+    async def ready(self, timeout: float) -> bool:
+        return True
 
     async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
         await discard(self, pieces, timeout)

@@ -7,6 +7,7 @@ import torch
 
 from shared.dataplane.plane import (
     KVTransferError,
+    PlaneRestarted,
     ReceiveReleased,
     TransferCounters,
     discard,
@@ -109,8 +110,18 @@ class InProcessDataPlane:
         self.counters.bytes_received += nbytes
         return nbytes
 
+    async def ready(self, timeout: float) -> bool:
+        return True
+
     async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
         await discard(self, pieces, timeout)
+
+    def restart(self) -> None:
+        """What a helper plane's restart does: every posted receive fails, with PlaneRestarted."""
+        for _, done in self._posted.values():
+            if not done.done():
+                done.set_exception(PlaneRestarted("the data-plane helper was replaced"))
+        self._posted.clear()
 
     async def release(self, tags: list[int], timeout: float = 10.0) -> None:
         for tag in tags:

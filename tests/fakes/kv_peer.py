@@ -34,8 +34,7 @@ class _Peer:
         self.bare: dict[int, asyncio.Task] = {}
 
     async def op_address(self) -> dict:
-        if hasattr(self.plane, "up"):  # a helper plane: the one up now, after any restart
-            await self.plane.up(timeout=60)
+        await self.plane.ready(timeout=60)  # a helper plane: the one up now, after any restart
         return {"address": self.plane.address}
 
     async def op_send(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.decode.kv_transfer import ALLOWED, IllegalTransition, InboundTransfer, TransferState
-from shared.control.failure import Code, failed, worker_full
+from shared.control.failure import Code, Retry, failed, worker_full
 from shared.control.messages import KVDestination, PrefillResult, TaskAck
 from shared.dataplane.plan import TransferPlan
 from shared.dataplane.receiver import KVReceiver
@@ -147,6 +147,17 @@ async def test_a_failed_receive_aborts_the_transfer():
     assert side.req.failure.message == "the KV transfer from the prefill worker failed"
     assert len(side.prefill.aborts) == 1
     await asyncio.gather(sending, return_exceptions=True)
+
+
+async def test_a_restart_of_this_workers_own_data_plane_blames_nobody():
+    side = DecodeSide()
+    fetch = await side.start()
+    await until(lambda: side.req.transfer.state is S.LANDING)
+    side.plane.restart()  # its helper process died: the receives fail, the peer is not at fault
+    await aborted(side, fetch, Code.UNAVAILABLE)
+    failure = side.req.failure
+    assert failure.message == "this decode worker's KV data plane restarted mid-transfer"
+    assert (failure.retry, failure.avoid) == (Retry.HERE, "")  # placed again, anywhere
 
 
 async def test_the_prefill_workers_own_abort_ends_the_transfer_without_telling_it_back():

@@ -10,10 +10,12 @@ from services.prefill.kv_transfer import (
     IllegalTransition,
     OutboundState,
     OutboundTransfer,
+    send_failure,
 )
-from shared.control.failure import Code, failed
+from shared.control.failure import Code, Retry, failed
 from shared.control.messages import KVDestination, PrefillTask
 from shared.dataplane.plan import TransferPlan
+from shared.dataplane.plane import KVTransferError, PlaneRestarted
 from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.sender import KVSender
 from shared.engine.kv_cache import KVPool
@@ -135,3 +137,10 @@ async def test_a_transition_the_table_does_not_allow_raises():
         x.t.on_sends_done()  # QUEUED -> RELEASED skips the sending
     assert x.freed == [] and x.t.state is S.QUEUED
     assert not ALLOWED[S.RELEASED] and ALLOWED[S.SENT] == {S.RELEASED}
+
+
+def test_a_send_lost_to_this_workers_own_data_plane_restart_blames_nobody():
+    restarted = send_failure("p", PlaneRestarted("the data-plane helper was replaced"))
+    assert (restarted.retry, restarted.avoid) == (Retry.HERE, "")
+    failed_here = send_failure("p", KVTransferError("timed out"))
+    assert (failed_here.retry, failed_here.avoid) == (Retry.ELSEWHERE, "p")

@@ -41,6 +41,9 @@ class HelperServer:
         region, offset, nbytes = ref
         return self.regions[region].view(offset, nbytes)
 
+    def pieces(self, refs: list) -> list[tuple[int, numpy.ndarray]]:
+        return [(tag, self.buffer(ref)) for tag, ref in refs]
+
     async def serve(self, reader) -> None:
         self.writer.write(frame({"ev": "ready", "address": self.plane.address}))
         while True:
@@ -60,7 +63,12 @@ class HelperServer:
         reply = {"ev": "reply", "id": message.pop("id")}
         try:
             if op == "send":
-                pieces = [(tag, self.buffer(ref)) for tag, ref in message["pieces"]]
+                refs = message["pieces"]
+                gathered = any(ref and isinstance(ref[0], list) for _, ref in refs)
+                # a gather copies: in a thread (numpy lets go of the GIL), so UCX keeps moving
+                pieces = (
+                    await asyncio.to_thread(self.pieces, refs) if gathered else self.pieces(refs)
+                )
                 await self.plane.send_many(message["peer"], pieces, message["timeout"])
                 reply["transport"] = self.plane.transport_to(message["peer"])
             elif op == "release":

@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-kv bench bench-tax bench-scale bench-overload bench-flood clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood clean
 
 install: $(STAMP)
 
@@ -57,6 +57,15 @@ bench-engine: kernels
 bench-kv: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/kv.py
+
+# What running UCX in a data-plane helper process costs (bench/results/kv_helper.md), and what
+# a peer SIGKILLed mid-transfer does to the survivor (bench/results/ucx_crash.json).
+bench-kv-helper: kernels
+	$(PY) bench/kv_helper.py
+
+bench-ucx-crash: install
+	$(PY) bench/ucx_crash.py --helper --tries 40
+	$(PY) bench/ucx_crash.py --helper --tries 40 --kill receiver
 
 # The serving benchmark against a running gateway (start one with `make up` in another shell):
 # make bench BENCH_ADDRESS=host:port BENCH_ARGS="--rate 2 --num-requests 50". Results in

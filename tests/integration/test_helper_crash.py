@@ -1,8 +1,9 @@
 """A crash inside UCX costs the transfers in flight, not the worker: each worker's UCX runs in a
 data-plane helper process, and here that helper is killed as UCX's use after free kills it
-(SIGSEGV) while a long prompt's KV is due to move. The worker process lives on (same pid, same
-id), starts a new helper, and the request completes token-identical to Hugging Face greedy, with
-no KV block leaked on either side; the next request goes through the new helper."""
+(SIGSEGV) while a long prompt's KV is due to move, first the decode worker's, then the prefill
+worker's. Each time the worker process lives on (same pid, same id), starts a new helper, and the
+request completes token-identical to Hugging Face greedy, with no KV block leaked on either side;
+the next request goes through the new helpers."""
 
 import concurrent.futures
 import os
@@ -28,26 +29,31 @@ def _busy_prefill(stack):
     raise AssertionError(f"no busy prefill worker: {stack.status()}")
 
 
-@pytest.mark.parametrize("role", ["decode", "prefill"])
-def test_a_helper_crash_costs_no_request_and_no_worker(processes, nats, hf_model, tokenizer, role):
-    stack = start_stack(processes, nats, f"it-helper-{role}", "disaggregated")
+def _crash_helper_mid_prefill(stack, role: str, request) -> list[int]:
+    """Streams `request`; once its prompt is being computed, SIGSEGVs `role`'s helper. The ids."""
+    worker = next(w for w in stack.status().workers if w.role == role)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(lambda: list(stack.stub().Generate(request, timeout=300)))
+        _busy_prefill(stack)  # the prompt is being computed: its receives are posted
+        (doomed,) = _helpers(worker.pid)
+        os.kill(doomed, signal.SIGSEGV)
+        responses = pending.result()
+    assert _helpers(worker.pid) not in ([], [doomed])  # a new helper took over
+    return [t for r in responses for t in r.token_ids]
+
+
+def test_a_helper_crash_costs_no_request_and_no_worker(processes, nats, hf_model, tokenizer):
+    stack = start_stack(processes, nats, "it-helper", "disaggregated")
     try:
-        before = {w.role: w for w in stack.status().workers}
-        request = chat_request(f"On {role}s. {long_document(500)} What about the {role}?", 6)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(lambda: list(stack.stub().Generate(request, timeout=300)))
-            _busy_prefill(stack)  # the prompt is being computed: its receives are posted
-            (doomed,) = _helpers(before[role].pid)
-            os.kill(doomed, signal.SIGSEGV)
-            responses = pending.result()
-        ids = [t for r in responses for t in r.token_ids]
-        assert ids == hf_greedy(hf_model, tokenizer, request)
-        after = {w.role: w for w in stack.status().workers}
-        assert {r: (w.id, w.pid) for r, w in after.items()} == {
-            r: (w.id, w.pid) for r, w in before.items()
-        }  # no worker died or was replaced
-        assert _helpers(after[role].pid) not in ([], [doomed])  # a new helper took over
-        stack.wait_idle()  # nothing held, nothing leaked
+        before = {w.role: (w.id, w.pid) for w in stack.status().workers}
+        for role in ("decode", "prefill"):
+            request = chat_request(f"On {role}s. {long_document(500)} What about the {role}?", 6)
+            assert _crash_helper_mid_prefill(stack, role, request) == hf_greedy(
+                hf_model, tokenizer, request
+            ), role
+            after = {w.role: (w.id, w.pid) for w in stack.status().workers}
+            assert after == before  # no worker died or was replaced
+            stack.wait_idle()  # nothing held, nothing leaked
         again = chat_request("Name three rivers.", 4)
         assert [t for r in stack.stub().Generate(again, timeout=120) for t in r.token_ids] == (
             hf_greedy(hf_model, tokenizer, again)

@@ -251,7 +251,8 @@ def test_garbage_on_the_ucx_sockets(hostile):
     stack, reference = hostile
     ports = []
     for w in stack.status().workers:
-        for conn in psutil.Process(w.pid).net_connections(kind="tcp"):
+        worker = psutil.Process(w.pid)  # and its data-plane helper, where its UCX runs
+        for conn in [c for p in [worker, *worker.children()] for c in p.net_connections("tcp")]:
             if conn.status == psutil.CONN_LISTEN:
                 ports.append((w.id, conn.laddr.ip, conn.laddr.port))
                 assert conn.laddr.ip in ("127.0.0.1", "::1"), (

@@ -84,7 +84,13 @@ class HelperServer:
         self.writer.write(frame(reply))
 
     def post(self, pieces: list) -> None:
-        futures = self.plane.post_receives([(tag, self.buffer(ref)) for tag, ref in pieces])
+        try:
+            buffers = self.pieces(pieces)
+        except (ValueError, TypeError) as err:  # a ref outside its region: those fail, not this
+            self._landed += [[tag, 0, FAILED, f"KV receive not posted: {err}"] for tag, _ in pieces]
+            asyncio.get_running_loop().call_soon(self._flush)
+            return
+        futures = self.plane.post_receives(buffers)
         for (tag, _), future in zip(pieces, futures):
             future.add_done_callback(lambda f, tag=tag: self._on_landed(tag, f))
 

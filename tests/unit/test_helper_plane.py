@@ -13,7 +13,7 @@ import torch
 from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.helper import HelperServer
 from shared.dataplane.helper_plane import HelperDataPlane
-from shared.dataplane.helper_wire import LANDED, HelperGone, frame, read_frame
+from shared.dataplane.helper_wire import FAILED, LANDED, HelperGone, frame, read_frame
 from shared.dataplane.plan import TransferPlan, new_base_tag
 from shared.dataplane.plane import KVTransferError
 from shared.dataplane.sender import KVSender
@@ -139,3 +139,14 @@ def test_the_sender_hands_a_gathering_plane_the_spans_of_scattered_slots():
     for (_, spans), (_, layer, kv, slots) in zip(gathered, staged.scattered):
         assert [s.shape[0] for s in spans] == [4, 8]  # two runs of slots, in order
         assert torch.equal(torch.cat(spans), pool.kv[layer, kv].index_select(0, slots))
+
+
+async def test_a_receive_outside_its_region_fails_alone_and_the_helper_goes_on():
+    region = SharedRegion(64)
+    server = HelperServer(InProcessDataPlane(LoopbackNetwork(), "d"), [region], Collect())
+    server.post([[9, [0, 60, 16]]])  # runs past the region's end
+    await asyncio.sleep(0.01)
+    ((item,),) = [m["items"] for m in await server.writer.messages()]
+    assert item[:3] == [9, 0, FAILED] and "not posted" in item[3]
+    server.post([[10, [0, 0, 16]]])  # the next one is posted as usual
+    assert 10 in server.plane._posted

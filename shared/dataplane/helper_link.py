@@ -45,6 +45,7 @@ class HelperLink:
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
         self._supervisor = None
+        self._reader = None  # the task reading the helper up now (held: tasks are weakly kept)
         self._closing = False
 
     async def __aenter__(self) -> "HelperLink":
@@ -81,7 +82,7 @@ class HelperLink:
             self.process.kill()
             raise KVTransferError(f"the KV data-plane helper did not start: {err!r}") from None
         self.address = ready["address"]
-        asyncio.create_task(self._read(reader, self.process))
+        self._reader = asyncio.create_task(self._read(reader, self.process))
         self.up.set()
         log.info(
             "KV data-plane helper up: pid %d, UCX address %s",

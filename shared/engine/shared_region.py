@@ -20,7 +20,6 @@ class SharedRegion:
         if nbytes <= 0:
             raise ValueError("a shared region needs a positive size")
         self.nbytes = nbytes
-        self.owned = fd is None
         if fd is None:
             fd = os.memfd_create("tandem-kv", os.MFD_CLOEXEC)
             os.ftruncate(fd, nbytes)

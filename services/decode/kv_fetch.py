@@ -197,6 +197,7 @@ class KVFetcher:
         """COMPLETE: the timings come from the transfer, and the sequence joins the batch."""
         seq, result = req.seq, t.result
         seq.first_token, req.prefill_worker = result.first_token, result.prefill_worker
+        seq.first_logprob = result.first_logprob
         seq.queue_ms, seq.prefill_ms = result.queue_ms, result.prefill_ms
         seq.cached_tokens = result.cached_tokens
         seq.kv_transfer_ms, seq.kv_exposed_ms = t.kv_transfer_ms, t.kv_exposed_ms

@@ -227,7 +227,12 @@ class DecodeWorker:
                 ),
             )
         chunk = self._chunk(
-            req, token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason, **extra
+            req,
+            token_ids=out.token_ids,
+            text=out.text,
+            logprobs=out.logprobs,
+            finish_reason=out.finish_reason,
+            **extra,
         )
         await self._send(req, chunk)
 

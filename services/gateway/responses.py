@@ -4,7 +4,7 @@ ClusterStatusResponse from the scheduler's StatusReply."""
 import time
 
 from shared.api import tandem_pb2 as pb
-from shared.control.messages import StatusReply, TokenChunk, WorkerStatus
+from shared.control.messages import StatusReply, TokenChunk, TokenLogprob, WorkerStatus
 
 FINISH = {
     "stop": pb.FINISH_REASON_STOP,
@@ -19,7 +19,10 @@ def generate_response(
     """One response of the stream; the last (finish_reason set) with usage and timing too.
     `first_at`: when the first token came (None: none yet); `migrations`: times it moved."""
     response = pb.GenerateResponse(
-        request_id=request_id, text=chunk.text, token_ids=chunk.token_ids
+        request_id=request_id,
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        logprobs=[token_logprob(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)],
     )
     if chunk.finish_reason:
         now = time.time()
@@ -32,6 +35,11 @@ def generate_response(
         response.timing.ttft_ms = ((first_at or now) - arrival) * 1000
         response.timing.total_ms = (now - arrival) * 1000
     return response
+
+
+def token_logprob(token_id: int, lp: TokenLogprob) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=i, logprob=v) for i, v in zip(lp.top_ids, lp.top_logprobs)]
+    return pb.TokenLogprob(token_id=token_id, logprob=lp.logprob, top=top)
 
 
 def worker_timing(chunk: TokenChunk) -> pb.Timing:

@@ -73,6 +73,10 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         raise InvalidRequest(f"at most {limits.max_stop_strings} stop strings")
     if any(not stop or len(stop) > MAX_STOP_CHARS for stop in s.stop):
         raise InvalidRequest(f"stop strings must be 1-{MAX_STOP_CHARS} characters")
+    if s.top_logprobs > rules.MAX_TOP_LOGPROBS or (s.top_logprobs and not s.logprobs):
+        raise InvalidRequest(
+            f"top_logprobs must be at most {rules.MAX_TOP_LOGPROBS}, and needs logprobs set"
+        )
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -82,6 +86,8 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         seed=seed,
         stop=list(s.stop),
         ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+        top_logprobs=int(s.top_logprobs),
     )
 
 

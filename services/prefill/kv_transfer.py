@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 
 from shared.control.failure import Code, Failure, failed, retry_anywhere, worker_failed
-from shared.control.messages import PrefillResult, PrefillTask
+from shared.control.messages import PrefillResult, PrefillTask, TokenLogprob
 from shared.dataplane.plan import Segment
 from shared.dataplane.plane import KVTransferError, PlaneRestarted
 from shared.dataplane.sender import KVSender
-from shared.engine.sequence import SeqStatus, Sequence
+from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 
 
 class OutboundState(enum.Enum):
@@ -67,6 +67,7 @@ class OutboundTransfer:
         self._free_blocks = free_blocks  # the engine's release: between steps only
         self.state = S.QUEUED
         self.first_token = -1
+        self.first_logprob: TokenLogprob | None = None
         self.computed_at = 0.0  # unix time the prompt's last chunk was computed
         self.cancel_reason = ""  # a CancelRequest came
         self.abort_reason = ""  # the decode worker's TransferAbort came
@@ -129,8 +130,10 @@ class OutboundTransfer:
             self._to(S.PREFILLING)
         return self.sender.ready(self.seq.num_computed_tokens)
 
-    def on_prompt_done(self, first_token: int) -> None:
-        self.first_token, self.computed_at = first_token, time.time()
+    def on_prompt_done(self, out: StepOutput) -> None:
+        """The prompt is computed: `out` holds its first token (and that token's logprob)."""
+        self.first_token, self.computed_at = out.token_ids[0], time.time()
+        self.first_logprob = out.logprobs[0] if out.logprobs else None
 
     def on_all_staged(self) -> bool:
         """Every segment is on the wire: SENDING (True) unless it ended meanwhile."""
@@ -165,6 +168,7 @@ class OutboundTransfer:
             attempt_id=self.attempt_id,
             base_tag=self.task.destination.base_tag,
             first_token=self.first_token,
+            first_logprob=self.first_logprob,
             kv_bytes=self.sender.plan.nbytes,
             queue_ms=self.seq.queue_ms,
             prefill_ms=self.seq.prefill_ms,

@@ -213,7 +213,7 @@ class PrefillWorker:
         if outputs is None:
             return False
         for seq, out in outputs:
-            self.held[seq.attempt_id].on_prompt_done(out.token_ids[0])
+            self.held[seq.attempt_id].on_prompt_done(out)
         await self._ship()
         return True
 

@@ -18,6 +18,18 @@ class SamplingParams:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: bool = False  # return each sampled token's log-probability
+    top_logprobs: int = 0  # and this many most likely alternatives at each position
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability under the model (the raw logits' log-softmax, before
+    temperature or top-k/top-p), and the most likely tokens at its position."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +141,7 @@ class PrefillResult:
     base_tag: int
     failure: Failure | None = None  # the abort's; movable when the prefill worker is at fault
     first_token: int = -1
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     kv_bytes: int = 0
     pieces_sent: int = 0  # on an abort: pieces handed to UCX before it stopped
     transport: str = ""  # the UCX transports that carry the bytes, e.g. "sysv+posix+cma"
@@ -173,12 +186,12 @@ class TokenChunk:
     index: int  # 0, 1, 2, ... per request, so the gateway can spot a gap
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
     finish_reason: str = ""  # "", "stop", "length" or "cancelled"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timing: Timing | None = None
-    # the request failed; movable: a worker failed (or was full), not the request, and the
-    # gateway places it again (avoiding the worker blamed, with Retry.ELSEWHERE)
+    # the request failed; movable: a worker failed or was full, and the gateway places it again
     failure: Failure | None = None
 
 
@@ -214,8 +227,7 @@ class WorkerStatus:
     kv_bytes_received: int = 0
     kv_transfers_failed: int = 0
     kv_blocks_leaked: int = 0  # held by no live request or transfer: must stay 0
-    # held by receives whose end could not be proven (their peer died mid-transfer): out of use
-    # until the peer is known gone, then reclaimed
+    # held by receives whose peer died mid-transfer: reclaimed once the peer is known gone
     kv_blocks_quarantined: int = 0
     kv_transport: str = ""  # the UCX transports this worker's KV travels on, e.g. "sysv/cma"
     zone: str = ""  # topology label (rack, zone) from settings; host is the other one
@@ -277,24 +289,10 @@ class StatusReply:
     more: bool = False  # workers after this page: ask again, after the last one
 
 
-MESSAGE_TYPES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        GenerateTask,
-        SubmitReply,
-        DecodeAssignment,
-        TaskAck,
-        PrefillTask,
-        PrefillResult,
-        TransferAbort,
-        TokenChunk,
-        StreamReplay,
-        CancelRequest,
-        WorkerHeartbeat,
-        SchedulerHeartbeat,
-        Discover,
-        StatusRequest,
-        StatusReply,
-        Ping,
-    )
-}
+# the types that travel on their own (the others travel inside them)
+# fmt: off
+_WIRE = (GenerateTask, SubmitReply, DecodeAssignment, TaskAck, PrefillTask, PrefillResult,
+         TransferAbort, TokenChunk, StreamReplay, CancelRequest, WorkerHeartbeat,
+         SchedulerHeartbeat, Discover, StatusRequest, StatusReply, Ping)
+# fmt: on
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in _WIRE}

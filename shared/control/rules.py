@@ -20,6 +20,7 @@ TOKEN_ID_LIMIT = 1 << 31
 MAX_TEMPERATURE = 1000.0  # the gateway refuses more (its validation must stay within these)
 MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 64
+MAX_TOP_LOGPROBS = 20  # alternatives per position, as OpenAI's API allows
 MAX_LABEL = 256  # characters of a worker's descriptive strings (its kernel report)
 
 # int fields that may be negative, and how far
@@ -28,7 +29,7 @@ SIGNED = {
     ("PrefillTask", "priority"): INT32,
     ("PrefillResult", "first_token"): (-1, TOKEN_ID_LIMIT - 1),
 }
-TOKEN_LISTS = {"prompt_token_ids", "token_ids"}
+TOKEN_LISTS = {"prompt_token_ids", "token_ids", "top_ids"}
 
 
 def _sampling(m) -> str | None:
@@ -39,8 +40,17 @@ def _sampling(m) -> str | None:
         or not 0 < m.top_p <= 1
         or m.top_k > MAX_TOP_K
         or len(m.stop) > MAX_STOP_STRINGS
+        or m.top_logprobs > MAX_TOP_LOGPROBS
     ):
         return "sampling parameters out of range"
+    return None
+
+
+def _logprob(m) -> str | None:
+    if len(m.top_ids) != len(m.top_logprobs) or len(m.top_ids) > MAX_TOP_LOGPROBS:
+        return "top_ids and top_logprobs differ in length or are too long"
+    if not all(math.isfinite(v) for v in m.top_logprobs):
+        return "top_logprobs has an item that is not a finite number"
     return None
 
 
@@ -75,6 +85,7 @@ def _heartbeat(m) -> str | None:
 
 EXTRA: dict[str, Callable[[Any], str | None]] = {
     "SamplingParams": _sampling,
+    "TokenLogprob": _logprob,
     "GenerateTask": _task,
     "PrefillTask": _prefill_task,
     "KVLayout": _layout,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.model_runner import ModelRunner, SeqSpan
-from shared.engine.sampler import sample
+from shared.engine.sampler import logprob_of, sample
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 
 
@@ -225,7 +225,7 @@ class Engine:
         with self.lock:
             seq.num_computed_tokens = seq.prompt_len
             self.blocks.commit(seq, seq.prompt_len)
-            return self._emit(seq, seq.first_token)
+            return self._emit(seq, seq.first_token, seq.first_logprob)
 
     def _postprocess(self, work: list[_Work], logits) -> list[tuple[Sequence, StepOutput]]:
         outputs = []
@@ -245,11 +245,18 @@ class Engine:
                 seq.queue_ms = (
                     seq.queue_ms or max(0.0, seq.prefill_started - seq.task.arrival_time) * 1000
                 )
-            outputs.append((seq, self._emit(seq, sample(logits[row], seq.sampling, seq.position))))
+            outputs.append((seq, self._sample(seq, logits[row])))
         return outputs
 
-    def _emit(self, seq: Sequence, token: int) -> StepOutput:
-        out = seq.append(token)
+    def _sample(self, seq: Sequence, logits) -> StepOutput:
+        """The next token from seq's logits [vocab], with its logprob when the request asked."""
+        token = sample(logits, seq.sampling, seq.position)
+        params = seq.sampling
+        logprob = logprob_of(logits, token, params.top_logprobs) if params.logprobs else None
+        return self._emit(seq, token, logprob)
+
+    def _emit(self, seq: Sequence, token: int, logprob=None) -> StepOutput:
+        out = seq.append(token, logprob)
         if seq.status is SeqStatus.FINISHED:
             if seq in self.running:
                 self.running.remove(seq)

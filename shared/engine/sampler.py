@@ -1,4 +1,5 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, seeded.
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, seeded; and what the
+model thought of it (its logprob and the most likely alternatives), from the same logits.
 
 The random draw for output position i uses a generator seeded from (seed, i) alone, so a
 seeded request gives the same tokens whether its first token was sampled on a prefill worker
@@ -7,11 +8,12 @@ and the rest on a decode worker, or all of them in one colocated worker.
 
 import torch
 
-from shared.control.messages import SamplingParams
+from shared.control.messages import SamplingParams, TokenLogprob
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
 MIN_TEMPERATURE = 1e-5
+LOWEST_LOGPROB = -9999.0  # what a probability of 0 (log: -inf) is reported as, as vLLM does
 
 
 def step_seed(seed: int, position: int) -> int:
@@ -35,3 +37,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     probs = torch.softmax(scores, dim=-1)
     generator = torch.Generator(device=probs.device).manual_seed(step_seed(params.seed, position))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def logprob_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under the raw logits [vocab] (no temperature, top-k or top-p:
+    the model's own distribution, as OpenAI's API reports it) and the `top` most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1).clamp_(min=LOWEST_LOGPROB)
+    chosen = float(logprobs[token])
+    if top <= 0:
+        return TokenLogprob(chosen)
+    values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
+    return TokenLogprob(chosen, ids.tolist(), values.tolist())

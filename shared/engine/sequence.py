@@ -2,9 +2,9 @@
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from shared.control.messages import GenerateTask
+from shared.control.messages import GenerateTask, TokenLogprob
 from shared.engine.detokenizer import Detokenizer
 
 
@@ -21,6 +21,7 @@ class StepOutput:
     token_ids: list[int]
     text: str
     finish_reason: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
 
 
 class Sequence:
@@ -50,6 +51,7 @@ class Sequence:
         self.num_hashed_blocks = 0
         self.last_block_hash = b""
         self.first_token = -1  # sampled by the remote prefill
+        self.first_logprob: TokenLogprob | None = None  # its logprob, when asked for
         self.finish_reason = ""
         self.abandoned = False  # nobody wants its output any more: a step of only such stops early
         self.queue_ms = 0.0
@@ -84,7 +86,7 @@ class Sequence:
     def expired(self) -> bool:
         return bool(self.task.deadline) and time.time() > self.task.deadline
 
-    def append(self, token_id: int) -> StepOutput:
+    def append(self, token_id: int, logprob: TokenLogprob | None = None) -> StepOutput:
         """Records a sampled token; decides whether the sequence is done."""
         self.output_ids.append(token_id)
         text = self.detokenizer.add(token_id) if self.detokenizer else ""
@@ -108,4 +110,4 @@ class Sequence:
                 text += self.detokenizer.flush()
             self.finish_reason = reason
             self.status = SeqStatus.FINISHED
-        return StepOutput([token_id], text, reason)
+        return StepOutput([token_id], text, reason, [logprob] if logprob else [])

@@ -19,14 +19,47 @@ def collect(
     return chunks, ids, "".join(c.text for c in chunks)
 
 
-def hf_greedy(model, tokenizer, request: pb.GenerateRequest) -> list[int]:
-    """What Hugging Face generate() answers, greedy, for the same request."""
+# how far a served logprob may lie from Hugging Face's float32 log-softmax: the engine computes
+# in float32 too, but adds up in other orders (its own kernels, chunked prefill, batching)
+LOGPROB_TOLERANCE = 2e-3
+
+
+def prompt_ids(tokenizer, request: pb.GenerateRequest) -> list[int]:
     if request.messages:
         chat = [{"role": m.role, "content": m.content} for m in request.messages]
         ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        ids = ids if isinstance(ids, list) else ids["input_ids"]
-    else:
-        ids = tokenizer(request.prompt)["input_ids"]
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+    return tokenizer(request.prompt)["input_ids"]
+
+
+def hf_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Hugging Face's log-softmax [len(output), vocab] at each output position (its prefix: the
+    prompt and the output before it)."""
+    inputs = torch.tensor([prompt + output])
+    with torch.inference_mode():
+        logits = model(inputs).logits[0, len(prompt) - 1 : len(prompt) + len(output) - 1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_logprobs_match(reference: torch.Tensor, output: list[int], logprobs, top: int) -> None:
+    """Each served logprob (pb.TokenLogprob, or token_id/logprob pairs) is Hugging Face's for its
+    token, and its alternatives are Hugging Face's most likely, within LOGPROB_TOLERANCE."""
+    assert len(logprobs) == len(output)
+    for i, (token, lp) in enumerate(zip(output, logprobs)):
+        row = reference[i]
+        assert lp.token_id == token, i
+        assert abs(lp.logprob - float(row[token])) <= LOGPROB_TOLERANCE, (i, lp, float(row[token]))
+        assert len(lp.top) == top, i
+        for alt in lp.top:  # ties within the tolerance may order differently
+            assert abs(alt.logprob - float(row[alt.token_id])) <= LOGPROB_TOLERANCE, (i, alt)
+        if top:
+            best = torch.topk(row, top).values
+            assert abs(lp.top[-1].logprob - float(best[-1])) <= LOGPROB_TOLERANCE, i
+
+
+def hf_greedy(model, tokenizer, request: pb.GenerateRequest) -> list[int]:
+    """What Hugging Face generate() answers, greedy, for the same request."""
+    ids = prompt_ids(tokenizer, request)
     inputs = torch.tensor([ids])
     with torch.inference_mode():
         out = model.generate(

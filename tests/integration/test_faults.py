@@ -19,7 +19,14 @@ import time
 import grpc
 import pytest
 
-from tests.integration.helpers import chat_request, hf_greedy, long_document
+from tests.integration.helpers import (
+    assert_logprobs_match,
+    chat_request,
+    hf_greedy,
+    hf_logprobs,
+    long_document,
+    prompt_ids,
+)
 from tests.integration.stack import start_stack
 
 pytestmark = pytest.mark.slow
@@ -96,11 +103,15 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
                 -1
             ].usage.completion_tokens == len(ids)
 
-        # 2. The decode worker streaming a request dies after 10 tokens.
+        # 2. The decode worker streaming a request dies after 10 tokens; the logprobs of the
+        # stream that goes on are still Hugging Face's.
         story = chat_request("Write a long story about a fox who learns to sail.", 40)
+        story.sampling.logprobs, story.sampling.top_logprobs = True, 3
         responses, victim = _stream_and_kill(stack, story, "decode", after_tokens=10)
         ids = [t for r in responses for t in r.token_ids]
         assert ids == hf_greedy(hf_model, tokenizer, story)
+        reference = hf_logprobs(hf_model, prompt_ids(tokenizer, story), ids)
+        assert_logprobs_match(reference, ids, [lp for r in responses for lp in r.logprobs], 3)
         assert "".join(r.text for r in responses) == tokenizer.decode(ids, skip_special_tokens=True)
         timing, usage = responses[-1].timing, responses[-1].usage
         assert timing.migrations == 1 and timing.decode_worker != victim.id, timing

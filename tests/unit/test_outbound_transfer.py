@@ -19,7 +19,7 @@ from shared.dataplane.plane import KVTransferError, PlaneRestarted
 from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.sender import KVSender
 from shared.engine.kv_cache import KVPool
-from shared.engine.sequence import SeqStatus, Sequence
+from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 from tests.unit.transfer_fakes import BS, LAYOUT, make_task
 
@@ -70,7 +70,7 @@ async def test_the_normal_path_sends_every_piece_then_frees_the_blocks_once():
     x.compute(8)
     assert x.t.state is S.PREFILLING and not x.t.on_all_staged()
     x.compute(16)
-    x.t.on_prompt_done(42)
+    x.t.on_prompt_done(StepOutput([42], ""))
     assert x.t.on_all_staged() and x.t.state is S.SENDING and x.freed == []
     result = x.t.result("prefill-1", "inprocess")
     assert result.ok and result.first_token == 42 and result.kv_bytes == x.t.sender.plan.nbytes

@@ -46,6 +46,8 @@ def request(
         request(request_id="x" * 129),
         request(request_id="semi;colon"),
         request(request_id="tab\there"),
+        request(logprobs=True, top_logprobs=21),  # OpenAI's limit is 20
+        request(top_logprobs=2),  # alternatives without logprobs
     ],
     ids=lambda r: str(r).replace("\n", " ")[:60],
 )
@@ -136,11 +138,14 @@ def test_explicit_values_are_kept(tokenizer):
             seed=12345,
             stop=["\n\n", "x" * 256],
             ignore_eos=True,
+            logprobs=True,
+            top_logprobs=20,
         ),
         tokenizer,
         LIMITS,
     )
     s = valid.sampling
+    assert (s.logprobs, s.top_logprobs) == (True, 20)
     assert valid.request_id == "req-1.a:b_c"
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.ignore_eos) == (
         4093,

@@ -58,6 +58,8 @@ def launch(port: int, sock: Path, log_dir: str) -> subprocess.Popen:
             "--no-demo",
             "--grpc-port",
             str(port),
+            "--http-port",
+            "-1",
             "--log-dir",
             log_dir,
             "--control-socket",

@@ -73,7 +73,7 @@ class BenchStack:
         self.group.stop()
 
     def _start(self) -> None:
-        port, grpc_port = free_port(), free_port()
+        port, grpc_port, self.http_port = free_port(), free_port(), free_port()
         self.group.spawn(
             "nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], child_env({})
         )
@@ -104,7 +104,13 @@ class BenchStack:
             "gateway",
             py + ["services.gateway"],
             child_env(
-                {**common, "TANDEM_GRPC_PORT": str(grpc_port), **LOAD_GENERATOR, **self.gateway_env}
+                {
+                    **common,
+                    "TANDEM_GRPC_PORT": str(grpc_port),
+                    "TANDEM_HTTP_PORT": str(self.http_port),
+                    **LOAD_GENERATOR,
+                    **self.gateway_env,
+                }
             ),
         )
         self.address = f"127.0.0.1:{grpc_port}"

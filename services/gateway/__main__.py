@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from services.gateway.clients import ClientKeys
 from services.gateway.health import ReadinessProbe
+from services.gateway.http_api import HttpServer, OpenAIApi, ssl_context
 from services.gateway.schedulers import SchedulerPool
 from services.gateway.servicer import TandemServicer, add_to_server, default_policy
 from services.gateway.settings import GatewaySettings
@@ -108,6 +109,25 @@ async def servicer_of(settings: GatewaySettings, tokenizer, stack: AsyncExitStac
     return TandemServicer(settings, bus, streams, tokenizer, limits, liveness, schedulers, keys)
 
 
+def served_model_name(settings: GatewaySettings) -> str:
+    """The model's name in the HTTP API: set, or its file (or directory) name."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    return model_store.resolve(settings.model).name.removesuffix(".gguf")
+
+
+def http_server(settings: GatewaySettings, servicer: TandemServicer, probe) -> HttpServer:
+    api = OpenAIApi(
+        servicer,
+        servicer.tokenizer,
+        served_model_name(settings),
+        lambda: probe.serving,
+        settings.max_request_bytes,
+    )
+    tls = ssl_context(settings.grpc_tls_cert, settings.grpc_tls_key, settings.grpc_tls_client_ca)
+    return HttpServer(api, settings.http_host, settings.http_port, tls, settings.drain_timeout_s)
+
+
 async def run(settings: GatewaySettings) -> None:
     stop = stop_on_signals()
     tokenizer = await asyncio.to_thread(load_tokenizer, settings)
@@ -124,13 +144,21 @@ async def run(settings: GatewaySettings) -> None:
             transport_of(settings),
             settings.cluster,
         )
-        async with ReadinessProbe(servicer.bus, servicer.subjects, health_servicer):
-            await stop.wait()
-            log.info(
-                "stopping: no new requests; streams in flight get up to %.0fs",
-                settings.drain_timeout_s,
+        http = None
+        try:
+            async with ReadinessProbe(servicer.bus, servicer.subjects, health_servicer) as probe:
+                if settings.http_port >= 0:
+                    http = await http_server(settings, servicer, probe).start()
+                    log.info("OpenAI-compatible HTTP API on %s:%d", settings.http_host, http.port)
+                await stop.wait()
+                log.info(
+                    "stopping: no new requests; streams in flight get up to %.0fs",
+                    settings.drain_timeout_s,
+                )
+        finally:  # both APIs drain at once
+            await asyncio.gather(
+                server.stop(grace=settings.drain_timeout_s), *([http.stop()] if http else [])
             )
-        await server.stop(grace=settings.drain_timeout_s)
         log.info("stopped")
 
 

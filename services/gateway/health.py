@@ -26,6 +26,10 @@ class ReadinessProbe:
         self._serving: bool | None = None
         self._task: asyncio.Task | None = None
 
+    @property
+    def serving(self) -> bool:
+        return bool(self._serving)
+
     async def __aenter__(self) -> "ReadinessProbe":
         await self._set(False)
         self._task = asyncio.create_task(self._loop())

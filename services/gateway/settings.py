@@ -16,6 +16,18 @@ class GatewaySettings(CommonSettings):
         metadata={"help": "address the gRPC API listens on (0.0.0.0 only when configured)"},
     )
     grpc_port: int = field(default=50051, metadata={"help": "gRPC port; 0 = any free port"})
+    http_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address the OpenAI-compatible HTTP API listens on"},
+    )
+    http_port: int = field(
+        default=8000,
+        metadata={"help": "OpenAI-compatible HTTP API port; 0 = any free port, -1 = no HTTP API"},
+    )
+    served_model_name: str = field(
+        default="",
+        metadata={"help": "the model's name in the HTTP API (/v1/models); empty = its file name"},
+    )
     allow_plaintext: bool = field(
         default=False,
         metadata={
@@ -117,8 +129,8 @@ class GatewaySettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 <= self.grpc_port < 65536:
-            raise ValueError("grpc_port must be 0..65535")
+        if not 0 <= self.grpc_port < 65536 or not -1 <= self.http_port < 65536:
+            raise ValueError("grpc_port must be 0..65535, http_port -1..65535")
         if not 0 <= self.drain_timeout_s < float("inf"):
             raise ValueError("drain_timeout_s must be >= 0")
         if self.max_request_bytes < 1024 or self.max_streams_per_client < 1:
@@ -131,12 +143,14 @@ class GatewaySettings(CommonSettings):
             raise ValueError(
                 "grpc_tls_cert and grpc_tls_key go together; grpc_tls_client_ca needs them"
             )
-        if not (self.grpc_tls_cert or self.allow_plaintext or _loopback(self.grpc_host)):
-            raise ValueError(
-                f"grpc_host {self.grpc_host} is not a loopback address and no TLS certificate is "
-                "set: prompts and API keys would cross the network in the clear. Give "
-                "grpc_tls_cert and grpc_tls_key, or allow_plaintext to accept that"
-            )
+        hosts = [self.grpc_host] + ([self.http_host] if self.http_port >= 0 else [])
+        for host in hosts:
+            if not (self.grpc_tls_cert or self.allow_plaintext or _loopback(host)):
+                raise ValueError(
+                    f"{host} is not a loopback address and no TLS certificate is set: prompts "
+                    "and API keys would cross the network in the clear. Give grpc_tls_cert and "
+                    "grpc_tls_key (both APIs use them), or allow_plaintext to accept that"
+                )
         if not 0 <= self.max_migrations <= 16:
             raise ValueError("max_migrations must be in 0..16")
         if not (

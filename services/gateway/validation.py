@@ -93,8 +93,13 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
 
 def prompt_ids_of(request: pb.GenerateRequest, tokenizer) -> list[int]:
     """Tokenizes the raw prompt, or renders the messages with the model's chat template."""
-    if request.prompt and request.messages:
-        raise InvalidRequest("give either prompt or messages, not both")
+    if (bool(request.prompt) + bool(request.messages) + bool(request.prompt_token_ids)) > 1:
+        raise InvalidRequest("give one of prompt, messages or prompt_token_ids")
+    if request.prompt_token_ids:
+        vocab = len(tokenizer)
+        if max(request.prompt_token_ids) >= vocab:
+            raise InvalidRequest(f"prompt_token_ids must be below the vocabulary size, {vocab}")
+        return list(request.prompt_token_ids)
     if request.messages:
         for m in request.messages:
             if m.role not in ROLES:
@@ -105,7 +110,7 @@ def prompt_ids_of(request: pb.GenerateRequest, tokenizer) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     if not request.prompt:
-        raise InvalidRequest("prompt is empty: give a prompt or messages")
+        raise InvalidRequest("prompt is empty: give a prompt, messages or prompt_token_ids")
     ids = tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
     if not ids:
         raise InvalidRequest("the prompt has no tokens")

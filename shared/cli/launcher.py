@@ -91,10 +91,11 @@ def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> W
     if args.mode != "colocated":
         pools.resize("prefill", args.prefill)
     pools.resize("decode", args.decode)
+    ports = {"TANDEM_GRPC_PORT": str(args.grpc_port), "TANDEM_HTTP_PORT": str(args.http_port)}
     group.spawn(
         "gateway",
         python + ["services.gateway"],
-        child_env({**common, "TANDEM_GRPC_PORT": str(args.grpc_port), **role_env["gateway"]}),
+        child_env({**common, **ports, **role_env["gateway"]}),
     )
     return pools
 
@@ -234,8 +235,9 @@ def _announce(args, address: str, control: ControlServer, secure: bool) -> None:
         if args.mode != "colocated"
         else f"{args.decode} colocated"
     )
+    http = f", OpenAI API on http://127.0.0.1:{args.http_port}/v1" if args.http_port >= 0 else ""
     print(
-        f"tandem is ready: gRPC API on {address} ({args.mode}; {sizes}"
+        f"tandem is ready: gRPC API on {address}{http} ({args.mode}; {sizes}"
         + ("; NATS: one user per role" if secure else "")
         + "). Ctrl-C stops it.",
         flush=True,

@@ -33,6 +33,12 @@ def _up_command(sub) -> None:
         "--decode", type=int, default=1, help="decode (or colocated) workers (default 1)"
     )
     up.add_argument("--grpc-port", type=int, default=50051, help="gateway port (default 50051)")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the gateway's OpenAI-compatible HTTP port (default 8000; -1: none)",
+    )
     up.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
     up.add_argument(
         "--model",

@@ -50,6 +50,11 @@ class Stack:
     group: ProcessGroup
     mode: str
     names: list[str] = field(default_factory=list)
+    http_port: int = 0  # the OpenAI-compatible API's
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
@@ -137,7 +142,7 @@ def start_stack(
 ) -> Stack:
     """`role_env`: variables for one role's services only (credentials), by role name."""
     role_env = role_env or {}
-    port = free_port()
+    port, http_port = free_port(), free_port()
     common = {
         "TANDEM_NATS_URL": nats.url,
         "TANDEM_CLUSTER": cluster,
@@ -178,10 +183,17 @@ def start_stack(
     group.spawn(
         names[-1],
         py + ["services.gateway"],
-        child_env({**common, "TANDEM_GRPC_PORT": str(port), **role_env.get("gateway", {})}),
+        child_env(
+            {
+                **common,
+                "TANDEM_GRPC_PORT": str(port),
+                "TANDEM_HTTP_PORT": str(http_port),
+                **role_env.get("gateway", {}),
+            }
+        ),
     )
     address = f"127.0.0.1:{port}"
-    stack = Stack(cluster, address, group, mode, names)
+    stack = Stack(cluster, address, group, mode, names, http_port)
     if wait:
         wait_serving(address, group, names=names)
         # In auto mode the gateway serves once a decode worker is up; a test that needs the

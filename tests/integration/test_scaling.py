@@ -115,6 +115,8 @@ def test_scale_decode_out_and_in_under_load(tmp_path):
             "--no-demo",
             "--grpc-port",
             str(port),
+            "--http-port",
+            "-1",
             "--log-dir",
             str(tmp_path),
             "--control-socket",

@@ -1,0 +1,238 @@
+"""The OpenAI-compatible HTTP API (aiohttp), beside the gRPC one in the gateway's process.
+
+POST /v1/chat/completions and /v1/completions run the gRPC API's own request path
+(TandemServicer.Generate: validation, client limits, API keys, placement, migration) through an
+HttpCallContext; GET /v1/models lists the model served; GET /health answers while the gateway
+runs, GET /ready while the cluster can serve (a scheduler answers with the workers it needs).
+
+A streamed answer starts once the request is placed and its first token came, so a request
+refused (400, 401, 429, 503, 504) gets its HTTP status; a failure after that ends the event
+stream with an OpenAI error event. A client that goes away cancels its request: aiohttp cancels
+the handler, and the request path frees what the workers hold (as a gRPC cancel does).
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import ssl
+import uuid
+
+import grpc
+from aiohttp import web
+
+from services.gateway.http_context import (
+    TIMEOUT_HEADER,
+    CallAborted,
+    HttpCallContext,
+    HttpError,
+    http_error,
+    parse_timeout,
+)
+from services.gateway.openai_format import ChoiceLog, Formatter, TokenText
+from services.gateway.openai_request import BadRequest, OpenAIRequest, parse
+
+log = logging.getLogger("gateway.http")
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _error_response(error: HttpError) -> web.Response:
+    return web.Response(
+        status=error.status,
+        body=_dumps(error.body),
+        headers=error.headers,
+        content_type="application/json",
+    )
+
+
+def _bad(message: str, param: str | None = None) -> web.Response:
+    return _error_response(http_error(grpc.StatusCode.INVALID_ARGUMENT, message, param=param))
+
+
+class OpenAIApi:
+    """The routes. `servicer`: the gateway's TandemServicer; `ready`: whether the cluster can
+    serve; `model`: the name the model is served under."""
+
+    def __init__(self, servicer, tokenizer, model: str, ready, max_request_bytes: int):
+        self.servicer = servicer
+        self.model = model
+        self.ready = ready
+        self.max_request_bytes = max_request_bytes
+        self.text_of = TokenText(tokenizer)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_request_bytes)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.readiness)
+        return app
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def models(self, request: web.Request) -> web.Response:
+        entry = {"id": self.model, "object": "model", "created": 0, "owned_by": "tandem"}
+        return web.json_response({"object": "list", "data": [entry]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readiness(self, request: web.Request) -> web.Response:
+        ready = self.ready()
+        return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            raise
+        except ValueError as err:
+            return _bad(f"the body is not JSON: {err}")
+        try:
+            req = parse(kind, body, self.model)
+            context = self._context(request)
+        except BadRequest as err:
+            return _bad(str(err), err.param)
+        except ValueError as err:
+            return _bad(str(err))
+        if req.model != self.model:
+            message = f"the model {req.model!r} does not exist"
+            return _error_response(http_error(grpc.StatusCode.NOT_FOUND, message, param="model"))
+        req.request.request_id = self._request_id(request)
+        responses = self.servicer.Generate(req.request, context)
+        formatter = Formatter(req, req.request.request_id, self.text_of)
+        async with contextlib.aclosing(responses):
+            if req.stream:
+                return await self._stream(request, req, responses, context, formatter)
+            return await self._whole(responses, context, formatter)
+
+    def _context(self, request: web.Request) -> HttpCallContext:
+        transport = request.transport
+        peer = transport.get_extra_info("peername") if transport else None
+        cert = transport.get_extra_info("peercert") if transport else None
+        return HttpCallContext(
+            request.headers.get("Authorization"),
+            tuple(peer[:2]) if peer else None,
+            _common_name(cert),
+            parse_timeout(request.headers.get(TIMEOUT_HEADER)),
+        )
+
+    @staticmethod
+    def _request_id(request: web.Request) -> str:
+        given = request.headers.get("X-Request-Id", "")
+        return given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+    async def _whole(self, responses, context, formatter: Formatter) -> web.Response:
+        choice, last = ChoiceLog(), None
+        try:
+            while (response := await _next(responses, context)) is not None:
+                choice.add(response)
+                last = response
+        except CallAborted as err:
+            return _error_response(http_error(err.code, err.details, err.retry_after_ms))
+        body = _dumps(formatter.response(choice, last))
+        return web.Response(body=body, content_type="application/json")
+
+    async def _stream(
+        self, request, req: OpenAIRequest, responses, context, formatter: Formatter
+    ) -> web.StreamResponse:
+        try:
+            first = await _next(responses, context)
+        except CallAborted as err:
+            return _error_response(http_error(err.code, err.details, err.retry_after_ms))
+        stream = web.StreamResponse(headers=SSE_HEADERS | {"X-Request-Id": formatter.id})
+        await stream.prepare(request)
+        response, offset, last = first, 0, None
+        try:
+            while response is not None:
+                await _event(stream, formatter.chunk(response, offset, first=last is None))
+                offset, last = offset + len(response.text), response
+                response = await _next(responses, context)
+            if req.include_usage and last is not None:
+                await _event(stream, formatter.usage_chunk(last))
+            await stream.write(b"data: [DONE]\n\n")
+        except CallAborted as err:
+            await _event(stream, http_error(err.code, err.details, err.retry_after_ms).body)
+        await stream.write_eof()
+        return stream
+
+
+async def _event(stream: web.StreamResponse, obj: dict) -> None:
+    await stream.write(b"data: " + _dumps(obj) + b"\n\n")
+
+
+async def _next(responses, context: HttpCallContext):
+    """The next response (None at the end); CallAborted(DEADLINE_EXCEEDED) once the request's
+    X-Request-Timeout has passed, as a gRPC deadline ends a call."""
+    left = context.time_remaining()
+    try:
+        if left is None:
+            return await anext(responses)
+        return await asyncio.wait_for(anext(responses), left)
+    except StopAsyncIteration:
+        return None
+    except asyncio.TimeoutError:
+        raise CallAborted(
+            grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"
+        ) from None
+
+
+def _common_name(cert: dict | None) -> str:
+    for rdn in (cert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return value
+    return ""
+
+
+def ssl_context(cert: str, key: str, client_ca: str) -> ssl.SSLContext | None:
+    """TLS with the gRPC API's certificate (None: plaintext); client certificates when a CA is set."""
+    if not cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    if client_ca:
+        context.load_verify_locations(client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class HttpServer:
+    """The API listening on host:port from start() (or entering); stop() stops listening, and
+    gives requests in flight `drain_s` to finish before they are cancelled."""
+
+    def __init__(self, api: OpenAIApi, host: str, port: int, tls, drain_s: float):
+        self.api, self.host, self.port, self.tls = api, host, port, tls
+        self.runner = web.AppRunner(
+            api.app(), handler_cancellation=True, shutdown_timeout=drain_s, access_log=None
+        )
+
+    async def start(self) -> "HttpServer":
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.tls)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    async def __aenter__(self) -> "HttpServer":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()

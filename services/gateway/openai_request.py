@@ -1,0 +1,214 @@
+"""OpenAI's request bodies (/v1/chat/completions, /v1/completions) as Tandem GenerateRequests.
+
+The body becomes the same GenerateRequest a gRPC client sends, so both APIs share one path:
+validation, limits, keys, placement. Fields outside OpenAI's API that peers (vLLM, SGLang) also
+take are extensions here: top_k, ignore_eos, priority. Unknown fields are ignored, as the peers
+do; fields whose meaning we cannot honour (tools, response formats, images, penalties) are
+refused with a 400 that names them, never silently dropped.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from shared.api import tandem_pb2 as pb
+
+# fields we cannot honour, with the value that means "not used" (None: any value is refused)
+UNSUPPORTED = {
+    "tools": None,
+    "tool_choice": "none",
+    "functions": None,
+    "function_call": "none",
+    "response_format": {"type": "text"},
+    "logit_bias": {},
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "audio": None,
+    "prediction": None,
+    "web_search_options": None,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+}
+MODALITIES = ["text"]
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_COMPLETION_LOGPROBS = 20  # OpenAI allows 5; top_logprobs (chat) allows 20, as here
+
+
+class BadRequest(ValueError):
+    """An invalid body: a 400 with OpenAI's error body; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class OpenAIRequest:
+    kind: str  # "chat" or "completion"
+    request: pb.GenerateRequest
+    model: str
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def parse(kind: str, body: Any, served_model: str) -> OpenAIRequest:
+    """The request in `body` (decoded JSON) of `kind` ("chat" or "completion")."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    _refuse_unsupported(body)
+    model = body.get("model", served_model)
+    if not isinstance(model, str):
+        raise BadRequest("model must be a string", "model")
+    request = pb.GenerateRequest(sampling=_sampling(body))
+    if kind == "chat":
+        _messages_into(request, body.get("messages"))
+        logprobs = _flag(body, "logprobs")
+        top = _int(body, "top_logprobs", 0, 0, 20)
+        if top and not logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    else:
+        _prompt_into(request, body.get("prompt"))
+        given = body.get("logprobs")
+        top = _int(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
+        logprobs = given is not None
+    request.sampling.logprobs, request.sampling.top_logprobs = logprobs, top
+    request.priority = _int(body, "priority", 0, -(1 << 31), (1 << 31) - 1)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", "stream_options")
+    return OpenAIRequest(
+        kind,
+        request,
+        model,
+        stream=_flag(body, "stream"),
+        include_usage=bool(options.get("include_usage")),
+        logprobs=logprobs,
+        top_logprobs=top,
+    )
+
+
+def _refuse_unsupported(body: dict) -> None:
+    found = [
+        name
+        for name, unused in UNSUPPORTED.items()
+        if body.get(name) is not None and body[name] != unused
+    ]
+    if body.get("modalities") not in (None, MODALITIES):
+        found.append("modalities")
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        found.append("n")
+    if found:
+        raise BadRequest(
+            f"not supported by this server: {', '.join(found)} (leave them out)", found[0]
+        )
+
+
+def _sampling(body: dict) -> pb.SamplingParams:
+    s = pb.SamplingParams(
+        temperature=_float(body, "temperature", 1.0),  # OpenAI's default: sampled, not greedy
+        top_p=_float(body, "top_p", 1.0),
+        top_k=max(0, _int(body, "top_k", 0, -1, 1 << 20)),  # -1: off, as in vLLM
+        ignore_eos=_flag(body, "ignore_eos"),
+    )
+    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
+        if body.get(name) is not None:
+            s.max_tokens = _int(body, name, 0, 1, 1 << 31)
+            break
+    if body.get("seed") is not None:
+        s.seed = _int(body, "seed", 0, -(1 << 63), (1 << 64) - 1) % (1 << 64)
+    s.stop.extend(_stops(body.get("stop")))
+    return s
+
+
+def _stops(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+        raise BadRequest("stop must be a string or a list of strings", "stop")
+    return stops
+
+
+def _messages_into(request: pb.GenerateRequest, messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object", where)
+        role = CHAT_ROLES.get(m.get("role"))
+        if role is None:
+            raise BadRequest(
+                f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}",
+                f"{where}.role",
+            )
+        if m.get("tool_calls") or m.get("function_call"):
+            raise BadRequest(f"{where}: tool calls are not supported", f"{where}.tool_calls")
+        request.messages.add(role=role, content=_content(m.get("content"), where))
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's text: a string, or a list of text parts (other parts are refused by name)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a string or a list of parts", where)
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest(
+                f"{where}.content: only text parts are supported, got {kind or part!r}",
+                f"{where}.content",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _prompt_into(request: pb.GenerateRequest, prompt: Any) -> None:
+    """A string, or token ids (a list of ints); a list of several prompts is refused."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
+        request.prompt_token_ids.extend(prompt)
+    else:
+        raise BadRequest(
+            "prompt must be a string or a list of token ids (one prompt per request)", "prompt"
+        )
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false", name)
+    return value
+
+
+def _int(body: dict, name: str, default: int, low: int, high: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadRequest(f"{name} must be an integer in [{low}, {high}]", name)
+    return value
+
+
+def _float(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"{name} must be a number", name)
+    return float(value)

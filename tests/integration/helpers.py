@@ -85,3 +85,26 @@ def long_document(approx_tokens: int = 1500) -> str:
     return (
         "Field notes:\n" + "\n".join(lines) + "\n\nWhich animal was seen most often near the river?"
     )
+
+
+def openai_streams(base_url: str) -> tuple[str, str]:
+    """What the official `openai` client, unmodified, streams from an OpenAI-compatible API at
+    `base_url` (ending in /v1): a chat answer and a text completion, greedy."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+    )
+    completion = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+    )
+    return (
+        "".join(c.choices[0].delta.content or "" for c in chat),
+        "".join(c.choices[0].text for c in completion),
+    )

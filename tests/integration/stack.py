@@ -51,6 +51,7 @@ class Stack:
     mode: str
     names: list[str] = field(default_factory=list)
     http_port: int = 0  # the OpenAI-compatible API's
+    api_key: str = ""  # ClusterStatus's, where the gateway requires keys
 
     @property
     def http_url(self) -> str:
@@ -78,7 +79,8 @@ class Stack:
                 proc.kill()
 
     def status(self) -> pb.ClusterStatusResponse:
-        return self.stub().ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+        metadata = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
+        return self.stub().ClusterStatus(pb.ClusterStatusRequest(), timeout=5, metadata=metadata)
 
     def wait_idle(self, timeout: float = 30) -> pb.ClusterStatusResponse:
         """Until every worker reports nothing running, nothing queued, no KV blocks held and none leaked."""

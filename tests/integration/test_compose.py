@@ -23,7 +23,7 @@ from shared.cli.processes import (
     wait_for_port,
 )
 from shared.control.nats_auth import env_file, new_passwords, server_config
-from tests.integration.helpers import chat_request, collect
+from tests.integration.helpers import chat_request, collect, openai_streams
 from tests.integration.stack import NatsServer, Stack, wait_serving
 
 pytestmark = pytest.mark.slow
@@ -142,8 +142,8 @@ def test_compose_services_answer_through_the_gateway(compose):
     with ProcessGroup(Path(tempfile.mkdtemp(prefix="tandem-compose-"))) as group:
         nats = _start_nats(group, services["nats"], dotenv, certs)
         nats_port = nats.url.rsplit(":", 1)[1]
-        grpc_port = str(free_port())
-        overrides = {"TANDEM_GRPC_PORT": grpc_port}
+        grpc_port, http_port = str(free_port()), str(free_port())
+        overrides = {"TANDEM_GRPC_PORT": grpc_port, "TANDEM_HTTP_PORT": http_port}
         checks = []
         replicas = {"scheduler": 1, "prefill": 1, "decode": 2, "gateway": 1}  # decode scaled to 2
         for name, count in replicas.items():
@@ -167,6 +167,8 @@ def test_compose_services_answer_through_the_gateway(compose):
             stack.stub(), chat_request("What is the capital of France?", 16)
         )
         assert "Paris" in text
+        chat, completion = openai_streams(f"http://127.0.0.1:{http_port}/v1")
+        assert "Paris" in chat and completion.strip(), (chat, completion)
         # In auto mode the gateway serves once a decode worker is up; the prefill worker may still be loading.
         deadline = time.monotonic() + 120
         while len(stack.status().workers) < 3 and time.monotonic() < deadline:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from shared.cli.processes import free_port
-from tests.integration.helpers import chat_request, collect
+from tests.integration.helpers import chat_request, collect, openai_streams
 from tests.integration.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
 
 
-def _launch(tmp_path, port: int, *flags: str) -> subprocess.Popen:
+def _launch(tmp_path, port: int, *flags: str, http_port: int = -1) -> subprocess.Popen:
     # Its own session, like a shell's foreground job: Ctrl-C is SIGINT to that process group.
     env = {**os.environ, "TANDEM_TORCH_THREADS": "1"}
     return subprocess.Popen(
@@ -44,6 +44,8 @@ def _launch(tmp_path, port: int, *flags: str) -> subprocess.Popen:
             "up",
             "--grpc-port",
             str(port),
+            "--http-port",
+            str(http_port),
             "--log-dir",
             str(tmp_path),
             "--control-socket",
@@ -99,8 +101,9 @@ async def _nats_admits_strangers(port: int) -> bool:
 
 
 def test_tandem_up_secure_by_default_serves_and_stops_cleanly(tmp_path):
-    port = free_port()
-    launcher = _launch(tmp_path, port)  # no flag: NATS users per role (it was --secure before)
+    port, http_port = free_port(), free_port()
+    # no flag: NATS users per role (it was --secure before)
+    launcher = _launch(tmp_path, port, http_port=http_port)
     children = []
     try:
         lines = _read_until(
@@ -110,6 +113,9 @@ def test_tandem_up_secure_by_default_serves_and_stops_cleanly(tmp_path):
         )
         output = "".join(lines)
         assert "ready" in output and f"control socket {tmp_path / 'control.sock'}" in output
+        assert f"OpenAI API on http://127.0.0.1:{http_port}/v1" in output
+        chat, completion = openai_streams(f"http://127.0.0.1:{http_port}/v1")
+        assert "Paris" in chat and completion.strip(), (chat, completion)
         answer = lines[lines.index(next(line for line in lines if line.startswith("demo>"))) + 1]
         assert answer.strip(), output
         status = Stack("default", f"127.0.0.1:{port}", None, "disaggregated").status()

@@ -1,0 +1,203 @@
+"""OpenAI request bodies as GenerateRequests, and GenerateResponses in OpenAI's shapes."""
+
+import grpc
+import pytest
+
+from services.gateway.http_context import HttpCallContext, http_error, parse_timeout
+from services.gateway.openai_format import ChoiceLog, Formatter, TokenText
+from services.gateway.openai_request import BadRequest, parse
+from shared.api import tandem_pb2 as pb
+
+MODEL = "m"
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]} | fields
+
+
+def test_a_chat_body_becomes_a_generate_request():
+    req = parse(
+        "chat",
+        chat(
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "assistant", "content": None},
+            ],
+            max_completion_tokens=7,
+            max_tokens=99,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=-1,
+            seed=-1,
+            stop="x",
+            logprobs=True,
+            top_logprobs=4,
+            ignore_eos=True,
+            priority=3,
+            user="u",
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+        MODEL,
+    )
+    r, s = req.request, req.request.sampling
+    assert [(m.role, m.content) for m in r.messages] == [
+        ("system", "be brief"),
+        ("user", "a\nb"),
+        ("assistant", ""),
+    ]
+    assert (s.max_tokens, s.temperature, s.top_k, s.stop, s.ignore_eos) == (7, 0.5, 0, ["x"], True)
+    assert s.top_p == pytest.approx(0.9) and s.seed == 2**64 - 1
+    assert (s.logprobs, s.top_logprobs, r.priority) == (True, 4, 3)
+    assert req.stream and req.include_usage and req.logprobs and req.top_logprobs == 4
+
+
+def test_openais_defaults():
+    req = parse("chat", chat(), MODEL)
+    s = req.request.sampling
+    assert s.temperature == 1.0 and s.top_p == 1.0 and not s.HasField("max_tokens")
+    assert not s.HasField("seed") and not req.stream and not req.logprobs
+
+
+def test_completion_prompts_and_logprobs():
+    by_ids = parse("completion", {"prompt": [[1, 2, 3]], "logprobs": 0}, MODEL)
+    assert list(by_ids.request.prompt_token_ids) == [1, 2, 3]
+    assert by_ids.logprobs and by_ids.top_logprobs == 0
+    by_text = parse("completion", {"prompt": "hello", "logprobs": 2}, MODEL)
+    assert by_text.request.prompt == "hello" and by_text.request.sampling.top_logprobs == 2
+    assert not parse("completion", {"prompt": "x"}, MODEL).logprobs
+
+
+@pytest.mark.parametrize(
+    "kind, body, named",
+    [
+        ("chat", chat(tools=[{}]), "tools"),
+        ("chat", chat(tool_choice="auto"), "tool_choice"),
+        ("chat", chat(response_format={"type": "json_schema"}), "response_format"),
+        ("chat", chat(logit_bias={"1": 5}), "logit_bias"),
+        ("chat", chat(frequency_penalty=1), "frequency_penalty"),
+        ("chat", chat(modalities=["text", "audio"]), "modalities"),
+        ("chat", chat(n=2), "n"),
+        ("completion", {"prompt": "x", "echo": True}, "echo"),
+        ("completion", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("chat", chat(messages=[]), "messages"),
+        ("chat", chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+        (
+            "chat",
+            chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            "messages[0].content",
+        ),
+        ("chat", chat(temperature="hot"), "temperature"),
+        ("chat", chat(max_tokens=0), "max_tokens"),
+        ("chat", chat(top_logprobs=2), "top_logprobs"),
+        ("chat", chat(top_logprobs=21, logprobs=True), "top_logprobs"),
+        ("chat", chat(stream=1), "stream"),
+        ("chat", chat(stop=[1]), "stop"),
+        ("chat", chat(model=5), "model"),
+        ("completion", {"prompt": ["a", "b"]}, "prompt"),
+        ("completion", {"prompt": [1, -2]}, "prompt"),
+        ("completion", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("completion", {}, "prompt"),
+    ],
+)
+def test_refusals_name_the_field(kind, body, named):
+    with pytest.raises(BadRequest) as err:
+        parse(kind, body, MODEL)
+    assert err.value.param == named
+
+
+def test_fields_left_at_their_unused_values_are_accepted():
+    parse(
+        "chat",
+        chat(
+            tools=None,
+            tool_choice="none",
+            response_format={"type": "text"},
+            n=1,
+            presence_penalty=0,
+            logit_bias={},
+        ),
+        MODEL,
+    )
+    parse("completion", {"prompt": "x", "echo": False, "best_of": 1}, MODEL)
+
+
+@pytest.mark.parametrize(
+    "code, status, retry_after",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, None),
+        (grpc.StatusCode.UNAUTHENTICATED, 401, None),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "3"),
+        (grpc.StatusCode.UNAVAILABLE, 503, None),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, None),
+        (grpc.StatusCode.INTERNAL, 500, None),
+    ],
+)
+def test_grpc_statuses_as_openai_errors(code, status, retry_after):
+    error = http_error(code, "why", retry_after_ms=2500)
+    assert error.status == status and error.body["error"]["message"] == "why"
+    assert error.headers.get("Retry-After") == retry_after
+
+
+async def test_the_call_context_answers_as_grpcs_would():
+    context = HttpCallContext("Bearer k", ("::1", 5), "client-a", timeout_s=30)
+    assert context.invocation_metadata() == (("authorization", "Bearer k"),)
+    assert context.peer() == "ipv6:[::1]:5"
+    assert context.auth_context() == {"x509_common_name": [b"client-a"]}
+    assert 29 < context.time_remaining() <= 30
+    context.set_trailing_metadata((("retry-after-ms", "700"),))
+    with pytest.raises(Exception) as err:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    assert (err.value.code, err.value.retry_after_ms) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 700)
+    assert HttpCallContext(None, ("10.0.0.1", 9)).peer() == "ipv4:10.0.0.1:9"
+    assert HttpCallContext(None, None).time_remaining() is None
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "abc", "1e9"])
+def test_a_malformed_timeout_header_is_refused(bad):
+    with pytest.raises(ValueError):
+        parse_timeout(bad)
+
+
+def test_token_text_shows_bytes_of_partial_characters(tokenizer):
+    text_of = TokenText(tokenizer)
+    ids = tokenizer("naïve 🙂")["input_ids"]
+    pieces = [text_of(i) for i in ids]
+    assert b"".join(bytes(raw) for _, raw in pieces).decode() == "naïve 🙂"
+    partial = [text for text, raw in pieces if text.startswith("bytes:")]
+    assert all(len(p) > 6 for p in partial)
+
+
+def _response(text, ids, finish=0, logprobs=()):
+    r = pb.GenerateResponse(text=text, token_ids=ids, finish_reason=finish, logprobs=logprobs)
+    if finish:
+        r.usage.prompt_tokens, r.usage.completion_tokens = 5, 2
+        r.timing.cached_tokens, r.timing.path = 3, "local"
+    return r
+
+
+def test_chunks_and_the_whole_answer_in_openais_shape(tokenizer):
+    req = parse(
+        "chat", chat(logprobs=True, top_logprobs=1, stream_options={"include_usage": True}), MODEL
+    )
+    f = Formatter(req, "abc", TokenText(tokenizer))
+    lp = pb.TokenLogprob(token_id=42, logprob=-0.5, top=[pb.TopLogprob(token_id=42, logprob=-0.5)])
+    first = f.chunk(_response("Hi", [42], logprobs=[lp]), 0, first=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
+    assert first["usage"] is None and first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.5
+    last = f.chunk(_response("!", [43], finish=pb.FINISH_REASON_LENGTH), 2)
+    assert last["choices"][0]["finish_reason"] == "length" and last["timing"]["path"] == "local"
+    usage = f.usage_chunk(_response("", [], finish=pb.FINISH_REASON_STOP))
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
+    log = ChoiceLog()
+    log.add(_response("Hi", [42]))
+    log.add(_response("!", [43], finish=pb.FINISH_REASON_STOP))
+    whole = f.response(log, _response("!", [43], finish=pb.FINISH_REASON_STOP))
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hi!"}
+    assert whole["usage"]["total_tokens"] == 7 and whole["id"] == "chatcmpl-abc"

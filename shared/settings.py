@@ -59,6 +59,13 @@ class CommonSettings:
         default="", metadata=_help("client certificate for NATS TLS (with --nats-tls-key)")
     )
     nats_tls_key: str = field(default="", metadata=_help("client key for NATS TLS"))
+    metrics_host: str = field(
+        default="127.0.0.1", metadata=_help("address the Prometheus metrics endpoint listens on")
+    )
+    metrics_port: int = field(
+        default=-1,
+        metadata=_help("Prometheus metrics port (/metrics); -1 = none, 0 = any free port"),
+    )
 
     def __post_init__(self) -> None:
         self.nats_password = self.nats_password or _secret_file(self.nats_password_file)
@@ -69,6 +76,8 @@ class CommonSettings:
             raise ValueError("nats_tls_cert and nats_tls_key go together")
         if not _CLUSTER_RE.fullmatch(self.cluster):
             raise ValueError(f"cluster must be 1-64 of A-Z a-z 0-9 _ -, got {self.cluster!r}")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError("metrics_port must be -1..65535")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"unknown log level {self.log_level!r}")
 

@@ -201,6 +201,7 @@ class KVFetcher:
         seq.queue_ms, seq.prefill_ms = result.queue_ms, result.prefill_ms
         seq.cached_tokens = result.cached_tokens
         seq.kv_transfer_ms, seq.kv_exposed_ms = t.kv_transfer_ms, t.kv_exposed_ms
+        self.rt.metrics.on_transfer(t.kv_transfer_ms, t.kv_exposed_ms)
         if result.transport:
             self.transports.add(result.transport)
         self.rt.engine.kv_arrived(seq)

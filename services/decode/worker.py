@@ -151,6 +151,8 @@ class DecodeWorker:
                 refusal = worker_full(
                     self.rt.worker_id, f"decode worker {self.rt.worker_id} has no KV blocks free"
                 )
+        if refusal is None and task.resume_tokens:
+            self.rt.metrics.migrated("in")
         if respond is not None:
             await respond(TaskAck(refusal))
 
@@ -286,5 +288,7 @@ class DecodeWorker:
             )
         else:
             chunk = self._chunk(req, failure=req.failure)
+            if req.failure.movable:
+                self.rt.metrics.migrated("out")
         await self._send(req, chunk)
         self.streams.end(req.attempt_id)

@@ -23,6 +23,7 @@ from shared.control.liveness import Liveness
 from shared.control.subjects import Subjects
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
+from shared.telemetry.metrics import MetricsServer
 
 log = logging.getLogger("gateway")
 
@@ -134,6 +135,9 @@ async def run(settings: GatewaySettings) -> None:
     async with AsyncExitStack() as stack:
         servicer = await servicer_of(settings, tokenizer, stack)
         server, health_servicer = grpc_server(settings, servicer)
+        stack.enter_context(
+            MetricsServer(servicer.metrics.registry, settings.metrics_host, settings.metrics_port)
+        )
         port = listen(server, settings)
         await server.start()
         log.info(

@@ -71,6 +71,8 @@ def parse_timeout(value: str | None) -> float | None:
 class HttpCallContext:
     """What TandemServicer asks of a gRPC context, answered for one HTTP request."""
 
+    api = "openai"  # the metrics' label
+
     def __init__(
         self,
         authorization: str | None,

@@ -16,6 +16,7 @@ from services.gateway.clients import (
     cert_subject,
 )
 from services.gateway.fair_tokenizer import FairTokenizer
+from services.gateway.metrics import GatewayMetrics, RecordingContext
 from services.gateway.migration import new_attempt_id
 from services.gateway.relay import RequestRelay
 from services.gateway.responses import cluster_status_response, generate_response
@@ -110,8 +111,27 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.keys = keys or ClientKeys(default_policy(settings), {})
         self.usage = ClientUsage()  # what each client holds here now
         self._tokenize = FairTokenizer()
+        self.metrics = GatewayMetrics(settings.gateway_id)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """The request's responses, counted in the metrics once it ends, however it ends."""
+        observer = self.metrics.request(getattr(context, "api", "grpc"))
+        context, finished = RecordingContext(context), False
+        try:
+            async with contextlib.aclosing(self._generate_call(request, context)) as responses:
+                async for response in responses:
+                    observer.on_response(response)
+                    yield response
+            finished = True
+        except Exception:
+            context.code = context.code or grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            left = context.time_remaining()
+            expired = not finished and left is not None and left <= 0
+            observer.end(grpc.StatusCode.DEADLINE_EXCEEDED if expired else context.code, finished)
+
+    async def _generate_call(self, request: pb.GenerateRequest, context):
         arrival = time.time()
         if isinstance(request, Undecodable):
             await context.abort(

@@ -8,6 +8,7 @@ from services.scheduler.settings import SchedulerSettings
 from shared.control.bus import NatsBus
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
+from shared.telemetry.metrics import MetricsServer
 
 
 async def run(settings: SchedulerSettings) -> None:
@@ -19,7 +20,9 @@ async def run(settings: SchedulerSettings) -> None:
         role="scheduler",
         cluster=settings.cluster,
     ) as bus:
-        await SchedulerService(settings, bus).serve(stop)
+        service = SchedulerService(settings, bus)
+        with MetricsServer(service.metrics.registry, settings.metrics_host, settings.metrics_port):
+            await service.serve(stop)
 
 
 def main(argv=None) -> int:

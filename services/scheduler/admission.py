@@ -57,6 +57,10 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def priorities(self) -> list[int]:
+        """The priority of each request waiting."""
+        return [entry.priority for entry in self._heap]
+
     def offer(self, task: GenerateTask, respond) -> Pending | None:
         """Queues the task; None when the queue is full (refuse it)."""
         if len(self._heap) >= self.max_pending and not task.moves:

@@ -8,6 +8,7 @@ one.
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from services.scheduler.admission import AdmissionQueue, Pending
 from shared.control.failure import Code, Failure, Retry
@@ -20,8 +21,9 @@ SHUTTING_DOWN = Failure(Code.UNAVAILABLE, "the scheduler is shutting down", Retr
 
 
 class Answers:
-    def __init__(self, queue: AdmissionQueue):
+    def __init__(self, queue: AdmissionQueue, refused: Callable[[str], None] = lambda code: None):
         self.queue = queue
+        self._refused = refused  # told the code of every failure answered
         self._inflight: set[asyncio.Task] = set()
 
     def refuse(self, entry: Pending, failure: Failure, retry_after: bool = False) -> None:
@@ -36,6 +38,8 @@ class Answers:
         self.spawn(self.send(entry.respond, SubmitReply(SHUTTING_DOWN)))
 
     async def send(self, respond, reply: SubmitReply) -> None:
+        if reply.failure is not None:
+            self._refused(reply.failure.code.value)
         if respond is None:
             return
         try:

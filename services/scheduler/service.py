@@ -16,6 +16,7 @@ import uuid
 
 from services.scheduler.admission import AdmissionQueue, Pending
 from services.scheduler.answers import SHUTTING_DOWN, Answers
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.presence import Presence
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Route, Router
@@ -55,7 +56,8 @@ class SchedulerService:
         self.router = Router(self.registry, settings.policy())
         self.queue = AdmissionQueue(settings.max_pending, settings.queue_timeout_s)
         self.scheduler_id = settings.scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
-        self.answers = Answers(self.queue)
+        self.metrics = SchedulerMetrics(self.scheduler_id)
+        self.answers = Answers(self.queue, self.metrics.refused)
         self._closing = False
         self.presence = Presence(
             bus, self.subjects, self.scheduler_id, self.registry, lambda: len(self.queue)
@@ -102,6 +104,7 @@ class SchedulerService:
             await asyncio.sleep(0.1)
             try:
                 await self.presence.tick()
+                self.metrics.tick(self.queue.priorities(), self.registry.live())
                 for entry in self.queue.expired():
                     wait_s = self.settings.queue_timeout_s
                     self.answers.refuse(
@@ -176,8 +179,10 @@ class SchedulerService:
                 failed(Code.DEADLINE_EXCEEDED, "the deadline passed while it waited for room"),
             )
             return True
+        started = time.perf_counter()
         try:
             chosen = self.router.route(entry.task, entry.tried)
+            self.metrics.routed(started)
         except NoRoom:
             return False
         except NoWorker as err:
@@ -243,6 +248,7 @@ class SchedulerService:
             failure = failed(Code.UNAVAILABLE, "the scheduler could not reach the decode worker")
         if failure is None:
             self.queue.placed()
+            self.metrics.placed(bool(prefill_id))
             await self.answers.send(
                 entry.respond,
                 SubmitReply(prefill_worker=prefill_id, decode_worker=decode_id),

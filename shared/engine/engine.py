@@ -20,6 +20,7 @@ so caching decode-filled blocks would make a cache hit differ from a cold run.
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.engine.block_manager import BlockManager
@@ -58,6 +59,8 @@ class Engine:
         self.preemptions = 0
         self.prefill_tokens_per_s = 0.0  # prompt rows per second of step, smoothed
         self.decode_step_s = 0.0  # wall time of a step with decode rows, smoothed
+        # told of each step that ran rows: (kind: prefill, decode or mixed, seconds, sequences)
+        self.observer: Callable[[str, float, int], None] | None = None
 
     # -- from the event loop -------------------------------------------------------------------
 
@@ -123,6 +126,7 @@ class Engine:
         outputs = [(seq, self._load(seq)) for seq in loads]
         if work:
             decoding = any(w.seq.status is SeqStatus.RUNNING for w in work)
+            kind = _kind(work, decoding)  # before the step moves prompts on to RUNNING
             started = time.perf_counter()
             logits = self.runner.forward(
                 [SeqSpan(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work],
@@ -133,8 +137,11 @@ class Engine:
             self._measure(work, time.perf_counter() - started)
             with self.lock:
                 outputs += self._postprocess(work, logits)
+            seconds = time.perf_counter() - started
             if decoding:
-                self._measure_step(time.perf_counter() - started)
+                self._measure_step(seconds)
+            if self.observer is not None:
+                self.observer(kind, seconds, len(work))
         return outputs
 
     def _measure_step(self, seconds: float) -> None:
@@ -267,3 +274,8 @@ class Engine:
             if seq not in self.running:
                 self.running.append(seq)
         return out
+
+
+def _kind(work: list[_Work], decoding: bool) -> str:
+    prompting = any(w.seq.status is not SeqStatus.RUNNING for w in work)
+    return ("mixed" if prompting else "decode") if decoding else "prefill"

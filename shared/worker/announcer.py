@@ -35,6 +35,7 @@ class Announcer:
         self._task: asyncio.Task | None = None
         self._subs = []
         self._soon = asyncio.Event()
+        self.last: WorkerHeartbeat | None = None  # the latest heartbeat sent
 
     async def __aenter__(self) -> "Announcer":
         self._subs = [
@@ -54,7 +55,8 @@ class Announcer:
         await self._bus.publish(self._subjects.heartbeat, final)
 
     async def announce(self) -> None:
-        await self._bus.publish(self._subjects.heartbeat, self._snapshot())
+        self.last = self._snapshot()
+        await self._bus.publish(self._subjects.heartbeat, self.last)
         if self._alive is not None:
             self._alive.touch()
 

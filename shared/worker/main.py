@@ -17,6 +17,8 @@ from shared.dataplane.plane import DataPlane
 from shared.dataplane.ucx import UcxDataPlane
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
+from shared.telemetry.metrics import MetricsServer
+from shared.worker.announcer import Announcer
 from shared.worker.runtime import WorkerRuntime, load_runtime
 from shared.worker.settings import WorkerSettings
 
@@ -24,6 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class Worker(Protocol):
+    announcer: Announcer
+
     async def serve(self, stop: asyncio.Event) -> None: ...
 
 
@@ -55,7 +59,25 @@ async def run_worker(
             liveness = await stack.enter_async_context(
                 Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s)
             )
-        await build(settings, runtime, bus, plane, liveness).serve(stop)
+        worker = build(settings, runtime, bus, plane, liveness)
+        stack.enter_context(metrics_server(settings, runtime, plane, worker))
+        await worker.serve(stop)
+
+
+def metrics_server(
+    settings: WorkerSettings, runtime: WorkerRuntime, plane: DataPlane, worker: Worker
+) -> MetricsServer:
+    """The worker's Prometheus endpoint (none with --metrics-port -1): its engine steps, KV
+    transfers and moves as they happen; its load and counters from its latest heartbeat."""
+    metrics = runtime.metrics
+    metrics.registry.register(
+        metrics.status_collector(
+            lambda: worker.announcer.last,
+            lambda: runtime.blocks.hits,
+            lambda: plane.counters.plane_restarts,
+        )
+    )
+    return MetricsServer(metrics.registry, settings.metrics_host, settings.metrics_port)
 
 
 def data_plane(settings: WorkerSettings, runtime: WorkerRuntime) -> DataPlane:

@@ -12,6 +12,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.engine import Engine
 from shared.engine.kv_cache import bytes_per_token, layout_of
 from shared.engine.model_runner import ModelRunner
+from shared.worker.metrics import WorkerMetrics
 from shared.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,12 @@ class WorkerRuntime:
     summary_limit: int = 1024
     max_queue: int = 0
     kernels: str = ""  # KernelReport.line() of the runner
+    metrics: WorkerMetrics = None  # its Prometheus metrics (served with --metrics-port)
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = WorkerMetrics(self.role, self.worker_id)
+        self.engine.observer = self.metrics.on_step
 
     def load_report(self) -> dict:
         """The heartbeat fields every model worker reports the same way: capacity, prompt work

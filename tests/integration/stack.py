@@ -52,6 +52,7 @@ class Stack:
     names: list[str] = field(default_factory=list)
     http_port: int = 0  # the OpenAI-compatible API's
     api_key: str = ""  # ClusterStatus's, where the gateway requires keys
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # each service's Prometheus port
 
     @property
     def http_url(self) -> str:
@@ -152,50 +153,27 @@ def start_stack(
         **(extra_env or {}),
     }
     worker = {**common, "TANDEM_TORCH_THREADS": "1"}
-    py = [sys.executable, "-m"]
-    names = []
+    names, metrics_ports = [], {}
+
+    def spawn(name: str, service: str, env: dict) -> None:
+        """Each service with a Prometheus endpoint of its own."""
+        names.append(name)
+        metrics_ports[name] = free_port()
+        env = {**env, "TANDEM_METRICS_PORT": str(metrics_ports[name]), **role_env.get(service, {})}
+        group.spawn(name, [sys.executable, "-m", f"services.{service}"], child_env(env))
+
     for i in range(schedulers):
-        names.append(f"{cluster}-scheduler" + (f"-{i}" if i else ""))
-        group.spawn(
-            names[-1],
-            py + ["services.scheduler"],
-            child_env({**common, "TANDEM_MODE": mode, **role_env.get("scheduler", {})}),
-        )
+        name = f"{cluster}-scheduler" + (f"-{i}" if i else "")
+        spawn(name, "scheduler", {**common, "TANDEM_MODE": mode})
     for i in range(prefill if mode != "colocated" else 0):
-        names.append(f"{cluster}-prefill-{i}")
-        group.spawn(
-            names[-1],
-            py + ["services.prefill"],
-            child_env({**worker, **role_env.get("prefill", {})}),
-        )
+        spawn(f"{cluster}-prefill-{i}", "prefill", worker)
+    colocated = "1" if mode == "colocated" else "0"
     for i in range(decode):
-        names.append(f"{cluster}-decode-{i}")
-        group.spawn(
-            names[-1],
-            py + ["services.decode"],
-            child_env(
-                {
-                    **worker,
-                    "TANDEM_COLOCATED": "1" if mode == "colocated" else "0",
-                    **role_env.get("decode", {}),
-                }
-            ),
-        )
-    names.append(f"{cluster}-gateway")
-    group.spawn(
-        names[-1],
-        py + ["services.gateway"],
-        child_env(
-            {
-                **common,
-                "TANDEM_GRPC_PORT": str(port),
-                "TANDEM_HTTP_PORT": str(http_port),
-                **role_env.get("gateway", {}),
-            }
-        ),
-    )
+        spawn(f"{cluster}-decode-{i}", "decode", {**worker, "TANDEM_COLOCATED": colocated})
+    ports = {"TANDEM_GRPC_PORT": str(port), "TANDEM_HTTP_PORT": str(http_port)}
+    spawn(f"{cluster}-gateway", "gateway", {**common, **ports})
     address = f"127.0.0.1:{port}"
-    stack = Stack(cluster, address, group, mode, names, http_port)
+    stack = Stack(cluster, address, group, mode, names, http_port, metrics_ports=metrics_ports)
     if wait:
         wait_serving(address, group, names=names)
         # In auto mode the gateway serves once a decode worker is up; a test that needs the

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = {"shared.settings", "shared.lifecycle", "shared.model_store"}  # leaf modules
+COMMON = {"shared.settings", "shared.lifecycle", "shared.model_store", "shared.telemetry"}  # leaves
 RUNTIME = {"shared.control", "shared.engine", "shared.dataplane", "shared.worker", "shared.api"}
 # package -> the packages of ours it may import (itself always)
 ALLOWED = {
@@ -17,6 +17,7 @@ ALLOWED = {
     "shared.settings": set(),
     "shared.lifecycle": set(),
     "shared.model_store": set(),
+    "shared.telemetry": set(),
     "shared.engine": {"shared.control"},
     "shared.dataplane": {"shared.control", "shared.engine"},
     "shared.worker": {"shared.control", "shared.engine", "shared.dataplane"} | COMMON,

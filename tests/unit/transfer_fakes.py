@@ -25,6 +25,7 @@ from shared.dataplane.plan import TransferPlan
 from shared.dataplane.sender import KVSender
 from shared.engine.kv_cache import KVPool
 from shared.engine.sequence import Sequence
+from shared.worker.metrics import WorkerMetrics
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 from tests.fakes.bus import InMemoryBus
@@ -89,6 +90,7 @@ class DecodeSide:
                 block_size=BS, deallocate=lambda seq: self.freed.append(seq.block_table)
             ),
             engine=SimpleNamespace(kv_arrived=self.arrived.append, lock=threading.Lock()),
+            metrics=WorkerMetrics("decode", DECODE),
         )
         self.settings = settings(**overrides)
         self.fetcher = KVFetcher(self.settings, runtime, self.bus, self.plane, self.liveness)

@@ -1,0 +1,106 @@
+"""The gateway's Prometheus metrics: every request it ended, by API, status and path, and the
+latencies and token counts clients saw (time to first token, inter-token latency, end to end,
+queue time)."""
+
+import time
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared.api import tandem_pb2 as pb
+from shared.telemetry.metrics import ID_LABELS, LATENCY_BUCKETS
+
+
+class GatewayMetrics:
+    def __init__(self, gateway_id: str):
+        self.registry = registry = CollectorRegistry()
+        self.ids = ("gateway", gateway_id)
+        api = [*ID_LABELS, "api"]
+        self.requests = Counter(
+            "tandem_requests",
+            "Requests ended, by API, gRPC status (ok, or the error's) and path (local, "
+            "disaggregated, migrated; none when no token came)",
+            api + ["status", "path"],
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "tandem_requests_in_flight", "Requests open now", api, registry=registry
+        )
+        self.latency = {
+            name: Histogram(
+                f"tandem_{name}_seconds", doc, api, buckets=LATENCY_BUCKETS, registry=registry
+            )
+            for name, doc in (
+                ("time_to_first_token", "Arrival at the gateway to the first token leaving it"),
+                ("inter_token_latency", "Gap between successive tokens of a stream"),
+                (
+                    "request_duration",
+                    "Arrival at the gateway to the last token (requests that finished)",
+                ),
+                (
+                    "request_queue",
+                    "Arrival at the gateway to its prefill starting (workers' timing)",
+                ),
+            )
+        }
+        self.tokens = {
+            kind: Counter(f"tandem_{kind}_tokens", doc, api, registry=registry)
+            for kind, doc in (
+                ("prompt", "Prompt tokens of requests that finished"),
+                ("generation", "Tokens generated and sent"),
+                ("cached_prompt", "Prompt tokens served from a prefix cache"),
+            )
+        }
+
+    def request(self, api: str) -> "RequestObserver":
+        return RequestObserver(self, api)
+
+
+class RequestObserver:
+    """One request's figures as its responses go out; `end` counts it once."""
+
+    def __init__(self, metrics: GatewayMetrics, api: str):
+        self.m, self.labels = metrics, (*metrics.ids, api)
+        self.arrival = self.last_token_at = time.monotonic()
+        self.first = True
+        self.path = "none"
+        metrics.in_flight.labels(*self.labels).inc()
+
+    def on_response(self, response: pb.GenerateResponse) -> None:
+        now, m, labels = time.monotonic(), self.m, self.labels
+        if response.token_ids:
+            if self.first:
+                m.latency["time_to_first_token"].labels(*labels).observe(now - self.arrival)
+            else:
+                m.latency["inter_token_latency"].labels(*labels).observe(now - self.last_token_at)
+            self.first, self.last_token_at = False, now
+            m.tokens["generation"].labels(*labels).inc(len(response.token_ids))
+        if response.finish_reason:
+            timing = response.timing
+            self.path = "migrated" if timing.migrations else (timing.path or "none")
+            m.latency["request_duration"].labels(*labels).observe(now - self.arrival)
+            m.latency["request_queue"].labels(*labels).observe(timing.queue_ms / 1000)
+            m.tokens["prompt"].labels(*labels).inc(response.usage.prompt_tokens)
+            m.tokens["cached_prompt"].labels(*labels).inc(timing.cached_tokens)
+
+    def end(self, code: grpc.StatusCode | None, finished: bool) -> None:
+        """`code`: the status the call was ended with (None: none); `finished`: the last
+        response went out (else the client went away)."""
+        status = code.name.lower() if code is not None else ("ok" if finished else "cancelled")
+        self.m.requests.labels(*self.labels, status, self.path).inc()
+        self.m.in_flight.labels(*self.labels).dec()
+
+
+class RecordingContext:
+    """A call context that remembers the status the request path ended the call with."""
+
+    def __init__(self, context):
+        self._context = context
+        self.code: grpc.StatusCode | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        self.code = code
+        await self._context.abort(code, details)

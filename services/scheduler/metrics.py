@@ -1,0 +1,69 @@
+"""The scheduler's Prometheus metrics: its queue by priority, the workers it knows by pool,
+where it placed requests and why it refused others, and how long routing took."""
+
+import collections
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared.control.messages import WorkerHeartbeat
+from shared.telemetry.metrics import ID_LABELS, LATENCY_BUCKETS
+
+
+class SchedulerMetrics:
+    def __init__(self, scheduler_id: str):
+        self.registry = registry = CollectorRegistry()
+        self.ids = ("scheduler", scheduler_id)
+        ids = list(ID_LABELS)
+        self.queue_depth = Gauge(
+            "tandem_scheduler_queue_depth",
+            "Requests waiting here for room, by priority",
+            ids + ["priority"],
+            registry=registry,
+        )
+        self.live_workers = Gauge(
+            "tandem_scheduler_live_workers",
+            "Workers whose heartbeats this scheduler hears, by pool (prefill, decode, colocated)",
+            ids + ["pool"],
+            registry=registry,
+        )
+        self.placements = Counter(
+            "tandem_scheduler_placements",
+            "Requests placed, by path (disaggregated: a prefill worker and a decode worker; local)",
+            ids + ["path"],
+            registry=registry,
+        )
+        self.refusals = Counter(
+            "tandem_scheduler_refusals",
+            "Submissions answered with a failure, by its code",
+            ids + ["reason"],
+            registry=registry,
+        )
+        self.routing_seconds = Histogram(
+            "tandem_scheduler_routing_seconds",
+            "Time to choose the workers for one request",
+            ids,
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4) + LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._priorities: set[str] = set()
+
+    def tick(self, priorities: list[int], workers: list[WorkerHeartbeat]) -> None:
+        """The queue's and the registry's state now (the scheduler's tick, on its event loop)."""
+        depth = collections.Counter(str(p) for p in priorities)
+        for priority in self._priorities | set(depth):  # a priority emptied reads 0
+            self.queue_depth.labels(*self.ids, priority).set(depth[priority])
+        self._priorities |= set(depth)
+        pools = collections.Counter(w.role for w in workers)
+        for pool in ("prefill", "decode", "colocated"):
+            self.live_workers.labels(*self.ids, pool).set(pools[pool])
+
+    def routed(self, started: float) -> None:
+        """Routing that began at `started` (perf_counter) ended."""
+        self.routing_seconds.labels(*self.ids).observe(time.perf_counter() - started)
+
+    def placed(self, disaggregated: bool) -> None:
+        self.placements.labels(*self.ids, "disaggregated" if disaggregated else "local").inc()
+
+    def refused(self, code: str) -> None:
+        self.refusals.labels(*self.ids, code.lower()).inc()

@@ -6,6 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shared.control.failure import Code
 from shared.control.messages import WorkerHeartbeat
 from shared.telemetry.metrics import ID_LABELS, LATENCY_BUCKETS
 
@@ -46,7 +47,11 @@ class SchedulerMetrics:
             buckets=(1e-5, 3e-5, 1e-4, 3e-4) + LATENCY_BUCKETS,
             registry=registry,
         )
-        self._priorities: set[str] = set()
+        for path in ("local", "disaggregated"):  # series that read 0, not absent, until used
+            self.placements.labels(*self.ids, path)
+        for code in Code:
+            self.refusals.labels(*self.ids, code.value.lower())
+        self._priorities = {"0"}  # the default priority reads 0 while nothing waits
 
     def tick(self, priorities: list[int], workers: list[WorkerHeartbeat]) -> None:
         """The queue's and the registry's state now (the scheduler's tick, on its event loop)."""

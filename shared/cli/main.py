@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import secrets
 import sys
 
 from shared.cli import bench, client, launcher, scale
@@ -165,6 +166,8 @@ def nats_config_command(args) -> int:
             return 1
         with os.fdopen(fd, "w") as out:
             out.write(nats_auth.env_file(nats_auth.new_passwords()))
+            # and the compose stack's Grafana admin (its dashboards are open to view without)
+            out.write(f"TANDEM_GRAFANA_ADMIN_PASSWORD={secrets.token_urlsafe(24)}\n")
         print(f"wrote {args.new_env} (mode 0600)", file=sys.stderr)
         return 0
     tls = (

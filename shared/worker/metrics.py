@@ -60,6 +60,11 @@ class WorkerMetrics:
             registry=registry,
         )
 
+        for direction in ("in", "out"):  # series that read 0, not absent, before the first
+            self.migrations.labels(role, worker_id, direction)
+        for kind in ("prefill", "decode", "mixed"):
+            self.step_seconds.labels(role, worker_id, kind)
+
     def on_step(self, kind: str, seconds: float, sequences: int) -> None:
         role, worker = self.ids.values()
         self.step_seconds.labels(role, worker, kind).observe(seconds)

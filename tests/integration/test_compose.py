@@ -29,6 +29,7 @@ from tests.integration.stack import NatsServer, Stack, wait_serving
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("prefill", "decode")
+TANDEM = ("scheduler", "prefill", "decode", "gateway")  # the services of ours
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def compose():
 
 def test_compose_declares_a_scalable_healthy_stack(compose):
     services = compose["services"]
-    assert set(services) == {"nats", "scheduler", "prefill", "decode", "gateway"}
+    assert set(services) == {*TANDEM, "nats", "prometheus", "grafana"}
     # nothing enabled that nothing uses: no JetStream, no monitoring port but on the NATS
     # container's loopback (its health check); only the server's certificate and key mounted
     assert services["nats"]["command"] == ["-c", "/etc/nats/nats.conf"]
@@ -53,7 +54,7 @@ def test_compose_declares_a_scalable_healthy_stack(compose):
     let_in = [line[1:] for line in ignored if line.startswith("!")]
     assert ignored[[i for i, line in enumerate(ignored) if not line.startswith("#")][0]] == "*"
     assert not any(p.startswith((".env", ".venv", "deploy/certs", "deploy/nats")) for p in let_in)
-    for name in set(services) - {"nats"}:  # every service logs in as its role, only its role
+    for name in TANDEM:  # every service logs in as its role, only its role
         env = services[name]["environment"]
         assert (
             env["TANDEM_NATS_USER"] == f"tandem-{name}"
@@ -158,6 +159,8 @@ def test_compose_services_answer_through_the_gateway(compose):
                 replica_env = dict(env)
                 if "TANDEM_ALIVE_FILE" in env:  # one container each
                     replica_env["TANDEM_ALIVE_FILE"] = f"{env['TANDEM_ALIVE_FILE']}-{i}"
+                assert env["TANDEM_METRICS_PORT"] == "9400"  # each container's own
+                replica_env["TANDEM_METRICS_PORT"] = str(free_port())
                 group.spawn(f"compose-{name}-{i}", argv, child_env(replica_env))
                 checks.append((f"{name}-{i}", _healthcheck(spec, replica_env, grpc_port)))
         address = f"127.0.0.1:{grpc_port}"
@@ -178,3 +181,35 @@ def test_compose_services_answer_through_the_gateway(compose):
         for name, command in checks:  # every service's own health check passes
             done = subprocess.run(command, capture_output=True, text=True, timeout=30)
             assert done.returncode == 0, (name, command, done.stderr)
+
+
+def test_compose_metrics_config_and_dashboard(compose):
+    """Prometheus scrapes every replica of every service of ours (on their metrics port), and
+    Grafana provisions the dashboard from deploy/ (its queries run in test_metrics)."""
+    import json
+    import shutil
+
+    services = compose["services"]
+    config = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    (sd,) = job["dns_sd_configs"]
+    assert set(sd["names"]) == set(TANDEM) and sd["port"] == 9400
+    assert (
+        "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"
+        in services["prometheus"]["volumes"]
+    )
+    mounts = services["grafana"]["volumes"]
+    assert "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro" in mounts
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/tandem.json").read_text())
+    assert len(dashboard["panels"]) >= 10
+    for name in ("prometheus", "grafana"):
+        assert all(p.startswith("127.0.0.1:") for p in services[name]["ports"])
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    done = subprocess.run(
+        [promtool, "check", "config", str(ROOT / "deploy/prometheus.yml")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -4,6 +4,7 @@ finds nothing wrong with any endpoint's exposition."""
 
 import concurrent.futures
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -164,3 +165,17 @@ def test_every_endpoint_passes_promtool(stack):
             done.stdout.decode(),
             done.stderr.decode(),
         )
+
+
+def test_the_dashboards_queries_run(stack, prometheus):
+    """Every query of the Grafana dashboard runs, and every metric it reads is exported."""
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/tandem.json").read_text())
+    exported = set()
+    for port in stack.metrics_ports.values():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            exported |= set(re.findall(r"^(tandem_\w+)", reply.read().decode(), re.M))
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            _query(prometheus, target["expr"])  # a query that does not parse fails here
+            for name in re.findall(r"tandem_\w+", target["expr"]):
+                assert name in exported, (panel["title"], name)

@@ -196,8 +196,8 @@ class KVFetcher:
     def _land(self, req: DecodeRequest, t: InboundTransfer) -> None:
         """COMPLETE: the timings come from the transfer, and the sequence joins the batch."""
         seq, result = req.seq, t.result
-        seq.first_token, req.prefill_worker = result.first_token, result.prefill_worker
-        seq.first_logprob = result.first_logprob
+        seq.first_tokens, req.prefill_worker = result.first_tokens, result.prefill_worker
+        seq.first_logprobs = result.first_logprobs
         seq.queue_ms, seq.prefill_ms = result.queue_ms, result.prefill_ms
         seq.cached_tokens = result.cached_tokens
         seq.kv_transfer_ms, seq.kv_exposed_ms = t.kv_transfer_ms, t.kv_exposed_ms

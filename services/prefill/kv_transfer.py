@@ -66,8 +66,8 @@ class OutboundTransfer:
         self.sender = sender
         self._free_blocks = free_blocks  # the engine's release: between steps only
         self.state = S.QUEUED
-        self.first_token = -1
-        self.first_logprob: TokenLogprob | None = None
+        self.first_tokens: list[int] = []
+        self.first_logprobs: list[TokenLogprob] = []
         self.computed_at = 0.0  # unix time the prompt's last chunk was computed
         self.cancel_reason = ""  # a CancelRequest came
         self.abort_reason = ""  # the decode worker's TransferAbort came
@@ -131,9 +131,9 @@ class OutboundTransfer:
         return self.sender.ready(self.seq.num_computed_tokens)
 
     def on_prompt_done(self, out: StepOutput) -> None:
-        """The prompt is computed: `out` holds its first token (and that token's logprob)."""
-        self.first_token, self.computed_at = out.token_ids[0], time.time()
-        self.first_logprob = out.logprobs[0] if out.logprobs else None
+        """The prompt is computed: `out` holds the first token of each choice (and logprobs)."""
+        self.first_tokens, self.computed_at = out.token_ids, time.time()
+        self.first_logprobs = out.logprobs
 
     def on_all_staged(self) -> bool:
         """Every segment is on the wire: SENDING (True) unless it ended meanwhile."""
@@ -167,8 +167,8 @@ class OutboundTransfer:
         return PrefillResult(
             attempt_id=self.attempt_id,
             base_tag=self.task.destination.base_tag,
-            first_token=self.first_token,
-            first_logprob=self.first_logprob,
+            first_tokens=self.first_tokens,
+            first_logprobs=self.first_logprobs,
             kv_bytes=self.sender.plan.nbytes,
             queue_ms=self.seq.queue_ms,
             prefill_ms=self.seq.prefill_ms,

@@ -20,6 +20,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # return each sampled token's log-probability
     top_logprobs: int = 0  # and this many most likely alternatives at each position
+    n: int = 1  # choices: the prompt computed once, each choice sampled with seed + its index
 
 
 @dataclass
@@ -140,8 +141,8 @@ class PrefillResult:
     attempt_id: str
     base_tag: int
     failure: Failure | None = None  # the abort's; movable when the prefill worker is at fault
-    first_token: int = -1
-    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    first_tokens: list[int] = field(default_factory=list)  # one per choice (sampling.n)
+    first_logprobs: list[TokenLogprob] = field(default_factory=list)  # when logprobs were asked
     kv_bytes: int = 0
     pieces_sent: int = 0  # on an abort: pieces handed to UCX before it stopped
     transport: str = ""  # the UCX transports that carry the bytes, e.g. "sysv+posix+cma"

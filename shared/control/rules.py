@@ -21,15 +21,15 @@ MAX_TEMPERATURE = 1000.0  # the gateway refuses more (its validation must stay w
 MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per position, as OpenAI's API allows
+MAX_N = 64  # choices of one request
 MAX_LABEL = 256  # characters of a worker's descriptive strings (its kernel report)
 
 # int fields that may be negative, and how far
 SIGNED = {
     ("GenerateTask", "priority"): INT32,
     ("PrefillTask", "priority"): INT32,
-    ("PrefillResult", "first_token"): (-1, TOKEN_ID_LIMIT - 1),
 }
-TOKEN_LISTS = {"prompt_token_ids", "token_ids", "top_ids"}
+TOKEN_LISTS = {"prompt_token_ids", "token_ids", "top_ids", "first_tokens"}
 
 
 def _sampling(m) -> str | None:
@@ -41,6 +41,7 @@ def _sampling(m) -> str | None:
         or m.top_k > MAX_TOP_K
         or len(m.stop) > MAX_STOP_STRINGS
         or m.top_logprobs > MAX_TOP_LOGPROBS
+        or not 1 <= m.n <= MAX_N
     ):
         return "sampling parameters out of range"
     return None

@@ -146,6 +146,29 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.last_block_hash = b""
 
+    def fork(self, parent: Paged, child: Paged) -> tuple[int, int] | None:
+        """Gives `child` the parent's KV: its full blocks shared, its last block (partly filled,
+        so the next tokens of each would collide) copied into one of the child's own. Returns
+        (source, copy) of the block whose KV the caller copies (None: no partial block).
+        MemoryError, with nothing taken, when no block is free for the copy."""
+        if child.block_table:
+            raise ValueError("sequence already holds blocks")
+        full = parent.num_tokens // self.block_size
+        partial = len(parent.block_table) > full
+        if partial and not self.free:
+            raise MemoryError("no free KV block for a forked sequence's last block")
+        for block in parent.block_table[:full]:
+            self._take(block)
+        child.block_table = parent.block_table[:full]
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+        child.last_block_hash = parent.last_block_hash
+        if not partial:
+            return None
+        copy = self._take_run(1, None)[0]
+        child.block_table = child.block_table + [copy]
+        return parent.block_table[full], copy
+
     def leaked(self, live_tables: list[list[int]]) -> int:
         """Blocks held beyond what the given live block tables account for: lost until a restart,
         so this must stay 0. Call under the engine lock."""

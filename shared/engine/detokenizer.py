@@ -1,5 +1,7 @@
 """Token ids to streamed text: valid UTF-8 only, stop strings honoured and never shown."""
 
+import copy
+
 REPLACEMENT = "\ufffd"
 
 
@@ -28,6 +30,12 @@ class Detokenizer:
         decode = self._tokenizer.decode
         before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
         return decode(self._ids[self._prefix :], skip_special_tokens=True)[len(before) :]
+
+    def fork(self) -> "Detokenizer":
+        """A twin in the same state (another choice of the request goes on from here)."""
+        twin = copy.copy(self)
+        twin._ids = list(self._ids)
+        return twin
 
     def prime(self, token_ids: list[int]) -> None:
         """Takes in output the client already has (a request resumed on another worker): the same

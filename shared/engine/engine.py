@@ -20,13 +20,15 @@ so caching decode-filled blocks would make a cache hit differ from a cold run.
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.control.choices import choice_sampling
 from shared.engine.block_manager import BlockManager
+from shared.engine.fork import fork
 from shared.engine.model_runner import ModelRunner, SeqSpan
 from shared.engine.sampler import logprob_of, sample
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.engine.step_stats import StepStats
 
 
 @dataclass
@@ -51,16 +53,12 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.lock = threading.Lock()
-        self.waiting: deque[Sequence] = (
-            deque()
-        )  # prompt (or recompute) to run here, first come first
+        self.waiting: deque[Sequence] = deque()  # prompt (or recompute) to run, in order
         self.loading: list[Sequence] = []  # remote KV arrived, to be written into the pool
         self.running: list[Sequence] = []
         self.preemptions = 0
-        self.prefill_tokens_per_s = 0.0  # prompt rows per second of step, smoothed
-        self.decode_step_s = 0.0  # wall time of a step with decode rows, smoothed
-        # told of each step that ran rows: (kind: prefill, decode or mixed, seconds, sequences)
-        self.observer: Callable[[str, float, int], None] | None = None
+        self.stats = StepStats(runner.chunk)
+        self.forked: list[Sequence] = []  # choices forked since the owner last took them
 
     # -- from the event loop -------------------------------------------------------------------
 
@@ -99,7 +97,7 @@ class Engine:
             )
 
     def kv_arrived(self, seq: Sequence) -> None:
-        """seq's KV is in its blocks and seq.first_token is set: it joins the batch at the next step."""
+        """seq's KV is in its blocks and seq.first_tokens are set: it joins the batch next step."""
         with self.lock:
             seq.status = SeqStatus.KV_READY
             self.loading.append(seq)
@@ -123,10 +121,11 @@ class Engine:
             loads, work = self._schedule()
         if not loads and not work:
             return None
-        outputs = [(seq, self._load(seq)) for seq in loads]
+        outputs = [pair for seq in loads for pair in self._load(seq)]
         if work:
-            decoding = any(w.seq.status is SeqStatus.RUNNING for w in work)
-            kind = _kind(work, decoding)  # before the step moves prompts on to RUNNING
+            # counted before the step moves prompts on to RUNNING
+            decoding = sum(1 for w in work if w.seq.status is SeqStatus.RUNNING)
+            prompt_rows = sum(w.end - w.start for w in work if w.seq.status is SeqStatus.WAITING)
             started = time.perf_counter()
             logits = self.runner.forward(
                 [SeqSpan(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work],
@@ -134,34 +133,20 @@ class Engine:
             )
             if logits is None:  # every sequence in it was cancelled meanwhile: they are freed next
                 return outputs
-            self._measure(work, time.perf_counter() - started)
+            forward_s = time.perf_counter() - started
             with self.lock:
                 outputs += self._postprocess(work, logits)
-            seconds = time.perf_counter() - started
-            if decoding:
-                self._measure_step(seconds)
-            if self.observer is not None:
-                self.observer(kind, seconds, len(work))
+            step_s = time.perf_counter() - started
+            self.stats.record(decoding, prompt_rows, forward_s, step_s, len(work))
         return outputs
 
-    def _measure_step(self, seconds: float) -> None:
-        """How long a step takes while sequences decode: the gap between their tokens, which the
-        scheduler keeps under its ITL target (prompt chunks in the step count: they delay the tokens)."""
-        self.decode_step_s = (
-            seconds if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * seconds
-        )
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.stats.prefill_tokens_per_s
 
-    def _measure(self, work: list[_Work], seconds: float) -> None:
-        """Prompt throughput, for the scheduler's wait estimates (steps with many prompt rows only:
-        a step of a few rows says little about how fast a long prompt goes)."""
-        prompt_rows = sum(w.end - w.start for w in work if w.seq.status is SeqStatus.WAITING)
-        if prompt_rows >= self.runner.chunk and seconds > 0:
-            rate = prompt_rows / seconds
-            self.prefill_tokens_per_s = (
-                rate
-                if not self.prefill_tokens_per_s
-                else 0.8 * self.prefill_tokens_per_s + 0.2 * rate
-            )
+    @property
+    def decode_step_s(self) -> float:
+        return self.stats.decode_step_s
 
     def _schedule(self) -> tuple[list[Sequence], list[_Work]]:
         work = [_Work(seq, seq.num_tokens - 1, seq.num_tokens) for seq in self._decodable()]
@@ -227,12 +212,13 @@ class Engine:
             end = nxt
         return end
 
-    def _load(self, seq: Sequence) -> StepOutput:
+    def _load(self, seq: Sequence) -> list[tuple[Sequence, StepOutput]]:
         """A remotely computed prompt joins: its KV was received straight into its blocks."""
         with self.lock:
             seq.num_computed_tokens = seq.prompt_len
             self.blocks.commit(seq, seq.prompt_len)
-            return self._emit(seq, seq.first_token, seq.first_logprob)
+            logprobs = seq.first_logprobs or [None] * len(seq.first_tokens)
+            return self._first_of_each(seq, list(zip(seq.first_tokens, logprobs)))
 
     def _postprocess(self, work: list[_Work], logits) -> list[tuple[Sequence, StepOutput]]:
         outputs = []
@@ -252,15 +238,49 @@ class Engine:
                 seq.queue_ms = (
                     seq.queue_ms or max(0.0, seq.prefill_started - seq.task.arrival_time) * 1000
                 )
-            outputs.append((seq, self._sample(seq, logits[row])))
+            outputs += self._sample(seq, logits[row])
         return outputs
 
-    def _sample(self, seq: Sequence, logits) -> StepOutput:
-        """The next token from seq's logits [vocab], with its logprob when the request asked."""
-        token = sample(logits, seq.sampling, seq.position)
+    def _sample(self, seq: Sequence, logits) -> list[tuple[Sequence, StepOutput]]:
+        """The next token from seq's logits [vocab] (with its logprob when asked); at the end of
+        the prompt of a request of n > 1 choices, the first token of each choice."""
         params = seq.sampling
-        logprob = logprob_of(logits, token, params.top_logprobs) if params.logprobs else None
-        return self._emit(seq, token, logprob)
+        choices = (
+            [choice_sampling(params, i) for i in range(params.n)] if params.n > 1 else [params]
+        )
+        draws = []
+        for choice in choices:
+            token = sample(logits, choice, seq.position)
+            logprob = logprob_of(logits, token, choice.top_logprobs) if choice.logprobs else None
+            draws.append((token, logprob))
+        return self._first_of_each(seq, draws)
+
+    def _first_of_each(self, seq: Sequence, draws: list) -> list[tuple[Sequence, StepOutput]]:
+        """seq takes draws[0]; the other choices (a prefill worker: the decode worker's to fork;
+        else forked here) take the others."""
+        if len(draws) == 1:
+            return [(seq, self._emit(seq, *draws[0]))]
+        seq.sampling = choice_sampling(seq.sampling, 0)  # from here on, choice 0 alone
+        if seq.prefill_only:
+            out = self._emit(seq, *draws[0])
+            out.token_ids = [token for token, _ in draws]
+            out.logprobs = [logprob for _, logprob in draws if logprob is not None]
+            return [(seq, out)]
+        children = fork(seq, len(draws), self.blocks, self.runner.pool)
+        outputs = [(seq, self._emit(seq, *draws[0]))]
+        for (child, shared), draw in zip(children, draws[1:]):
+            self.forked.append(child)
+            outputs.append((child, self._emit(child, *draw) if shared else child.append(*draw)))
+            if not shared and child.status is not SeqStatus.FINISHED:
+                child.status = SeqStatus.WAITING  # its prompt computed again, when there is room
+                self.waiting.appendleft(child)
+        return outputs
+
+    def take_forked(self) -> list[Sequence]:
+        """The choices forked since the last call (their owner adopts them)."""
+        with self.lock:
+            forked, self.forked = self.forked, []
+            return forked
 
     def _emit(self, seq: Sequence, token: int, logprob=None) -> StepOutput:
         out = seq.append(token, logprob)
@@ -274,8 +294,3 @@ class Engine:
             if seq not in self.running:
                 self.running.append(seq)
         return out
-
-
-def _kind(work: list[_Work], decoding: bool) -> str:
-    prompting = any(w.seq.status is not SeqStatus.RUNNING for w in work)
-    return ("mixed" if prompting else "decode") if decoding else "prefill"

@@ -72,6 +72,13 @@ class KVPool:
                 return None
         return first * self.block_size
 
+    def copy_block(self, source: int, target: int) -> None:
+        """Block `target` gets block `source`'s keys and values, every layer."""
+        size = self.block_size
+        self.kv[:, :, target * size : (target + 1) * size] = self.kv[
+            :, :, source * size : (source + 1) * size
+        ]
+
     def write(
         self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:

@@ -50,8 +50,10 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the pool
         self.num_hashed_blocks = 0
         self.last_block_hash = b""
-        self.first_token = -1  # sampled by the remote prefill
-        self.first_logprob: TokenLogprob | None = None  # its logprob, when asked for
+        # sampled by the remote prefill: the first token of each choice (and its logprob)
+        self.first_tokens: list[int] = []
+        self.first_logprobs: list[TokenLogprob] = []
+        self.forked_from: Sequence | None = None  # the choice 0 this choice was forked from
         self.finish_reason = ""
         self.abandoned = False  # nobody wants its output any more: a step of only such stops early
         self.queue_ms = 0.0
@@ -60,6 +62,18 @@ class Sequence:
         self.kv_exposed_ms = 0.0  # prefill finished -> last KV piece landed
         self.cached_tokens = 0  # prompt tokens a prefix cache served, for Timing
         self.prefill_started = 0.0
+
+    def fork(self, task: GenerateTask) -> "Sequence":
+        """Another choice of this request (`task`: its id and sampling) from the same computed
+        prompt; its blocks come from BlockManager.fork."""
+        detokenizer = self.detokenizer.fork() if self.detokenizer is not None else None
+        child = Sequence(task, detokenizer, self.eos_token_ids, self.max_model_len)
+        child.forked_from = self
+        child.num_computed_tokens = self.num_computed_tokens
+        for name in ("queue_ms", "prefill_ms", "kv_transfer_ms", "kv_exposed_ms", "cached_tokens"):
+            setattr(child, name, getattr(self, name))
+        child.prefill_started = self.prefill_started
+        return child
 
     @property
     def token_ids(self) -> list[int]:

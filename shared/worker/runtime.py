@@ -37,7 +37,7 @@ class WorkerRuntime:
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = WorkerMetrics(self.role, self.worker_id)
-        self.engine.observer = self.metrics.on_step
+        self.engine.stats.observer = self.metrics.on_step
 
     def load_report(self) -> dict:
         """The heartbeat fields every model worker reports the same way: capacity, prompt work

@@ -412,7 +412,7 @@ def test_remote_kv_decodes_like_the_colocated_run(model, rand_tokens):
     assert len(seq.block_table) == 3 and seq.num_cached_tokens == 0
     assert not seq.output_ids and seq not in engine.running
     land(engine, seq, buffer)
-    seq.first_token = first
+    seq.first_tokens = [first]
     engine.kv_arrived(seq)
     assert seq.status is SeqStatus.KV_READY
     outputs = engine.step()
@@ -434,7 +434,7 @@ def test_remote_kv_over_a_cached_prefix_loads_only_the_rest(model, rand_tokens):
     assert engine.admit(seq) and seq.num_cached_tokens == 64
     buffer[:, :, :64] = float("nan")  # the cached part is not sent
     land(engine, seq, buffer)
-    seq.first_token = first
+    seq.first_tokens = [first]
     engine.kv_arrived(seq)
     run_to_end(engine)
     assert seq.output_ids == alone(model, prompt, 10)

@@ -30,7 +30,7 @@ async def test_the_normal_path_lands_every_piece_and_hands_the_kv_to_the_engine(
     await asyncio.wait_for(fetch, 5)
     t, req = side.req.transfer, side.req
     assert t.state is S.COMPLETE and req.may_free and req.failure is None
-    assert side.arrived == [req.seq] and req.seq.first_token == 7
+    assert side.arrived == [req.seq] and req.seq.first_tokens == [7]
     assert req.prefill_worker == PREFILL and side.fetcher.transports == {"inprocess"}
     assert (req.seq.queue_ms, req.seq.prefill_ms) == (1.5, 2.5)
     assert req.seq.kv_transfer_ms >= 0 and req.seq.kv_exposed_ms >= 0

@@ -86,7 +86,7 @@ def test_a_remote_first_token_carries_the_prefill_workers_logprob(tiny_model, ra
     the decode worker emits the logprob it was handed."""
     engine = make_engine(tiny_model)
     seq = make_seq(rand_tokens(20), 1, logprobs=True)
-    seq.first_token, seq.first_logprob = 7, TL(-1.25, [7], [-1.25])
+    seq.first_tokens, seq.first_logprobs = [7], [TL(-1.25, [7], [-1.25])]
     assert engine.admit(seq)
     engine.kv_arrived(seq)
     ((_, out),) = engine.step()
@@ -97,8 +97,8 @@ def test_a_remote_first_token_carries_the_prefill_workers_logprob(tiny_model, ra
 def test_logprobs_cross_the_wire():
     chunk = TokenChunk("a", 0, [5, 6], "xy", [TL(-0.5, [5, 2], [-0.5, -1.0]), TL(-2.0)])
     assert wire.decode(wire.encode(chunk), TokenChunk) == chunk
-    result = PrefillResult("a", 1, first_token=5, first_logprob=TL(-0.5))
-    assert wire.decode(wire.encode(result), PrefillResult).first_logprob == TL(-0.5)
+    result = PrefillResult("a", 1, first_tokens=[5], first_logprobs=[TL(-0.5)])
+    assert wire.decode(wire.encode(result), PrefillResult).first_logprobs == [TL(-0.5)]
 
 
 @pytest.mark.parametrize(

@@ -86,7 +86,7 @@ SAMPLES = [
         decode_worker="d",
         arrival_time=2.0,
     ),
-    PrefillResult(attempt_id="r1", base_tag=3, first_token=42, kv_bytes=1024, queue_ms=0.5),
+    PrefillResult(attempt_id="r1", base_tag=3, first_tokens=[42], kv_bytes=1024, queue_ms=0.5),
     PrefillResult(
         attempt_id="r1", base_tag=3, failure=failed(Code.CANCELLED, "gone"), pieces_sent=120
     ),
@@ -283,7 +283,8 @@ def _with(message, path: str, value) -> bytes:
         (SAMPLES[4], "destination.segment_tokens", 0),
         (SAMPLES[4], "layout.num_layers", 0),
         (SAMPLES[4], "layout.head_dim", 10**6),
-        (SAMPLES[5], "first_token", -2),
+        (SAMPLES[5], "first_tokens", [-2]),
+        (SAMPLES[5], "first_tokens", [2**31]),
         (SAMPLES[5], "pieces_sent", -1),
         (SAMPLES[8], "index", -1),
         (SAMPLES[10], "kv_blocks_used", -3),
@@ -336,7 +337,7 @@ def test_a_failure_with_an_unknown_code_or_retry_is_refused(path, value):
 def test_values_at_the_edges_are_accepted():
     assert decode(_with(TASK, "priority", -(2**31))).priority == -(2**31)
     assert decode(_with(TASK, "resume_tokens", 2)).resume_tokens == 2
-    assert decode(_with(SAMPLES[5], "first_token", -1)).first_token == -1
+    assert decode(_with(SAMPLES[5], "first_tokens", [2**31 - 1])).first_tokens == [2**31 - 1]
     assert decode(_with(SAMPLES[10], "prefix_summary", [2**64 - 1])).prefix_summary == [2**64 - 1]
     assert decode(_with(SAMPLES[10], "kernels", "·" * 256)).kernels == "·" * 256
     # a difference of two hosts' clocks may be negative: a timing is finite, not necessarily >= 0

@@ -73,7 +73,7 @@ async def test_the_normal_path_sends_every_piece_then_frees_the_blocks_once():
     x.t.on_prompt_done(StepOutput([42], ""))
     assert x.t.on_all_staged() and x.t.state is S.SENDING and x.freed == []
     result = x.t.result("prefill-1", "inprocess")
-    assert result.ok and result.first_token == 42 and result.kv_bytes == x.t.sender.plan.nbytes
+    assert result.ok and result.first_tokens == [42] and result.kv_bytes == x.t.sender.plan.nbytes
     await x.t.sender.finish()
     x.t.on_sends_done()
     assert x.t.state is S.RELEASED and x.freed == [x.seq] and x.receiver.complete

@@ -156,7 +156,9 @@ class ScriptedPrefill:
     async def result(self, failure: Failure | None = None, **fields) -> None:
         task = self.tasks[-1]
         if failure is None:
-            fields = dict(first_token=7, computed_at=time.time(), transport="inprocess", **fields)
+            fields = dict(
+                first_tokens=[7], computed_at=time.time(), transport="inprocess", **fields
+            )
         message = PrefillResult(
             attempt_id=task.attempt_id,
             base_tag=task.destination.base_tag,

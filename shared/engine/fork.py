@@ -1,0 +1,31 @@
+"""Forking a sequence into the choices of its request (sampling.n > 1), at its first token.
+
+The prompt was computed once; each other choice gets a Sequence of its own that shares the
+prompt's full KV blocks and has its own copy of the last, partly filled one (the choices' next
+tokens land there, and differ): copy-on-write at the first block where they diverge. A choice
+for which no block is free for that copy computes the prompt again later, like a preempted
+sequence: correct, only not shared.
+"""
+
+from shared.control.choices import choice_task
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_cache import KVPool
+from shared.engine.sequence import Sequence
+
+
+def fork(seq: Sequence, n: int, blocks: BlockManager, pool: KVPool) -> list[tuple[Sequence, bool]]:
+    """Choices 1..n-1 of seq's request, each with whether it shares seq's KV (else it must
+    compute its prompt again). Call under the engine lock, before seq takes its first token."""
+    children = []
+    for index in range(1, n):
+        child = seq.fork(choice_task(seq.task, index))
+        try:
+            copy = blocks.fork(seq, child)
+        except MemoryError:
+            child.num_computed_tokens = 0
+            children.append((child, False))
+            continue
+        if copy is not None:
+            pool.copy_block(*copy)
+        children.append((child, True))
+    return children

@@ -13,21 +13,30 @@ from services.decode.request import DecodeRequest
 from shared.control.failure import Code, Failure, failed
 from shared.engine.engine import Engine
 from shared.engine.executor import EngineExecutor
-from shared.engine.sequence import SeqStatus, StepOutput
+from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 from shared.worker import steps
 
 log = logging.getLogger(__name__)
 
 Publish = Callable[[DecodeRequest, StepOutput], Awaitable[None]]
 Finish = Callable[[DecodeRequest], Awaitable[None]]
+Adopt = Callable[[Sequence], DecodeRequest]
 
 
 class DecodeLoop:
-    def __init__(self, engine: Engine, executor: EngineExecutor, publish: Publish, finish: Finish):
+    def __init__(
+        self,
+        engine: Engine,
+        executor: EngineExecutor,
+        publish: Publish,
+        finish: Finish,
+        adopt: Adopt,
+    ):
         self.engine = engine
         self.executor = executor
         self.publish = publish
         self.finish = finish
+        self.adopt = adopt  # a choice the engine forked becomes a request of its own
         self.requests: dict[str, DecodeRequest] = {}  # every request this worker holds, by id
         self.wakeup = asyncio.Event()
 
@@ -70,6 +79,8 @@ class DecodeLoop:
             return True
         if outputs is None:
             return False
+        for seq in self.engine.take_forked():
+            self.requests[seq.attempt_id] = self.adopt(seq)
         for seq, out in outputs:
             req = self.requests.get(seq.attempt_id)
             if req is not None and not req.cancel_reason and req.failure is None:

@@ -8,17 +8,14 @@ import logging
 from services.decode.decode_loop import DecodeLoop
 from services.decode.kv_fetch import KVFetcher
 from services.decode.request import DecodeRequest
-from services.decode.stream_log import StreamLog
+from services.decode.token_streams import TokenStreams
 from shared.control.bus import MessageBus
 from shared.control.failure import Code, Failure, failed, worker_failed, worker_full
 from shared.control.liveness import Liveness
 from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
-    StreamReplay,
     TaskAck,
-    Timing,
-    TokenChunk,
     WorkerHeartbeat,
 )
 from shared.control.recent import RecentIds
@@ -26,7 +23,7 @@ from shared.control.subjects import Subjects
 from shared.dataplane.plane import DataPlane
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.executor import EngineExecutor
-from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.engine.sequence import SeqStatus, Sequence
 from shared.worker.announcer import Announcer
 from shared.worker.heartbeat import heartbeat, leaked_blocks
 from shared.worker.runtime import WorkerRuntime
@@ -34,8 +31,6 @@ from shared.worker.serve import WorkerLifecycle
 from shared.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
-
-MAX_ENDED_CHUNKS = 100_000  # chunks of ended streams kept for replay, at most
 
 
 class DecodeWorker:
@@ -54,12 +49,21 @@ class DecodeWorker:
         self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
         self.executor = EngineExecutor()
-        self.loop = DecodeLoop(runtime.engine, self.executor, self._publish, self._finish)
+        self.out = TokenStreams(
+            bus,
+            runtime.worker_id,
+            settings.stream_retain_s,
+            settings.max_held_chunks,
+            lambda: self.loop.wakeup.set(),
+            runtime.metrics,
+        )
+        self.loop = DecodeLoop(
+            runtime.engine, self.executor, self.out.publish, self._finish, self._adopt
+        )
         self.kv = KVFetcher(settings, runtime, bus, plane, liveness)
         self.fetches: dict[str, asyncio.Task] = {}  # attempt id -> its remote-prefill task
         # A cancel can overtake its assignment (the gateway gave up while the scheduler placed it).
         self.cancelled = RecentIds(ttl_s=120)
-        self.streams = StreamLog(settings.stream_retain_s, MAX_ENDED_CHUNKS)
         self.served = 0
         self.stopping = False
         self.announcer = Announcer(
@@ -89,7 +93,8 @@ class DecodeWorker:
 
     def _held_tables(self) -> list[list[int]]:
         held = [r.seq.block_table for r in self.loop.requests.values()]
-        return held + [q.blocks for q in self.kv.quarantined]
+        forked = [seq.block_table for seq in self.rt.engine.forked]  # not adopted yet
+        return held + forked + [q.blocks for q in self.kv.quarantined]
 
     async def serve(self, stop: asyncio.Event) -> None:
         worker = self.rt.worker_id
@@ -102,7 +107,7 @@ class DecodeWorker:
                 (self.subjects.decode_tasks(worker), self.on_assignment),
                 (self.subjects.prefill_results(worker), self.kv.on_prefill_result),
                 (self.subjects.cancel, self.on_cancel),
-                (self.subjects.stream_replay(worker), self.on_replay),
+                (self.subjects.stream_replay(worker), self.out.on_replay),
             ],
             run=self.loop.run,
             stop_accepting=self._stop_accepting,
@@ -141,13 +146,13 @@ class DecodeWorker:
                 task.prompt_token_ids[len(task.prompt_token_ids) - task.resume_tokens :]
             )
             seq = Sequence(task, detokenizer, self.rt.eos_token_ids, self.rt.max_model_len)
-            self.streams.open(task.attempt_id, task.reply_subject)
+            self.out.open(task)
             if not assignment.prefill_worker:
                 self.loop.add(DecodeRequest(seq, self.rt.worker_id), local_prefill=True)
             elif self.rt.engine.admit(seq):  # the prompt's blocks, reserved before its KV comes
                 self._prefill_remotely(DecodeRequest(seq), assignment.prefill_worker)
             else:
-                self.streams.end(task.attempt_id)
+                self.out.forget(task)
                 refusal = worker_full(
                     self.rt.worker_id, f"decode worker {self.rt.worker_id} has no KV blocks free"
                 )
@@ -173,10 +178,8 @@ class DecodeWorker:
             return failed(Code.INVALID_ARGUMENT, message, me)
         if len(self.loop.requests) >= self.settings.max_queue:
             return worker_full(me, f"decode worker {me} is full")
-        if (
-            self.rt.blocks.blocks_for(len(task.prompt_token_ids) + task.sampling.max_tokens)
-            > self.rt.blocks.num_blocks
-        ):
+        tokens = len(task.prompt_token_ids) + task.sampling.n * task.sampling.max_tokens
+        if self.rt.blocks.blocks_for(tokens) > self.rt.blocks.num_blocks:
             return worker_full(me, f"the request needs more KV than decode worker {me} has")
         return None
 
@@ -208,87 +211,20 @@ class DecodeWorker:
 
     # -- output ----------------------------------------------------------------------------
 
-    def _chunk(self, req: DecodeRequest, **fields) -> TokenChunk:
-        return TokenChunk(attempt_id=req.attempt_id, index=req.next_chunk_index(), **fields)
-
-    async def _publish(self, req: DecodeRequest, out: StepOutput) -> None:
-        seq, extra = req.seq, {}
-        if out.finish_reason:
-            extra = dict(
-                prompt_tokens=seq.prompt_len - seq.resume_tokens,
-                completion_tokens=seq.position,
-                timing=Timing(
-                    queue_ms=seq.queue_ms,
-                    prefill_ms=seq.prefill_ms,
-                    kv_transfer_ms=seq.kv_transfer_ms,
-                    kv_exposed_ms=seq.kv_exposed_ms,
-                    prefill_worker=req.prefill_worker,
-                    decode_worker=self.rt.worker_id,
-                    path="local" if req.prefill_worker == self.rt.worker_id else "disaggregated",
-                    cached_tokens=seq.cached_tokens,
-                ),
-            )
-        chunk = self._chunk(
-            req,
-            token_ids=out.token_ids,
-            text=out.text,
-            logprobs=out.logprobs,
-            finish_reason=out.finish_reason,
-            **extra,
-        )
-        await self._send(req, chunk)
-
-    async def _send(self, req: DecodeRequest, chunk: TokenChunk) -> None:
-        """Sends a chunk, kept for replay. NATS down or stalled: it is held (the gateway asks for
-        it again); too many held in a row, and the request fails (the gateway moves it on)."""
-        subject = req.seq.task.reply_subject
-        self.streams.record(subject, chunk)
-        if await self.bus.try_publish(subject, chunk):
-            req.held = 0
-            return
-        req.held += 1
-        if req.held > self.settings.max_held_chunks and not req.ended:
-            message = (
-                f"decode worker {self.rt.worker_id} could not send its tokens for {req.held} steps"
-            )
-            req.fail(worker_failed("", message))
-            self.loop.wakeup.set()
-
-    async def on_replay(self, message: StreamReplay, respond) -> None:
-        """Sends a stream's chunks again from the one the gateway expects."""
-        kept = self.streams.since(message.attempt_id, message.from_index)
-        if kept is None:
-            me = self.rt.worker_id
-            ack = TaskAck(
-                failed(Code.UNAVAILABLE, f"decode worker {me} no longer has the stream", me)
-            )
-        else:
-            subject, chunks = kept
-            for chunk in chunks:
-                if not await self.bus.try_publish(subject, chunk):
-                    break  # backed up again: the gateway asks once more
-            ack = TaskAck()
-        if respond is not None:
-            await respond(ack)
-
     async def _finish(self, req: DecodeRequest) -> None:
         """Tells the gateway how the request ended (the loop freed its blocks), on every path."""
-        seq = req.seq
-        if seq.status is SeqStatus.FINISHED and req.failure is None and not req.cancel_reason:
+        if await self.out.end(req):
             self.served += 1
-            self.streams.end(req.attempt_id)
-            return
-        self.announcer.nudge()  # its blocks are free: the scheduler and ClusterStatus hear it now
-        if req.cancel_reason:
-            chunk = self._chunk(
-                req,
-                finish_reason="cancelled",
-                prompt_tokens=seq.prompt_len - seq.resume_tokens,
-                completion_tokens=seq.position,
-            )
-        else:
-            chunk = self._chunk(req, failure=req.failure)
-            if req.failure.movable:
-                self.rt.metrics.migrated("out")
-        await self._send(req, chunk)
-        self.streams.end(req.attempt_id)
+        else:  # its blocks are free: the scheduler and ClusterStatus hear it now
+            self.announcer.nudge()
+
+    def _adopt(self, seq: Sequence) -> DecodeRequest:
+        """A choice forked from a request held here: a request of its own from now on (ended
+        at once when its request was, or when its own cancel came before it existed)."""
+        parent = self.loop.requests.get(seq.forked_from.attempt_id)
+        req = DecodeRequest(seq, parent.prefill_worker if parent else "")
+        if seq.attempt_id in self.cancelled or parent is None:
+            req.cancel("cancelled")
+        elif parent.cancel_reason or parent.failure:
+            req.cancel(parent.cancel_reason) if parent.cancel_reason else req.fail(parent.failure)
+        return req

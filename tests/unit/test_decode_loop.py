@@ -20,7 +20,7 @@ async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
     async def finish(req):
         finished.append(req.attempt_id)
 
-    loop = DecodeLoop(engine, executor, publish, finish)
+    loop = DecodeLoop(engine, executor, publish, finish, DecodeRequest)
     try:
         loop.add(DecodeRequest(make_seq(list(range(3, 20)), 6, attempt_id="a")), local_prefill=True)
         started = time.monotonic()

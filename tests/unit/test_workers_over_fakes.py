@@ -2,8 +2,12 @@
 plane (tiny model): the KV moves, the tokens are those of a local prefill, every block comes back
 exactly once on each side, on the normal path and when the request ends mid-transfer."""
 
+import dataclasses
 import time
 
+import pytest
+
+from shared.control.choices import choice_id, choice_sampling
 from shared.control.failure import Code, failed, worker_failed
 from shared.control.messages import CancelRequest
 from tests.unit.transfer_fakes import DECODE, PREFILL, Pair, make_task, until
@@ -74,3 +78,53 @@ async def test_a_lost_prefill_worker_fails_the_request_for_another_one(tiny_mode
         pair.liveness.gone.clear()
         await pair.idle()
         assert pair.decode_freed == {"r": 1} and pair.prefill_freed.get("r", 0) <= 1
+
+
+async def _choices(pair: Pair, task) -> dict[str, list]:
+    """Each choice's chunks (by attempt id), once every choice has its last."""
+    ids = [choice_id(task.attempt_id, i) for i in range(task.sampling.n)]
+
+    def by_choice() -> dict[str, list]:
+        return {i: [c for c in pair.chunks[task.attempt_id] if c.attempt_id == i] for i in ids}
+
+    await until(
+        lambda: all(c and (c[-1].finish_reason or c[-1].failure) for c in by_choice().values())
+    )
+    return by_choice()
+
+
+@pytest.mark.parametrize("remote", [True, False])
+async def test_n_choices_stream_on_their_own_ids_from_one_prefill(tiny_model, remote):
+    """Three choices, each what a request of n = 1 with its seed streams; the prompt prefilled
+    once (on the prefill worker, or here); every block back once the choices end."""
+    async with Pair(tiny_model) as pair:
+        task = make_task("g", 70, max_tokens=5)
+        task.sampling = dataclasses.replace(task.sampling, n=3, temperature=1.0, seed=11)
+        assert (await pair.submit(task, remote=remote)).ok
+        choices = await _choices(pair, task)
+        for index, chunks in enumerate(choices.values()):
+            assert [c.index for c in chunks] == list(range(len(chunks)))
+            assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 5
+            alone = make_task(f"alone{index}", 70, max_tokens=5)
+            alone.sampling = choice_sampling(task.sampling, index)
+            assert (await pair.submit(alone, remote=remote)).ok
+            await pair.outcome(alone.attempt_id)
+            assert [t for c in chunks for t in c.token_ids] == pair.tokens(alone.attempt_id)
+        await pair.idle()
+        assert pair.decode_freed["g"] == 1 and pair.decode_freed["g~1"] == 1
+        assert pair.prefill_freed.get("g", 0) == (1 if remote else 0)
+        assert pair.decode.snapshot().kv_blocks_leaked == 0
+
+
+async def test_a_group_that_fails_before_its_first_token_fails_every_choice(tiny_model):
+    async with Pair(tiny_model) as pair:
+        pair.decode_plane.hold = True
+        pair.liveness.gone.add(PREFILL)
+        task = make_task("g", 200)
+        task.sampling = dataclasses.replace(task.sampling, n=2)
+        assert (await pair.submit(task)).ok
+        choices = await _choices(pair, task)
+        assert [c[-1].failure.avoid for c in choices.values()] == [PREFILL, PREFILL]
+        pair.decode_plane.hold = False
+        pair.liveness.gone.clear()
+        await pair.idle()

@@ -12,25 +12,23 @@ holds. A failure the client must see ends the call with its gRPC status (context
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from services.gateway.attempt import Attempt
+from services.gateway.chunk_waiter import ChunkWaiter
 from services.gateway.migration import FULL_MOVES, WorkerLost
 from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
-from shared.control.failure import Code, Failure, Retry, worker_failed
+from shared.control.failure import Code, Failure, Retry
 from shared.control.liveness import Liveness
 from shared.control.messages import (
     CancelRequest,
     GenerateTask,
-    StreamReplay,
     SubmitReply,
-    TaskAck,
     TokenChunk,
 )
 from shared.control.subjects import Subjects
@@ -38,10 +36,7 @@ from shared.control.wire import MessageError
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5  # a silent stream: how often its worker's liveness and the timeouts are checked
-REPLAY_AFTER_RECONNECT_S = 1.0  # quiet this long since NATS reconnected: ask for the stream again
-REPLAY_AFTER_S = 2.0  # quiet this long anyway (a stalled server loses nothing, but delays): ask
-REPLAY_TIMEOUT_S = 1.0
+POLL_S = 0.5  # how often a replica holding a submission is checked for lost
 MAX_PICKS = 3  # scheduler replicas tried for one submission when the one picked is gone
 
 
@@ -70,8 +65,7 @@ class RequestRelay:
         self.liveness = liveness
         self.context = context
         self.subjects = Subjects(settings.cluster)
-        self._early: dict[int, TokenChunk] = {}  # chunks that came before one still missing
-        self._replayed_at = float("-inf")  # when the stream was last asked for again
+        self.waiter = ChunkWaiter(settings, bus, streams, liveness, context)
         self.schedulers = schedulers  # None: submit to the queue group only
         self._lost_schedulers: set[str] = set()  # replicas lost while they held this request
 
@@ -97,7 +91,7 @@ class RequestRelay:
 
     def _open(self, attempt: Attempt) -> Attempt:
         self.streams.open(attempt.id)
-        self._early.clear()
+        self.waiter.reset()
         return attempt
 
     async def _replace(self, ended: Attempt, following: Attempt) -> Attempt:
@@ -205,71 +199,13 @@ class RequestRelay:
 
     async def _next_chunk(self, attempt: Attempt) -> TokenChunk:
         """The chunk the attempt expects; WorkerLost when its worker is lost."""
-        chunk = await self._wait_for_chunk(attempt)
+        chunk = await self.waiter.next(attempt)
         failure = chunk.failure
         if failure and failure.movable:
             raise WorkerLost(failure)
         if failure:
             await self.context.abort(grpc_status(failure.code), failure.message)
         return chunk
-
-    async def _wait_for_chunk(self, attempt: Attempt) -> TokenChunk:
-        """The chunk with the index expected: later ones wait for it (and have it asked for
-        again), ones already had are dropped."""
-        idle_since, reconnects = time.monotonic(), self.bus.reconnects
-        while (chunk := self._early.pop(attempt.expected, None)) is None:
-            try:
-                chunk = await self.streams.next(attempt.id, POLL_S)
-            except asyncio.TimeoutError:
-                await self._check_silence(attempt, idle_since, reconnects)
-                continue
-            if chunk.index == attempt.expected:
-                return chunk
-            if chunk.index > attempt.expected:  # one before it was lost on the way
-                self._early[chunk.index] = chunk
-                await self._ask_again(attempt)
-        return chunk
-
-    async def _check_silence(self, attempt: Attempt, idle_since: float, reconnects: int) -> None:
-        """Raises WorkerLost, or ends the call, when a silent stream is not worth waiting for; asks
-        for the stream again when a chunk may have been lost."""
-        worker = attempt.worker
-        if await self.liveness.lost(worker):
-            lost = worker_failed(worker, f"decode worker {worker} stopped responding")
-            raise WorkerLost(lost) from None
-        silent_s = time.monotonic() - idle_since
-        reconnected = self.bus.reconnects != reconnects
-        if silent_s > (REPLAY_AFTER_RECONNECT_S if reconnected else REPLAY_AFTER_S):
-            await self._ask_again(attempt)
-        if silent_s > self.settings.stream_idle_timeout_s:
-            await self.context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the worker sent nothing for {self.settings.stream_idle_timeout_s:.0f}s",
-            )
-
-    async def _ask_again(self, attempt: Attempt) -> None:
-        """Asks the worker for the stream again from the chunk expected (at most once per
-        REPLAY_AFTER_S). WorkerLost when it no longer has the stream: the request goes on from
-        the tokens the client has. No answer: NATS or the worker is away; liveness decides."""
-        if time.monotonic() - self._replayed_at < REPLAY_AFTER_S:
-            return
-        self._replayed_at = time.monotonic()
-        subject = self.subjects.stream_replay(attempt.worker)
-        ask = StreamReplay(attempt.id, attempt.expected)
-        try:
-            ack = await self.bus.request(subject, ask, REPLAY_TIMEOUT_S, TaskAck)
-        except (NoResponders, RequestTimeout, BadReply) as err:  # every 2 s per stream: debug
-            log.debug(
-                "%s: asked %s for chunk %d again: %s",
-                attempt.id,
-                attempt.worker,
-                ask.from_index,
-                err,
-            )
-            return
-        if ack.failure:
-            lost = f"the token stream from {attempt.worker} lost chunk {attempt.expected}"
-            raise WorkerLost(worker_failed("", f"{lost}; {ack.failure.message}"))
 
 
 def _handed_back(reply: SubmitReply) -> bool:

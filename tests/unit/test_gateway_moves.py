@@ -6,7 +6,7 @@ import copy
 
 import grpc
 
-from services.gateway import relay
+from services.gateway import chunk_waiter, relay
 from services.gateway.migration import FULL_MOVES, client_id
 from services.gateway.servicer import TandemServicer
 from services.gateway.settings import GatewaySettings
@@ -239,7 +239,7 @@ async def test_a_last_chunk_lost_in_a_nats_reconnect_is_asked_for_again(tokenize
     """The stream's last chunk vanishes while NATS reconnects: nothing after it shows a gap, so
     once the stream stays quiet the gateway asks the worker for it again: no move (before, the
     request moved, and was computed again, from the tokens sent)."""
-    monkeypatch.setattr(relay, "REPLAY_AFTER_RECONNECT_S", 0.2)
+    monkeypatch.setattr(chunk_waiter, "REPLAY_AFTER_RECONNECT_S", 0.2)
 
     def reconnect(bus):  # the connection came back; the final chunk was in flight and is lost
         bus.reconnects += 1
@@ -268,7 +268,7 @@ async def test_a_gap_in_the_chunk_indexes_is_filled_in_order_and_duplicates_are_
 
 
 async def test_a_worker_that_no_longer_has_the_stream_has_it_moved_on(tokenizer, monkeypatch):
-    monkeypatch.setattr(relay, "REPLAY_AFTER_RECONNECT_S", 0.2)
+    monkeypatch.setattr(chunk_waiter, "REPLAY_AFTER_RECONNECT_S", 0.2)
 
     def reconnect(bus):
         bus.reconnects += 1

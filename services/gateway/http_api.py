@@ -137,14 +137,15 @@ class OpenAIApi:
         return given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
     async def _whole(self, responses, context, formatter: Formatter) -> web.Response:
-        choice, last = ChoiceLog(), None
+        choices: dict[int, ChoiceLog] = {}
+        lasts = []
         try:
             while (response := await _next(responses, context)) is not None:
-                choice.add(response)
-                last = response
+                choices.setdefault(response.index, ChoiceLog()).add(response)
+                lasts += [response] if response.finish_reason else []
         except CallAborted as err:
             return _error_response(http_error(err.code, err.details, err.retry_after_ms))
-        body = _dumps(formatter.response(choice, last))
+        body = _dumps(formatter.response(choices, lasts))
         return web.Response(body=body, content_type="application/json")
 
     async def _stream(
@@ -156,14 +157,17 @@ class OpenAIApi:
             return _error_response(http_error(err.code, err.details, err.retry_after_ms))
         stream = web.StreamResponse(headers=SSE_HEADERS | {"X-Request-Id": formatter.id})
         await stream.prepare(request)
-        response, offset, last = first, 0, None
+        response, offsets, lasts = first, {}, []
         try:
-            while response is not None:
-                await _event(stream, formatter.chunk(response, offset, first=last is None))
-                offset, last = offset + len(response.text), response
+            while response is not None:  # each choice's text offset; its first chunk has the role
+                index = response.index
+                chunk = formatter.chunk(response, offsets.get(index, 0), index not in offsets)
+                await _event(stream, chunk)
+                offsets[index] = offsets.get(index, 0) + len(response.text)
+                lasts += [response] if response.finish_reason else []
                 response = await _next(responses, context)
-            if req.include_usage and last is not None:
-                await _event(stream, formatter.usage_chunk(last))
+            if req.include_usage and lasts:
+                await _event(stream, formatter.usage_chunk(lasts))
             await stream.write(b"data: [DONE]\n\n")
         except CallAborted as err:
             await _event(stream, http_error(err.code, err.details, err.retry_after_ms).body)

@@ -61,19 +61,20 @@ class RequestObserver:
 
     def __init__(self, metrics: GatewayMetrics, api: str):
         self.m, self.labels = metrics, (*metrics.ids, api)
-        self.arrival = self.last_token_at = time.monotonic()
-        self.first = True
+        self.arrival = time.monotonic()
+        self.last_token_at: dict[int, float] = {}  # of each choice
         self.path = "none"
         metrics.in_flight.labels(*self.labels).inc()
 
     def on_response(self, response: pb.GenerateResponse) -> None:
         now, m, labels = time.monotonic(), self.m, self.labels
         if response.token_ids:
-            if self.first:
+            last = self.last_token_at.get(response.index)
+            if not self.last_token_at:
                 m.latency["time_to_first_token"].labels(*labels).observe(now - self.arrival)
-            else:
-                m.latency["inter_token_latency"].labels(*labels).observe(now - self.last_token_at)
-            self.first, self.last_token_at = False, now
+            elif last is not None:
+                m.latency["inter_token_latency"].labels(*labels).observe(now - last)
+            self.last_token_at[response.index] = now
             m.tokens["generation"].labels(*labels).inc(len(response.token_ids))
         if response.finish_reason:
             timing = response.timing

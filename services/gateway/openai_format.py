@@ -99,13 +99,15 @@ def completion_logprobs(logprobs, offsets: list[int], text_of: TokenText) -> dic
     }
 
 
-def usage(last: pb.GenerateResponse) -> dict:
-    prompt, completion = last.usage.prompt_tokens, last.usage.completion_tokens
+def usage(lasts: list[pb.GenerateResponse]) -> dict:
+    """Of every choice (`lasts`: the last response of each): the prompt counted once."""
+    prompt = lasts[0].usage.prompt_tokens
+    completion = sum(last.usage.completion_tokens for last in lasts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": last.timing.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": lasts[0].timing.cached_tokens},
     }
 
 
@@ -135,26 +137,28 @@ class Formatter:
             return chat_logprobs(logprobs, self.text_of)
         return completion_logprobs(logprobs, offsets, self.text_of)
 
-    def response(self, choice: ChoiceLog, last: pb.GenerateResponse) -> dict:
-        """The whole answer, not streamed."""
-        body = {"index": 0, "logprobs": self._logprobs(choice.logprobs, choice.offsets)}
-        if self.req.kind == "chat":
-            body["message"] = {"role": "assistant", "content": choice.text}
-        else:
-            body["text"] = choice.text
-        body["finish_reason"] = choice.finish_reason
+    def response(self, choices: dict[int, ChoiceLog], lasts: list[pb.GenerateResponse]) -> dict:
+        """The whole answer, not streamed: each choice, by index."""
+        bodies = []
+        for index, choice in sorted(choices.items()):
+            body = {"index": index, "logprobs": self._logprobs(choice.logprobs, choice.offsets)}
+            if self.req.kind == "chat":
+                body["message"] = {"role": "assistant", "content": choice.text}
+            else:
+                body["text"] = choice.text
+            bodies.append(body | {"finish_reason": choice.finish_reason})
         return self._head(self.object) | {
-            "choices": [body],
-            "usage": usage(last),
+            "choices": bodies,
+            "usage": usage(lasts),
             "system_fingerprint": None,
-            "timing": timing(last),
+            "timing": timing(lasts[0]),
         }
 
     def chunk(self, response: pb.GenerateResponse, offset: int, first: bool = False) -> dict:
         """One streamed chunk: the response's new text (a chat stream's first names the role)."""
         finish = FINISH.get(response.finish_reason, "stop") if response.finish_reason else None
         offsets = [offset] * len(response.token_ids)
-        body = {"index": 0}
+        body = {"index": response.index}
         if self.req.kind == "chat":
             body["delta"] = {"role": "assistant", "content": response.text} if first else {}
             if response.text and not first:
@@ -171,7 +175,7 @@ class Formatter:
             chunk["timing"] = timing(response)
         return chunk
 
-    def usage_chunk(self, last: pb.GenerateResponse) -> dict:
+    def usage_chunk(self, lasts: list[pb.GenerateResponse]) -> dict:
         """stream_options.include_usage: the stream's last chunk, with no choices."""
         kind = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
-        return self._head(kind) | {"choices": [], "usage": usage(last)}
+        return self._head(kind) | {"choices": [], "usage": usage(lasts)}

@@ -4,7 +4,8 @@ The body becomes the same GenerateRequest a gRPC client sends, so both APIs shar
 validation, limits, keys, placement. Fields outside OpenAI's API that peers (vLLM, SGLang) also
 take are extensions here: top_k, ignore_eos, priority. Unknown fields are ignored, as the peers
 do; fields whose meaning we cannot honour (tools, response formats, images, penalties) are
-refused with a 400 that names them, never silently dropped.
+refused with a 400 that names them, never silently dropped. With n > 1 the choices' seeds are the
+request's seed + their index.
 """
 
 import math
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.api import tandem_pb2 as pb
+from shared.control import rules
 
 # fields we cannot honour, with the value that means "not used" (None: any value is refused)
 UNSUPPORTED = {
@@ -76,6 +78,7 @@ def parse(kind: str, body: Any, served_model: str) -> OpenAIRequest:
         logprobs = given is not None
     request.sampling.logprobs, request.sampling.top_logprobs = logprobs, top
     request.priority = _int(body, "priority", 0, -(1 << 31), (1 << 31) - 1)
+    request.sampling.n = _int(body, "n", 1, 1, rules.MAX_N)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
@@ -98,9 +101,6 @@ def _refuse_unsupported(body: dict) -> None:
     ]
     if body.get("modalities") not in (None, MODALITIES):
         found.append("modalities")
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        found.append("n")
     if found:
         raise BadRequest(
             f"not supported by this server: {', '.join(found)} (leave them out)", found[0]

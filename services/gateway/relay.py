@@ -23,6 +23,7 @@ from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
+from shared.control.choices import choice_ids
 from shared.control.failure import Code, Failure, Retry
 from shared.control.liveness import Liveness
 from shared.control.messages import (
@@ -69,9 +70,29 @@ class RequestRelay:
         self.schedulers = schedulers  # None: submit to the queue group only
         self._lost_schedulers: set[str] = set()  # replicas lost while they held this request
 
-    async def follow(self, task: GenerateTask) -> AsyncIterator[tuple[Attempt, TokenChunk]]:
-        """Every chunk of the request's output, with the attempt as it is after that chunk."""
-        attempt, ended = self._open(Attempt(task)), False
+    async def place(self, task: GenerateTask) -> Attempt:
+        """A request of n > 1 choices placed as one (its prompt is prefilled once, then forked),
+        the stream of every choice open: each is then followed on its own (follow)."""
+        attempt = self._open(Attempt(task))
+        try:
+            while not attempt.worker:
+                try:
+                    attempt = await self._submit(attempt)
+                except WorkerLost as lost:
+                    attempt = await self._move(attempt, lost.failure)
+            return attempt
+        except BaseException:
+            self._close(attempt)
+            await self._cancel(attempt.id)
+            raise
+
+    async def follow(
+        self, task: GenerateTask, placed_on: str = ""
+    ) -> AsyncIterator[tuple[Attempt, TokenChunk]]:
+        """Every chunk of the request's output, with the attempt as it is after that chunk.
+        `placed_on`: the request (a choice of a group) is there already, its stream open."""
+        attempt = Attempt(task).placed(placed_on) if placed_on else self._open(Attempt(task))
+        ended = False
         try:
             while not ended:
                 try:
@@ -90,14 +111,19 @@ class RequestRelay:
                 await self._cancel(attempt.id)
 
     def _open(self, attempt: Attempt) -> Attempt:
-        self.streams.open(attempt.id)
+        for attempt_id in choice_ids(attempt.task):  # a group's: each choice's stream
+            self.streams.open(attempt_id)
         self.waiter.reset()
         return attempt
+
+    def _close(self, attempt: Attempt) -> None:
+        for attempt_id in choice_ids(attempt.task):
+            self.streams.close(attempt_id)
 
     async def _replace(self, ended: Attempt, following: Attempt) -> Attempt:
         """Ends an attempt (what the workers hold of it is freed) and opens the one after it."""
         await self._cancel(ended.id)
-        self.streams.close(ended.id)
+        self._close(ended)
         return self._open(following)
 
     async def _cancel(self, attempt_id: str) -> None:

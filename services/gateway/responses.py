@@ -14,12 +14,19 @@ FINISH = {
 
 
 def generate_response(
-    request_id: str, chunk: TokenChunk, arrival: float, first_at: float | None, migrations: int
+    request_id: str,
+    chunk: TokenChunk,
+    arrival: float,
+    first_at: float | None,
+    migrations: int,
+    index: int = 0,
 ) -> pb.GenerateResponse:
-    """One response of the stream; the last (finish_reason set) with usage and timing too.
-    `first_at`: when the first token came (None: none yet); `migrations`: times it moved."""
+    """One response of the stream of choice `index`; its last (finish_reason set) with usage and
+    timing too. `first_at`: when its first token came (None: none yet); `migrations`: times it
+    moved."""
     response = pb.GenerateResponse(
         request_id=request_id,
+        index=index,
         text=chunk.text,
         token_ids=chunk.token_ids,
         logprobs=[token_logprob(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)],

@@ -16,6 +16,7 @@ from services.gateway.clients import (
     cert_subject,
 )
 from services.gateway.fair_tokenizer import FairTokenizer
+from services.gateway.merge import merged
 from services.gateway.metrics import GatewayMetrics, RecordingContext
 from services.gateway.migration import new_attempt_id
 from services.gateway.relay import RequestRelay
@@ -27,9 +28,17 @@ from services.gateway.validation import InvalidRequest, Limits, ValidRequest, va
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.control.bus import BusError, MessageBus
+from shared.control.choices import choice_task
 from shared.control.liveness import Liveness
 from shared.control.messages import GenerateTask, StatusReply, StatusRequest
 from shared.control.subjects import Subjects
+
+
+async def _only(stream):
+    """One stream, as choice 0 of `merged`'s."""
+    async with contextlib.aclosing(stream):
+        async for item in stream:
+            yield 0, item
 
 
 def client_address(peer: str) -> str:
@@ -140,7 +149,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         client = await self._identify(context)
         await self._within_limits(client, 0, context)  # before the tokenizer's work
         valid = await self._validated(request, context, client)
-        kv_tokens = len(valid.prompt_token_ids) + valid.sampling.max_tokens
+        kv_tokens = len(valid.prompt_token_ids) + valid.sampling.n * valid.sampling.max_tokens
         await self._within_limits(client, kv_tokens, context)
         self.usage.open(client, kv_tokens)
         started = False
@@ -176,18 +185,33 @@ class TandemServicer(pb_grpc.TandemServicer):
     async def _generate(
         self, valid: ValidRequest, priority: int, client: Client, context, arrival: float
     ):
-        relay = RequestRelay(
-            self.settings, self.bus, self.streams, self.liveness, context, self.schedulers
-        )
-        first_at = None  # when the first token came
+        first_at: dict[int, float] = {}  # when each choice's first token came
         task = self._first_task(valid, priority, client, context, arrival)
-        async with contextlib.aclosing(relay.follow(task)) as chunks:
-            async for attempt, chunk in chunks:
-                if first_at is None and chunk.token_ids:
-                    first_at = time.time()
+        async with contextlib.aclosing(await self._choices(task, context)) as chunks:
+            async for index, (attempt, chunk) in chunks:
+                if index not in first_at and chunk.token_ids:
+                    first_at[index] = time.time()
                 yield generate_response(
-                    valid.request_id, chunk, arrival, first_at, attempt.task.moves
+                    valid.request_id, chunk, arrival, first_at.get(index), attempt.task.moves, index
                 )
+
+    async def _choices(self, task: GenerateTask, context):
+        """(choice index, (attempt, chunk)) of the request's streams: one, or with n > 1 one per
+        choice, the request placed as one first (its prompt prefilled once, then forked)."""
+
+        def relay() -> RequestRelay:
+            return RequestRelay(
+                self.settings, self.bus, self.streams, self.liveness, context, self.schedulers
+            )
+
+        if task.sampling.n == 1:
+            return _only(relay().follow(task))
+        placed = await relay().place(task)
+        streams = [
+            relay().follow(choice_task(placed.task, i), placed.worker)
+            for i in range(task.sampling.n)
+        ]
+        return merged(streams)
 
     async def _validated(
         self, request: pb.GenerateRequest, context, client: Client

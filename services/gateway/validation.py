@@ -77,6 +77,8 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         raise InvalidRequest(
             f"top_logprobs must be at most {rules.MAX_TOP_LOGPROBS}, and needs logprobs set"
         )
+    if s.n > rules.MAX_N:
+        raise InvalidRequest(f"n must be at most {rules.MAX_N}")
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -88,6 +90,7 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
         top_logprobs=int(s.top_logprobs),
+        n=max(1, int(s.n)),
     )
 
 

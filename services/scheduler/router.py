@@ -75,7 +75,8 @@ class Route:
 
 
 def _needed_blocks(worker: WorkerHeartbeat, task: GenerateTask, cached: int) -> int:
-    tokens = len(task.prompt_token_ids) + task.sampling.max_tokens
+    """The prompt's blocks, and each choice's output's (n > 1: forked, the prompt shared)."""
+    tokens = len(task.prompt_token_ids) + task.sampling.n * task.sampling.max_tokens
     bs = max(1, worker.block_size)
     return -(-tokens // bs) - cached // bs
 

@@ -103,19 +103,23 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
                 -1
             ].usage.completion_tokens == len(ids)
 
-        # 2. The decode worker streaming a request dies after 10 tokens; the logprobs of the
-        # stream that goes on are still Hugging Face's.
+        # 2. The decode worker streaming a request of two choices dies after 10 tokens: each
+        # choice moves on its own, and goes on with Hugging Face's tokens and logprobs.
         story = chat_request("Write a long story about a fox who learns to sail.", 40)
-        story.sampling.logprobs, story.sampling.top_logprobs = True, 3
+        story.sampling.logprobs, story.sampling.top_logprobs, story.sampling.n = True, 3, 2
         responses, victim = _stream_and_kill(stack, story, "decode", after_tokens=10)
-        ids = [t for r in responses for t in r.token_ids]
-        assert ids == hf_greedy(hf_model, tokenizer, story)
-        reference = hf_logprobs(hf_model, prompt_ids(tokenizer, story), ids)
-        assert_logprobs_match(reference, ids, [lp for r in responses for lp in r.logprobs], 3)
-        assert "".join(r.text for r in responses) == tokenizer.decode(ids, skip_special_tokens=True)
-        timing, usage = responses[-1].timing, responses[-1].usage
-        assert timing.migrations == 1 and timing.decode_worker != victim.id, timing
-        assert usage.completion_tokens == len(ids) and usage.prompt_tokens > 0
+        expected = hf_greedy(hf_model, tokenizer, story)
+        reference = hf_logprobs(hf_model, prompt_ids(tokenizer, story), expected)
+        for index in (0, 1):
+            mine = [r for r in responses if r.index == index]
+            ids = [t for r in mine for t in r.token_ids]
+            assert ids == expected, index
+            assert_logprobs_match(reference, ids, [lp for r in mine for lp in r.logprobs], 3)
+            text = "".join(r.text for r in mine)
+            assert text == tokenizer.decode(ids, skip_special_tokens=True)
+            timing, usage = mine[-1].timing, mine[-1].usage
+            assert timing.migrations == 1 and timing.decode_worker != victim.id, timing
+            assert usage.completion_tokens == len(ids) and usage.prompt_tokens > 0
 
         # Nothing is left held: the surviving decode worker's KV pool is all free again.
         deadline = time.monotonic() + 30

@@ -81,7 +81,8 @@ def test_completion_prompts_and_logprobs():
         ("chat", chat(logit_bias={"1": 5}), "logit_bias"),
         ("chat", chat(frequency_penalty=1), "frequency_penalty"),
         ("chat", chat(modalities=["text", "audio"]), "modalities"),
-        ("chat", chat(n=2), "n"),
+        ("chat", chat(n=0), "n"),
+        ("chat", chat(n=65), "n"),
         ("completion", {"prompt": "x", "echo": True}, "echo"),
         ("completion", {"prompt": "x", "best_of": 3}, "best_of"),
         ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
@@ -193,11 +194,26 @@ def test_chunks_and_the_whole_answer_in_openais_shape(tokenizer):
     assert first["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.5
     last = f.chunk(_response("!", [43], finish=pb.FINISH_REASON_LENGTH), 2)
     assert last["choices"][0]["finish_reason"] == "length" and last["timing"]["path"] == "local"
-    usage = f.usage_chunk(_response("", [], finish=pb.FINISH_REASON_STOP))
+    usage = f.usage_chunk([_response("", [], finish=pb.FINISH_REASON_STOP)])
     assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
     log = ChoiceLog()
     log.add(_response("Hi", [42]))
     log.add(_response("!", [43], finish=pb.FINISH_REASON_STOP))
-    whole = f.response(log, _response("!", [43], finish=pb.FINISH_REASON_STOP))
+    whole = f.response({0: log}, [_response("!", [43], finish=pb.FINISH_REASON_STOP)])
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hi!"}
     assert whole["usage"]["total_tokens"] == 7 and whole["id"] == "chatcmpl-abc"
+
+
+def test_n_choices_are_counted_once_each_and_the_prompt_once(tokenizer):
+    req = parse("completion", {"prompt": "x", "n": 2}, MODEL)
+    assert req.request.sampling.n == 2
+    f = Formatter(req, "abc", TokenText(tokenizer))
+    logs, lasts = {}, []
+    for index, text in ((1, "b"), (0, "a")):
+        last = _response(text, [42], finish=pb.FINISH_REASON_LENGTH)
+        last.index = index
+        logs.setdefault(index, ChoiceLog()).add(last)
+        lasts.append(last)
+    whole = f.response(logs, lasts)
+    assert [(c["index"], c["text"]) for c in whole["choices"]] == [(0, "a"), (1, "b")]
+    assert whole["usage"]["prompt_tokens"] == 5 and whole["usage"]["completion_tokens"] == 4

@@ -15,6 +15,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TypeVar
 
+from shared.telemetry.request_log import RequestLogFilter
+
 T = TypeVar("T")
 _CLUSTER_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -65,6 +67,13 @@ class CommonSettings:
     metrics_port: int = field(
         default=-1,
         metadata=_help("Prometheus metrics port (/metrics); -1 = none, 0 = any free port"),
+    )
+    otlp_endpoint: str = field(
+        default="",
+        metadata=_help(
+            "OTLP/HTTP endpoint traces go to, e.g. http://collector:4318; empty = "
+            "OTEL_EXPORTER_OTLP_ENDPOINT, or no tracing"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -166,10 +175,13 @@ def load_settings(
 
 
 def setup_logging(level: str, service: str) -> None:
+    """Log lines name the service and, within a request, its id (and trace id)."""
     logging.basicConfig(
         level=level.upper(),
-        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {service} %(name)s%(request)s: %(message)s",
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestLogFilter())
     # Third-party chatter at INFO drowns our own lines.
     for noisy in ("nats", "ucxx", "httpx", "transformers"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))

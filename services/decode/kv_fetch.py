@@ -31,6 +31,7 @@ from shared.control.subjects import Subjects
 from shared.dataplane.plan import PlanError, TransferPlan, new_base_tag
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.receiver import KVReceiver
+from shared.telemetry import tracing
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 
@@ -202,6 +203,8 @@ class KVFetcher:
         seq.cached_tokens = result.cached_tokens
         seq.kv_transfer_ms, seq.kv_exposed_ms = t.kv_transfer_ms, t.kv_exposed_ms
         self.rt.metrics.on_transfer(t.kv_transfer_ms, t.kv_exposed_ms)
+        landed = tracing.now()
+        tracing.record("decode.kv_receive", req.trace, landed - t.kv_transfer_ms / 1000, landed)
         if result.transport:
             self.transports.add(result.transport)
         self.rt.engine.kv_arrived(seq)

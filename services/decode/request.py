@@ -5,6 +5,7 @@ service alone keeps about it (how it ended, its stream position, who prefilled i
 from services.decode.kv_transfer import InboundTransfer
 from shared.control.failure import Failure
 from shared.engine.sequence import SeqStatus, Sequence
+from shared.telemetry import tracing
 
 
 class DecodeRequest:
@@ -16,6 +17,8 @@ class DecodeRequest:
         self.failure: Failure | None = None  # how it failed (movable: a worker's fault)
         self.chunk_index = 0  # of the next TokenChunk
         self.held = 0  # chunks in a row NATS could not take (see DecodeWorker._send)
+        self.trace = tracing.current()  # its decode.admit span's context
+        self.first_token_at = 0.0  # unix time its first token went out
 
     @property
     def attempt_id(self) -> str:

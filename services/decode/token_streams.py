@@ -11,6 +11,7 @@ from shared.control.choices import choice_ids
 from shared.control.failure import Code, failed, worker_failed
 from shared.control.messages import GenerateTask, StreamReplay, TaskAck, Timing, TokenChunk
 from shared.engine.sequence import SeqStatus, StepOutput
+from shared.telemetry import tracing
 from shared.worker.metrics import WorkerMetrics
 
 MAX_ENDED_CHUNKS = 100_000  # chunks of ended streams kept for replay, at most
@@ -41,6 +42,7 @@ class TokenStreams:
 
     async def publish(self, req: DecodeRequest, out: StepOutput) -> None:
         seq, extra = req.seq, {}
+        req.first_token_at = req.first_token_at or tracing.now()
         if out.finish_reason:
             extra = dict(
                 prompt_tokens=seq.prompt_len - seq.resume_tokens,
@@ -108,6 +110,8 @@ class TokenStreams:
         """Tells the gateway how the request ended (its blocks are free), on every path: True
         when it finished. Choices never forked (it ended before its first token) end alike."""
         seq = req.seq
+        if req.first_token_at:
+            tracing.record("decode.decode", req.trace, req.first_token_at, tracing.now())
         if seq.status is SeqStatus.FINISHED and req.failure is None and not req.cancel_reason:
             self.log.end(req.attempt_id)
             return True

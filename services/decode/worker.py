@@ -24,6 +24,7 @@ from shared.dataplane.plane import DataPlane
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import SeqStatus, Sequence
+from shared.telemetry import tracing
 from shared.worker.announcer import Announcer
 from shared.worker.heartbeat import heartbeat, leaked_blocks
 from shared.worker.runtime import WorkerRuntime
@@ -138,6 +139,11 @@ class DecodeWorker:
     # -- admission -------------------------------------------------------------------------
 
     async def on_assignment(self, assignment: DecodeAssignment, respond) -> None:
+        """Within its decode.admit span: the request (and its remote prefill) carry it on."""
+        with tracing.tracer().start_as_current_span("decode.admit"):
+            await self._admit(assignment, respond)
+
+    async def _admit(self, assignment: DecodeAssignment, respond) -> None:
         task = assignment.task
         refusal = self._refusal(assignment)
         if refusal is None:
@@ -223,6 +229,7 @@ class DecodeWorker:
         at once when its request was, or when its own cancel came before it existed)."""
         parent = self.loop.requests.get(seq.forked_from.attempt_id)
         req = DecodeRequest(seq, parent.prefill_worker if parent else "")
+        req.trace = parent.trace if parent else req.trace
         if seq.attempt_id in self.cancelled or parent is None:
             req.cancel("cancelled")
         elif parent.cancel_reason or parent.failure:

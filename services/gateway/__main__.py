@@ -24,6 +24,7 @@ from shared.control.subjects import Subjects
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
 from shared.telemetry.metrics import MetricsServer
+from shared.telemetry.tracing import start_tracing
 
 log = logging.getLogger("gateway")
 
@@ -89,6 +90,8 @@ def transport_of(settings: GatewaySettings) -> str:
 async def servicer_of(settings: GatewaySettings, tokenizer, stack: AsyncExitStack):
     """The API's servicer and its bus, with the bus's watchers entered on `stack`."""
     subjects = Subjects(settings.cluster)
+    tracing = start_tracing("tandem-gateway", settings.otlp_endpoint)
+    stack.callback(tracing.shutdown)
     bus = await stack.enter_async_context(
         NatsBus(
             settings.nats_url,
@@ -96,6 +99,7 @@ async def servicer_of(settings: GatewaySettings, tokenizer, stack: AsyncExitStac
             nats_options(settings),
             role="gateway",
             cluster=settings.cluster,
+            tracing=tracing.enabled,
         )
     )
     streams = await stack.enter_async_context(

@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry.context import Context
 
 from services.gateway.attempt import Attempt
 from services.gateway.chunk_waiter import ChunkWaiter
@@ -34,6 +35,8 @@ from shared.control.messages import (
 )
 from shared.control.subjects import Subjects
 from shared.control.wire import MessageError
+from shared.telemetry import tracing
+from shared.telemetry.request_log import request_scope
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +62,10 @@ class RequestRelay:
         liveness: Liveness,
         context,
         schedulers: SchedulerPool | None = None,
+        trace: Context | None = None,
     ):
         self.settings = settings
+        self.trace = trace  # the request's root span: its messages carry it
         self.bus = bus
         self.streams = streams
         self.liveness = liveness
@@ -128,7 +133,8 @@ class RequestRelay:
 
     async def _cancel(self, attempt_id: str) -> None:
         try:
-            await self.bus.publish(self.subjects.cancel, CancelRequest(attempt_id, "cancelled"))
+            with tracing.within(self.trace):
+                await self.bus.publish(self.subjects.cancel, CancelRequest(attempt_id, "cancelled"))
         except Exception as err:  # NATS down: the workers' own timeouts free the request
             log.warning("could not broadcast the cancel of %s: %s", attempt_id, err)
 
@@ -136,19 +142,20 @@ class RequestRelay:
         """The attempt placed on a decode worker; or, when no scheduler placed it, the attempt to
         submit once more, this one ended: it goes to the schedulers' queue group again (another
         replica takes it). Raises WorkerLost when the worker chosen failed to take it."""
-        reply = await self._ask_scheduler(attempt)
+        with tracing.within(self.trace), tracing.tracer().start_as_current_span("gateway.submit"):
+            reply = await self._ask_scheduler(attempt)
         if (reply is None or _handed_back(reply)) and not attempt.resubmission:
             log.warning("no scheduler placed %s; submitting it again", attempt.id)
             return await self._replace(attempt, attempt.resubmitted())
         if reply.failure:
             await self._refused(attempt, reply)
-        log.info(
-            "request %s: %d prompt tokens -> prefill %s, decode %s",
-            attempt.id,
-            len(attempt.task.prompt_token_ids),
-            reply.prefill_worker or "(local)",
-            reply.decode_worker,
-        )
+        with request_scope(attempt.id), tracing.within(self.trace):  # the line names both
+            log.info(
+                "placed: %d prompt tokens -> prefill %s, decode %s",
+                len(attempt.task.prompt_token_ids),
+                reply.prefill_worker or "(local)",
+                reply.decode_worker,
+            )
         return attempt.placed(reply.decode_worker)
 
     async def _ask_scheduler(self, attempt: Attempt) -> SubmitReply | None:

@@ -5,6 +5,7 @@ import contextlib
 import time
 
 import grpc
+from opentelemetry import trace
 
 from services.gateway.clients import (
     RETRY_AFTER_MS,
@@ -32,6 +33,7 @@ from shared.control.choices import choice_task
 from shared.control.liveness import Liveness
 from shared.control.messages import GenerateTask, StatusReply, StatusRequest
 from shared.control.subjects import Subjects
+from shared.telemetry import tracing
 
 
 async def _only(stream):
@@ -123,11 +125,17 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.metrics = GatewayMetrics(settings.gateway_id)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        """The request's responses, counted in the metrics once it ends, however it ends."""
-        observer = self.metrics.request(getattr(context, "api", "grpc"))
+        """The request's responses, counted in the metrics once it ends, however it ends, under
+        its trace's root span (passed down, not made current: this generator's steps may each
+        run in a task of their own)."""
+        api = getattr(context, "api", "grpc")
+        observer, span = self.metrics.request(api), tracing.tracer().start_span("gateway.request")
+        span.set_attribute("api", api)
         context, finished = RecordingContext(context), False
+        root = trace.set_span_in_context(span)
         try:
-            async with contextlib.aclosing(self._generate_call(request, context)) as responses:
+            calling = self._generate_call(request, context, root)
+            async with contextlib.aclosing(calling) as responses:
                 async for response in responses:
                     observer.on_response(response)
                     yield response
@@ -138,9 +146,12 @@ class TandemServicer(pb_grpc.TandemServicer):
         finally:
             left = context.time_remaining()
             expired = not finished and left is not None and left <= 0
-            observer.end(grpc.StatusCode.DEADLINE_EXCEEDED if expired else context.code, finished)
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else context.code
+            observer.end(code, finished)
+            span.set_attribute("status", code.name if code else "OK" if finished else "CANCELLED")
+            span.end()
 
-    async def _generate_call(self, request: pb.GenerateRequest, context):
+    async def _generate_call(self, request: pb.GenerateRequest, context, root):
         arrival = time.time()
         if isinstance(request, Undecodable):
             await context.abort(
@@ -148,14 +159,18 @@ class TandemServicer(pb_grpc.TandemServicer):
             )
         client = await self._identify(context)
         await self._within_limits(client, 0, context)  # before the tokenizer's work
-        valid = await self._validated(request, context, client)
+        with tracing.within(root), tracing.tracer().start_as_current_span("gateway.validate"):
+            valid = await self._validated(request, context, client)
+            tracing.record("gateway.tokenize", tracing.current(), *valid.tokenized)
+        root_span = trace.get_current_span(root)
+        root_span.set_attribute("request_id", valid.request_id)
         kv_tokens = len(valid.prompt_token_ids) + valid.sampling.n * valid.sampling.max_tokens
         await self._within_limits(client, kv_tokens, context)
         self.usage.open(client, kv_tokens)
         started = False
         try:
             priority = min(request.priority, client.policy.max_priority)
-            generating = self._generate(valid, priority, client, context, arrival)
+            generating = self._generate(valid, priority, client, context, arrival, root)
             async with contextlib.aclosing(generating) as responses:
                 async for response in responses:  # closed on every exit: its cancel always runs now
                     if not started and response.token_ids:
@@ -183,25 +198,34 @@ class TandemServicer(pb_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
 
     async def _generate(
-        self, valid: ValidRequest, priority: int, client: Client, context, arrival: float
+        self, valid: ValidRequest, priority: int, client: Client, context, arrival: float, root
     ):
         first_at: dict[int, float] = {}  # when each choice's first token came
         task = self._first_task(valid, priority, client, context, arrival)
-        async with contextlib.aclosing(await self._choices(task, context)) as chunks:
-            async for index, (attempt, chunk) in chunks:
-                if index not in first_at and chunk.token_ids:
-                    first_at[index] = time.time()
-                yield generate_response(
-                    valid.request_id, chunk, arrival, first_at.get(index), attempt.task.moves, index
-                )
+        streaming = time.time()
+        try:
+            async with contextlib.aclosing(await self._choices(task, context, root)) as chunks:
+                async for index, (attempt, chunk) in chunks:
+                    if index not in first_at and chunk.token_ids:
+                        first_at[index] = time.time()
+                    yield generate_response(
+                        valid.request_id,
+                        chunk,
+                        arrival,
+                        first_at.get(index),
+                        attempt.task.moves,
+                        index,
+                    )
+        finally:
+            tracing.record("gateway.stream", root, streaming, time.time())
 
-    async def _choices(self, task: GenerateTask, context):
+    async def _choices(self, task: GenerateTask, context, root):
         """(choice index, (attempt, chunk)) of the request's streams: one, or with n > 1 one per
         choice, the request placed as one first (its prompt prefilled once, then forked)."""
 
         def relay() -> RequestRelay:
             return RequestRelay(
-                self.settings, self.bus, self.streams, self.liveness, context, self.schedulers
+                self.settings, self.bus, self.streams, self.liveness, context, self.schedulers, root
             )
 
         if task.sampling.n == 1:

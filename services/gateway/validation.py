@@ -3,6 +3,7 @@
 import math
 import re
 import secrets
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class ValidRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    tokenized: tuple[float, float] = (0.0, 0.0)  # unix times the tokenizer's work began, ended
 
 
 def max_prompt_chars(tokenizer, max_tokens: int) -> int:
@@ -129,7 +131,9 @@ def validate(request: pb.GenerateRequest, tokenizer, limits: Limits) -> ValidReq
             f"the prompt is {chars} characters: more than the model's context of "
             f"{limits.max_model_len} tokens can hold"
         )
+    began = time.time()
     ids = prompt_ids_of(request, tokenizer)
+    tokenized = (began, time.time())
     if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequest(
             f"the prompt is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}"
@@ -139,4 +143,4 @@ def validate(request: pb.GenerateRequest, tokenizer, limits: Limits) -> ValidReq
             f"prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_tokens}) "
             f"exceeds the model's context of {limits.max_model_len} tokens"
         )
-    return ValidRequest(request_id, ids, sampling)
+    return ValidRequest(request_id, ids, sampling, tokenized)

@@ -25,6 +25,7 @@ from shared.dataplane.plan import Segment
 from shared.dataplane.plane import KVTransferError, PlaneRestarted
 from shared.dataplane.sender import KVSender
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.telemetry import tracing
 
 
 class OutboundState(enum.Enum):
@@ -69,6 +70,8 @@ class OutboundTransfer:
         self.first_tokens: list[int] = []
         self.first_logprobs: list[TokenLogprob] = []
         self.computed_at = 0.0  # unix time the prompt's last chunk was computed
+        self.received_at = time.time()
+        self.trace = tracing.current()  # the decode worker's, from the task's message headers
         self.cancel_reason = ""  # a CancelRequest came
         self.abort_reason = ""  # the decode worker's TransferAbort came
 
@@ -164,6 +167,7 @@ class OutboundTransfer:
         return False
 
     def result(self, worker_id: str, transport: str) -> PrefillResult:
+        self._record_spans()
         return PrefillResult(
             attempt_id=self.attempt_id,
             base_tag=self.task.destination.base_tag,
@@ -176,6 +180,25 @@ class OutboundTransfer:
             transport=transport,
             computed_at=self.computed_at,
             cached_tokens=self.seq.cached_tokens,
+        )
+
+    def _record_spans(self) -> None:
+        started = self.seq.prefill_started or self.received_at
+        tracing.record("prefill.queue", self.trace, self.received_at, started)
+        tracing.record(
+            "prefill.compute",
+            self.trace,
+            started,
+            self.computed_at,
+            prompt_tokens=len(self.task.prompt_token_ids),
+            cached_tokens=self.seq.cached_tokens,
+        )
+        tracing.record(
+            "prefill.kv_send",
+            self.trace,
+            self.computed_at,
+            time.time(),
+            bytes=self.sender.plan.nbytes,
         )
 
     def aborted(self, worker_id: str, failure: Failure) -> PrefillResult:

@@ -9,20 +9,27 @@ from shared.control.bus import NatsBus
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
 from shared.telemetry.metrics import MetricsServer
+from shared.telemetry.tracing import start_tracing
 
 
 async def run(settings: SchedulerSettings) -> None:
     stop = stop_on_signals()
-    async with NatsBus(
-        settings.nats_url,
-        "scheduler",
-        nats_options(settings),
-        role="scheduler",
-        cluster=settings.cluster,
-    ) as bus:
-        service = SchedulerService(settings, bus)
-        with MetricsServer(service.metrics.registry, settings.metrics_host, settings.metrics_port):
-            await service.serve(stop)
+    tracing = start_tracing("tandem-scheduler", settings.otlp_endpoint)
+    try:
+        async with NatsBus(
+            settings.nats_url,
+            "scheduler",
+            nats_options(settings),
+            role="scheduler",
+            cluster=settings.cluster,
+            tracing=tracing.enabled,
+        ) as bus:
+            service = SchedulerService(settings, bus)
+            registry = service.metrics.registry
+            with MetricsServer(registry, settings.metrics_host, settings.metrics_port):
+                await service.serve(stop)
+    finally:
+        tracing.shutdown()
 
 
 def main(argv=None) -> int:

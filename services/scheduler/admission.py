@@ -36,6 +36,7 @@ class Pending:
     skipped: int = field(default=0, compare=False)  # times requests behind it went first
     # how the last worker it was offered to refused it: said if no other one takes it
     failure: Failure | None = field(default=None, compare=False)
+    trace: Any = field(default=None, compare=False)  # its trace context (the gateway's submit)
 
     def __post_init__(self) -> None:
         self.sort_key = (-self.priority, 0 if self.task.moves else 1, self.turn, self.order)

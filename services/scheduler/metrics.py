@@ -6,8 +6,11 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.scheduler.admission import Pending
+from services.scheduler.router import Route
 from shared.control.failure import Code
 from shared.control.messages import WorkerHeartbeat
+from shared.telemetry import tracing
 from shared.telemetry.metrics import ID_LABELS, LATENCY_BUCKETS
 
 
@@ -63,9 +66,22 @@ class SchedulerMetrics:
         for pool in ("prefill", "decode", "colocated"):
             self.live_workers.labels(*self.ids, pool).set(pools[pool])
 
-    def routed(self, started: float) -> None:
-        """Routing that began at `started` (perf_counter) ended."""
-        self.routing_seconds.labels(*self.ids).observe(time.perf_counter() - started)
+    def routed(self, entry: Pending, started: float, chosen: Route) -> None:
+        """Routing that began at `started` (perf_counter) placed `entry`: its time, and the
+        request's queue and route spans (the route's is where its trace goes on from)."""
+        route_s = time.perf_counter() - started
+        self.routing_seconds.labels(*self.ids).observe(route_s)
+        routed = tracing.now()
+        waited = time.monotonic() - entry.enqueued_at - route_s
+        tracing.record("scheduler.queue", entry.trace, routed - route_s - waited, routed - route_s)
+        entry.trace = tracing.record(
+            "scheduler.route",
+            entry.trace,
+            routed - route_s,
+            routed,
+            decode_worker=chosen.decode.worker_id,
+            prefill_worker=chosen.prefill.worker_id if chosen.prefill else "",
+        )
 
     def placed(self, disaggregated: bool) -> None:
         self.placements.labels(*self.ids, "disaggregated" if disaggregated else "local").inc()

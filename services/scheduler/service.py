@@ -34,6 +34,7 @@ from shared.control.messages import (
     WorkerHeartbeat,
 )
 from shared.control.subjects import Subjects
+from shared.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,10 @@ class SchedulerService:
     async def on_submit(self, task: GenerateTask, respond) -> None:
         if self._closing:
             await self.answers.send(respond, SubmitReply(SHUTTING_DOWN))
-        elif self.queue.offer(task, respond) is None:
+        elif (entry := self.queue.offer(task, respond)) is not None:
+            entry.trace = tracing.current()
+            self.pump()
+        else:
             waiting = self.settings.max_pending
             full = failed(
                 Code.RESOURCE_EXHAUSTED,
@@ -145,8 +149,6 @@ class SchedulerService:
             await self.answers.send(
                 respond, SubmitReply(full, retry_after_ms=self.queue.retry_after_ms())
             )
-        else:
-            self.pump()
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
         """A request cancelled while it waits here leaves the queue at once (one already placed is
@@ -182,7 +184,7 @@ class SchedulerService:
         started = time.perf_counter()
         try:
             chosen = self.router.route(entry.task, entry.tried)
-            self.metrics.routed(started)
+            self.metrics.routed(entry, started, chosen)
         except NoRoom:
             return False
         except NoWorker as err:
@@ -233,7 +235,8 @@ class SchedulerService:
         prefill_id = chosen.prefill.worker_id if chosen.prefill else ""
         entry.attempts += 1
         try:
-            failure = await self._offer(task, decode_id, prefill_id)
+            with tracing.within(entry.trace):  # the assignment's message carries the route span
+                failure = await self._offer(task, decode_id, prefill_id)
         except (RequestTimeout, BadReply):
             # It may have taken the request after all: placing it elsewhere could run it twice.
             # The gateway moves it on (a new attempt id), cancelling this one.

@@ -8,10 +8,13 @@ from typing import Any, Protocol
 
 import nats
 import nats.errors
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
 
 from shared.control.nats_auth import inbox_prefix
 from shared.control.subjects import Subjects
 from shared.control.wire import MessageError, decode, encode
+from shared.telemetry.request_log import request_scope
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +80,10 @@ class NatsBus:
         options: dict | None = None,
         role: str = "",
         cluster: str = "default",
+        tracing: bool = False,
     ):
         self._url = url
+        self._tracing = tracing  # the trace context travels in message headers
         self._shown_url = redacted(url)
         self._name = name
         # credentials and TLS (shared.settings.nats_options): never logged
@@ -151,8 +156,16 @@ class NatsBus:
             return False
         return True  # somebody answered: the server is there all the same
 
+    def _headers(self) -> dict[str, str] | None:
+        """The current trace context (W3C traceparent) for a message's headers; None: off."""
+        if not self._tracing:
+            return None
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        return carrier or None
+
     async def publish(self, subject: str, message: Any) -> None:
-        await self._nc.publish(subject, encode(message))
+        await self._nc.publish(subject, encode(message), headers=self._headers())
 
     async def try_publish(self, subject: str, message: Any) -> bool:
         """Publishes unless the connection is down or backed up; False when it did not. Never
@@ -160,7 +173,7 @@ class NatsBus:
         if not self.connected or self._nc.pending_data_size > BACKED_UP_BYTES:
             return False
         try:
-            await self._nc.publish(subject, encode(message))
+            await self._nc.publish(subject, encode(message), headers=self._headers())
         except nats.errors.Error as err:
             log.debug("publish on %s failed: %s", subject, err)
             return False
@@ -168,7 +181,9 @@ class NatsBus:
 
     async def request(self, subject: str, message: Any, timeout: float, expected: type) -> Any:
         try:
-            reply = await self._nc.request(subject, encode(message), timeout=timeout)
+            reply = await self._nc.request(
+                subject, encode(message), timeout=timeout, headers=self._headers()
+            )
         except nats.errors.NoRespondersError:
             raise NoResponders(f"nobody listens on {subject}") from None
         except nats.errors.TimeoutError:
@@ -192,15 +207,30 @@ class NatsBus:
                     err,
                 )
                 return
+            token = None
+            if self._tracing and msg.headers:  # the handler works within the sender's trace
+                token = otel_context.attach(propagate.extract(msg.headers))
             try:
-                await handler(message, self._responder(msg.reply) if msg.reply else None)
+                with request_scope(_request_of(message)):
+                    await handler(message, self._responder(msg.reply) if msg.reply else None)
             except Exception:
                 log.exception("handler for %s failed", msg.subject)
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
 
         return await self._nc.subscribe(subject, queue=queue, cb=on_message)
 
     def _responder(self, reply_subject: str) -> Respond:
+        """Answers a request (not traced: the answer goes back to the span that asked)."""
+
         async def respond(answer: Any) -> None:
             await self._nc.publish(reply_subject, encode(answer))
 
         return respond
+
+
+def _request_of(message: Any) -> str:
+    """The request a message is about (its attempt id), for the log lines of its handler."""
+    task = getattr(message, "task", None)
+    return getattr(message, "attempt_id", "") or getattr(task, "attempt_id", "")

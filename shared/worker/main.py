@@ -18,6 +18,7 @@ from shared.dataplane.ucx import UcxDataPlane
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_logging
 from shared.telemetry.metrics import MetricsServer
+from shared.telemetry.tracing import start_tracing
 from shared.worker.announcer import Announcer
 from shared.worker.runtime import WorkerRuntime, load_runtime
 from shared.worker.settings import WorkerSettings
@@ -44,6 +45,8 @@ async def run_worker(
     stop = stop_on_signals()
     runtime = await asyncio.to_thread(load_runtime, settings, role)
     async with AsyncExitStack() as stack:
+        tracing = start_tracing(f"tandem-{role}", settings.otlp_endpoint)
+        stack.callback(tracing.shutdown)
         bus = await stack.enter_async_context(
             NatsBus(
                 settings.nats_url,
@@ -51,6 +54,7 @@ async def run_worker(
                 nats_options(settings),
                 role=service,
                 cluster=settings.cluster,
+                tracing=tracing.enabled,
             )
         )
         plane = await stack.enter_async_context(data_plane(settings, runtime))

@@ -1,6 +1,7 @@
 """A real Prometheus (Debian's package; .ci/run installs it) scrapes every service of a running
 stack under a short load: its query API reports what the test sent, and `promtool check metrics`
-finds nothing wrong with any endpoint's exposition."""
+finds nothing wrong with any endpoint's exposition. The same stack exports its traces to an OTLP
+receiver of the test's own: one request, one trace, across the four services."""
 
 import concurrent.futures
 import json
@@ -19,6 +20,7 @@ import pytest
 
 from shared.cli.processes import free_port, wait_for_port
 from tests.integration.helpers import chat_request, collect, long_document
+from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.stack import start_stack
 
 pytestmark = pytest.mark.slow
@@ -33,13 +35,20 @@ def _binary(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(processes, nats):
+def receiver():
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def stack(processes, nats, receiver):
+    """Every service with metrics, and traces to `receiver`."""
     stack = start_stack(
         processes,
         nats,
         "it-metrics",
         "auto",
-        extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "64"},
+        extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "64", "TANDEM_OTLP_ENDPOINT": receiver.url},
     )
     yield stack
     stack.stop()
@@ -179,3 +188,49 @@ def test_the_dashboards_queries_run(stack, prometheus):
             _query(prometheus, target["expr"])  # a query that does not parse fails here
             for name in re.findall(r"tandem_\w+", target["expr"]):
                 assert name in exported, (panel["title"], name)
+
+
+# each span's parent, by name: one trace from the gateway through the scheduler to the workers
+PARENTS = {
+    "gateway.request": None,
+    "gateway.validate": "gateway.request",
+    "gateway.tokenize": "gateway.validate",
+    "gateway.submit": "gateway.request",
+    "gateway.stream": "gateway.request",
+    "scheduler.queue": "gateway.submit",
+    "scheduler.route": "gateway.submit",
+    "decode.admit": "scheduler.route",
+    "prefill.queue": "decode.admit",
+    "prefill.compute": "decode.admit",
+    "prefill.kv_send": "decode.admit",
+    "decode.kv_receive": "decode.admit",
+    "decode.decode": "decode.admit",
+}
+
+
+def test_one_trace_spans_all_four_services(stack, receiver):
+    ask = chat_request(f"{long_document(300)} Which place is named first?", 4)
+    ask.request_id = "trace-me"
+    collect(stack.stub(), ask)  # long: prefilled on the prefill worker
+    deadline = time.monotonic() + 30
+    while True:
+        roots = [s for s in receiver.spans if s.attributes.get("request_id") == "trace-me"]
+        spans = [s for s in receiver.spans if roots and s.trace_id == roots[0].trace_id]
+        if {s.name for s in spans} >= set(PARENTS):
+            break
+        assert time.monotonic() < deadline, sorted({(s.service, s.name) for s in spans})
+        time.sleep(0.5)
+    by_id = {s.span_id: s for s in spans}
+    services = {s.service for s in spans}
+    assert services == {"tandem-gateway", "tandem-scheduler", "tandem-prefill", "tandem-decode"}
+    for span in spans:
+        if span.name not in PARENTS:
+            continue
+        parent = by_id.get(span.parent_id)
+        assert (parent.name if parent else None) == PARENTS[span.name], span
+        assert span.start_ns <= span.end_ns
+    (root,) = [s for s in spans if s.name == "gateway.request"]
+    assert root.attributes["status"] == "OK"
+    log = Path(stack.group.log_dir / "it-metrics-gateway.log").read_text()
+    placed = [line for line in log.splitlines() if "placed:" in line and "[trace-me." in line]
+    assert placed and f"trace={root.trace_id}" in placed[0], placed

@@ -128,11 +128,14 @@ def _observe(record: RequestRecord, response: pb.GenerateResponse, now: float) -
         record.finish_reason = (
             pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
         )
-        record.prompt_tokens = response.usage.prompt_tokens
-        record.completion_tokens = response.usage.completion_tokens
+        _observe_finish(record, response.usage.prompt_tokens, response.usage.completion_tokens)
         record.timing = {
             f.name: getattr(response.timing, f.name) for f in response.timing.DESCRIPTOR.fields
         }
+
+
+def _observe_finish(record: RequestRecord, prompt_tokens: int, completion_tokens: int) -> None:
+    record.prompt_tokens, record.completion_tokens = prompt_tokens, completion_tokens
 
 
 def _failed(record: RequestRecord, err: grpc.aio.AioRpcError) -> None:

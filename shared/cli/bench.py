@@ -21,12 +21,22 @@ from shared.benchmark.slo import SLO, SLO_HELP
 from shared.benchmark.workload import Workload, poisson_arrivals, request_specs
 
 DEFAULT_REQUESTS = 100
+DEFAULT_ADDRESS = {"grpc": "127.0.0.1:50051", "openai": "http://127.0.0.1:8000"}
 LENGTHS_HELP = "fixed:N, uniform:A-B (inclusive) or file:PATH (one length a line, or 'prompt_len output_len' pairs)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--address", default="127.0.0.1:50051", help="the gateway (default 127.0.0.1:50051)"
+        "--address",
+        default="",
+        help="the gateway: host:port for gRPC (default 127.0.0.1:50051), the HTTP API's base "
+        "URL for openai (default http://127.0.0.1:8000)",
+    )
+    p.add_argument(
+        "--api",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="drive the gRPC API (default) or the OpenAI-compatible HTTP API (/v1/completions)",
     )
     _load_arguments(p)
     _workload_arguments(p)
@@ -132,6 +142,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 
 def bench_command(args) -> int:
     args.label = args.label or time.strftime("serving-%Y%m%d-%H%M%S")
+    args.address = args.address or DEFAULT_ADDRESS[args.api]
     try:
         workload, slo = workload_of(args), SLO.parse(args.slo)
         check_limits(args)
@@ -190,8 +201,8 @@ def check_limits(args) -> None:
 
 async def run(args, workload: Workload):
     """Warm-up, then the measured run; returns the measured records and the cluster's description."""
-    # fails fast, before the tokenizer loads
-    cluster = await probe(args.address, args.connect_timeout)
+    # fails fast, before the tokenizer loads (the HTTP API's is probed as the run starts)
+    cluster = await probe(args.address, args.connect_timeout) if args.api == "grpc" else {}
     tokenizer = await asyncio.to_thread(
         model_store.load_tokenizer,
         await asyncio.to_thread(model_store.prepare, args.model, args.model_cache),
@@ -220,6 +231,7 @@ async def drive(args, specs, total: int | None, duration: float | None, label: s
             timeout_s=args.request_timeout,
             progress=progress,
             connect_timeout_s=args.connect_timeout,
+            api=args.api,
         )
     finally:
         progress.close()

@@ -1,4 +1,5 @@
-"""`tandem bench` against a real stack: every request completes, with the prompt length the gateway counts."""
+"""`tandem bench` against a real stack, over either API: every request completes, with the
+prompt length the gateway counts."""
 
 import json
 import subprocess
@@ -9,15 +10,19 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_bench_measures_a_real_stack(disagg, tmp_path):
+@pytest.mark.parametrize("api", ["grpc", "openai"])
+def test_bench_measures_a_real_stack(disagg, tmp_path, api):
+    address = disagg.address if api == "grpc" else disagg.http_url
     done = subprocess.run(
         [
             sys.executable,
             "-m",
             "shared.cli.main",
             "bench",
+            "--api",
+            api,
             "--address",
-            disagg.address,
+            address,
             "--num-requests",
             "8",
             "--rate",
@@ -49,5 +54,8 @@ def test_bench_measures_a_real_stack(disagg, tmp_path):
     for request in data["requests"]:
         assert (request["prompt_tokens"], request["completion_tokens"]) == (64, 16)
         assert request["finish_reason"] == "length" and request["ttft_ms"] > 0
-    assert data["config"]["cluster"]["mode"] == "disaggregated"
+        assert request["timing"]["path"] == "disaggregated"
+    assert data["config"]["api"] == api
+    if api == "grpc":
+        assert data["config"]["cluster"]["mode"] == "disaggregated"
     disagg.wait_idle()

@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http clean
 
 install: $(STAMP)
 
@@ -91,6 +91,11 @@ bench-scale: kernels
 bench-overload: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/overload.py
+
+# What the OpenAI-compatible HTTP front costs against gRPC: TTFT, ITL and the gateway's CPU per
+# token through each, at concurrency 1 and 32. bench/results/http_cost.md.
+bench-http: kernels
+	$(PY) bench/http_cost.py
 
 bench-flood: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'

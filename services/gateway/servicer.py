@@ -162,8 +162,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         with tracing.within(root), tracing.tracer().start_as_current_span("gateway.validate"):
             valid = await self._validated(request, context, client)
             tracing.record("gateway.tokenize", tracing.current(), *valid.tokenized)
-        root_span = trace.get_current_span(root)
-        root_span.set_attribute("request_id", valid.request_id)
+        trace.get_current_span(root).set_attribute("request_id", valid.request_id)
         kv_tokens = len(valid.prompt_token_ids) + valid.sampling.n * valid.sampling.max_tokens
         await self._within_limits(client, kv_tokens, context)
         self.usage.open(client, kv_tokens)

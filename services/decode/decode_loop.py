@@ -79,7 +79,9 @@ class DecodeLoop:
             return True
         if outputs is None:
             return False
-        for seq in self.engine.take_forked():
+        # each group's other choices first (they go as the group went), then its own sequence,
+        # choice 0 now (re-keyed; a cancel of that choice alone applies to it alone)
+        for seq in sorted(self.engine.take_forked(), key=lambda s: s.forked_from is None):
             self.requests[seq.attempt_id] = self.adopt(seq)
         for seq, out in outputs:
             req = self.requests.get(seq.attempt_id)

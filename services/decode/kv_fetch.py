@@ -18,7 +18,7 @@ import time
 from services.decode.kv_transfer import InboundTransfer, TransferState
 from services.decode.request import DecodeRequest
 from shared.control.bus import BusError, MessageBus
-from shared.control.failure import Code, failed
+from shared.control.failure import Code, failed, worker_failed
 from shared.control.liveness import Liveness
 from shared.control.messages import (
     KVDestination,
@@ -96,6 +96,7 @@ class KVFetcher:
             timeout_s=self.settings.prefill_timeout_s,
             deadline=req.seq.task.deadline,
         )
+        req.transfer.choices = req.seq.sampling.n  # the first tokens its prefill must send
         self.transfers[plan.destination.base_tag] = req.transfer
         return True
 
@@ -283,4 +284,10 @@ class KVFetcher:
     async def on_prefill_result(self, result: PrefillResult, respond) -> None:
         t = self.transfers.get(result.base_tag)
         if t is not None:
+            if result.ok and len(result.first_tokens) != t.choices:  # a faulty prefill worker
+                why = f"sent {len(result.first_tokens)} first tokens for {t.choices} choices"
+                failure = worker_failed(
+                    t.prefill_worker, f"prefill worker {t.prefill_worker} {why}"
+                )
+                result = dataclasses.replace(result, failure=failure)
             t.on_result(result)

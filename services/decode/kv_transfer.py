@@ -83,6 +83,7 @@ class InboundTransfer:
     ):
         self.attempt_id = attempt_id
         self.prefill_worker = prefill_worker
+        self.choices = 1  # the request's n: the first tokens a complete result brings
         self.receiver = receiver
         self.lease_s = lease_s
         self.timeout_s = timeout_s  # the prefill worker's time from accepting to the last piece

@@ -127,12 +127,13 @@ class TokenStreams:
             chunk = TokenChunk(req.attempt_id, req.next_chunk_index(), failure=req.failure)
             if req.failure.movable:
                 self.metrics.migrated("out")
-        await self.send(req, chunk)
-        self.log.end(req.attempt_id)
-        if seq.sampling.n > 1:  # never forked: its other choices end the same way
-            for attempt_id in choice_ids(seq.task)[1:]:
-                other = dataclasses.replace(chunk, attempt_id=attempt_id, index=0)
-                self.log.record(seq.task.reply_subject, other)
-                await self.bus.try_publish(seq.task.reply_subject, other)
-                self.log.end(attempt_id)
+        if seq.sampling.n == 1:
+            await self.send(req, chunk)
+            self.log.end(req.attempt_id)
+            return False
+        for attempt_id in choice_ids(seq.task):  # a group never forked: each choice ends so
+            each = dataclasses.replace(chunk, attempt_id=attempt_id, index=0)
+            self.log.record(seq.task.reply_subject, each)
+            await self.bus.try_publish(seq.task.reply_subject, each)
+            self.log.end(attempt_id)
         return False

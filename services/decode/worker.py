@@ -225,9 +225,15 @@ class DecodeWorker:
             self.announcer.nudge()
 
     def _adopt(self, seq: Sequence) -> DecodeRequest:
-        """A choice forked from a request held here: a request of its own from now on (ended
-        at once when its request was, or when its own cancel came before it existed)."""
-        parent = self.loop.requests.get(seq.forked_from.attempt_id)
+        """A choice forked from a group held here: a request of its own from now on (ended at
+        once when its group was, or when its own cancel came before it existed). The group's
+        own sequence, choice 0 now, keeps its request under the choice's id."""
+        if seq.forked_from is None:
+            req = self.loop.requests.pop(seq.group_id)
+            if seq.attempt_id in self.cancelled and not req.ended:
+                req.cancel("cancelled")
+            return req
+        parent = self.loop.requests.get(seq.forked_from.group_id)
         req = DecodeRequest(seq, parent.prefill_worker if parent else "")
         req.trace = parent.trace if parent else req.trace
         if seq.attempt_id in self.cancelled or parent is None:

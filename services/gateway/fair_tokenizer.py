@@ -12,6 +12,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
+from shared.telemetry.request_log import detached
+
 
 class FairTokenizer:
     def __init__(self) -> None:
@@ -24,7 +26,7 @@ class FairTokenizer:
         done = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(client, deque()).append((fn, args, done))
         if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._work())
+            self._worker = detached(self._work())  # serves every client's requests
         return await done
 
     async def _work(self) -> None:

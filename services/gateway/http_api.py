@@ -37,6 +37,7 @@ log = logging.getLogger("gateway.http")
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+INTERNAL = http_error(grpc.StatusCode.INTERNAL, "the gateway failed to serve the request")
 
 
 def _dumps(obj) -> bytes:
@@ -98,8 +99,10 @@ class OpenAIApi:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
             body = await request.json()
-        except web.HTTPRequestEntityTooLarge:
-            raise
+        except web.HTTPRequestEntityTooLarge as err:
+            too_large = http_error(grpc.StatusCode.INVALID_ARGUMENT, err.text or "too large")
+            too_large.status = 413
+            return _error_response(too_large)
         except ValueError as err:
             return _bad(f"the body is not JSON: {err}")
         try:
@@ -145,6 +148,9 @@ class OpenAIApi:
                 lasts += [response] if response.finish_reason else []
         except CallAborted as err:
             return _error_response(http_error(err.code, err.details, err.retry_after_ms))
+        except Exception:  # a bug: an OpenAI error body all the same, and the log has it
+            log.exception("request %s failed", formatter.id)
+            return _error_response(INTERNAL)
         body = _dumps(formatter.response(choices, lasts))
         return web.Response(body=body, content_type="application/json")
 
@@ -155,6 +161,9 @@ class OpenAIApi:
             first = await _next(responses, context)
         except CallAborted as err:
             return _error_response(http_error(err.code, err.details, err.retry_after_ms))
+        except Exception:
+            log.exception("request %s failed", formatter.id)
+            return _error_response(INTERNAL)
         stream = web.StreamResponse(headers=SSE_HEADERS | {"X-Request-Id": formatter.id})
         await stream.prepare(request)
         response, offsets, lasts = first, {}, []
@@ -171,6 +180,11 @@ class OpenAIApi:
             await stream.write(b"data: [DONE]\n\n")
         except CallAborted as err:
             await _event(stream, http_error(err.code, err.details, err.retry_after_ms).body)
+        except (ConnectionError, asyncio.CancelledError):
+            raise  # the client went away: nothing more to say
+        except Exception:
+            log.exception("request %s failed mid-stream", formatter.id)
+            await _event(stream, INTERNAL.body)
         await stream.write_eof()
         return stream
 

@@ -6,6 +6,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 _END = object()
+_CANCELLED = object()  # a stream's own cancellation (not this reader's): ends them all
 
 
 async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -20,14 +21,20 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
             await queue.put((index, _END))
         except Exception as err:  # ends the others; raised to the reader
             await queue.put((index, err))
+        except BaseException:
+            queue.put_nowait((index, _CANCELLED))
+            raise
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
+        await asyncio.sleep(0)  # every stream started: closing one now runs its cleanup
         left = len(tasks)
         while left:
             index, item = await queue.get()
             if item is _END:
                 left -= 1
+            elif item is _CANCELLED:
+                raise asyncio.CancelledError()
             elif isinstance(item, Exception):
                 raise item
             else:

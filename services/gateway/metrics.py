@@ -63,6 +63,7 @@ class RequestObserver:
         self.m, self.labels = metrics, (*metrics.ids, api)
         self.arrival = time.monotonic()
         self.last_token_at: dict[int, float] = {}  # of each choice
+        self.last: pb.GenerateResponse | None = None  # the first choice's last response
         self.path = "none"
         metrics.in_flight.labels(*self.labels).inc()
 
@@ -76,18 +77,21 @@ class RequestObserver:
                 m.latency["inter_token_latency"].labels(*labels).observe(now - last)
             self.last_token_at[response.index] = now
             m.tokens["generation"].labels(*labels).inc(len(response.token_ids))
-        if response.finish_reason:
-            timing = response.timing
-            self.path = "migrated" if timing.migrations else (timing.path or "none")
-            m.latency["request_duration"].labels(*labels).observe(now - self.arrival)
-            m.latency["request_queue"].labels(*labels).observe(timing.queue_ms / 1000)
-            m.tokens["prompt"].labels(*labels).inc(response.usage.prompt_tokens)
-            m.tokens["cached_prompt"].labels(*labels).inc(timing.cached_tokens)
+        if response.finish_reason:  # of one choice: the request's figures count once, at the end
+            migrated = response.timing.migrations or self.path == "migrated"
+            self.path = "migrated" if migrated else (response.timing.path or "none")
+            self.last = self.last or response
 
     def end(self, code: grpc.StatusCode | None, finished: bool) -> None:
         """`code`: the status the call was ended with (None: none); `finished`: the last
         response went out (else the client went away)."""
         status = code.name.lower() if code is not None else ("ok" if finished else "cancelled")
+        m, labels, last = self.m, self.labels, self.last
+        if finished and last is not None:
+            m.latency["request_duration"].labels(*labels).observe(time.monotonic() - self.arrival)
+            m.latency["request_queue"].labels(*labels).observe(last.timing.queue_ms / 1000)
+            m.tokens["prompt"].labels(*labels).inc(last.usage.prompt_tokens)
+            m.tokens["cached_prompt"].labels(*labels).inc(last.timing.cached_tokens)
         self.m.requests.labels(*self.labels, status, self.path).inc()
         self.m.in_flight.labels(*self.labels).dec()
 

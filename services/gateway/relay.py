@@ -11,6 +11,7 @@ holds. A failure the client must see ends the call with its gRPC status (context
 """
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -24,7 +25,7 @@ from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
-from shared.control.choices import choice_ids
+from shared.control.choices import all_ids, choice_ids
 from shared.control.failure import Code, Failure, Retry
 from shared.control.liveness import Liveness
 from shared.control.messages import (
@@ -88,15 +89,15 @@ class RequestRelay:
             return attempt
         except BaseException:
             self._close(attempt)
-            await self._cancel(attempt.id)
+            await self.cancel_all(attempt.task)
             raise
 
     async def follow(
-        self, task: GenerateTask, placed_on: str = ""
+        self, task: GenerateTask, group: Attempt | None = None
     ) -> AsyncIterator[tuple[Attempt, TokenChunk]]:
         """Every chunk of the request's output, with the attempt as it is after that chunk.
-        `placed_on`: the request (a choice of a group) is there already, its stream open."""
-        attempt = Attempt(task).placed(placed_on) if placed_on else self._open(Attempt(task))
+        `group`: the request is a choice of this group, placed already (its stream open)."""
+        attempt = dataclasses.replace(group, task=task) if group else self._open(Attempt(task))
         ended = False
         try:
             while not ended:
@@ -113,7 +114,7 @@ class RequestRelay:
         finally:
             self.streams.close(attempt.id)
             if not ended:  # client gone, deadline passed or a failure: free what the workers hold
-                await self._cancel(attempt.id)
+                await self.cancel(attempt.id)
 
     def _open(self, attempt: Attempt) -> Attempt:
         for attempt_id in choice_ids(attempt.task):  # a group's: each choice's stream
@@ -127,11 +128,16 @@ class RequestRelay:
 
     async def _replace(self, ended: Attempt, following: Attempt) -> Attempt:
         """Ends an attempt (what the workers hold of it is freed) and opens the one after it."""
-        await self._cancel(ended.id)
+        await self.cancel_all(ended.task)
         self._close(ended)
         return self._open(following)
 
-    async def _cancel(self, attempt_id: str) -> None:
+    async def cancel_all(self, task: GenerateTask) -> None:
+        """Frees what the workers hold of the request under any id (a group's: each choice's)."""
+        for attempt_id in all_ids(task):
+            await self.cancel(attempt_id)
+
+    async def cancel(self, attempt_id: str) -> None:
         try:
             with tracing.within(self.trace):
                 await self.bus.publish(self.subjects.cancel, CancelRequest(attempt_id, "cancelled"))

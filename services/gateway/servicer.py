@@ -36,6 +36,17 @@ from shared.control.subjects import Subjects
 from shared.telemetry import tracing
 
 
+async def _group(stream, relay: RequestRelay, placed):
+    """A group's merged choices; once they end, however they end, the group's own id is
+    cancelled too (a worker may hold it, unforked, while its choices moved on)."""
+    async with contextlib.aclosing(stream):
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await relay.cancel(placed.id)
+
+
 async def _only(stream):
     """One stream, as choice 0 of `merged`'s."""
     async with contextlib.aclosing(stream):
@@ -229,12 +240,11 @@ class TandemServicer(pb_grpc.TandemServicer):
 
         if task.sampling.n == 1:
             return _only(relay().follow(task))
-        placed = await relay().place(task)
-        streams = [
-            relay().follow(choice_task(placed.task, i), placed.worker)
-            for i in range(task.sampling.n)
-        ]
-        return merged(streams)
+        placing = relay()
+        placed = await placing.place(task)
+        n = task.sampling.n
+        streams = [relay().follow(choice_task(placed.task, i), placed) for i in range(n)]
+        return _group(merged(streams), placing, placed)
 
     async def _validated(
         self, request: pb.GenerateRequest, context, client: Client

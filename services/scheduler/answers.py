@@ -13,6 +13,7 @@ from collections.abc import Callable
 from services.scheduler.admission import AdmissionQueue, Pending
 from shared.control.failure import Code, Failure, Retry
 from shared.control.messages import SubmitReply
+from shared.telemetry.request_log import detached
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Answers:
             log.warning("could not answer a submission: %s", err)
 
     def spawn(self, coro) -> None:
-        job = asyncio.create_task(coro)
+        job = detached(coro)  # not the context of the message that happened to start it
         self._inflight.add(job)
         job.add_done_callback(self._inflight.discard)
 

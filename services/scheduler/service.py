@@ -3,9 +3,9 @@
 Submissions arrive on a NATS queue group, so any number of schedulers share them. Each goes
 through this scheduler's AdmissionQueue: it is placed at once when a worker has room, waits
 (bounded) when none has, and is refused with RESOURCE_EXHAUSTED and a retry-after hint when
-the queue is full or the wait runs out. Placed requests are handed to their decode worker; a
-worker that refuses as full counts as full until its next heartbeat, one that is draining or has
-vanished is excluded, and the request is placed again (at most MAX_DISPATCH_ATTEMPTS times).
+the queue is full or the wait runs out. Placed requests are handed to their decode worker; one
+that refuses as full counts as full until its next heartbeat, one draining or vanished is
+excluded, and the request is placed again (at most MAX_DISPATCH_ATTEMPTS times).
 """
 
 import asyncio
@@ -23,6 +23,7 @@ from services.scheduler.router import NoRoom, NoWorker, Route, Router
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.status import status_page
 from shared.control.bus import BadReply, MessageBus, NoResponders, RequestTimeout
+from shared.control.choices import all_ids
 from shared.control.failure import Code, Failure, Retry, failed, worker_failed
 from shared.control.messages import (
     CancelRequest,
@@ -221,11 +222,11 @@ class SchedulerService:
         return not any(w.worker_id in excluded for w in self.registry.live())
 
     def _reserve(self, entry: Pending, chosen: Route) -> None:
-        self.registry.reserve(chosen.decode.worker_id, seqs=1, blocks=chosen.blocks)
+        n = entry.task.sampling.n  # a group: one sequence per choice once forked
+        self.registry.reserve(chosen.decode.worker_id, seqs=n, blocks=chosen.blocks)
         if chosen.prefill:  # its queue's place is taken too, until its next heartbeat says
-            self.registry.reserve(
-                chosen.prefill.worker_id, seqs=1, prompt_tokens=chosen.compute_tokens
-            )
+            prefill = chosen.prefill.worker_id
+            self.registry.reserve(prefill, seqs=1, prompt_tokens=chosen.compute_tokens)
         else:
             self.registry.reserve(chosen.decode.worker_id, prompt_tokens=chosen.compute_tokens)
 
@@ -238,13 +239,13 @@ class SchedulerService:
             with tracing.within(entry.trace):  # the assignment's message carries the route span
                 failure = await self._offer(task, decode_id, prefill_id)
         except (RequestTimeout, BadReply):
-            # It may have taken the request after all: placing it elsewhere could run it twice.
-            # The gateway moves it on (a new attempt id), cancelling this one.
+            # It may have taken (and forked) it: placing it elsewhere could run it twice. The
+            # gateway moves it on (a new attempt id); this one is cancelled under every id.
             log.warning("decode worker %s did not confirm %s in time", decode_id, task.attempt_id)
-            await self._cancel(task.attempt_id, "dispatch timed out")
-            self.answers.refuse(
-                entry, worker_failed(decode_id, f"decode worker {decode_id} did not answer in time")
-            )
+            for attempt_id in all_ids(task):
+                await self._cancel(attempt_id, "dispatch timed out")
+            late = worker_failed(decode_id, f"decode worker {decode_id} did not answer in time")
+            self.answers.refuse(entry, late)
             return
         except Exception:  # a bug or a broken connection: this request fails, nothing hangs
             log.exception("assigning %s to %s failed", task.attempt_id, decode_id)

@@ -1,10 +1,12 @@
 """The choices of a request that asks for n > 1.
 
-The prompt is computed once; at its first token the decode worker forks it into n sequences that
-share the prompt's KV blocks. From then on each choice is a request of its own: it streams under
-an attempt id of its own (choice 0 under the request's) and samples with a seed of its own (the
-request's seed + its index), so a request with n = 1 and that seed gives the same choice, and a
-choice whose worker fails moves on alone.
+The prompt is computed once, under the group's attempt id; at its first token the decode worker
+forks it into n sequences that share the prompt's KV blocks (the group's own goes on as choice 0).
+From then on each choice is a request of its own: it streams under an attempt id of its own
+(`<group id>~<index>`, known from the start, so a choice is cancelled alone and its stream is
+there before the fork) and samples with a seed of its own (the request's seed + its index), so a
+request with n = 1 and that seed gives the same choice, and a choice whose worker fails moves on
+alone.
 """
 
 import dataclasses
@@ -14,12 +16,20 @@ from shared.control.messages import GenerateTask, SamplingParams
 SEED_SPACE = 1 << 64
 
 
-def choice_id(attempt_id: str, index: int) -> str:
-    return attempt_id if index == 0 else f"{attempt_id}~{index}"
+def choice_id(group_id: str, index: int) -> str:
+    return f"{group_id}~{index}"
 
 
 def choice_ids(task: GenerateTask) -> list[str]:
+    """The ids the request's tokens stream under: its own, or (n > 1) each choice's."""
+    if task.sampling.n == 1:
+        return [task.attempt_id]
     return [choice_id(task.attempt_id, i) for i in range(task.sampling.n)]
+
+
+def all_ids(task: GenerateTask) -> list[str]:
+    """Every id the request may be held under on a worker (what a cancel must name)."""
+    return [task.attempt_id] + (choice_ids(task) if task.sampling.n > 1 else [])
 
 
 def choice_sampling(params: SamplingParams, index: int) -> SamplingParams:

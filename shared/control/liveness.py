@@ -20,6 +20,7 @@ from collections.abc import Callable
 from shared.control.bus import MessageBus, NoResponders
 from shared.control.messages import Ping, SchedulerHeartbeat, TaskAck, WorkerHeartbeat
 from shared.control.subjects import Subjects
+from shared.telemetry.request_log import detached
 
 QUICK_S = 1.0  # silent this long (two missed beats at the default interval): worth asking NATS
 PROBE_TIMEOUT_S = 0.25
@@ -93,7 +94,7 @@ class Liveness:
             return False
         probe = self._probes.get(worker_id)
         if probe is None:
-            probe = self._probes[worker_id] = asyncio.ensure_future(self._gone(worker_id))
+            probe = self._probes[worker_id] = detached(self._gone(worker_id))  # shared by all
             probe.add_done_callback(lambda _: self._probes.pop(worker_id, None))
         gone = await asyncio.shield(probe)
         if not gone:
@@ -115,7 +116,7 @@ class Liveness:
         if self._clock() - self._heard_any < self._quick and not self._deaf:
             return True
         if self._reach is None:
-            self._reach = asyncio.ensure_future(self._bus.reachable(PROBE_TIMEOUT_S))
+            self._reach = detached(self._bus.reachable(PROBE_TIMEOUT_S))
             self._reach.add_done_callback(lambda _: setattr(self, "_reach", None))
         reachable = await asyncio.shield(self._reach)
         if reachable and not self._deaf:

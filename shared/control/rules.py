@@ -55,6 +55,14 @@ def _logprob(m) -> str | None:
     return None
 
 
+def _prefill_result(m) -> str | None:
+    if m.failure is None and not m.first_tokens:
+        return "a result without its first tokens"
+    if m.first_logprobs and len(m.first_logprobs) != len(m.first_tokens):
+        return "first_logprobs and first_tokens differ in length"
+    return None
+
+
 def _task(m) -> str | None:
     if not m.attempt_id or not m.prompt_token_ids:
         return "empty attempt id or prompt"
@@ -87,6 +95,7 @@ def _heartbeat(m) -> str | None:
 EXTRA: dict[str, Callable[[Any], str | None]] = {
     "SamplingParams": _sampling,
     "TokenLogprob": _logprob,
+    "PrefillResult": _prefill_result,
     "GenerateTask": _task,
     "PrefillTask": _prefill_task,
     "KVLayout": _layout,

@@ -165,7 +165,7 @@ class BlockManager:
         child.last_block_hash = parent.last_block_hash
         if not partial:
             return None
-        copy = self._take_run(1, None)[0]
+        copy = self._take_run(1, parent.block_table[full])[0]  # no scan of the pool
         child.block_table = child.block_table + [copy]
         return parent.block_table[full], copy
 

@@ -260,13 +260,14 @@ class Engine:
         else forked here) take the others."""
         if len(draws) == 1:
             return [(seq, self._emit(seq, *draws[0]))]
-        seq.sampling = choice_sampling(seq.sampling, 0)  # from here on, choice 0 alone
         if seq.prefill_only:
+            seq.sampling = choice_sampling(seq.sampling, 0)  # a prefill: nothing after this
             out = self._emit(seq, *draws[0])
             out.token_ids = [token for token, _ in draws]
             out.logprobs = [logprob for _, logprob in draws if logprob is not None]
             return [(seq, out)]
-        children = fork(seq, len(draws), self.blocks, self.runner.pool)
+        children = fork(seq, len(draws), self.blocks, self.runner.pool)  # seq: choice 0 now
+        self.forked.append(seq)  # renamed: its owner knows it under seq.group_id until now
         outputs = [(seq, self._emit(seq, *draws[0]))]
         for (child, shared), draw in zip(children, draws[1:]):
             self.forked.append(child)
@@ -277,7 +278,8 @@ class Engine:
         return outputs
 
     def take_forked(self) -> list[Sequence]:
-        """The choices forked since the last call (their owner adopts them)."""
+        """The choices forked since the last call, each group's choice 0 (its own sequence,
+        renamed) before its others: their owner adopts them."""
         with self.lock:
             forked, self.forked = self.forked, []
             return forked

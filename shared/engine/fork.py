@@ -15,17 +15,31 @@ from shared.engine.sequence import Sequence
 
 def fork(seq: Sequence, n: int, blocks: BlockManager, pool: KVPool) -> list[tuple[Sequence, bool]]:
     """Choices 1..n-1 of seq's request, each with whether it shares seq's KV (else it must
-    compute its prompt again). Call under the engine lock, before seq takes its first token."""
-    children = []
-    for index in range(1, n):
-        child = seq.fork(choice_task(seq.task, index))
-        try:
-            copy = blocks.fork(seq, child)
-        except MemoryError:
-            child.num_computed_tokens = 0
-            children.append((child, False))
-            continue
-        if copy is not None:
-            pool.copy_block(*copy)
-        children.append((child, True))
+    compute its prompt again); seq becomes choice 0. Call under the engine lock, before seq
+    takes its first token. A failure midway gives back what the children took."""
+    group, children = seq.task, []
+    try:
+        for index in range(1, n):
+            child = seq.fork(choice_task(group, index))
+            children.append((child, _share(seq, child, blocks, pool)))
+    except BaseException:
+        for child, _ in children:
+            blocks.deallocate(child)
+        raise
+    seq.become(choice_task(group, 0))
     return children
+
+
+def _share(seq: Sequence, child: Sequence, blocks: BlockManager, pool: KVPool) -> bool:
+    try:
+        copy = blocks.fork(seq, child)
+    except MemoryError:
+        child.num_computed_tokens = 0
+        return False
+    if copy is not None:
+        try:
+            pool.copy_block(*copy)
+        except BaseException:
+            blocks.deallocate(child)
+            raise
+    return True

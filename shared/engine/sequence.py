@@ -54,6 +54,7 @@ class Sequence:
         self.first_tokens: list[int] = []
         self.first_logprobs: list[TokenLogprob] = []
         self.forked_from: Sequence | None = None  # the choice 0 this choice was forked from
+        self.group_id = task.attempt_id  # the id it was taken on under (n > 1: the group's)
         self.finish_reason = ""
         self.abandoned = False  # nobody wants its output any more: a step of only such stops early
         self.queue_ms = 0.0
@@ -62,6 +63,10 @@ class Sequence:
         self.kv_exposed_ms = 0.0  # prefill finished -> last KV piece landed
         self.cached_tokens = 0  # prompt tokens a prefix cache served, for Timing
         self.prefill_started = 0.0
+
+    def become(self, task: GenerateTask) -> None:
+        """The group's own sequence goes on as its choice 0: that choice's id and sampling."""
+        self.task, self.attempt_id, self.sampling = task, task.attempt_id, task.sampling
 
     def fork(self, task: GenerateTask) -> "Sequence":
         """Another choice of this request (`task`: its id and sampling) from the same computed

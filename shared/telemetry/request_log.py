@@ -5,6 +5,7 @@ log handler adds `request` to every record: "" outside one, else " [<attempt id>
 " trace=<id>" when a span is current).
 """
 
+import asyncio
 import contextlib
 import contextvars
 import logging
@@ -30,3 +31,9 @@ class RequestLogFilter(logging.Filter):
         traced = f" trace={span_context.trace_id:032x}" if span_context.is_valid else ""
         record.request = f" [{request}{traced}]" if request or traced else ""
         return True
+
+
+def detached(coro) -> asyncio.Task:
+    """A task that carries no request's context: one started while a message is handled would
+    otherwise name that request (and trace) in everything it logs and sends, for good."""
+    return contextvars.Context().run(asyncio.create_task, coro)

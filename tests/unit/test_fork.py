@@ -99,9 +99,28 @@ def test_a_remote_prompt_forks_into_the_tokens_it_was_handed(tiny_model, rand_to
     engine.kv_arrived(seq)
     outputs = engine.step()
     assert [(s.attempt_id, out.token_ids) for s, out in outputs] == [
-        ("r.abc", [5]),
+        ("r.abc~0", [5]),
         ("r.abc~1", [6]),
         ("r.abc~2", [7]),
     ]
     run_to_end(engine)
+    assert engine.blocks.free == engine.blocks.num_blocks
+
+
+def test_a_fork_that_fails_midway_gives_back_what_it_took(tiny_model, rand_tokens):
+    engine = make_engine(tiny_model)
+    calls = []
+
+    def copy_block(source, target):
+        calls.append(source)
+        if len(calls) == 2:
+            raise RuntimeError("copy failed")
+
+    engine.runner.pool.copy_block = copy_block
+    seq = make_seq(rand_tokens(40), n=3)
+    engine.add(seq)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    assert engine.take_forked() == [] and seq.attempt_id == "r.abc"  # still the group's
+    engine.release(seq)
     assert engine.blocks.free == engine.blocks.num_blocks

@@ -205,7 +205,10 @@ def test_rejects_str_for_bytes():
 
 
 def test_float_field_accepts_int():
-    chunk = decode(raw(type="PrefillResult", attempt_id="r", base_tag=1, queue_ms=3), PrefillResult)
+    chunk = decode(
+        raw(type="PrefillResult", attempt_id="r", base_tag=1, queue_ms=3, first_tokens=[1]),
+        PrefillResult,
+    )
     assert chunk.queue_ms == 3.0 and isinstance(chunk.queue_ms, float)
 
 

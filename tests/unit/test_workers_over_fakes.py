@@ -111,7 +111,7 @@ async def test_n_choices_stream_on_their_own_ids_from_one_prefill(tiny_model, re
             await pair.outcome(alone.attempt_id)
             assert [t for c in chunks for t in c.token_ids] == pair.tokens(alone.attempt_id)
         await pair.idle()
-        assert pair.decode_freed["g"] == 1 and pair.decode_freed["g~1"] == 1
+        assert pair.decode_freed["g~0"] == 1 and pair.decode_freed["g~1"] == 1
         assert pair.prefill_freed.get("g", 0) == (1 if remote else 0)
         assert pair.decode.snapshot().kv_blocks_leaked == 0
 
@@ -127,4 +127,40 @@ async def test_a_group_that_fails_before_its_first_token_fails_every_choice(tiny
         assert [c[-1].failure.avoid for c in choices.values()] == [PREFILL, PREFILL]
         pair.decode_plane.hold = False
         pair.liveness.gone.clear()
+        await pair.idle()
+
+
+async def test_choice_0_cancelled_before_the_fork_leaves_the_others(tiny_model):
+    """Choice 0's stream moved on (its relay cancelled it) while the group was still prefilled:
+    the other choices are not touched."""
+    async with Pair(tiny_model) as pair:
+        pair.decode_plane.hold = True  # the KV cannot land yet: the group is not forked
+        task = make_task("g", 200, max_tokens=3)
+        task.sampling = dataclasses.replace(task.sampling, n=3)
+        assert (await pair.submit(task)).ok
+        await until(lambda: in_flight(pair, "g"))
+        await pair.bus.publish(pair.subjects.cancel, CancelRequest(attempt_id="g~0"))
+        pair.decode_plane.hold = False
+        choices = await _choices(pair, task)
+        assert [c[-1].finish_reason for c in choices.values()] == ["cancelled", "length", "length"]
+        await pair.idle()
+        assert pair.decode.snapshot().kv_blocks_leaked == 0
+
+
+async def test_a_prefill_result_short_of_first_tokens_fails_every_choice(tiny_model):
+    async with Pair(tiny_model) as pair:
+        real = pair.prefill.engine._first_of_each
+
+        def one_only(seq, draws):  # a faulty prefill worker: one first token for three choices
+            return real(seq, draws[:1])
+
+        pair.prefill.engine._first_of_each = one_only
+        task = make_task("g", 70)
+        task.sampling = dataclasses.replace(task.sampling, n=3)
+        assert (await pair.submit(task)).ok
+        choices = await _choices(pair, task)
+        failures = [c[-1].failure for c in choices.values()]
+        assert all(
+            f.avoid == PREFILL and "1 first tokens for 3 choices" in f.message for f in failures
+        )
         await pair.idle()

@@ -50,6 +50,20 @@ class RequestRecord:
     def ok(self) -> bool:
         return self.status == OK
 
+    @classmethod
+    def sent(cls, spec: RequestSpec) -> "RequestRecord":
+        """The record of `spec`, sent now."""
+        return cls(
+            spec.index,
+            spec.request_id,
+            spec.tag,
+            spec.prompt_len,
+            spec.output_len,
+            spec.priority,
+            spec.prefix,
+            sent_at=time.perf_counter(),
+        )
+
 
 def open_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address)
@@ -95,16 +109,7 @@ async def send(
 ) -> RequestRecord:
     """Sends one request and records its stream; a failure is recorded, never raised
     (cancellation aside)."""
-    record = RequestRecord(
-        spec.index,
-        spec.request_id,
-        spec.tag,
-        spec.prompt_len,
-        spec.output_len,
-        spec.priority,
-        spec.prefix,
-        sent_at=time.perf_counter(),
-    )
+    record = RequestRecord.sent(spec)
     call = stub.Generate(request_of(spec), timeout=timeout_s)
     try:
         async for response in call:

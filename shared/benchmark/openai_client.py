@@ -44,16 +44,7 @@ async def send_openai(
 ) -> RequestRecord:
     """Sends one request and records its event stream (each event: one gateway response, one
     token); a failure is recorded, never raised (cancellation aside)."""
-    record = RequestRecord(
-        spec.index,
-        spec.request_id,
-        spec.tag,
-        spec.prompt_len,
-        spec.output_len,
-        spec.priority,
-        spec.prefix,
-        sent_at=time.perf_counter(),
-    )
+    record = RequestRecord.sent(spec)
     headers = {"X-Request-Id": spec.request_id}
     if timeout_s:
         headers["X-Request-Timeout"] = str(timeout_s)

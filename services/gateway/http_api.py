@@ -230,7 +230,7 @@ def ssl_context(cert: str, key: str, client_ca: str) -> ssl.SSLContext | None:
 
 
 class HttpServer:
-    """The API listening on host:port from start() (or entering); stop() stops listening, and
+    """The API listening on host:port from start(); stop() stops listening, and
     gives requests in flight `drain_s` to finish before they are cancelled."""
 
     def __init__(self, api: OpenAIApi, host: str, port: int, tls, drain_s: float):
@@ -248,9 +248,3 @@ class HttpServer:
 
     async def stop(self) -> None:
         await self.runner.cleanup()
-
-    async def __aenter__(self) -> "HttpServer":
-        return await self.start()
-
-    async def __aexit__(self, *exc) -> None:
-        await self.stop()

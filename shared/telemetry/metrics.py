@@ -44,12 +44,6 @@ class MetricsServer:
             self._server.server_close()
             self._thread.join(5)
 
-    async def __aenter__(self) -> "MetricsServer":
-        return self.__enter__()
-
-    async def __aexit__(self, *exc) -> None:
-        self.__exit__()
-
 
 def gauge(name: str, doc: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, doc, labels=list(labels))

@@ -87,11 +87,5 @@ def record(
     return trace.set_span_in_context(span, parent)
 
 
-def trace_id() -> str:
-    """The current trace's id (hex), "" outside one."""
-    span_context = trace.get_current_span().get_span_context()
-    return format(span_context.trace_id, "032x") if span_context.is_valid else ""
-
-
 def now() -> float:
     return time.time()

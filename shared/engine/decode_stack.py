@@ -3,20 +3,26 @@
 csrc/decode_stack.cpp runs each layer's norms, packed GEMMs, rotary embedding, KV write and paged
 attention itself, with the bits the per-layer Python loop gives (a unit test compares them). It
 applies only when every piece of it does: the fused C++ layer ops and the paged attention kernel
-are built, every projection is packed without a bias, the norms share one epsilon and the MLP is
-SiLU; otherwise `decode_stack` returns None and the runner loops over the layers.
+are built, every projection is packed without a bias, the norms share one epsilon, q and k are
+not normalized per head and the MLP is SiLU; otherwise `decode_stack` returns None and the runner
+loops over the layers. Sliding windows are passed per layer.
 """
 
+from torch import nn
+from transformers.activations import SiLUActivation
+
+from shared.engine.architecture import LayerParts
 from shared.engine.layer_ops import KernelOps
 from shared.engine.paged_attention import PagedAttention
 from shared.engine.projection import Projection
 
 
 class DecodeStack:
-    def __init__(self, ops: KernelOps, paged: PagedAttention, weights, norms, eps: float, shape):
+    def __init__(self, ops: KernelOps, paged: PagedAttention, weights, norms, eps, shape, windows):
         self.ops = ops  # read at each call: a test spies on ops.kernels
         self.paged = paged
         self.weights, self.norms, self.eps = weights, norms, eps
+        self.windows = windows
         self.num_heads, self.num_kv_heads, self.head_dim = shape
 
     def __call__(self, hidden, cos, sin, pool, slots, decode):
@@ -36,15 +42,16 @@ class DecodeStack:
             self.head_dim,
             pool.block_size,
             self.paged.scale,
+            self.windows,
         )
 
 
 def decode_stack(
-    ops, paged, layers, final_norm, projections: list[Projection], config, shape
+    ops, paged, parts: list[LayerParts], final_norm, projections: list[Projection], shape
 ) -> DecodeStack | None:
     """The stack, when every piece of it applies. `projections`: q|k|v, o, gate|up and down of
     each layer in turn; `shape`: (heads, kv heads, head dim)."""
-    norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms = [n for p in parts for n in (p.input_norm, p.post_norm)]
     norms.append(final_norm)
     eps = {getattr(n, "variance_epsilon", None) for n in norms}
     if (
@@ -53,8 +60,11 @@ def decode_stack(
         or len(eps) != 1
         or None in eps
         or any(p.packed is None or p.bias is not None for p in projections)
-        or getattr(config, "hidden_act", None) != "silu"
+        or any(
+            p.q_norm is not None or not isinstance(p.act, (nn.SiLU, SiLUActivation)) for p in parts
+        )
     ):
         return None
     weights = [p.packed for p in projections]
-    return DecodeStack(ops, paged, weights, [n.weight for n in norms], eps.pop(), shape)
+    windows = [p.window or 0 for p in parts]
+    return DecodeStack(ops, paged, weights, [n.weight for n in norms], eps.pop(), shape, windows)

@@ -36,6 +36,15 @@ class QueryRange:
     mask: torch.Tensor | None  # causal within the range; None for a single query row
     in_pool: bool = False
 
+    def mask_within(self, window: int | None, device) -> torch.Tensor | None:
+        """The mask of a sliding-window layer: each row also sees only its last `window` keys."""
+        keys = self.ctx_end - self.ctx_start
+        if window is None or keys <= window:
+            return self.mask
+        rows = self.row_end - self.row_start
+        mask = torch.ones(rows, keys, dtype=torch.bool, device=device)
+        return mask.tril(keys - rows).triu(keys - rows - window + 1)
+
 
 @dataclass
 class ForwardBatch:
@@ -46,6 +55,7 @@ class ForwardBatch:
     attention: list[QueryRange]  # ranges through scaled_dot_product_attention
     decode: tuple | None  # single-token rows through the paged decode kernel
     last_rows: torch.Tensor
+    span_lengths: list[tuple[int, int]]  # (rows, sequence length) of each span: rotary tables
 
 
 def query_ranges(span: SeqSpan, chunk: int) -> list[tuple[int, int]]:
@@ -73,6 +83,7 @@ class _Builder:
     context: list[torch.Tensor] = field(default_factory=list)
     attention: list[QueryRange] = field(default_factory=list)
     last_rows: list[int] = field(default_factory=list)
+    span_lengths: list[tuple[int, int]] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)  # of the single rows
     lengths: list[int] = field(default_factory=list)
     single_rows: list[int] = field(default_factory=list)
@@ -81,6 +92,7 @@ class _Builder:
 
     def add(self, span: SeqSpan) -> None:
         self.ids.extend(span.token_ids[span.start : span.end])
+        self.span_lengths.append((span.end - span.start, max(span.end, len(span.token_ids))))
         self.positions.append(torch.arange(span.start, span.end))
         self.slots.append(self.pool.slots(span.block_table, span.start, span.end))
         run = self.pool.contiguous_run(span.block_table, span.end)
@@ -124,6 +136,7 @@ class _Builder:
             self.attention,
             decode,
             torch.tensor(self.last_rows, dtype=torch.long, device=self.device),
+            self.span_lengths,
         )
 
 

@@ -8,10 +8,15 @@ the next block.
 """
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rotary
+
+from shared.engine.architecture import LayerParts, apply_rotary
 
 
 class TorchOps:
+    def __init__(self, apply_rotary_pos_emb=llama_rotary):
+        self.apply_rotary_pos_emb = apply_rotary_pos_emb  # the model family's own
+
     def norm(
         self, residual: torch.Tensor, delta: torch.Tensor | None, module
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,7 +26,7 @@ class TorchOps:
         return residual, module(residual)
 
     def rope(self, q, k, cos, sin):
-        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        return self.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
 
     def act_mul(self, act, gate, up):
         return act(gate) * up
@@ -32,7 +37,8 @@ class TorchOps:
 
 
 class KernelOps(TorchOps):
-    def __init__(self, kernels):
+    def __init__(self, kernels, apply_rotary_pos_emb=llama_rotary):
+        super().__init__(apply_rotary_pos_emb)
         self.kernels = kernels
 
     def norm(self, residual, delta, module):
@@ -49,9 +55,22 @@ class KernelOps(TorchOps):
         self.kernels.store_kv(pool.kv[layer], slots, k, v)
 
 
-def layer_ops(kernels, model) -> TorchOps | KernelOps:
-    """The fused ops where they are built and the model's norms are Llama RMSNorms."""
-    fits = kernels is not None and all(
-        hasattr(layer.input_layernorm, "variance_epsilon") for layer in model.model.layers
+def llama_norm(module) -> bool:
+    """weight * RMSNorm(x), rounded as Llama's: what the fused kernel computes (Gemma's (1 + w)
+    norm, which rounds differently, is not)."""
+    return hasattr(module, "variance_epsilon") and hasattr(module, "weight")
+
+
+def layer_ops(kernels, model, parts: list[LayerParts]) -> TorchOps | KernelOps:
+    """The fused ops where they are built, the model's norms are Llama RMSNorms and its rotary
+    embedding turns every dimension of a head (Phi-3 may turn only part of it)."""
+    rotary = apply_rotary(model)
+    config = model.config
+    params = getattr(config, "rope_parameters", None) or {}
+    fits = (
+        kernels is not None
+        and all(llama_norm(p.input_norm) and llama_norm(p.post_norm) for p in parts)
+        and llama_norm(model.model.norm)
+        and params.get("partial_rotary_factor", 1.0) == 1.0
     )
-    return KernelOps(kernels) if fits else TorchOps()
+    return KernelOps(kernels, rotary) if fits else TorchOps(rotary)

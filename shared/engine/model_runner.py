@@ -1,8 +1,9 @@
 """ModelRunner: one forward pass over a batch of sequences, reading and writing the paged KV pool.
 
-It runs the Hugging Face Llama modules (weights, norms, MLPs, rotary embedding) with its own
-attention over the pool, so prefill chunks of several prompts and the decode tokens of every
-running sequence go through the projections and MLPs as one batch of rows.
+It runs the checkpoint's Hugging Face modules (embedding, norms, MLP activation, rotary tables)
+with its own attention over the pool, so prefill chunks of several prompts and the decode tokens
+of every running sequence go through the projections and MLPs as one batch of rows. What differs
+between the supported families is named per layer by `architecture.LayerParts`.
 
 Determinism: a sequence's tokens are computed the same way whatever else is in the batch, so a
 greedy request gives the same tokens alone or among many. Projections are row-independent at
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from shared.control.messages import KVLayout
 from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
+from shared.engine.architecture import check, parts_of
 from shared.engine.decode_stack import decode_stack
 from shared.engine.forward_batch import ForwardBatch, SeqSpan, arrange
 from shared.engine.kernel_report import KernelReport, report_of
@@ -28,6 +30,7 @@ from shared.engine.kv_cache import KVPool
 from shared.engine.layer_ops import layer_ops
 from shared.engine.paged_attention import PagedAttention
 from shared.engine.projection import SMALL, Projection, invariant_row_counts
+from shared.engine.rotary import Rotary
 from shared.engine.row_timing import cached_fastest_row_count
 
 log = logging.getLogger(__name__)
@@ -50,14 +53,16 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.config = model.config
+        self.family = check(model.config, type(model).__name__)
         self.layout: KVLayout = kv_cache.layout_of(
             model.config, model_name, model.dtype, block_size
         )
         self.pool = KVPool(self.layout, pool_blocks, block_size, device, shared=shared_pool)
         self.chunk = chunk
         inner = model.model
-        self.embed, self.layers = inner.embed_tokens, inner.layers
-        self.norm, self.rotary = inner.norm, inner.rotary_emb
+        self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
+        self.rotary = Rotary(inner.rotary_emb, model.config)
+        self.parts = parts_of(model)
         self.num_heads = model.config.num_attention_heads
         self.head_dim = self.layout.head_dim
         self._fuse_projections(model)
@@ -68,26 +73,25 @@ class ModelRunner:
         )
         kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
         self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim**-0.5)
-        self.ops = layer_ops(kernels, model)
+        self.ops = layer_ops(kernels, model, self.parts)
         per_layer = [
             p for parts in zip(self.qkv, self.o_proj, self.gate_up, self.down) for p in parts
         ]
         shape = (self.num_heads, self.layout.num_kv_heads, self.head_dim)
-        self.stack = decode_stack(
-            self.ops, self.paged, self.layers, self.norm, per_layer, self.config, shape
-        )
+        self.stack = decode_stack(self.ops, self.paged, self.parts, self.norm, per_layer, shape)
+        if kernels is not None and self.stack is None:
+            log.info(
+                "%s: decode steps run layer by layer in Python: %s",
+                self.family,
+                self.kernel_report().line(),
+            )
 
     def _fuse_projections(self, model) -> None:
         """q|k|v and gate|up fused into one GEMM each, every projection packed where it can be."""
-        self.qkv = [
-            Projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-            for layer in self.layers
-        ]
-        self.o_proj = [Projection([layer.self_attn.o_proj]) for layer in self.layers]
-        self.gate_up = [
-            Projection([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers
-        ]
-        self.down = [Projection([layer.mlp.down_proj]) for layer in self.layers]
+        self.qkv = [Projection(p.qkv, p.qkv_sizes) for p in self.parts]
+        self.o_proj = [Projection([p.o_proj]) for p in self.parts]
+        self.gate_up = [Projection(p.gate_up, p.gate_up_sizes) for p in self.parts]
+        self.down = [Projection([p.down]) for p in self.parts]
         self.lm_head = Projection([model.lm_head])
         self.projections = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
 
@@ -130,28 +134,22 @@ class ModelRunner:
         total = self.padded_rows(rows)
         if total > rows:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
-        cos, sin = self.rotary(
-            hidden, torch.cat([batch.positions, batch.positions.new_zeros(total - rows)])[None]
-        )
-        cos, sin = cos[0], sin[0]
+        positions = torch.cat([batch.positions, batch.positions.new_zeros(total - rows)])
+        cos, sin = self.rotary(hidden, positions, batch.span_lengths)
         if self.stack is not None and batch.decode is not None and not batch.attention:
             x = self.stack(
                 hidden, cos, sin, self.pool, batch.slots, batch.decode
             )  # all rows decode
             return self._logits(x.index_select(0, batch.last_rows))
-        residual, x = self.ops.norm(hidden, None, self.layers[0].input_layernorm)
-        for index, layer in enumerate(self.layers):
+        residual, x = self.ops.norm(hidden, None, self.parts[0].input_norm)
+        for index, parts in enumerate(self.parts):
             if abandon is not None and abandon():
                 return None
             attended = self._attend(index, x, cos, sin, batch, rows)
-            residual, x = self.ops.norm(residual, attended, layer.post_attention_layernorm)
+            residual, x = self.ops.norm(residual, attended, parts.post_norm)
             gate, up = self.gate_up[index](x)
-            out = self.down[index].one(self.ops.act_mul(layer.mlp.act_fn, gate, up))
-            after = (
-                self.layers[index + 1].input_layernorm
-                if index + 1 < len(self.layers)
-                else self.norm
-            )
+            out = self.down[index].one(self.ops.act_mul(parts.act, gate, up))
+            after = self.parts[index + 1].input_norm if index + 1 < len(self.parts) else self.norm
             residual, x = self.ops.norm(residual, out, after)
         return self._logits(x.index_select(0, batch.last_rows))
 
@@ -168,6 +166,9 @@ class ModelRunner:
         q = q.view(total, self.num_heads, self.head_dim)
         k = k.view(total, self.layout.num_kv_heads, self.head_dim)
         v = v.view(total, self.layout.num_kv_heads, self.head_dim)
+        parts = self.parts[index]
+        if parts.q_norm is not None:  # Qwen3: each head normalized before the rotary embedding
+            q, k = parts.q_norm(q), parts.k_norm(k)
         q, k = self.ops.rope(q, k, cos, sin)
         self.ops.store(self.pool, index, batch.slots, k, v)
         out = (
@@ -177,13 +178,13 @@ class ModelRunner:
         )
         if batch.decode is not None:
             keys, values = self.pool.kv[index]
-            self.paged(q, keys, values, batch.decode, out)
+            self.paged(q, keys, values, batch.decode, out, parts.window)
         if batch.attention:
-            self._attend_ranges(index, q, batch, out)
+            self._attend_ranges(index, q, batch, out, parts.window)
         return self.o_proj[index].one(out.view(total, -1))
 
     def _attend_ranges(
-        self, index: int, q: torch.Tensor, batch: ForwardBatch, out: torch.Tensor
+        self, index: int, q: torch.Tensor, batch: ForwardBatch, out: torch.Tensor, window
     ) -> None:
         """Prompt chunks (and, without the kernel, decode rows): one SDPA call per range."""
         # [1, heads, slots, dim]
@@ -197,7 +198,7 @@ class ModelRunner:
                 q[:, :, a.row_start : a.row_end],
                 k[:, :, a.ctx_start : a.ctx_end],
                 v[:, :, a.ctx_start : a.ctx_end],
-                attn_mask=a.mask,
+                attn_mask=a.mask_within(window, q.device),
                 enable_gqa=True,
             )
             out[a.row_start : a.row_end] = attended[0].transpose(0, 1)

@@ -22,10 +22,17 @@ class PagedAttention:
         return padded, torch.tensor(lengths, dtype=torch.long), torch.tensor(rows, dtype=torch.long)
 
     def __call__(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        plan,
+        out: torch.Tensor,
+        window: int | None = None,
     ) -> None:
-        """q, out [rows, heads, dim]; keys, values [slots, kv_heads, dim]; writes out[plan rows]."""
+        """q, out [rows, heads, dim]; keys, values [slots, kv_heads, dim]; writes out[plan rows].
+        `window`: a sliding-window layer's, each row attends to its last `window` positions."""
         tables, lengths, rows = plan
         self.kernels.decode_attention(
-            q, keys, values, tables, lengths, rows, out, self.block_size, self.scale
+            q, keys, values, tables, lengths, rows, out, self.block_size, self.scale, window or 0
         )

@@ -42,11 +42,12 @@ def _packable(modules: list[nn.Module]) -> bool:
 
 
 class Projection:
-    """x -> [m(x) for m in modules], computed as one GEMM when the weights can be packed."""
+    """x -> [m(x) for m in modules], computed as one GEMM when the weights can be packed.
+    `sizes` splits one fused module's output (Phi-3's qkv_proj and gate_up_proj)."""
 
-    def __init__(self, modules: list[nn.Module]):
+    def __init__(self, modules: list[nn.Module], sizes: list[int] | None = None):
         self.modules = modules
-        self.sizes = [m.out_features for m in modules]
+        self.sizes = sizes or [m.out_features for m in modules]
         self.in_features = modules[0].in_features
         self.dtype = _dtype_of(modules[0])  # of the input it takes
         self.packed = None
@@ -81,8 +82,12 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.packed is None:
-            return [m(x) for m in self.modules]
-        out = self._matmul(x, self.packed, self.bias, "none", [], "")
+            outs = [m(x) for m in self.modules]
+            if len(outs) == len(self.sizes):
+                return outs
+            out = outs[0]
+        else:
+            out = self._matmul(x, self.packed, self.bias, "none", [], "")
         return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
 
     def release_modules(self, keep: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at
 void rope_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 void store_kv(at::Tensor kv_layer, at::Tensor slots, at::Tensor k, at::Tensor v);
 void decode_attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor tables, at::Tensor lengths,
-                      at::Tensor rows, at::Tensor out, int64_t block_size, double scale);
+                      at::Tensor rows, at::Tensor out, int64_t block_size, double scale, int64_t window);
 
 namespace {
 
@@ -26,14 +26,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
 
 // hidden: the padded embeddings [total, hidden], the residual stream (updated in place).
 // weights: per layer packed q|k|v, o, gate|up, down; norms: per layer input and post-attention
-// RMSNorm weights, then the final norm's. Returns the final-normed hidden states.
+// RMSNorm weights, then the final norm's; windows: each layer's sliding window (0: none).
+// Returns the final-normed hidden states.
 at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std::vector<at::Tensor> norms,
                         double eps, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor slots,
                         at::Tensor tables, at::Tensor lengths, at::Tensor rows, int64_t heads, int64_t kv_heads,
-                        int64_t head_dim, int64_t block_size, double scale) {
+                        int64_t head_dim, int64_t block_size, double scale, std::vector<int64_t> windows) {
   const int64_t layers = kv.size(0), total = hidden.size(0);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(norms.size()) == 2 * layers + 1,
-              "decode_stack: 4 weights and 2 norms per layer, and the final norm");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(norms.size()) == 2 * layers + 1 &&
+                  static_cast<int64_t>(windows.size()) == layers,
+              "decode_stack: 4 weights, 2 norms and a window per layer, and the final norm");
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   at::Tensor x = add_rms_norm(hidden, std::nullopt, norms[0], eps);
   for (int64_t l = 0; l < layers; ++l) {
@@ -45,7 +47,8 @@ at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std:
     const at::Tensor layer_kv = kv.select(0, l);
     store_kv(layer_kv, slots, k, v);
     at::Tensor out = at::zeros({total, heads, head_dim}, x.options());
-    decode_attention(q, layer_kv.select(0, 0), layer_kv.select(0, 1), tables, lengths, rows, out, block_size, scale);
+    decode_attention(q, layer_kv.select(0, 0), layer_kv.select(0, 1), tables, lengths, rows, out, block_size, scale,
+                     windows[l]);
     x = add_rms_norm(hidden, packed_linear(out.view({total, q_width}), weights[4 * l + 1]), norms[2 * l + 1], eps);
     const at::Tensor gate_up = packed_linear(x, weights[4 * l + 2]);
     const int64_t inter = gate_up.size(1) / 2;

@@ -2,7 +2,8 @@
 #include <torch/extension.h>
 
 void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
-                      torch::Tensor lengths, torch::Tensor rows, torch::Tensor out, int64_t block_size, double scale);
+                      torch::Tensor lengths, torch::Tensor rows, torch::Tensor out, int64_t block_size, double scale,
+                      int64_t window);
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
@@ -10,7 +11,7 @@ void store_kv(torch::Tensor kv_layer, torch::Tensor slots, torch::Tensor k, torc
 at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std::vector<at::Tensor> norms,
                         double eps, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor slots,
                         at::Tensor tables, at::Tensor lengths, at::Tensor rows, int64_t heads, int64_t kv_heads,
-                        int64_t head_dim, int64_t block_size, double scale);
+                        int64_t head_dim, int64_t block_size, double scale, std::vector<int64_t> windows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV pool");

@@ -36,37 +36,39 @@ inline void axpy(float p, const T* v, float* acc, int64_t dim) {
 }
 
 struct Shape {
-  int64_t heads, kv_heads, dim, max_blocks, block_size, q_row_stride, grain;
+  int64_t heads, kv_heads, dim, max_blocks, block_size, q_row_stride, grain, window;
 };
 
-// One (sequence, kv head): scores of its `group` query heads over the context, softmax, then
-// the weighted sum of values, walking the block table block by block.
+// One (sequence, kv head): scores of its `group` query heads over the context (its last
+// `window` positions when the layer has a sliding window), softmax, then the weighted sum of
+// values, walking the block table block by block.
 template <int DIM, typename T>
 void attend_one(const float* query, const T* keys, const T* values, const int64_t* table, int64_t length,
                 int64_t kv_head, const Shape& s, std::vector<float>& scores, float* acc) {
   const int64_t group = s.heads / s.kv_heads, dim = DIM > 0 ? DIM : s.dim, stride = s.kv_heads * dim;
-  scores.resize(group * length);
-  for (int64_t start = 0, b = 0; start < length; start += s.block_size, ++b) {
-    const int64_t count = std::min(s.block_size, length - start);
-    const T* key = keys + table[b] * s.block_size * stride + kv_head * dim;
-    for (int64_t t = 0; t < count; ++t, key += stride)
-      for (int64_t g = 0; g < group; ++g) scores[g * length + start + t] = dot<DIM>(query + g * dim, key, dim);
+  const int64_t first = s.window > 0 ? std::max<int64_t>(0, length - s.window) : 0, n = length - first;
+  scores.resize(group * n);
+  for (int64_t b = first / s.block_size; b * s.block_size < length; ++b) {
+    const int64_t start = std::max(b * s.block_size, first), stop = std::min((b + 1) * s.block_size, length);
+    const T* key = keys + (table[b] * s.block_size + start - b * s.block_size) * stride + kv_head * dim;
+    for (int64_t t = start; t < stop; ++t, key += stride)
+      for (int64_t g = 0; g < group; ++g) scores[g * n + t - first] = dot<DIM>(query + g * dim, key, dim);
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* sc = scores.data() + g * length;
-    const float top = *std::max_element(sc, sc + length);
+    float* sc = scores.data() + g * n;
+    const float top = *std::max_element(sc, sc + n);
     float total = 0.f;
-    for (int64_t t = 0; t < length; ++t) sc[t] = fast_exp(sc[t] - top);
-    for (int64_t t = 0; t < length; ++t) total += sc[t];
+    for (int64_t t = 0; t < n; ++t) sc[t] = fast_exp(sc[t] - top);
+    for (int64_t t = 0; t < n; ++t) total += sc[t];
     const float inv = 1.f / total;
-    for (int64_t t = 0; t < length; ++t) sc[t] *= inv;
+    for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
   }
   std::fill(acc, acc + group * dim, 0.f);
-  for (int64_t start = 0, b = 0; start < length; start += s.block_size, ++b) {
-    const int64_t count = std::min(s.block_size, length - start);
-    const T* value = values + table[b] * s.block_size * stride + kv_head * dim;
-    for (int64_t t = 0; t < count; ++t, value += stride)
-      for (int64_t g = 0; g < group; ++g) axpy<DIM>(scores[g * length + start + t], value, acc + g * dim, dim);
+  for (int64_t b = first / s.block_size; b * s.block_size < length; ++b) {
+    const int64_t start = std::max(b * s.block_size, first), stop = std::min((b + 1) * s.block_size, length);
+    const T* value = values + (table[b] * s.block_size + start - b * s.block_size) * stride + kv_head * dim;
+    for (int64_t t = start; t < stop; ++t, value += stride)
+      for (int64_t g = 0; g < group; ++g) axpy<DIM>(scores[g * n + t - first], value, acc + g * dim, dim);
   }
 }
 
@@ -93,9 +95,10 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* tables, c
 // q, out: [total_rows, heads, dim] (q may be a view with a row stride: q of the fused q|k|v);
 // keys, values: [slots, kv_heads, dim] (one layer of the pool);
 // tables: int64 [n, max_blocks]; lengths, rows: int64 [n]. Writes out[rows[i]] for each i.
+// window > 0: each row attends to its last `window` positions only (a sliding-window layer).
 void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
                       torch::Tensor lengths, torch::Tensor rows, torch::Tensor out, int64_t block_size,
-                      double scale) {
+                      double scale, int64_t window) {
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && out.is_contiguous() && q.dim() == 3 &&
               q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes(),
               "decode_attention: contiguous tensors (q: contiguous heads) only");
@@ -124,7 +127,7 @@ void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
   }
   // A few thousand keys are less work than waking the other threads: run those on this one.
   const int64_t items = lengths.size(0) * kv_heads, grain = tokens * kv_heads < 4096 ? std::max<int64_t>(items, 1) : 1;
-  const Shape shape{heads, kv_heads, dim, width, block_size, q.stride(0), grain};
+  const Shape shape{heads, kv_heads, dim, width, block_size, q.stride(0), grain, window};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),

@@ -166,7 +166,8 @@ def config_of(name: str, **overrides):
 
 def randomize(model, seed: int = 0) -> None:
     """Every parameter random: weights N(0, 0.08), norm weights near their neutral value,
-    biases N(0, 0.05)."""
+    biases N(0, 0.05). (Such weights give near-ties at the top of the logits, which makes
+    greedy parity a sharp test of the arithmetic.)"""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -176,6 +177,10 @@ def randomize(model, seed: int = 0) -> None:
                 param.copy_(neutral + 0.1 * noise)
             elif name.endswith("bias"):
                 param.copy_(0.05 * noise)
+            elif "embed" in name and model.config.model_type == "gemma":
+                # Gemma multiplies its embeddings by sqrt(hidden): without this the input token
+                # would swamp the residual stream, and the tied head would echo it.
+                param.copy_(0.08 * noise / model.config.hidden_size**0.5)
             else:
                 param.copy_(0.08 * noise)
 

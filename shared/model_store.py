@@ -101,12 +101,23 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def load_model(model_dir: Path, device: str, dtype: str, weights: str = "native"):
+def load_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def load_model(model_dir: Path, device: str, dtype, weights: str = "native", config=None):
+    """The checkpoint's model in `dtype` (a torch dtype or its name), its safetensors
+    memory-mapped (read as the engine packs them)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = (
-        AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        AutoModelForCausalLM.from_pretrained(
+            model_dir, config=config or load_config(model_dir), dtype=dtype
+        )
         .to(device)
         .eval()
     )

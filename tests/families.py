@@ -157,11 +157,33 @@ VARIANTS: dict[str, dict] = {
     ),
 }
 
+# For the benchmarks: Qwen2.5-0.5B's shape (24 layers, hidden 896, 14:2 heads, tied; its own
+# 151,936-row vocabulary), random weights. About 0.49B parameters.
+LARGE: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    ),
+}
+
+
+def spec_of(name: str) -> dict:
+    return VARIANTS.get(name) or LARGE[name]
+
 
 def config_of(name: str, **overrides):
-    spec = dict(VARIANTS[name], **overrides)
+    spec = dict(BASE, **spec_of(name), **overrides)
     spec.pop("eos", None), spec.pop("shard", None)
-    return AutoConfig.for_model(**BASE, **spec)
+    return AutoConfig.for_model(**spec)
 
 
 def randomize(model, seed: int = 0) -> None:
@@ -185,25 +207,33 @@ def randomize(model, seed: int = 0) -> None:
                 param.copy_(0.08 * noise)
 
 
-def build(name: str, root: Path, tokenizer_dir: Path, **overrides) -> Path:
-    """The variant's directory under `root` (built once)."""
-    target = root / name
+def build(
+    name: str,
+    root: Path,
+    tokenizer_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    shard: str = "",
+    target: Path | None = None,
+) -> Path:
+    """The variant's directory (`root`/`name` unless `target` is given), built once: weights
+    saved in `dtype`, sharded at `shard` (e.g. "200MB"; default: the variant's own)."""
+    target = target or root / name
     if (target / "config.json").exists():
         return target
-    spec = VARIANTS[name]
-    config = config_of(name, **overrides)
+    spec = spec_of(name)
+    config = config_of(name)
     config.architectures = [_architecture(config.model_type)]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model)
-    tmp = root / f".{name}.tmp"
+    tmp = target.parent / f".{target.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, max_shard_size=spec.get("shard", "10GB"))
+    model.to(dtype).save_pretrained(tmp, max_shard_size=shard or spec.get("shard", "50GB"))
     GenerationConfig(
         bos_token_id=1, eos_token_id=spec.get("eos", 2), do_sample=False
     ).save_pretrained(tmp)
     for file in tokenizer_dir.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+        if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_")):
             shutil.copy(file, tmp / file.name)
     tmp.rename(target)
     return target
@@ -218,3 +248,31 @@ def _architecture(model_type: str) -> str:
         "gemma": "GemmaForCausalLM",
         "phi3": "Phi3ForCausalLM",
     }[model_type]
+
+
+def main() -> None:
+    """python -m tests.families NAME DIR [--dtype bfloat16] [--shard 200MB]"""
+    import argparse
+
+    from shared import model_store
+
+    parser = argparse.ArgumentParser(description="build a random-weight checkpoint")
+    parser.add_argument("name", choices=[*VARIANTS, *LARGE])
+    parser.add_argument("target", type=Path)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--shard", default="")
+    args = parser.parse_args()
+    tokenizer = model_store.prepare("", "~/.cache/tandem/models")
+    path = build(
+        args.name,
+        args.target.parent,
+        tokenizer,
+        getattr(torch, args.dtype),
+        args.shard,
+        args.target,
+    )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -96,4 +96,5 @@ def worker_status(w: WorkerStatus) -> pb.WorkerStatus:
         zone=w.zone,
         messages_dropped=w.messages_dropped,
         kernels=w.kernels,
+        model=w.model,
     )

@@ -99,13 +99,15 @@ def status_table(response: pb.ClusterStatusResponse) -> str:
 
 
 def _kernel_lines(workers) -> str:
-    """One line per worker: which kernels its engine runs (too wide for a column)."""
-    if not any(w.kernels for w in workers):
-        return ""
-    width = max(len(w.id) for w in workers)
-    return "\n\nkernels:\n" + "\n".join(
-        f"  {w.id.ljust(width)}  {w.kernels or '-'}" for w in workers
-    )
+    """Per worker, the model it serves and the kernels its engine runs (too wide for columns)."""
+    width = max((len(w.id) for w in workers), default=0)
+    out = ""
+    for title, field in (("models", "model"), ("kernels", "kernels")):
+        if any(getattr(w, field) for w in workers):
+            out += f"\n\n{title}:\n" + "\n".join(
+                f"  {w.id.ljust(width)}  {getattr(w, field) or '-'}" for w in workers
+            )
+    return out
 
 
 def _bytes(n: int) -> str:

@@ -1,8 +1,7 @@
 """Every control-plane message: the typed dataclasses the services exchange over NATS.
 
-Messages carry descriptors and token ids, never tensors: KV bytes travel over UCX. They become
-bytes and back only in shared.control.wire (msgpack, with every field's type and range checked).
-"""
+Messages carry descriptors and token ids, never tensors: KV bytes travel over UCX. They become bytes
+and back only in shared.control.wire (msgpack, every field's type and range checked)."""
 
 from dataclasses import dataclass, field
 
@@ -44,8 +43,7 @@ class GenerateTask:
     arrival_time: float  # unix time the gateway accepted it
     deadline: float = 0.0  # unix time after which nobody should work on it; 0 = none
     priority: int = 0  # higher first; first come, first served among equals
-    # moved: the prompt's last resume_tokens are output the client has; generation goes on after
-    resume_tokens: int = 0
+    resume_tokens: int = 0  # moved: the prompt's last resume_tokens are output the client has
     avoid_workers: list[str] = field(default_factory=list)  # failed this request before: not again
     moves: int = 0  # times it was placed again (a worker failed or was full): it waits first
     client: str = ""  # who sent it: schedulers take equal priorities from each client in turn
@@ -98,6 +96,8 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int = 16
+    architecture: str = ""  # the model class, e.g. Qwen3ForCausalLM
+    windows: list[int] = field(default_factory=list)  # each layer's sliding window; 0 = none
 
 
 @dataclass
@@ -234,6 +234,7 @@ class WorkerStatus:
     zone: str = ""  # topology label (rack, zone) from settings; host is the other one
     messages_dropped: int = 0  # control messages received malformed or out of range
     kernels: str = ""  # which kernels its engine runs (KernelReport.line); at most MAX_LABEL
+    model: str = ""  # "name · architecture · dtype"; at most MAX_LABEL
 
 
 @dataclass(kw_only=True)

@@ -77,7 +77,8 @@ def _prefill_task(m) -> str | None:
 
 def _layout(m) -> str | None:
     dims = (m.num_layers, m.num_kv_heads, m.head_dim, m.block_size)
-    return None if all(1 <= d <= 65536 for d in dims) else "KV layout out of range"
+    windows = len(m.windows) <= 65536 and all(0 <= w <= 1 << 30 for w in m.windows)
+    return None if all(1 <= d <= 65536 for d in dims) and windows else "KV layout out of range"
 
 
 def _destination(m) -> str | None:
@@ -89,7 +90,8 @@ def _destination(m) -> str | None:
 
 
 def _heartbeat(m) -> str | None:
-    return None if len(m.kernels) <= MAX_LABEL else "kernels is too long"
+    fits = len(m.kernels) <= MAX_LABEL and len(m.model) <= MAX_LABEL
+    return None if fits else "kernels or model is too long"
 
 
 EXTRA: dict[str, Callable[[Any], str | None]] = {

@@ -10,18 +10,24 @@ import math
 import torch
 
 from shared.control.messages import KVLayout
+from shared.engine.architecture import architecture_of, layer_windows
 from shared.engine.shared_region import SharedRegion
 
 
 def layout_of(config, model: str, dtype: torch.dtype, block_size: int = 16) -> KVLayout:
+    """What a prefill and a decode worker compare before any KV moves: the model and its
+    architecture, the dtype, the pool's shape and each layer's sliding window."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    windows = [w or 0 for w in layer_windows(config)]
     return KVLayout(
         model=model,
         dtype=str(dtype).removeprefix("torch."),
         num_layers=config.num_hidden_layers,
-        num_kv_heads=config.num_key_value_heads,
+        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
         head_dim=head_dim,
         block_size=block_size,
+        architecture=architecture_of(config),
+        windows=windows if any(windows) else [],
     )
 
 

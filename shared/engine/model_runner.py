@@ -24,6 +24,7 @@ from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
 from shared.engine.architecture import check, parts_of
 from shared.engine.decode_stack import decode_stack
+from shared.engine.file_pages import FilePages
 from shared.engine.forward_batch import ForwardBatch, SeqSpan, arrange
 from shared.engine.kernel_report import KernelReport, report_of
 from shared.engine.kv_cache import KVPool
@@ -49,6 +50,7 @@ class ModelRunner:
         use_kernels: bool = True,
         row_timing: Path | None = None,  # where the fastest row count is kept (row_timing.py)
         shared_pool: bool = False,  # the pool in memory a data-plane helper process maps too
+        release_weights: bool = False,  # free each linear weight once packed (see below)
     ):
         self.model = model
         self.device = device
@@ -65,15 +67,18 @@ class ModelRunner:
         self.parts = parts_of(model)
         self.num_heads = model.config.num_attention_heads
         self.head_dim = self.layout.head_dim
-        self._fuse_projections(model)
+        self._fuse_projections(model, release_weights)
         self.batch_invariant = batch_invariant and device == "cpu"
         self.row_counts = self._invariant_rows() if self.batch_invariant else []
         self.min_rows = cached_fastest_row_count(
             self.projections, [c for c in self.row_counts if c <= 4], row_timing
         )
-        kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
-        self.paged = kernels and PagedAttention(kernels, block_size, self.head_dim**-0.5)
-        self.ops = layer_ops(kernels, model, self.parts)
+        self._use_kernels(cpu_kernels.load() if use_kernels and device == "cpu" else None)
+
+    def _use_kernels(self, kernels) -> None:
+        """Tandem's C++ kernels where they are built and apply to this family (None: torch)."""
+        self.paged = kernels and PagedAttention(kernels, self.pool.block_size, self.head_dim**-0.5)
+        self.ops = layer_ops(kernels, self.model, self.parts)
         per_layer = [
             p for parts in zip(self.qkv, self.o_proj, self.gate_up, self.down) for p in parts
         ]
@@ -86,13 +91,28 @@ class ModelRunner:
                 self.kernel_report().line(),
             )
 
-    def _fuse_projections(self, model) -> None:
-        """q|k|v and gate|up fused into one GEMM each, every projection packed where it can be."""
-        self.qkv = [Projection(p.qkv, p.qkv_sizes) for p in self.parts]
-        self.o_proj = [Projection([p.o_proj]) for p in self.parts]
-        self.gate_up = [Projection(p.gate_up, p.gate_up_sizes) for p in self.parts]
-        self.down = [Projection([p.down]) for p in self.parts]
-        self.lm_head = Projection([model.lm_head])
+    def _fuse_projections(self, model, release: bool) -> None:
+        """q|k|v and gate|up fused into one GEMM each, every projection packed where it can be.
+        `release`: each module's own weight freed as soon as its packed copy exists (and its
+        pages given back when it was read from a mapped file), so that loading peaks near one
+        copy of the weights, not two; the model can no longer run on its own afterwards."""
+        pages = FilePages() if release else None
+
+        def packed(modules, sizes=None) -> Projection:
+            projection = Projection(modules, sizes)
+            if release:
+                projection.release_modules(keep=self.embed.weight, pages=pages)
+            return projection
+
+        self.lm_head = packed([model.lm_head])
+        if release and model.lm_head.weight is self.embed.weight:
+            pages.drop(self.embed.weight)  # tied: the lookup faults back in only the rows it reads
+        self.qkv, self.o_proj, self.gate_up, self.down = [], [], [], []
+        for p in self.parts:
+            self.qkv.append(packed(p.qkv, p.qkv_sizes))
+            self.o_proj.append(packed([p.o_proj]))
+            self.gate_up.append(packed(p.gate_up, p.gate_up_sizes))
+            self.down.append(packed([p.down]))
         self.projections = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
 
     def _invariant_rows(self) -> list[int]:

@@ -90,13 +90,16 @@ class Projection:
             out = self._matmul(x, self.packed, self.bias, "none", [], "")
         return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
 
-    def release_modules(self, keep: torch.Tensor) -> None:
+    def release_modules(self, keep: torch.Tensor, pages=None) -> None:
         """Drops the modules' own weights once packed (the packed copy is all the engine reads),
-        except `keep` (a tied output head's weight is the embedding table)."""
+        except `keep` (a tied output head's weight is the embedding table). `pages`, a
+        FilePages, gives back the resident pages of weights read from a mapped file."""
         if self.packed is None:
             return
         for module in self.modules:
             if module.weight is not keep:
+                if pages is not None:
+                    pages.drop(module.weight)
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
     def one(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 from shared import model_store
+from shared.engine.architecture import check
 from shared.engine.block_manager import BlockManager
+from shared.engine.dtypes import compute_dtype
 from shared.engine.engine import Engine
 from shared.engine.kv_cache import bytes_per_token, layout_of
 from shared.engine.model_runner import ModelRunner
@@ -32,6 +34,7 @@ class WorkerRuntime:
     summary_limit: int = 1024
     max_queue: int = 0
     kernels: str = ""  # KernelReport.line() of the runner
+    model_label: str = ""  # "name · architecture · dtype"
     metrics: WorkerMetrics = None  # its Prometheus metrics (served with --metrics-port)
 
     def __post_init__(self) -> None:
@@ -57,6 +60,7 @@ class WorkerRuntime:
             prefix_granularity=self.blocks.granularity,
             prefix_summary=summary,
             kernels=self.kernels,
+            model=self.model_label,
         )
 
 
@@ -71,10 +75,13 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
         torch.set_num_threads(settings.torch_threads)
     device = pick_device(settings.device)
     model_dir = model_store.prepare(settings.model, settings.model_cache)
-    model = model_store.load_model(model_dir, device, settings.dtype, settings.weights)
+    config = model_store.load_config(model_dir)
+    check(config)  # an architecture or option the engine does not run: refused before loading
+    dtype = compute_dtype(settings.dtype, config, device)
+    model = model_store.load_model(model_dir, device, dtype, settings.weights, config)
     tokenizer = model_store.load_tokenizer(model_dir)
     runner = _runner(settings, model, device)
-    model_limit = int(getattr(model.config, "max_position_embeddings", 2048))
+    model_limit = context_limit(model.config)
     max_len = min(settings.max_model_len or model_limit, model_limit)
     blocks = BlockManager(
         runner.pool.num_blocks, settings.block_size, cache_granularity=settings.prefill_chunk_tokens
@@ -93,13 +100,15 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
         settings.prefix_summary_limit,
         settings.max_queue,
         runner.kernel_report().line(),
+        model_label(runner),
     )
     _log_ready(runtime, settings, device)
     return runtime
 
 
 def _runner(settings: WorkerSettings, model, device: str) -> ModelRunner:
-    """The model runner over a KV pool of --kv-cache-mb; the model's own linear weights freed."""
+    """The model runner over a KV pool of --kv-cache-mb; the model's own linear weights freed as
+    they are packed."""
     layout = layout_of(
         model.config, model_store.model_name(settings.model), model.dtype, settings.block_size
     )
@@ -116,9 +125,26 @@ def _runner(settings: WorkerSettings, model, device: str) -> ModelRunner:
         settings.batch_invariant,
         row_timing=Path(settings.model_cache).expanduser() / "row-timing.json",
         shared_pool=settings.kv_plane == "helper" and device == "cpu",
+        release_weights=True,
     )
-    runner.release_model_weights()
     return runner
+
+
+def context_limit(config) -> int:
+    """The longest sequence the model serves: its trained length, times the factor of a dynamic
+    NTK rope (which exists to stretch it)."""
+    limit = int(getattr(config, "max_position_embeddings", 2048))
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "dynamic":
+        limit = int(limit * float(rope.get("factor", 1.0)))
+    return limit
+
+
+def model_label(runner: ModelRunner) -> str:
+    layout = runner.layout
+    return " · ".join(
+        (layout.model, layout.architecture or type(runner.model).__name__, layout.dtype)
+    )
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -140,7 +166,7 @@ def _log_ready(runtime: WorkerRuntime, settings: WorkerSettings, device: str) ->
         os.getpid(),
         runtime.runner.layout.model,
         device,
-        settings.dtype,
+        str(runtime.runner.model.dtype).removeprefix("torch."),
         torch.get_num_threads(),
         blocks.num_blocks,
         blocks.block_size,

@@ -24,7 +24,10 @@ class WorkerSettings(CommonSettings):
     device: str = field(
         default="auto", metadata={"help": "auto (cuda when present), cpu, cuda or cuda:N"}
     )
-    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto (the checkpoint's), float32, bfloat16 or float16 (CPUs with FP16)"},
+    )
     weights: str = field(
         default="native",
         metadata={
@@ -159,8 +162,10 @@ class WorkerSettings(CommonSettings):
         super().__post_init__()
         if self.weights not in ("native", "int8"):
             raise ValueError(f"weights must be native or int8, got {self.weights!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if self.prefix_summary_limit < 0:
             raise ValueError("prefix_summary_limit must not be negative")
         for name in (

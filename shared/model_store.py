@@ -107,6 +107,16 @@ def load_config(model_dir: Path):
     return AutoConfig.from_pretrained(model_dir)
 
 
+def context_limit(config) -> int:
+    """The longest sequence the model serves: its trained length, times the factor of a dynamic
+    NTK rope (which exists to stretch it)."""
+    limit = int(getattr(config, "max_position_embeddings", 2048))
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "dynamic":
+        limit = int(limit * float(rope.get("factor", 1.0)))
+    return limit
+
+
 def load_model(model_dir: Path, device: str, dtype, weights: str = "native", config=None):
     """The checkpoint's model in `dtype` (a torch dtype or its name), its safetensors
     memory-mapped (read as the engine packs them)."""

@@ -37,7 +37,7 @@ def limits_of(settings: GatewaySettings, tokenizer) -> Limits:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(tokenizer.name_or_path)
-    model_limit = int(getattr(config, "max_position_embeddings", 2048))
+    model_limit = model_store.context_limit(config)
     max_model_len = min(settings.max_model_len or model_limit, model_limit)
     return Limits(
         max_model_len=max_model_len,

@@ -247,14 +247,32 @@ class Router:
         prefills = [p for p in self.registry.live("prefill") if p.worker_id not in exclude]
         if not prefills:
             raise NoWorker("no live prefill worker")
-        layouts = [w.layout for w in self.registry.live("decode")]
-        if not any(p.layout in layouts for p in prefills):
-            raise NoWorker("no live prefill worker with a matching KV layout")
+        decodes = self.registry.live("decode")
+        if not any(p.layout == w.layout for p in prefills for w in decodes):
+            raise NoWorker(
+                "no live prefill worker with a matching KV layout: decode serves "
+                f"{_served(decodes)}, prefill serves {_served(prefills)}"
+            )
         if not any(_holds(p, len(prompt.token_ids)) for p in prefills):
             raise TooLarge(
                 f"a {len(prompt.token_ids)}-token prompt does not fit any prefill worker's KV cache"
             )
         raise NoRoom("every prefill worker's queue is full")
+
+
+def _served(workers: list[WorkerHeartbeat]) -> str:
+    """The models and KV layouts of `workers`, e.g. "Qwen3-0.6B (Qwen3ForCausalLM, bfloat16,
+    28 layers x 8 KV heads x 128)"."""
+    return " or ".join(
+        sorted(
+            {
+                f"{w.layout.model} ({w.layout.architecture or '?'}, {w.layout.dtype}, "
+                f"{w.layout.num_layers} layers x {w.layout.num_kv_heads} KV heads x "
+                f"{w.layout.head_dim}, block {w.layout.block_size})"
+                for w in workers
+            }
+        )
+    )
 
 
 def _holds(worker: WorkerHeartbeat, tokens: int) -> bool:

@@ -55,12 +55,21 @@ def granule_keys(tokens: list[int], block_size: int, granularity: int) -> list[i
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, cache_granularity: int | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        cache_granularity: int | None = None,
+        cacheable_tokens: int | None = None,
+    ):
+        """`cacheable_tokens`: prefix caching only for sequences of at most this many tokens (a
+        rope whose frequencies depend on the sequence's length computes longer ones otherwise)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.granularity = cache_granularity or block_size
+        self.cacheable_tokens = cacheable_tokens
         if self.granularity % block_size:
             raise ValueError("cache_granularity must be a multiple of block_size")
         self.ref_count = [0] * num_blocks
@@ -99,6 +108,8 @@ class BlockManager:
         """Cached blocks that hold the longest usable prefix of `tokens` (whole granules only;
         the last token is never taken from cache, so there is always something to compute)."""
         hits, parent = [], b""
+        if not self._cacheable(len(tokens)):
+            return hits
         usable = ((len(tokens) - 1) // self.granularity) * self.granularity
         for start in range(0, usable, self.block_size):
             parent = chain_hash(parent, tokens[start : start + self.block_size])
@@ -188,6 +199,8 @@ class BlockManager:
 
     def commit(self, seq: Paged, num_computed_tokens: int) -> None:
         """Registers the hashes of seq's blocks that are full and computed, for later reuse."""
+        if not self._cacheable(seq.num_tokens):
+            return
         for index in range(seq.num_hashed_blocks, num_computed_tokens // self.block_size):
             start = index * self.block_size
             seq.last_block_hash = chain_hash(
@@ -207,6 +220,9 @@ class BlockManager:
         return [summary_key(h) for h in keys]
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _cacheable(self, num_tokens: int) -> bool:
+        return self.cacheable_tokens is None or num_tokens <= self.cacheable_tokens
 
     def _take_run(self, count: int, after: int | None) -> list[int]:
         """`count` free blocks: consecutive ones (right after `after` if possible) when free and not

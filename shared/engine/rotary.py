@@ -30,6 +30,12 @@ class Rotary:
     def length_dependent(self) -> bool:
         return self.rope_type in LENGTH_DEPENDENT
 
+    @property
+    def cacheable_tokens(self) -> int | None:
+        """The longest sequence whose KV does not depend on its length (None: any): the prefix
+        cache serves only those (see BlockManager)."""
+        return self.original if self.length_dependent else None
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, lengths: list[tuple[int, int]]):
         """cos, sin [rows, rotary dim] for `positions`; `lengths`: (rows, sequence length) of each
         span in row order (rows past them, padding, take the trained length's frequencies)."""

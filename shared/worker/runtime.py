@@ -81,10 +81,13 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     model = model_store.load_model(model_dir, device, dtype, settings.weights, config)
     tokenizer = model_store.load_tokenizer(model_dir)
     runner = _runner(settings, model, device)
-    model_limit = context_limit(model.config)
+    model_limit = model_store.context_limit(model.config)
     max_len = min(settings.max_model_len or model_limit, model_limit)
     blocks = BlockManager(
-        runner.pool.num_blocks, settings.block_size, cache_granularity=settings.prefill_chunk_tokens
+        runner.pool.num_blocks,
+        settings.block_size,
+        cache_granularity=settings.prefill_chunk_tokens,
+        cacheable_tokens=runner.rotary.cacheable_tokens,
     )
     engine = Engine(runner, blocks, settings.max_num_seqs, settings.max_batch_tokens)
     runtime = WorkerRuntime(
@@ -128,16 +131,6 @@ def _runner(settings: WorkerSettings, model, device: str) -> ModelRunner:
         release_weights=True,
     )
     return runner
-
-
-def context_limit(config) -> int:
-    """The longest sequence the model serves: its trained length, times the factor of a dynamic
-    NTK rope (which exists to stretch it)."""
-    limit = int(getattr(config, "max_position_embeddings", 2048))
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type") == "dynamic":
-        limit = int(limit * float(rope.get("factor", 1.0)))
-    return limit
 
 
 def model_label(runner: ModelRunner) -> str:

@@ -372,3 +372,20 @@ def test_a_cache_hit_keeps_its_granule_among_the_newest():
     again = allocated(bm, hot)  # a hit on hot's first granule
     assert again.num_cached_tokens == 32
     assert bm.prefix_summary(1) == granule_keys(hot, 16, 32)[:1]
+
+
+def test_no_prefix_cache_past_cacheable_tokens():
+    """A rope whose frequencies depend on the sequence's length (dynamic NTK, longrope) computes
+    a longer sequence's keys differently: past `cacheable_tokens` nothing is looked up or kept."""
+    bm = BlockManager(num_blocks=32, block_size=4, cacheable_tokens=16)
+    short, long = FakeSeq(list(range(13))), FakeSeq(list(range(24)))
+    for seq in (short, long):
+        bm.allocate(seq)
+        bm.commit(seq, seq.num_tokens)
+    assert bm.cached == 0 and len(bm.hash_to_block) == 3  # the short one's 3 full blocks only
+    again = FakeSeq(list(range(13)))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 12
+    longer = FakeSeq(list(range(30)))
+    bm.allocate(longer)
+    assert longer.num_cached_tokens == 0

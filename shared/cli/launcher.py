@@ -29,6 +29,7 @@ from shared.cli.processes import (
     wait_for_port,
 )
 from shared.control.nats_auth import ROLES, write_credentials
+from shared.engine.architecture import UnsupportedModel, check
 
 DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM serving?"
 READY_TIMEOUT_S = 300
@@ -166,12 +167,8 @@ def _refusal(args) -> str:
 def secured(args) -> bool:
     """NATS authentication is on unless --insecure says otherwise (or NATS is the user's own)."""
     if args.insecure:
-        print(
-            "warning: --insecure: NATS without authentication; any local process may submit, "
-            "cancel or read every stream",
-            file=sys.stderr,
-            flush=True,
-        )
+        warning = "NATS without authentication; any local process may submit, cancel or read"
+        print(f"warning: --insecure: {warning} every stream", file=sys.stderr, flush=True)
     return not args.insecure and not args.nats_url
 
 
@@ -186,16 +183,17 @@ def up_command(args) -> int:
         # Bound first: a second launcher of the same cluster is refused before it starts anything.
         with ControlServer(socket_path(args.cluster, args.control_socket)) as control:
             print("preparing the model (the first run converts the GGUF once) ...", flush=True)
-            model_store.prepare(args.model, args.model_cache)
+            # an architecture or option the engine does not run: refused before anything starts
+            check(model_store.load_config(model_store.prepare(args.model, args.model_cache)))
             with (
                 tempfile.TemporaryDirectory(prefix="tandem-secrets-") as secrets,
                 ProcessGroup(log_dir) as group,
             ):
                 secrets_dir = Path(secrets) if secured(args) else None
                 return _serve(args, group, control, log_dir, signals, secrets_dir)
-    except ControlError as err:
+    except (ControlError, UnsupportedModel) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, UnsupportedModel) else 1
     except KeyboardInterrupt:
         print("interrupted; every process stopped.", flush=True)
         return 130

@@ -17,10 +17,14 @@ Anything else is refused at start (`check`), naming what is supported: an option
 implement must never be silently ignored.
 """
 
+from __future__ import annotations
+
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # the launcher checks a config without importing torch
+    from torch import nn
 
 FAMILIES = {
     "LlamaForCausalLM": "llama",

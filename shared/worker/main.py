@@ -15,7 +15,9 @@ from shared.control.subjects import Subjects
 from shared.dataplane.helper_plane import HelperDataPlane
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.ucx import UcxDataPlane
+from shared.engine.architecture import UnsupportedModel
 from shared.lifecycle import stop_on_signals
+from shared.model_store import ModelNotFound
 from shared.settings import load_settings, nats_options, setup_logging
 from shared.telemetry.metrics import MetricsServer
 from shared.telemetry.tracing import start_tracing
@@ -112,5 +114,9 @@ def worker_main(
     """The whole of `python -m services.<service>`; the role is the settings' `role`."""
     settings = load_settings(settings_class, argv, prog=f"python -m services.{service}")
     setup_logging(settings.log_level, settings.role)
-    asyncio.run(run_worker(settings, service, settings.role, build, with_liveness))
+    try:
+        asyncio.run(run_worker(settings, service, settings.role, build, with_liveness))
+    except (UnsupportedModel, ModelNotFound) as refused:  # said plainly, not as a traceback
+        log.error("cannot serve this model: %s", refused)
+        return 2
     return 0

@@ -76,8 +76,18 @@ def test_compose_declares_a_scalable_healthy_stack(compose):
 
 
 def _interpolate(value, dotenv: dict[str, str]) -> str:
-    """${VAR} and ${VAR:?message} from the .env, as compose does."""
-    return re.sub(r"\$\{(\w+)(?::\?[^}]*)?\}", lambda m: dotenv[m.group(1)], str(value))
+    """${VAR}, ${VAR:?message}, ${VAR:-default} and ${VAR:+alternative} from the .env, as
+    compose does."""
+
+    def one(m: re.Match) -> str:
+        name, op, word = m.group(1), m.group(2) or "", m.group(3) or ""
+        if op == ":-":
+            return dotenv.get(name) or word
+        if op == ":+":
+            return word if dotenv.get(name) else ""
+        return dotenv[name]
+
+    return re.sub(r"\$\{(\w+)(?:(:[?+-])([^}]*))?\}", one, str(value))
 
 
 def _start_nats(group: ProcessGroup, spec: dict, dotenv: dict[str, str], certs: Path) -> NatsServer:
@@ -153,6 +163,9 @@ def test_compose_services_answer_through_the_gateway(compose):
             env = _local(spec.get("environment", {}), set(services), overrides, dotenv, certs)
             env["TANDEM_NATS_URL"] = env["TANDEM_NATS_URL"].replace(":4222", f":{nats_port}")
             assert "./deploy/certs/ca.pem:/certs/ca.pem:ro" in spec["volumes"]
+            if name != "scheduler":  # a checkpoint of the user's, mounted where TANDEM_MODEL says
+                assert "${TANDEM_MODEL_DIR:-./deploy/no-model}:/model:ro" in spec["volumes"]
+                assert spec["environment"]["TANDEM_MODEL"] == "${TANDEM_MODEL_DIR:+/model}"
             if name in WORKERS:
                 env["TANDEM_TORCH_THREADS"] = "1"
             for i in range(count):

@@ -15,6 +15,8 @@ A prefill and a decode worker of different models never pair: the request gets a
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -141,3 +143,20 @@ def test_workers_of_different_models_refuse_to_pair(processes, nats, family_chec
         }
     finally:
         stack.stop()
+
+
+def test_tandem_up_refuses_an_unsupported_architecture_before_starting_anything(tmp_path):
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)  # no weights needed: the config is refused first
+    done = subprocess.run(
+        [sys.executable, "-m", "shared.cli.main", "up", "--model", str(tmp_path), "--insecure"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "architecture 'GPT2LMHeadModel' is not supported" in done.stderr
+    assert "Qwen3ForCausalLM" in done.stderr and "starting" not in done.stdout

@@ -22,3 +22,12 @@ def test_status_shows_each_workers_kernels_on_a_line_of_its_own():
 def test_workers_that_report_no_kernels_get_no_kernel_section():
     text = status_table(pb.ClusterStatusResponse(mode="auto", workers=[worker("decode-1")]))
     assert "kernels" not in text and "decode-1" in text
+
+
+def test_status_shows_each_workers_model_architecture_and_dtype():
+    model = "Qwen3-0.6B · Qwen3ForCausalLM · bfloat16"
+    response = pb.ClusterStatusResponse(
+        mode="auto", workers=[worker("decode-1", model=model, kernels=KERNELS)]
+    )
+    text = status_table(response)
+    assert f"\n\nmodels:\n  decode-1  {model}\n\nkernels:\n  decode-1  {KERNELS}" in text

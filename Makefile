@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http clean
 
 install: $(STAMP)
 
@@ -50,7 +50,20 @@ test-fast: kernels
 bench-engine: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	test -x .venv-bench/bin/python || ($(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet llama-cpp-python)
-	$(PY) bench/engine.py
+	$(PY) bench/engine.py $(if $(MODEL),--model $(MODEL))
+
+# A larger model than SmolLM2: a random-weight checkpoint shaped like Qwen2.5-0.5B (built once,
+# as saved in bf16, in fp32, and in fp32 sharded), loaded as a worker does (time, peak memory),
+# then the engine against HF generate on it and on SmolLM2. Results in bench/results/.
+CKPT ?= $(HOME)/.cache/tandem/bench-checkpoints
+bench-models: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	test -f $(CKPT)/qwen2.5-0.5b-bf16/config.json || $(PY) -m tests.families qwen2.5-0.5b $(CKPT)/qwen2.5-0.5b-bf16 --dtype bfloat16
+	test -f $(CKPT)/qwen2.5-0.5b-fp32/config.json || $(PY) -m tests.families qwen2.5-0.5b $(CKPT)/qwen2.5-0.5b-fp32
+	test -f $(CKPT)/qwen2.5-0.5b-fp32-sharded/config.json || $(PY) -m tests.families qwen2.5-0.5b $(CKPT)/qwen2.5-0.5b-fp32-sharded --shard 300MB
+	$(PY) bench/load.py $(CKPT)/qwen2.5-0.5b-bf16 $(CKPT)/qwen2.5-0.5b-fp32 $(CKPT)/qwen2.5-0.5b-fp32-sharded --dtype auto --dtype float32
+	$(PY) bench/engine.py --model $(CKPT)/qwen2.5-0.5b-fp32 --new-tokens 64
+	$(PY) bench/engine.py --model $$($(PY) -c "from shared import model_store; print(model_store.prepare('', '~/.cache/tandem/models'))") --new-tokens 64
 
 # The KV data plane benchmark: our transfer against a bare ucxx send, memcpy and NATS, and what
 # the transfer adds to the time to first token. Results in bench/results/kv.{md,json,png}.

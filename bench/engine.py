@@ -1,6 +1,7 @@
 """Engine benchmark: Tandem's engine against Hugging Face generate and llama.cpp, in one run.
 
     make bench-engine        (or: python bench/engine.py [--quick])
+    python bench/engine.py --model DIR [--new-tokens 64]     (any supported HF directory)
 
 Everything is measured here, now, side by side: the machine's memory read bandwidth and GEMM
 peak, decode throughput at 1/8/32/64 concurrent sequences (128 tokens each, ignore_eos) for the
@@ -9,6 +10,11 @@ prefill throughput, the batch-1 roofline, FLOP/s at batch 32, prefix-cache TTFT,
 accuracy cost of int8. Each engine variant records which kernels it ran (KernelReport: bf16
 native or emulated, oneDNN-packed or plain torch matmuls, ...), since they differ by CPU.
 Writes bench/results/engine.{json,md,png}.
+
+With --model DIR the run is about that checkpoint (fp32): engine decode tokens/s at 1/8/32
+streams against HF generate in the same run, and the batch-1 step against a read of its weights;
+it writes bench/results/engine-<directory name>.{json,md}. `make bench-models` runs it on a
+random-weight Qwen2.5-0.5B-shaped checkpoint and on SmolLM2, and measures loading (bench/load.py).
 """
 
 import argparse
@@ -438,7 +444,72 @@ def kernel_notes(results: dict) -> list[str]:
     ]
 
 
+def machine(model, threads: int) -> dict:
+    return {
+        "threads": threads,
+        "cpu": os.uname().machine,
+        "cpu_capability": cpu_capability(),
+        "onednn_bf16": onednn_bf16(),
+        "bandwidth_gbs": memory_bandwidth() / 1e9,
+        "weights_read_gbs": weights_read(model) / 1e9,
+        "gemm_gflops": gemm_peak() / 1e9,
+    }
+
+
+def model_run(args) -> int:
+    """The --model run: one checkpoint in fp32, the engine against HF generate."""
+    model_dir = Path(args.model).expanduser()
+    tokenizer = model_store.load_tokenizer(model_dir)
+    native = model_store.load_model(model_dir, "cpu", "float32")
+    name = model_dir.name
+    params = sum(p.numel() for p in native.parameters())
+    print(f"{name}: {params / 1e6:.0f}M parameters, {type(native).__name__}", flush=True)
+    results = {"model": name, "architecture": type(native).__name__, "parameters": params}
+    results["machine"] = machine(native, args.threads)
+    results["new_tokens"] = NEW_TOKENS
+    bench = EngineBench(native, name)
+    results["kernels"] = kernels_of(bench)
+    print(f"  kernels: {results['kernels']['line']}", flush=True)
+    concurrency = [1, 8, 32]
+    engine = engine_decode(bench, tokenizer, concurrency)
+    hf = hf_decode(native, tokenizer, concurrency)
+    results["decode"] = {
+        str(n): {**engine[n], "hf_tokens_per_s": hf[n]["tokens_per_s"]} for n in concurrency
+    }
+    read_ms = 1000 * weight_bytes(native) / (results["machine"]["weights_read_gbs"] * 1e9)
+    step = engine[1]["step_ms"]
+    results["batch1"] = {"step_ms": step, "weights_read_ms": read_ms, "ratio": step / read_ms}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"engine-{name}.json").write_text(json.dumps(results, indent=2))
+    (OUT / f"engine-{name}.md").write_text(model_table(results) + "\n")
+    print(model_table(results))
+    return 0
+
+
+def model_table(results: dict) -> str:
+    m, b = results["machine"], results["batch1"]
+    lines = [
+        f"{results['model']} ({results['architecture']}, {results['parameters'] / 1e6:.0f}M "
+        f"parameters, fp32), {m['threads']} threads, CPU {m['cpu_capability']}; "
+        f"{results['new_tokens']} new tokens per stream",
+        f"kernels: {results['kernels']['line']}",
+        "",
+        "| streams | engine tok/s | HF generate tok/s | engine / HF |",
+        "| --- | --- | --- | --- |",
+    ]
+    for n, d in results["decode"].items():
+        e, h = d["tokens_per_s"], d["hf_tokens_per_s"]
+        lines.append(f"| {n} | {e:.1f} | {h:.1f} | {e / h:.2f}x |")
+    lines += [
+        "",
+        f"batch-1 step {b['step_ms']:.1f} ms against a tensor-by-tensor read of its weights "
+        f"{b['weights_read_ms']:.1f} ms ({m['weights_read_gbs']:.1f} GB/s): {b['ratio']:.2f}x",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> int:
+    global NEW_TOKENS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
@@ -447,8 +518,13 @@ def main() -> int:
         help="a Python with llama-cpp-python installed (make bench-engine makes one)",
     )
     parser.add_argument("--quick", action="store_true", help="concurrency 1 and 8 only")
+    parser.add_argument("--model", default="", help="a HF directory: the engine vs HF on it")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    NEW_TOKENS = args.new_tokens
+    if args.model:
+        return model_run(args)
     concurrency = [1, 8] if args.quick else [1, 8, 32, 64]
     model_dir = model_store.prepare(
         "", os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models")

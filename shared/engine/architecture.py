@@ -106,13 +106,18 @@ class LayerParts:
 
 
 def layer_windows(config) -> list[int | None]:
-    """Each layer's sliding window, as Hugging Face's masks apply it."""
+    """Each layer's sliding window, as Hugging Face's modules apply it: Mistral and Phi-3 window
+    every layer when `sliding_window` is set, Qwen2/Qwen3 the layers `layer_types` says; Llama
+    and Gemma never (a stray `sliding_window` in their config.json is ignored, as HF does)."""
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
+    kind = getattr(config, "model_type", "")
     layers = config.num_hidden_layers
-    if types is None or getattr(config, "model_type", "") in ("mistral", "phi3"):
-        return [window] * layers  # Mistral and Phi-3 window every layer when one is set
-    return [window if kind == "sliding_attention" else None for kind in types]
+    if kind in ("mistral", "phi3"):
+        return [window] * layers
+    types = getattr(config, "layer_types", None) if kind in ("qwen2", "qwen3") else None
+    if types is None:
+        return [None] * layers
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 def parts_of(model) -> list[LayerParts]:

@@ -4,7 +4,9 @@ import logging
 
 import torch
 
+from shared.engine.architecture import UnsupportedModel
 from shared.engine.kernels import cpu_flags
+from shared.engine.projection import onednn_bf16
 
 log = logging.getLogger(__name__)
 FLOATS = ("float32", "bfloat16", "float16")
@@ -18,17 +20,20 @@ def native_float16() -> bool:
 
 
 def compute_dtype(dtype: str, config, device: str) -> torch.dtype:
-    """`dtype`, or with "auto" the checkpoint's (a float16 checkpoint runs in float32 on a CPU
-    without float16 arithmetic). ValueError for float16 asked of such a CPU."""
+    """`dtype`, or with "auto" the checkpoint's, where this CPU computes it natively (a float16
+    checkpoint elsewhere runs in float32, and a bfloat16 one where oneDNN has no bf16 kernels:
+    emulated bf16 is slower than float32 at any batch of more than a few rows).
+    UnsupportedModel for float16 asked of a CPU without float16 arithmetic."""
     name = dtype
     if dtype == "auto":
         name = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
         name = name if name in FLOATS else "float32"
-        if name == "float16" and device == "cpu" and not native_float16():
-            log.info("float16 checkpoint computed in float32: this CPU has no float16 arithmetic")
+        native = {"float16": native_float16, "bfloat16": onednn_bf16}.get(name)
+        if device == "cpu" and native is not None and not native():
+            log.info("%s checkpoint computed in float32: this CPU has no %s kernels", name, name)
             name = "float32"
     elif dtype == "float16" and device == "cpu" and not native_float16():
-        raise ValueError(
+        raise UnsupportedModel(
             "--dtype float16 needs a CPU with AVX512-FP16 or AMX-FP16; use bfloat16 or float32"
         )
     return getattr(torch, name)

@@ -2,10 +2,10 @@
 
 Every step runs, as one batch of rows through the model: one token for each running sequence,
 whole prompt chunks of waiting sequences up to a token budget (chunked prefill), and the KV of
-sequences whose prompt was computed on another worker is written into the pool. New sequences
-join at step boundaries; finished ones leave at once and their blocks go back to the pool. When
-the pool runs dry, the newest running sequence is preempted: its blocks are freed and it is
-recomputed from its tokens later, never dropped.
+sequences whose prompt was computed on another worker is written into the pool. Sequences join
+at step boundaries and leave at once. When the pool runs dry, the newest running sequence is
+preempted (its blocks freed, recomputed from its tokens later, never dropped); so is one whose
+rope asks for it (Phi-3's longrope, as HF does, past its trained length: see Rotary).
 
 `step()` runs in the engine thread; `admit`, `add` and `kv_arrived` may be called from the event
 loop while a step runs, so the block bookkeeping sits behind one lock (the forward pass itself
@@ -34,7 +34,7 @@ from shared.engine.step_stats import StepStats
 @dataclass
 class _Work:
     seq: Sequence
-    start: int
+    start: int  # positions [start, end) computed this step
     end: int
 
 
@@ -183,8 +183,10 @@ class Engine:
         """Running sequences with a block for their next token; preempts the newest when the pool is dry."""
         ready = []
         for seq in list(self.running):
+            if seq in self.running and self.runner.rotary.recomputes_at(seq.num_tokens):
+                self._preempt(seq)  # its every key changes at this length: computed again
             if seq not in self.running:
-                continue  # preempted below to make room for an older one
+                continue  # preempted to make room for an older one, or to be computed again
             while not self.blocks.can_append(seq) and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
             if not self.blocks.can_append(seq):

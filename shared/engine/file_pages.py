@@ -5,10 +5,10 @@ mapping. Once the engine has packed a layer's weights into its own layout, the o
 never read again, but their pages, touched by the packing, stay resident (and counted in the
 process's RSS) for as long as any tensor of that file lives: the tied embedding keeps a file
 mapped for the whole run. `drop` tells the kernel those pages are no longer needed
-(madvise MADV_DONTNEED on a private file mapping: the page cache keeps the data; a later read,
-which the engine never makes, would fault the file's bytes in again). Only pages wholly inside a
-released tensor that lies in a file mapping are dropped: anonymous memory, which MADV_DONTNEED
-would zero, is never touched.
+(madvise MADV_DONTNEED on a private mapping of a safetensors file none of whose pages was ever
+written: the page cache keeps the data, and a later read faults the file's own bytes back in).
+Only pages wholly inside such a tensor are dropped; anonymous memory, which MADV_DONTNEED would
+zero, and written pages, which it would revert, are never touched.
 """
 
 import ctypes
@@ -20,17 +20,22 @@ log = logging.getLogger(__name__)
 MADV_DONTNEED = 4
 
 
-def file_mappings() -> list[tuple[int, int]]:
-    """[start, end) of this process's private mappings of files."""
-    ranges = []
+def file_mappings(suffix: str = ".safetensors") -> list[tuple[int, int]]:
+    """[start, end) of this process's private mappings of `suffix` files of which no page was
+    ever written (Private_Dirty 0: dropping a page gives back exactly the file's bytes)."""
+    ranges, current = [], None
     try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
                 fields = line.split()
-                if len(fields) < 6 or not fields[5].startswith("/") or fields[1][3] != "p":
-                    continue
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                ranges.append((start, end))
+                if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
+                    path = fields[5] if len(fields) >= 6 else ""
+                    private = fields[1][3] == "p" and path.endswith(suffix)
+                    current = tuple(int(x, 16) for x in fields[0].split("-")) if private else None
+                elif current is not None and fields[0] == "Private_Dirty:":
+                    if int(fields[1]) == 0:
+                        ranges.append(current)
+                    current = None
     except OSError:
         pass
     return ranges
@@ -44,8 +49,8 @@ class FilePages:
         self.dropped = 0  # bytes
 
     def drop(self, tensor) -> None:
-        """Drops the resident pages of `tensor` if it lies in a private file mapping: a tensor
-        never read again, or one read sparsely afterwards (an embedding table), never written."""
+        """Drops the resident pages of `tensor` if it lies in a clean safetensors mapping: a
+        tensor never read again, or one read sparsely afterwards (an embedding table)."""
         start = tensor.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
         if self._madvise is None or not any(a <= start and end <= b for a, b in self.mappings):

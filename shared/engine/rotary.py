@@ -30,6 +30,12 @@ class Rotary:
     def length_dependent(self) -> bool:
         return self.rope_type in LENGTH_DEPENDENT
 
+    def recomputes_at(self, num_tokens: int) -> bool:
+        """Whether a sequence reaching `num_tokens` must be computed again, every key: longrope
+        switches to its long factors past the trained length, and HF's Phi-3 then recomputes the
+        whole sequence (prepare_inputs_for_generation drops its cache), so the engine does."""
+        return self.rope_type == "longrope" and num_tokens == self.original + 1
+
     @property
     def cacheable_tokens(self) -> int | None:
         """The longest sequence whose KV does not depend on its length (None: any): the prefix

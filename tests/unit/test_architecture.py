@@ -1,9 +1,12 @@
 """Which checkpoints the engine takes: the supported families, and clear refusals of the rest."""
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from shared.engine.architecture import FAMILIES, UnsupportedModel, check, layer_windows
+from shared.engine.dtypes import compute_dtype, native_float16
+from shared.engine.projection import onednn_bf16
 from tests.families import VARIANTS, config_of
 
 
@@ -71,3 +74,25 @@ def test_sliding_windows_per_layer_as_hugging_face_applies_them():
     # Qwen2 with use_sliding_window: only the layers from max_window_layers on
     qwen = configured("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1)
     assert layer_windows(qwen) == [None, 64]
+
+
+def test_a_stray_sliding_window_in_a_llama_or_gemma_config_is_ignored_as_hf_does():
+    for name in ("llama2", "gemma"):
+        assert layer_windows(configured(name, sliding_window=64)) == [None, None], name
+
+
+@pytest.mark.parametrize("saved", ["float32", "bfloat16", "float16"])
+def test_dtype_auto_is_the_checkpoints_where_this_cpu_computes_it(saved):
+    config = configured("llama2", dtype=saved)
+    native = {"float32": True, "bfloat16": onednn_bf16(), "float16": native_float16()}[saved]
+    expected = getattr(torch, saved if native else "float32")
+    assert compute_dtype("auto", config, "cpu") == expected
+    assert compute_dtype("auto", config, "cuda") == getattr(torch, saved)
+    assert compute_dtype("bfloat16", config, "cpu") == torch.bfloat16  # asked: as asked
+
+
+def test_float16_is_refused_on_a_cpu_without_float16_arithmetic():
+    if native_float16():
+        pytest.skip("this CPU computes float16")
+    with pytest.raises(UnsupportedModel, match="AVX512-FP16"):
+        compute_dtype("float16", configured("llama2"), "cpu")

@@ -10,8 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from shared.engine.block_manager import BlockManager
+from shared.engine.engine import Engine
 from shared.engine.model_runner import ModelRunner, SeqSpan
 from tests.families import VARIANTS, VOCAB
+from tests.unit.test_engine import make_seq, run_to_end
 
 BLOCK, CHUNK, NEW = 16, 32, 12
 LONG = 130  # > 4 chunks; > the windows (40, 47), the dynamic (96) and longrope (64) lengths
@@ -147,3 +150,40 @@ def test_bfloat16_agrees_with_float32_on_trained_weights(model_dir, tokenizer, r
     record_property("bf16_top1_agreement", (figure, theirs))
     print(f"SmolLM2-135M: bf16 top-1 agreement with fp32 HF: engine {figure:.1%}, HF {theirs:.1%}")
     assert figure >= 0.97 and figure >= theirs - 0.01
+
+
+def engine_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], int]:
+    """(greedy tokens, preemptions) of one sequence through the Engine (its scheduling, chunked
+    prefill and recomputes), with a block manager as a worker builds it."""
+    runner = ModelRunner(model, "engine", "cpu", 64, BLOCK, CHUNK)
+    blocks = BlockManager(64, BLOCK, CHUNK, cacheable_tokens=runner.rotary.cacheable_tokens)
+    engine = Engine(runner, blocks, max_batch_tokens=CHUNK)
+    seq = make_seq(prompt, new_tokens)
+    engine.add(seq)
+    run_to_end(engine)
+    return seq.output_ids, engine.preemptions
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "llama-dynamic"])
+def test_a_sequence_that_grows_past_the_trained_length(family_checkpoint, name):
+    """Phi-3's longrope switches to its long factors past `original_max_position_embeddings`
+    (64 here) and HF then computes the whole sequence again: so does the engine, once. Dynamic
+    NTK keeps the keys it has, in HF and here."""
+    model = load(family_checkpoint(name))
+    limit = model.config.rope_parameters.get("original_max_position_embeddings")
+    limit = limit or model.config.max_position_embeddings
+    prompt = prompt_of(limit - 4, 5)
+    ours, recomputes = engine_greedy(model, prompt, NEW)
+    assert ours == hf_greedy(model, prompt, NEW)
+    assert recomputes == (1 if name == "phi3-longrope" else 0)
+
+
+def test_weights_released_as_they_are_packed_give_the_same_tokens(family_checkpoint):
+    """A worker frees each linear weight once packed (and gives back its mapped pages, the tied
+    embedding's too): the engine's output is unchanged."""
+    path, prompt = family_checkpoint("llama3"), prompt_of(40, 6)
+    expected = hf_greedy(load(path), prompt, NEW)
+    model = load(path)
+    runner = ModelRunner(model, "x", "cpu", 64, BLOCK, CHUNK, release_weights=True)
+    assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # released
+    assert greedy(runner, prompt, NEW) == expected

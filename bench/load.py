@@ -41,18 +41,21 @@ def measure(path: Path, dtype: str) -> dict:
     from shared import model_store
     from shared.engine.architecture import check
     from shared.engine.dtypes import compute_dtype
+    from shared.engine.file_pages import allocations_given_back
     from shared.engine.model_runner import ModelRunner
+    from shared.worker.runtime import load_model
 
     torch.set_num_threads(os.cpu_count() or 1)
     before = rss_mb()
     started = time.perf_counter()
     config = model_store.load_config(path)
     check(config)
-    model = model_store.load_model(path, "cpu", compute_dtype(dtype, config, "cpu"), config=config)
-    loaded = time.perf_counter()
-    size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    runner = ModelRunner(model, path.name, "cpu", 16, 16, 128, release_weights=True)
-    packed = time.perf_counter()
+    with allocations_given_back():  # as a worker loads (shared/worker/runtime.py)
+        model = load_model(path, "cpu", compute_dtype(dtype, config, "cpu"), "native", config)
+        loaded = time.perf_counter()
+        size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        runner = ModelRunner(model, path.name, "cpu", 16, 16, 128, release_weights=True)
+        packed = time.perf_counter()
     assert runner.projections  # held until measured: the packed weights are what a worker keeps
     files = sorted(path.glob("*.safetensors"))
     return {

@@ -15,6 +15,7 @@ import ctypes
 import logging
 import mmap
 import os
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 MADV_DONTNEED = 4
@@ -63,3 +64,52 @@ class FilePages:
             log.debug("madvise failed: %s", os.strerror(ctypes.get_errno()))
             return
         self.dropped += last - first
+
+
+def convert(model, dtype) -> bool:
+    """Converts a model loaded in its checkpoint's dtype (its weights still in the mapped files)
+    to `dtype` one parameter at a time, giving back each original's pages as it goes: memory
+    peaks near the converted weights alone, where Hugging Face's converting loader holds both.
+
+    The result is what `from_pretrained(dtype=dtype)` gives: the same conversion of every
+    weight, and the buffers a model built in `dtype` has. The supported families' buffers are
+    the rotary frequencies (float32 in any dtype) and Gemma's embedding scale (built in the
+    model's dtype: computed again here); a model with any other floating buffer is left alone
+    (False): load it converting instead.
+    """
+    import torch
+
+    for name, buffer in model.named_buffers():
+        if buffer.is_floating_point() and name.split(".")[-1] not in KNOWN_BUFFERS:
+            return False
+    pages = FilePages()
+    with torch.no_grad():
+        for param in model.parameters():  # a tied weight is one parameter: converted once
+            converted = param.data.to(dtype)
+            pages.drop(param.data)
+            param.data = converted
+        for module in model.modules():
+            if isinstance(getattr(module, "embed_scale", None), torch.Tensor):
+                module.embed_scale = torch.tensor(model.config.hidden_size**0.5, dtype=dtype)
+    model.config.dtype = dtype
+    return True
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+KNOWN_BUFFERS = ("inv_freq", "original_inv_freq", "embed_scale")
+
+
+@contextmanager
+def allocations_given_back(after: int = 32 << 20):
+    """While loading: every allocation of 128 KiB or more is its own mapping, unmapped when freed,
+    so the weights freed as they are converted or packed leave the process at once (glibc
+    otherwise raises its threshold after the first large free and keeps later ones in its heap).
+    Afterwards the threshold stays at `after` (where glibc's own adjustment tops out)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if os.name == "posix" else None
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, 128 << 10)
+    try:
+        yield
+    finally:
+        if mallopt is not None:
+            mallopt(M_MMAP_THRESHOLD, after)

@@ -12,6 +12,7 @@ from shared.engine.architecture import check
 from shared.engine.block_manager import BlockManager
 from shared.engine.dtypes import compute_dtype
 from shared.engine.engine import Engine
+from shared.engine.file_pages import allocations_given_back, convert
 from shared.engine.kv_cache import bytes_per_token, layout_of
 from shared.engine.model_runner import ModelRunner
 from shared.worker.metrics import WorkerMetrics
@@ -78,9 +79,10 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     config = model_store.load_config(model_dir)
     check(config)  # an architecture or option the engine does not run: refused before loading
     dtype = compute_dtype(settings.dtype, config, device)
-    model = model_store.load_model(model_dir, device, dtype, settings.weights, config)
+    with allocations_given_back():
+        model = load_model(model_dir, device, dtype, settings.weights, config)
+        runner = _runner(settings, model, device)
     tokenizer = model_store.load_tokenizer(model_dir)
-    runner = _runner(settings, model, device)
     model_limit = model_store.context_limit(model.config)
     max_len = min(settings.max_model_len or model_limit, model_limit)
     blocks = BlockManager(
@@ -131,6 +133,25 @@ def _runner(settings: WorkerSettings, model, device: str) -> ModelRunner:
         release_weights=True,
     )
     return runner
+
+
+def load_model(model_dir: Path, device: str, dtype: torch.dtype, weights: str, config):
+    """The model in `dtype`. A checkpoint saved in another dtype is loaded in its own (memory-
+    mapped, read lazily) and converted a parameter at a time (file_pages.convert): loading then
+    peaks near the converted weights alone, not those plus the checkpoint's."""
+    saved = getattr(config, "dtype", None)
+    saved = getattr(torch, str(saved).removeprefix("torch."), None) if saved else None
+    if (
+        device == "cpu"
+        and weights == "native"
+        and isinstance(saved, torch.dtype)
+        and saved != dtype
+    ):
+        model = model_store.load_model(model_dir, device, saved, weights, config)
+        if convert(model, dtype):
+            return model
+        log.info("converting at load: a buffer of the model depends on its dtype")
+    return model_store.load_model(model_dir, device, dtype, weights, config)
 
 
 def model_label(runner: ModelRunner) -> str:

@@ -187,3 +187,35 @@ def test_weights_released_as_they_are_packed_give_the_same_tokens(family_checkpo
     runner = ModelRunner(model, "x", "cpu", 64, BLOCK, CHUNK, release_weights=True)
     assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # released
     assert greedy(runner, prompt, NEW) == expected
+
+
+@pytest.mark.parametrize(
+    "name, saved, computed",
+    [
+        ("gemma", torch.bfloat16, torch.float32),
+        ("llama3", torch.bfloat16, torch.float32),
+        ("gemma", torch.float32, torch.bfloat16),
+    ],
+)
+def test_a_checkpoint_converted_as_a_worker_loads_it_is_hugging_face_s(
+    tmp_path, model_dir, name, saved, computed
+):
+    """A checkpoint computed in another dtype than it was saved in: loaded in its own (mapped)
+    and converted a parameter at a time, it equals HF's own load in that dtype bit for bit:
+    weights, buffers (Gemma's embedding scale is built in the dtype) and logits."""
+    from shared import model_store
+    from shared.worker.runtime import load_model
+    from tests.families import build
+
+    path = build(name, tmp_path, model_dir, dtype=saved)
+    config = model_store.load_config(path)
+    assert config.dtype == saved
+    ours, theirs = load_model(path, "cpu", computed, "native", config), load(path, computed)
+    assert ours.dtype == computed
+    for (a, x), (b, y) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        assert a == b and x.dtype == y.dtype and torch.equal(x, y), a
+    for (a, x), (b, y) in zip(ours.named_buffers(), theirs.named_buffers()):
+        assert a == b and x.dtype == y.dtype and torch.equal(x, y), a
+    ids = torch.tensor([prompt_of(30, 7)])
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)

@@ -219,3 +219,14 @@ def test_a_checkpoint_converted_as_a_worker_loads_it_is_hugging_face_s(
     ids = torch.tensor([prompt_of(30, 7)])
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
+def test_every_eos_id_of_the_generation_config_ends_a_sequence(family_checkpoint):
+    """Llama 3 ends a turn with <|eot_id|> and a text with <|end_of_text|>: both ids of its
+    generation_config.json stop generation, with the tokenizer's own."""
+    from shared import model_store
+    from shared.worker.runtime import eos_token_ids
+
+    path = family_checkpoint("llama3")
+    tokenizer = model_store.load_tokenizer(path)
+    assert eos_token_ids(load(path), tokenizer) == {0, 2, tokenizer.eos_token_id}

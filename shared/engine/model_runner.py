@@ -62,7 +62,7 @@ class ModelRunner:
         self.pool = KVPool(self.layout, pool_blocks, block_size, device, shared=shared_pool)
         self.chunk = chunk
         inner = model.model
-        self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
+        self.embed, self.norm = inner.embed_tokens, inner.norm
         self.rotary = Rotary(inner.rotary_emb, model.config)
         self.parts = parts_of(model)
         self.num_heads = model.config.num_attention_heads
@@ -129,12 +129,6 @@ class ModelRunner:
     def kernel_report(self) -> KernelReport:
         """Which kernels this runner computes with (projections, attention, decode stack, ops)."""
         return report_of(self)
-
-    def release_model_weights(self) -> None:
-        """Frees the model's linear weights that were packed: a worker keeps one copy, not two.
-        The model can no longer run on its own afterwards."""
-        for projection in self.projections:
-            projection.release_modules(keep=self.embed.weight)
 
     def padded_rows(self, rows: int) -> int:
         """The row count to compute `rows` rows at: one at which every row gets the bits it gets in

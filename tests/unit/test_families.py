@@ -15,6 +15,7 @@ from shared.engine.engine import Engine
 from shared.engine.model_runner import ModelRunner, SeqSpan
 from tests.families import VARIANTS, VOCAB
 from tests.unit.test_engine import make_seq, run_to_end
+from tests.unit.test_model_runner import greedy as model_runner_greedy
 
 BLOCK, CHUNK, NEW = 16, 32, 12
 LONG = 130  # > 4 chunks; > the windows (40, 47), the dynamic (96) and longrope (64) lengths
@@ -38,15 +39,7 @@ def prompt_of(n: int, seed: int) -> list[int]:
 
 
 def greedy(runner: ModelRunner, prompt: list[int], new_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    blocks = list(range(-(-(len(prompt) + new_tokens) // BLOCK)))
-    logits = runner.forward([SeqSpan(blocks, tokens, 0, len(tokens))])
-    out = []
-    for _ in range(new_tokens):
-        out.append(int(logits[0].argmax()))
-        tokens.append(out[-1])
-        logits = runner.forward([SeqSpan(blocks, tokens, len(tokens) - 1, len(tokens))])
-    return out
+    return model_runner_greedy(runner, prompt, new_tokens, first_block=0)
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:

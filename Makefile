@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-bf16 bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http clean
 
 install: $(STAMP)
 
@@ -64,6 +64,10 @@ bench-models: kernels
 	$(PY) bench/load.py $(CKPT)/qwen2.5-0.5b-bf16 $(CKPT)/qwen2.5-0.5b-fp32 $(CKPT)/qwen2.5-0.5b-fp32-sharded --dtype auto --dtype float32 --dtype bfloat16
 	$(PY) bench/engine.py --model $(CKPT)/qwen2.5-0.5b-fp32 --new-tokens 64
 	$(PY) bench/engine.py --model $$($(PY) -c "from shared import model_store; print(model_store.prepare('', '~/.cache/tandem/models'))") --new-tokens 64
+
+# How often bf16 picks fp32's next token, the engine's and HF's own. bench/results/bf16.md.
+bench-bf16: kernels
+	$(PY) bench/bf16.py $(if $(MODEL),--model $(MODEL))
 
 # The KV data plane benchmark: our transfer against a bare ucxx send, memcpy and NATS, and what
 # the transfer adds to the time to first token. Results in bench/results/kv.{md,json,png}.

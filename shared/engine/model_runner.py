@@ -29,6 +29,7 @@ from shared.engine.forward_batch import ForwardBatch, SeqSpan, arrange
 from shared.engine.kernel_report import KernelReport, report_of
 from shared.engine.kv_cache import KVPool
 from shared.engine.layer_ops import layer_ops
+from shared.engine.output_head import OutputHead
 from shared.engine.paged_attention import PagedAttention
 from shared.engine.projection import SMALL, Projection, invariant_row_counts
 from shared.engine.rotary import Rotary
@@ -104,9 +105,11 @@ class ModelRunner:
                 projection.release_modules(keep=self.embed.weight, pages=pages)
             return projection
 
-        self.lm_head = packed([model.lm_head])
-        if release and model.lm_head.weight is self.embed.weight:
-            pages.drop(self.embed.weight)  # tied: the lookup faults back in only the rows it reads
+        weight, bias = model.lm_head.weight, model.lm_head.bias
+        self.lm_head = packed([model.lm_head])  # its pages dropped, then read sparsely if at all:
+        self.head = OutputHead(self.lm_head, weight, bias)  # rows recomputed in float32
+        if release and weight is self.embed.weight:
+            pages.drop(weight)  # tied: the lookup faults back in only the rows it reads
         self.qkv, self.o_proj, self.gate_up, self.down = [], [], [], []
         for p in self.parts:
             self.qkv.append(packed(p.qkv, p.qkv_sizes))
@@ -172,7 +175,7 @@ class ModelRunner:
         total = self.padded_rows(rows)
         if total > rows:
             normed = torch.cat([normed, normed.new_zeros(total - rows, normed.shape[1])])
-        return self.lm_head.one(normed)[:rows].float()
+        return self.head(normed)[:rows]
 
     def _attend(self, index: int, x: torch.Tensor, cos, sin, batch: ForwardBatch, rows: int):
         total = x.shape[0]

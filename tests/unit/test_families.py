@@ -134,15 +134,16 @@ TEXT = (
 
 def test_bfloat16_agrees_with_float32_on_trained_weights(model_dir, tokenizer, record_property):
     """SmolLM2-135M (trained Llama weights) on English text: the engine in bf16 picks fp32 HF's
-    top-1 as often as HF's own bf16 does, and at >= 97% of teacher-forced positions. (Measured:
-    97.5% for both here; issue 17 asked for 98%, which bf16 itself does not reach on this model.)"""
+    top-1 at >= 98% of teacher-forced positions, and more often than HF's own bf16, whose
+    logits are rounded to bf16 (output_head.py). Measured here: 98.5% against 97.5%; over 3,275
+    positions of English text, 98.2% against 97.4%."""
     tokens = tokenizer(TEXT)["input_ids"]
     reference = top1(model_dir, tokens, torch.float32)
     figure = agreement(engine_top1(model_dir, tokens, torch.bfloat16), reference)
     theirs = agreement(top1(model_dir, tokens, torch.bfloat16), reference)
     record_property("bf16_top1_agreement", (figure, theirs))
     print(f"SmolLM2-135M: bf16 top-1 agreement with fp32 HF: engine {figure:.1%}, HF {theirs:.1%}")
-    assert figure >= 0.97 and figure >= theirs - 0.01
+    assert figure >= 0.98 and figure >= theirs
 
 
 def engine_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], int]:

@@ -51,10 +51,14 @@ def measure(path: Path, dtype: str) -> dict:
     config = model_store.load_config(path)
     check(config)
     with allocations_given_back():  # as a worker loads (shared/worker/runtime.py)
-        model = load_model(path, "cpu", compute_dtype(dtype, config, "cpu"), "native", config)
+        computed = compute_dtype(dtype, config, "cpu")
+        model = load_model(path, "cpu", computed, "native", config)
         loaded = time.perf_counter()
-        size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        runner = ModelRunner(model, path.name, "cpu", 16, 16, 128, release_weights=True)
+        itemsize = torch.empty((), dtype=computed).element_size()
+        size = sum(p.numel() for p in model.parameters()) * itemsize / 2**20  # as computed
+        runner = ModelRunner(
+            model, path.name, "cpu", 16, 16, 128, release_weights=True, dtype=computed
+        )
         packed = time.perf_counter()
     assert runner.projections  # held until measured: the packed weights are what a worker keeps
     files = sorted(path.glob("*.safetensors"))
@@ -62,7 +66,7 @@ def measure(path: Path, dtype: str) -> dict:
         "checkpoint": path.name,
         "files": len(files),
         "file_mb": sum(f.stat().st_size for f in files) / 2**20,
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype": str(runner.dtype).removeprefix("torch."),
         "weights_mb": size,
         "load_s": loaded - started,
         "pack_s": packed - loaded,

@@ -66,25 +66,34 @@ class FilePages:
         self.dropped += last - first
 
 
-def convert(model, dtype) -> bool:
+def convertible(model) -> bool:
+    """Whether `convert` gives what `from_pretrained(dtype=...)` would: every floating buffer is
+    one it knows how to build (the rotary frequencies, float32 in any dtype, and Gemma's
+    embedding scale, built in the model's dtype). A model with any other: load it converting."""
+    return all(
+        name.split(".")[-1] in KNOWN_BUFFERS
+        for name, buffer in model.named_buffers()
+        if buffer.is_floating_point()
+    )
+
+
+def convert(model, dtype, keep=None) -> None:
     """Converts a model loaded in its checkpoint's dtype (its weights still in the mapped files)
     to `dtype` one parameter at a time, giving back each original's pages as it goes: memory
     peaks near the converted weights alone, where Hugging Face's converting loader holds both.
 
-    The result is what `from_pretrained(dtype=dtype)` gives: the same conversion of every
-    weight, and the buffers a model built in `dtype` has. The supported families' buffers are
-    the rotary frequencies (float32 in any dtype) and Gemma's embedding scale (built in the
-    model's dtype: computed again here); a model with any other floating buffer is left alone
-    (False): load it converting instead.
+    For a `convertible` model the result is what `from_pretrained(dtype=dtype)` gives: the same
+    conversion of every weight, and the buffers a model built in `dtype` has. `keep` (a tied
+    embedding table whose output head is already packed) stays as it is, to be read row by row;
+    parameters already in `dtype`, or emptied once packed, are left alone.
     """
     import torch
 
-    for name, buffer in model.named_buffers():
-        if buffer.is_floating_point() and name.split(".")[-1] not in KNOWN_BUFFERS:
-            return False
     pages = FilePages()
     with torch.no_grad():
         for param in model.parameters():  # a tied weight is one parameter: converted once
+            if param is keep or param.dtype == dtype or param.numel() == 0:
+                continue
             converted = param.data.to(dtype)
             pages.drop(param.data)
             param.data = converted
@@ -92,7 +101,6 @@ def convert(model, dtype) -> bool:
             if isinstance(getattr(module, "embed_scale", None), torch.Tensor):
                 module.embed_scale = torch.tensor(model.config.hidden_size**0.5, dtype=dtype)
     model.config.dtype = dtype
-    return True
 
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter

@@ -70,8 +70,8 @@ def report_of(runner) -> KernelReport:
     paths = {p.path for p in runner.projections}
     return KernelReport(
         cpu=cpu_capability() if runner.device == "cpu" else runner.device,
-        dtype=str(runner.model.dtype).removeprefix("torch."),
-        bf16=bf16_path(runner.model.dtype, runner.device),
+        dtype=str(runner.dtype).removeprefix("torch."),
+        bf16=bf16_path(runner.dtype, runner.device),
         weights=_weights(runner.projections),
         projections=paths.pop() if len(paths) == 1 else "mixed",
         attention="paged-c++" if runner.paged else "sdpa",

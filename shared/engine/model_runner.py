@@ -24,7 +24,7 @@ from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
 from shared.engine.architecture import check, parts_of
 from shared.engine.decode_stack import decode_stack
-from shared.engine.file_pages import FilePages
+from shared.engine.file_pages import FilePages, convert
 from shared.engine.forward_batch import ForwardBatch, SeqSpan, arrange
 from shared.engine.kernel_report import KernelReport, report_of
 from shared.engine.kv_cache import KVPool
@@ -52,14 +52,14 @@ class ModelRunner:
         row_timing: Path | None = None,  # where the fastest row count is kept (row_timing.py)
         shared_pool: bool = False,  # the pool in memory a data-plane helper process maps too
         release_weights: bool = False,  # free each linear weight once packed (see below)
+        dtype: torch.dtype | None = None,  # to compute in, if not the model's (converted here)
     ):
         self.model = model
         self.device = device
         self.config = model.config
+        self.dtype = dtype or model.dtype
         self.family = check(model.config, type(model).__name__)
-        self.layout: KVLayout = kv_cache.layout_of(
-            model.config, model_name, model.dtype, block_size
-        )
+        self.layout: KVLayout = kv_cache.layout_of(model.config, model_name, self.dtype, block_size)
         self.pool = KVPool(self.layout, pool_blocks, block_size, device, shared=shared_pool)
         self.chunk = chunk
         inner = model.model
@@ -96,11 +96,16 @@ class ModelRunner:
         """q|k|v and gate|up fused into one GEMM each, every projection packed where it can be.
         `release`: each module's own weight freed as soon as its packed copy exists (and its
         pages given back when it was read from a mapped file), so that loading peaks near one
-        copy of the weights, not two; the model can no longer run on its own afterwards."""
+        copy of the weights, not two; the model can no longer run on its own afterwards.
+
+        A model in another dtype than `self.dtype` is converted here, after its output head is
+        packed (converted on the way) and before the layers are: a tied embedding table then
+        stays in the checkpoint's dtype, in its mapped file, read row by row (`_embed`), and
+        at no point are both a converted table and the packed head held with the rest."""
         pages = FilePages() if release else None
 
         def packed(modules, sizes=None) -> Projection:
-            projection = Projection(modules, sizes)
+            projection = Projection(modules, sizes, self.dtype)
             if release:
                 projection.release_modules(keep=self.embed.weight, pages=pages)
             return projection
@@ -108,8 +113,13 @@ class ModelRunner:
         weight, bias = model.lm_head.weight, model.lm_head.bias
         self.lm_head = packed([model.lm_head])  # its pages dropped, then read sparsely if at all:
         self.head = OutputHead(self.lm_head, weight, bias)  # rows recomputed in float32
-        if release and weight is self.embed.weight:
+        tied = weight is self.embed.weight
+        if release and tied:
             pages.drop(weight)  # tied: the lookup faults back in only the rows it reads
+        if any(p.dtype != self.dtype for p in model.parameters() if p.numel()):
+            convert(
+                model, self.dtype, keep=weight if tied and self.lm_head.packed is not None else None
+            )
         self.qkv, self.o_proj, self.gate_up, self.down = [], [], [], []
         for p in self.parts:
             self.qkv.append(packed(p.qkv, p.qkv_sizes))
@@ -147,7 +157,7 @@ class ModelRunner:
         sequence in it was cancelled, and the KV it wrote so far is of no use to anyone."""
         batch = arrange(segments, self.pool, self.paged, self.chunk, self.device)
         rows = batch.ids.numel()
-        hidden = self.embed(batch.ids)
+        hidden = self._embed(batch.ids)
         total = self.padded_rows(rows)
         if total > rows:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
@@ -169,6 +179,15 @@ class ModelRunner:
             after = self.parts[index + 1].input_norm if index + 1 < len(self.parts) else self.norm
             residual, x = self.ops.norm(residual, out, after)
         return self._logits(x.index_select(0, batch.last_rows))
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `ids`, in the dtype computed in (a table kept in another dtype
+        is read as the converted one would be: upcast rows, Gemma's scale applied after)."""
+        if self.embed.weight.dtype == self.dtype:
+            return self.embed(ids)
+        hidden = F.embedding(ids, self.embed.weight).to(self.dtype)
+        scale = getattr(self.embed, "embed_scale", None)
+        return hidden * scale if scale is not None else hidden
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         rows = normed.shape[0]

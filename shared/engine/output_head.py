@@ -25,7 +25,8 @@ class OutputHead:
     def __init__(self, projection, weight: torch.Tensor, bias: torch.Tensor | None):
         self.projection = projection
         rounded = projection.dtype not in (torch.float32, torch.float64)
-        self.weight = weight if rounded else None  # the rows to recompute from (not a copy)
+        self.weight = weight if rounded else None  # the rows to recompute from (not a copy:
+        # where the packed head was converted, the original, read sparsely from its mapped file)
         self.bias = bias
 
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
@@ -33,8 +34,8 @@ class OutputHead:
         if self.weight is None or logits.numel() == 0:
             return logits
         top = logits.topk(min(TOP, logits.shape[-1]), dim=-1).indices  # [rows, TOP]
-        rows = self.weight[top].float()  # [rows, TOP, hidden]
+        rows = self.weight[top].to(self.projection.dtype).float()  # [rows, TOP, hidden], as packed
         exact = (rows * normed.float().unsqueeze(1)).sum(-1)
         if self.bias is not None:
-            exact += self.bias.float()[top]
+            exact += self.bias.to(self.projection.dtype).float()[top]
         return logits.scatter_(-1, top, exact)

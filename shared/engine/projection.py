@@ -30,34 +30,42 @@ def onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def _packable(modules: list[nn.Module]) -> bool:
+def _packable(modules: list[nn.Module], dtype: torch.dtype) -> bool:
     first = modules[0].weight if isinstance(modules[0], nn.Linear) else None
     return (
         first is not None
         and first.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and all(type(m) is nn.Linear and m.weight.dtype == first.dtype for m in modules)
-        and first.dtype in (torch.float32, torch.bfloat16)
+        and first.is_floating_point()
+        and dtype in (torch.float32, torch.bfloat16)
     )
 
 
 class Projection:
     """x -> [m(x) for m in modules], computed as one GEMM when the weights can be packed.
-    `sizes` splits one fused module's output (Phi-3's qkv_proj and gate_up_proj)."""
+    `sizes` splits one fused module's output (Phi-3's qkv_proj and gate_up_proj). `dtype`, where
+    it is not the weights' own, is the one they are packed in (unpacked, the modules must be
+    converted to it before they are called)."""
 
-    def __init__(self, modules: list[nn.Module], sizes: list[int] | None = None):
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        sizes: list[int] | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         self.modules = modules
         self.sizes = sizes or [m.out_features for m in modules]
         self.in_features = modules[0].in_features
-        self.dtype = _dtype_of(modules[0])  # of the input it takes
+        self.dtype = dtype or _dtype_of(modules[0])  # of the input it takes
         self.packed = None
-        if _packable(modules):
+        if _packable(modules, self.dtype):
             with torch.no_grad():
                 weight = (
                     torch.cat([m.weight for m in modules])
                     if len(modules) > 1
                     else modules[0].weight
-                )
+                ).to(self.dtype)
                 try:
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
                 except RuntimeError:  # e.g. bf16 on a CPU oneDNN has no bf16 kernels for
@@ -72,7 +80,7 @@ class Projection:
                             b if b is not None else weight.new_zeros(m.out_features)
                             for b, m in zip(biases, modules)
                         ]
-                    )
+                    ).to(self.dtype)
                 )
 
     @property

@@ -12,7 +12,7 @@ from shared.engine.architecture import check
 from shared.engine.block_manager import BlockManager
 from shared.engine.dtypes import compute_dtype
 from shared.engine.engine import Engine
-from shared.engine.file_pages import allocations_given_back, convert
+from shared.engine.file_pages import allocations_given_back, convertible
 from shared.engine.kv_cache import bytes_per_token, layout_of
 from shared.engine.model_runner import ModelRunner
 from shared.worker.metrics import WorkerMetrics
@@ -81,7 +81,7 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     dtype = compute_dtype(settings.dtype, config, device)
     with allocations_given_back():
         model = load_model(model_dir, device, dtype, settings.weights, config)
-        runner = _runner(settings, model, device)
+        runner = _runner(settings, model, device, dtype)
     tokenizer = model_store.load_tokenizer(model_dir)
     model_limit = model_store.context_limit(model.config)
     max_len = min(settings.max_model_len or model_limit, model_limit)
@@ -111,11 +111,11 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     return runtime
 
 
-def _runner(settings: WorkerSettings, model, device: str) -> ModelRunner:
-    """The model runner over a KV pool of --kv-cache-mb; the model's own linear weights freed as
-    they are packed."""
+def _runner(settings: WorkerSettings, model, device: str, dtype: torch.dtype) -> ModelRunner:
+    """The model runner over a KV pool of --kv-cache-mb, computing in `dtype`; the model's own
+    linear weights freed as they are packed."""
     layout = layout_of(
-        model.config, model_store.model_name(settings.model), model.dtype, settings.block_size
+        model.config, model_store.model_name(settings.model), dtype, settings.block_size
     )
     num_blocks = max(
         1, settings.kv_cache_mb * 2**20 // (settings.block_size * bytes_per_token(layout))
@@ -131,14 +131,16 @@ def _runner(settings: WorkerSettings, model, device: str) -> ModelRunner:
         row_timing=Path(settings.model_cache).expanduser() / "row-timing.json",
         shared_pool=settings.kv_plane == "helper" and device == "cpu",
         release_weights=True,
+        dtype=dtype,
     )
     return runner
 
 
 def load_model(model_dir: Path, device: str, dtype: torch.dtype, weights: str, config):
-    """The model in `dtype`. A checkpoint saved in another dtype is loaded in its own (memory-
-    mapped, read lazily) and converted a parameter at a time (file_pages.convert): loading then
-    peaks near the converted weights alone, not those plus the checkpoint's."""
+    """The model in `dtype`, or in the checkpoint's own dtype (memory-mapped, read lazily) where
+    it is saved in another: the model runner converts it a parameter at a time as it packs
+    (file_pages.convert), so that loading peaks near the converted weights alone, not those
+    plus the checkpoint's."""
     saved = getattr(config, "dtype", None)
     saved = getattr(torch, str(saved).removeprefix("torch."), None) if saved else None
     if (
@@ -148,7 +150,7 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype, weights: str, c
         and saved != dtype
     ):
         model = model_store.load_model(model_dir, device, saved, weights, config)
-        if convert(model, dtype):
+        if convertible(model):
             return model
         log.info("converting at load: a buffer of the model depends on its dtype")
     return model_store.load_model(model_dir, device, dtype, weights, config)
@@ -180,7 +182,7 @@ def _log_ready(runtime: WorkerRuntime, settings: WorkerSettings, device: str) ->
         os.getpid(),
         runtime.runner.layout.model,
         device,
-        str(runtime.runner.model.dtype).removeprefix("torch."),
+        str(runtime.runner.dtype).removeprefix("torch."),
         torch.get_num_threads(),
         blocks.num_blocks,
         blocks.block_size,

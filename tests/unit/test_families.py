@@ -198,6 +198,7 @@ def test_a_checkpoint_converted_as_a_worker_loads_it_is_hugging_face_s(
     and converted a parameter at a time, it equals HF's own load in that dtype bit for bit:
     weights, buffers (Gemma's embedding scale is built in the dtype) and logits."""
     from shared import model_store
+    from shared.engine.file_pages import convert
     from shared.worker.runtime import load_model
     from tests.families import build
 
@@ -205,6 +206,8 @@ def test_a_checkpoint_converted_as_a_worker_loads_it_is_hugging_face_s(
     config = model_store.load_config(path)
     assert config.dtype == saved
     ours, theirs = load_model(path, "cpu", computed, "native", config), load(path, computed)
+    assert ours.dtype == saved  # converted by the model runner, as it packs
+    convert(ours, computed)
     assert ours.dtype == computed
     for (a, x), (b, y) in zip(ours.state_dict().items(), theirs.state_dict().items()):
         assert a == b and x.dtype == y.dtype and torch.equal(x, y), a
@@ -213,6 +216,31 @@ def test_a_checkpoint_converted_as_a_worker_loads_it_is_hugging_face_s(
     ids = torch.tensor([prompt_of(30, 7)])
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["gemma", "qwen2", "llama2"])
+def test_a_bfloat16_checkpoint_computed_in_float32_runs_as_hugging_face_s(
+    tmp_path, model_dir, name
+):
+    """bf16 weights served in fp32, converted by the runner as it packs: a tied embedding table
+    stays bf16 (read row by row, upcast, Gemma's scale after), an untied one is converted; the
+    greedy output is HF's own float32 load's, token for token."""
+    from shared import model_store
+    from shared.worker.runtime import load_model
+    from tests.families import build
+
+    path = build(name, tmp_path, model_dir, dtype=torch.bfloat16)
+    config = model_store.load_config(path)
+    model = load_model(path, "cpu", torch.float32, "native", config)
+    runner = ModelRunner(
+        model, "x", "cpu", 64, BLOCK, CHUNK, release_weights=True, dtype=torch.float32
+    )
+    tied = config.tie_word_embeddings
+    assert model.model.embed_tokens.weight.dtype == (torch.bfloat16 if tied else torch.float32)
+    assert model.model.norm.weight.dtype == torch.float32
+    assert runner.layout.dtype == "float32" and runner.kernel_report().dtype == "float32"
+    prompt = prompt_of(LONG, 5)
+    assert greedy(runner, prompt, NEW) == hf_greedy(load(path, torch.float32), prompt, NEW)
 
 
 def test_every_eos_id_of_the_generation_config_ends_a_sequence(family_checkpoint):

@@ -181,7 +181,7 @@ def spec_of(name: str) -> dict:
 
 
 def config_of(name: str, **overrides):
-    spec = dict(BASE, **spec_of(name), **overrides)
+    spec = {**BASE, **spec_of(name), **overrides}
     spec.pop("eos", None), spec.pop("shard", None)
     return AutoConfig.for_model(**spec)
 

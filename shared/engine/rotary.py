@@ -13,6 +13,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 LENGTH_DEPENDENT = ("dynamic", "longrope")
+CACHED = 256  # dynamic rope: frequencies kept for this many lengths past the trained one
 
 
 class Rotary:
@@ -62,14 +63,20 @@ class Rotary:
         """Lengths that share frequencies share a key: up to the trained length, all of them."""
         if self.rope_type == "longrope":
             return self.original + 1 if length > self.original else 0
-        return max(length, self.original) if length > self.original else 0
+        return length if length > self.original else 0
 
     def _inv_freq(self, key: int) -> torch.Tensor:
-        if key not in self._freqs:
-            if key == 0:
-                inv = self.module.original_inv_freq
-            else:
-                init = ROPE_INIT_FUNCTIONS[self.rope_type]
-                inv, _ = init(self.config, self.module.original_inv_freq.device, seq_len=key)
-            self._freqs[key] = inv.float()[None]
+        """The frequencies of `key`, kept for the most recent CACHED keys (dynamic rope has one
+        per length: a long-running worker must not keep them all)."""
+        if key in self._freqs:
+            self._freqs[key] = self._freqs.pop(key)  # most recently used last
+            return self._freqs[key]
+        if key == 0:
+            inv = self.module.original_inv_freq
+        else:
+            init = ROPE_INIT_FUNCTIONS[self.rope_type]
+            inv, _ = init(self.config, self.module.original_inv_freq.device, seq_len=key)
+        if len(self._freqs) >= CACHED:
+            del self._freqs[next(iter(self._freqs))]
+        self._freqs[key] = inv.float()[None]
         return self._freqs[key]

@@ -100,20 +100,33 @@ def agreement(a: list[int], b: list[int]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
+def rounded_weights_top1(path, tokens: list[int]) -> list[int]:
+    """The argmax of HF in float32 on weights rounded to bf16: the best any bf16 weights allow."""
+    model = load(path)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+        return model(torch.tensor([tokens])).logits[0].argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_bfloat16_loses_no_more_than_hugging_face_s_own_bfloat16(
     family_checkpoint, name, record_property
 ):
-    """Random weights put near-ties at the top of the logits, so bfloat16 flips a few percent of
-    the top-1 choices even in HF itself (92-98% agreement with fp32 on these checkpoints): the
-    engine's bf16 must agree with fp32 HF as well as HF's own bf16 does (the >= 98% bar is
-    checked on trained weights, below)."""
+    """Random weights put near-ties at the top of the logits: rounding the weights alone to bf16
+    (computing in fp32) flips 1.6-4.3% of the top-1 choices on these checkpoints, so no bf16
+    engine reaches 98% on most of them (that bar is checked on trained weights, below). The engine's bf16 must
+    agree with fp32 HF as well as HF's own bf16 does, within 3 points."""
     path, tokens = family_checkpoint(name), prompt_of(256, 3)
     reference = top1(path, tokens, torch.float32)
     ours = agreement(engine_top1(path, tokens, torch.bfloat16), reference)
     theirs = agreement(top1(path, tokens, torch.bfloat16), reference)
-    record_property("bf16_top1_agreement", (ours, theirs))
-    print(f"{name}: bf16 top-1 agreement with fp32 HF: engine {ours:.1%}, HF bf16 {theirs:.1%}")
+    ceiling = agreement(rounded_weights_top1(path, tokens), reference)
+    record_property("bf16_top1_agreement", (ours, theirs, ceiling))
+    print(
+        f"{name}: bf16 top-1 agreement with fp32 HF: engine {ours:.1%}, HF bf16 {theirs:.1%}, "
+        f"fp32 on bf16-rounded weights {ceiling:.1%}"
+    )
     assert ours >= theirs - 0.03
 
 

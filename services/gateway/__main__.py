@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from services.gateway.clients import ClientKeys
 from services.gateway.health import ReadinessProbe
 from services.gateway.http_api import HttpServer, OpenAIApi, ssl_context
+from services.gateway.sampling_defaults import SamplingDefaults
 from services.gateway.schedulers import SchedulerPool
 from services.gateway.servicer import TandemServicer, add_to_server, default_policy
 from services.gateway.settings import GatewaySettings
@@ -128,6 +129,7 @@ def http_server(settings: GatewaySettings, servicer: TandemServicer, probe) -> H
         served_model_name(settings),
         lambda: probe.serving,
         settings.max_request_bytes,
+        SamplingDefaults.of(Path(servicer.tokenizer.name_or_path)),
     )
     tls = ssl_context(settings.grpc_tls_cert, settings.grpc_tls_key, settings.grpc_tls_client_ca)
     return HttpServer(api, settings.http_host, settings.http_port, tls, settings.drain_timeout_s)

@@ -32,6 +32,7 @@ from services.gateway.http_context import (
 )
 from services.gateway.openai_format import ChoiceLog, Formatter, TokenText
 from services.gateway.openai_request import BadRequest, OpenAIRequest, parse
+from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
 
 log = logging.getLogger("gateway.http")
 
@@ -61,9 +62,18 @@ class OpenAIApi:
     """The routes. `servicer`: the gateway's TandemServicer; `ready`: whether the cluster can
     serve; `model`: the name the model is served under."""
 
-    def __init__(self, servicer, tokenizer, model: str, ready, max_request_bytes: int):
+    def __init__(
+        self,
+        servicer,
+        tokenizer,
+        model: str,
+        ready,
+        max_request_bytes: int,
+        defaults: SamplingDefaults = OPENAI,
+    ):
         self.servicer = servicer
         self.model = model
+        self.defaults = defaults  # for the sampling fields a request leaves out
         self.ready = ready
         self.max_request_bytes = max_request_bytes
         self.text_of = TokenText(tokenizer)
@@ -106,7 +116,7 @@ class OpenAIApi:
         except ValueError as err:
             return _bad(f"the body is not JSON: {err}")
         try:
-            req = parse(kind, body, self.model)
+            req = parse(kind, body, self.model, self.defaults)
             context = self._context(request)
         except BadRequest as err:
             return _bad(str(err), err.param)

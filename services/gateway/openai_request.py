@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
 
@@ -56,15 +57,18 @@ class OpenAIRequest:
     top_logprobs: int = 0
 
 
-def parse(kind: str, body: Any, served_model: str) -> OpenAIRequest:
-    """The request in `body` (decoded JSON) of `kind` ("chat" or "completion")."""
+def parse(
+    kind: str, body: Any, served_model: str, defaults: SamplingDefaults = OPENAI
+) -> OpenAIRequest:
+    """The request in `body` (decoded JSON) of `kind` ("chat" or "completion"); `defaults` for
+    the sampling fields it leaves out (the model's generation config)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     _refuse_unsupported(body)
     model = body.get("model", served_model)
     if not isinstance(model, str):
         raise BadRequest("model must be a string", "model")
-    request = pb.GenerateRequest(sampling=_sampling(body))
+    request = pb.GenerateRequest(sampling=_sampling(body, defaults))
     if kind == "chat":
         _messages_into(request, body.get("messages"))
         logprobs = _flag(body, "logprobs")
@@ -107,11 +111,11 @@ def _refuse_unsupported(body: dict) -> None:
         )
 
 
-def _sampling(body: dict) -> pb.SamplingParams:
+def _sampling(body: dict, defaults: SamplingDefaults) -> pb.SamplingParams:
     s = pb.SamplingParams(
-        temperature=_float(body, "temperature", 1.0),  # OpenAI's default: sampled, not greedy
-        top_p=_float(body, "top_p", 1.0),
-        top_k=max(0, _int(body, "top_k", 0, -1, 1 << 20)),  # -1: off, as in vLLM
+        temperature=_float(body, "temperature", defaults.temperature),  # OpenAI's: 1, sampled
+        top_p=_float(body, "top_p", defaults.top_p),
+        top_k=max(0, _int(body, "top_k", defaults.top_k, -1, 1 << 20)),  # -1: off, as in vLLM
         ignore_eos=_flag(body, "ignore_eos"),
     )
     for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins

@@ -128,6 +128,7 @@ def _runner(settings: WorkerSettings, model, device: str, dtype: torch.dtype) ->
         settings.block_size,
         settings.prefill_chunk_tokens,
         settings.batch_invariant,
+        use_kernels=settings.kernels == "auto",
         row_timing=Path(settings.model_cache).expanduser() / "row-timing.json",
         shared_pool=settings.kv_plane == "helper" and device == "cpu",
         release_weights=True,

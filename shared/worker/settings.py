@@ -34,6 +34,12 @@ class WorkerSettings(CommonSettings):
             "help": "native (the dtype setting) or int8 (dynamically quantized linear layers, CPU; faster, not bit-exact)"
         },
     )
+    kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (Tandem's C++ CPU kernels where they build and apply) or off (plain torch ops)"
+        },
+    )
     torch_threads: int = field(
         default=0, metadata={"help": "torch intra-op threads; 0 = torch's default"}
     )
@@ -162,6 +168,8 @@ class WorkerSettings(CommonSettings):
         super().__post_init__()
         if self.weights not in ("native", "int8"):
             raise ValueError(f"weights must be native or int8, got {self.weights!r}")
+        if self.kernels not in ("auto", "off"):
+            raise ValueError(f"kernels must be auto or off, got {self.kernels!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

@@ -83,18 +83,34 @@ def kill_mid_stream(stack, prompt: list[int], new: int):
     return ids, response.timing, victim
 
 
+def plain_torch_role(name: str) -> str:
+    """The role whose workers run without Tandem's C++ kernels (--kernels off) for `name`: the
+    prefill for every other variant, the decode for the rest, so that each path is served with
+    the kernels and without across the families, and KV written by one is read by the other."""
+    return ("decode", "prefill")[list(VARIANTS).index(name) % 2]
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_family_served_token_identical_to_hugging_face(processes, nats, family_checkpoint, name):
     path = family_checkpoint(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     moves = name in ("qwen3", "gemma")
     env = {**ENV, "TANDEM_MODEL": str(path)}
+    plain = plain_torch_role(name)
     stack = start_stack(
-        processes, nats, f"it-{name}", "auto", decode=2 if moves else 1, extra_env=env
+        processes,
+        nats,
+        f"it-{name}",
+        "auto",
+        decode=2 if moves else 1,
+        extra_env=env,
+        role_env={plain: {"TANDEM_KERNELS": "off"}},
     )
     try:
-        worker = stack.status().workers[0]
-        assert worker.model.startswith(f"{name} · ") and worker.model.endswith(" · float32")
+        workers = stack.status().workers
+        for worker in workers:
+            assert worker.model.startswith(f"{name} · ") and worker.model.endswith(" · float32")
+            assert ("attention paged-c++" in worker.kernels) != (worker.role == plain), worker
         short, long = random_ids(20, 1), random_ids(150, 2)
         for prompt, want in ((short, "local"), (long, "disaggregated")):
             ids, timing = served(stack, prompt, 10)

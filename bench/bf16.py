@@ -101,7 +101,10 @@ def write(model: str, rows: list[dict]) -> None:
     ]
     for row in rows:
         n = row["positions"]
-        lines.append(f"| {row['text']} | {n} | {row['engine'] / n:.2%} | {row['hf'] / n:.2%} |")
+        lines.append(
+            f"| {row['text']} | {n} | {row['engine'] / n:.2%} | {row['hf'] / n:.2%} "
+            f"| {row['rounded_weights'] / n:.2%} |"
+        )
     (OUT / "bf16.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -40,7 +40,7 @@ format: install
 # Two xdist workers: one runs the integration tests (real stacks) one after another, the other
 # the unit tests meanwhile (tests/conftest.py keeps the integration tests together).
 test: lint kernels
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --durations=40
 
 test-fast: kernels
 	$(PY) -m pytest -q -m "not slow"

@@ -256,6 +256,32 @@ def test_a_bfloat16_checkpoint_computed_in_float32_runs_as_hugging_face_s(
     assert greedy(runner, prompt, NEW) == hf_greedy(load(path, torch.float32), prompt, NEW)
 
 
+def test_a_float32_checkpoint_computed_in_bfloat16_is_the_bfloat16_load_s_twin(tmp_path, model_dir):
+    """fp32 weights served in bf16, converted by the runner as it packs (a tied table kept in
+    its fp32 file and rounded as its rows are read): the logits are those of a runner over HF's
+    own bf16 load, bit for bit (Gemma: tied, scaled embeddings)."""
+    from shared import model_store
+    from shared.worker.runtime import load_model
+    from tests.families import build
+
+    path = build("gemma", tmp_path, model_dir, dtype=torch.float32)
+    config = model_store.load_config(path)
+    converted = ModelRunner(
+        load_model(path, "cpu", torch.bfloat16, "native", config),
+        "x",
+        "cpu",
+        64,
+        BLOCK,
+        CHUNK,
+        release_weights=True,
+        dtype=torch.bfloat16,
+    )
+    loaded = ModelRunner(load(path, torch.bfloat16), "x", "cpu", 64, BLOCK, CHUNK)
+    prompt = prompt_of(LONG, 6)
+    spans = [SeqSpan(list(range(-(-LONG // BLOCK))), prompt, 0, LONG)]
+    assert torch.equal(converted.forward(spans), loaded.forward(spans))
+
+
 def test_every_eos_id_of_the_generation_config_ends_a_sequence(family_checkpoint):
     """Llama 3 ends a turn with <|eot_id|> and a text with <|end_of_text|>: both ids of its
     generation_config.json stop generation, with the tokenizer's own."""

@@ -5,7 +5,6 @@ restarts whatever crashes: a worker is replaced (its requests have moved), NATS,
 the gateway start again as they were (the others reconnect by themselves). A crash loop stops it.
 """
 
-import os
 import signal
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.cli.client import stream_generate, summary
 from shared.cli.control import ControlError, ControlServer, socket_path
-from shared.cli.pools import Restarts, ScaleError, WorkerPools, WorkerSpec
+from shared.cli.pools import Restarts, ScaleError, WorkerPools, placement_of, worker_specs
 from shared.cli.processes import (
     ProcessGroup,
     child_env,
@@ -87,7 +86,11 @@ def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> W
         child_env({**common, "TANDEM_MODE": args.mode, **role_env["scheduler"]}),
     )
     pools = WorkerPools(
-        group, args.mode, worker_specs(args, common, role_env), f"127.0.0.1:{args.grpc_port}"
+        group,
+        args.mode,
+        worker_specs(args, common, role_env),
+        f"127.0.0.1:{args.grpc_port}",
+        placement=placement_of(args),
     )
     if args.mode != "colocated":
         pools.resize("prefill", args.prefill)
@@ -112,25 +115,6 @@ def _start_nats(group: ProcessGroup, config: list[str]) -> str:
     if not wait_for_port("127.0.0.1", port, 15):
         raise RuntimeError("nats-server did not start:\n" + group.log_tail("nats"))
     return f"nats://127.0.0.1:{port}"
-
-
-def worker_specs(args, common: dict[str, str], role_env: dict[str, dict]) -> dict[str, WorkerSpec]:
-    """Workers started later by `tandem scale` get the same settings as the first ones."""
-    workers = args.prefill + args.decode if args.mode != "colocated" else args.decode
-    worker_env = dict(common)
-    if "TANDEM_TORCH_THREADS" not in os.environ:  # workers share this machine's cores
-        worker_env["TANDEM_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
-    colocated = {"TANDEM_COLOCATED": "1" if args.mode == "colocated" else "0"}
-    python = [sys.executable, "-m"]
-    return {
-        "prefill": WorkerSpec(
-            python + ["services.prefill"], child_env({**worker_env, **role_env["prefill"]})
-        ),
-        "decode": WorkerSpec(
-            python + ["services.decode"],
-            child_env({**worker_env, **colocated, **role_env["decode"]}),
-        ),
-    }
 
 
 class Signals:
@@ -161,6 +145,10 @@ def _refusal(args) -> str:
         )
     if args.secure and args.insecure:
         return "--secure and --insecure contradict each other"
+    try:
+        placement_of(args)
+    except ValueError as wrong:  # a --prefill-cpus/--decode-cpus list
+        return str(wrong)
     return ""
 
 
@@ -234,8 +222,10 @@ def _announce(args, address: str, control: ControlServer, secure: bool) -> None:
         else f"{args.decode} colocated"
     )
     http = f", OpenAI API on http://127.0.0.1:{args.http_port}/v1" if args.http_port >= 0 else ""
+    placement = placement_of(args)
+    cores = f"; {placement.describe()}" if placement else "; every worker on every core"
     print(
-        f"tandem is ready: gRPC API on {address}{http} ({args.mode}; {sizes}"
+        f"tandem is ready: gRPC API on {address}{http} ({args.mode}; {sizes}{cores}"
         + ("; NATS: one user per role" if secure else "")
         + "). Ctrl-C stops it.",
         flush=True,

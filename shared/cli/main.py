@@ -63,8 +63,27 @@ def _up_command(sub) -> None:
         "--log-dir", default="", help="service logs go here (default: a new temporary directory)"
     )
     up.add_argument("--no-demo", action="store_true", help="skip the demo request")
+    _up_placement_arguments(up)
     _up_access_arguments(up)
     up.set_defaults(run=launcher.up_command)
+
+
+def _up_placement_arguments(up) -> None:
+    """Which cores each pool's workers run on (see shared/worker/placement.py)."""
+    up.add_argument(
+        "--prefill-cpus",
+        default="",
+        help="the prefill pool's cores, e.g. 0-3 (default: a share of the cores in proportion "
+        "to the pools' sizes, disjoint from decode's)",
+    )
+    up.add_argument(
+        "--decode-cpus", default="", help="the decode (or colocated) pool's cores, e.g. 4-7"
+    )
+    up.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let every worker run on every core (prompts then take decode's cores)",
+    )
 
 
 def _up_access_arguments(up) -> None:

@@ -10,7 +10,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from shared.cli.processes import ProcessGroup
+from shared.cli.processes import ProcessGroup, child_env
+from shared.worker.placement import Placement, format_cpus, place
 from shared.worker.settings import WorkerSettings
 
 POOLS = ("prefill", "decode")
@@ -97,13 +98,14 @@ class WorkerPools:
     # pool -> workers ever started: names never repeat
     spawned: dict[str, int] = field(default_factory=dict)
     restarts: Restarts = field(default_factory=Restarts)  # crashed workers replaced, per pool
+    placement: Placement | None = None  # the cores of each pool; None: every worker on every core
 
     def resize(self, pool: str, count: int) -> tuple[list[dict], list[dict]]:
         """Starts or retires (newest first) workers until `pool` has `count`; returns (started, stopping)."""
         members = self.workers.setdefault(pool, [])
         started, stopping = [], []
         while len(members) < count:
-            started.append(self._spawn(pool))
+            started.append(self._spawn(pool, len(members), count))
         while len(members) > count:
             name, pid = members.pop()
             self.group.retire(name, self.grace_s)
@@ -127,17 +129,22 @@ class WorkerPools:
                         f"{name} exited with code {code}, the {MAX_RESTARTS + 1}th {pool} worker "
                         f"to exit within {RESTART_WINDOW_S:.0f}s: not restarting it"
                     )
+                slot, count = members.index((name, pid)), len(members)
                 members.remove((name, pid))
                 self.group.forget(name)
-                replaced.append((name, code, self._spawn(pool)["name"]))
+                replaced.append((name, code, self._spawn(pool, slot, count)["name"]))
         return replaced
 
-    def _spawn(self, pool: str) -> dict:
+    def _spawn(self, pool: str, slot: int, count: int) -> dict:
+        """Starts the `slot`-th of `count` workers of `pool` (on that slot's cores)."""
         index = self.spawned.get(pool, 0)
         self.spawned[pool] = index + 1
         name = f"{pool}-{index}"
         spec = self.specs[pool]
-        pid = self.group.spawn(name, spec.argv, spec.env).pid
+        env = spec.env
+        if self.placement is not None:
+            env = {**env, "TANDEM_CPUS": format_cpus(self.placement.cores_of(pool, slot, count))}
+        pid = self.group.spawn(name, spec.argv, env).pid
         self.workers[pool].append((name, pid))
         return {"name": name, "pid": pid}
 
@@ -183,6 +190,36 @@ class WorkerPools:
         return ", ".join(
             f"{len(members)} {self.label(pool)}" for pool, members in self.workers.items()
         )
+
+
+def placement_of(args) -> Placement | None:
+    """The cores of each pool (None with --no-pin); ValueError for a wrong --*-cpus."""
+    if args.no_pin:
+        return None
+    counts = {"decode": args.decode}
+    if args.mode != "colocated":
+        counts = {"prefill": args.prefill, **counts}
+    given = {"prefill": args.prefill_cpus, "decode": args.decode_cpus}
+    return place(sorted(os.sched_getaffinity(0)), counts, given)
+
+
+def worker_specs(args, common: dict[str, str], role_env: dict[str, dict]) -> dict[str, WorkerSpec]:
+    """Workers started later by `tandem scale` get the same settings as the first ones."""
+    workers = args.prefill + args.decode if args.mode != "colocated" else args.decode
+    worker_env = dict(common)
+    if args.no_pin and "TANDEM_TORCH_THREADS" not in os.environ:  # workers share every core
+        worker_env["TANDEM_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
+    colocated = {"TANDEM_COLOCATED": "1" if args.mode == "colocated" else "0"}
+    python = [sys.executable, "-m"]
+    return {
+        "prefill": WorkerSpec(
+            python + ["services.prefill"], child_env({**worker_env, **role_env["prefill"]})
+        ),
+        "decode": WorkerSpec(
+            python + ["services.decode"],
+            child_env({**worker_env, **colocated, **role_env["decode"]}),
+        ),
+    }
 
 
 def _names(workers: list[dict]) -> str:

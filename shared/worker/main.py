@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from typing import Protocol
 
 from shared.control.bus import MessageBus, NatsBus
@@ -22,6 +23,7 @@ from shared.settings import load_settings, nats_options, setup_logging
 from shared.telemetry.metrics import MetricsServer
 from shared.telemetry.tracing import start_tracing
 from shared.worker.announcer import Announcer
+from shared.worker.placement import pin
 from shared.worker.runtime import WorkerRuntime, load_runtime
 from shared.worker.settings import WorkerSettings
 
@@ -114,6 +116,9 @@ def worker_main(
     """The whole of `python -m services.<service>`; the role is the settings' `role`."""
     settings = load_settings(settings_class, argv, prog=f"python -m services.{service}")
     setup_logging(settings.log_level, settings.role)
+    if settings.cpus:  # before any thread pool starts: its threads inherit the cores
+        cores = pin(settings.cpus)
+        settings = replace(settings, torch_threads=settings.torch_threads or cores)
     try:
         asyncio.run(run_worker(settings, service, settings.role, build, with_liveness))
     except (UnsupportedModel, ModelNotFound) as refused:  # said plainly, not as a traceback

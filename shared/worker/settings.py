@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from shared.settings import CommonSettings
+from shared.worker.placement import parse_cpus
 
 ROLES = ("prefill", "decode", "colocated")
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -40,8 +41,17 @@ class WorkerSettings(CommonSettings):
             "help": "auto (Tandem's C++ CPU kernels where they build and apply) or off (plain torch ops)"
         },
     )
+    cpus: str = field(
+        default="",
+        metadata={
+            "help": "the cores to run on, e.g. 0-3,6 (tandem up sets it per worker); empty = every core"
+        },
+    )
     torch_threads: int = field(
-        default=0, metadata={"help": "torch intra-op threads; 0 = torch's default"}
+        default=0,
+        metadata={
+            "help": "torch intra-op threads; 0 = one per core of --cpus, else torch's default"
+        },
     )
     kv_cache_mb: int = field(
         default=1024, metadata={"help": "KV cache budget of this worker in MiB"}
@@ -168,6 +178,8 @@ class WorkerSettings(CommonSettings):
         super().__post_init__()
         if self.weights not in ("native", "int8"):
             raise ValueError(f"weights must be native or int8, got {self.weights!r}")
+        if self.cpus:
+            parse_cpus(self.cpus)  # ValueError naming the list
         if self.kernels not in ("auto", "off"):
             raise ValueError(f"kernels must be auto or off, got {self.kernels!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

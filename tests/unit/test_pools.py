@@ -1,5 +1,6 @@
 """WorkerPools and ProcessGroup.retire/reap, with stand-in processes instead of model workers."""
 
+import os
 import signal
 import sys
 import time
@@ -150,3 +151,50 @@ def test_a_service_restarts_as_it_was_started_and_a_crash_loop_is_refused(group,
     restarts = Restarts()
     assert restarts.allow("nats") and restarts.allow("nats") and not restarts.allow("nats")
     assert restarts.allow("gateway")  # each service has its own count
+
+
+CPUS_ECHO = [
+    sys.executable,
+    "-c",
+    "import os, time; print('cpus', os.environ.get('TANDEM_CPUS'), flush=True); time.sleep(60)",
+]
+
+
+def cpus_of(group: ProcessGroup, name: str) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for line in group.log_tail(name).splitlines():
+            if line.startswith("cpus "):
+                return line.split()[1]
+        time.sleep(0.05)
+    raise AssertionError(f"{name} printed no cores")
+
+
+def test_each_worker_gets_its_slot_s_cores_and_a_replacement_the_dead_one_s(group):
+    from shared.worker.placement import Placement
+
+    specs = {"prefill": WorkerSpec(CPUS_ECHO, {}), "decode": WorkerSpec(CPUS_ECHO, {})}
+    placement = Placement({"prefill": [0], "decode": [1, 2, 3, 4]})
+    pools = WorkerPools(group, "disaggregated", specs, "127.0.0.1:1", 10.0, placement=placement)
+    pools.resize("prefill", 1)
+    pools.resize("decode", 2)
+    assert [cpus_of(group, n) for n in ("prefill-0", "decode-0", "decode-1")] == ["0", "1-2", "3-4"]
+    victim = dict(pools.workers["decode"])["decode-0"]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not group.dead() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [new for _, _, new in pools.replace_crashed()] == ["decode-2"]
+    assert cpus_of(group, "decode-2") == "1-2"  # the dead worker's slot
+
+
+def test_pin_puts_the_process_and_the_threads_it_starts_on_the_cores():
+    import subprocess
+
+    code = (
+        "import os, threading; from shared.worker.placement import pin; n = pin('0'); "
+        "seen = []; t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0))); "
+        "t.start(); t.join(); print(n, sorted(os.sched_getaffinity(0)), sorted(seen[0]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[0] == "1 [0] [0]"

@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-bf16 bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http clean
 
 install: $(STAMP)
 
@@ -68,6 +68,12 @@ bench-models: kernels
 # How often bf16 picks fp32's next token, the engine's and HF's own. bench/results/bf16.md.
 bench-bf16: kernels
 	$(PY) bench/bf16.py $(if $(MODEL),--model $(MODEL))
+
+# `tandem up --mode disaggregated` from outside: steady streams' ITL with long prompts arriving,
+# pinned pools (the default) against --no-pin. bench/results/blackbox.md.
+bench-blackbox: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	$(PY) bench/blackbox.py
 
 # The KV data plane benchmark: our transfer against a bare ucxx send, memcpy and NATS, and what
 # the transfer adds to the time to first token. Results in bench/results/kv.{md,json,png}.

@@ -19,7 +19,14 @@ from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.cli.client import stream_generate, summary
 from shared.cli.control import ControlError, ControlServer, socket_path
-from shared.cli.pools import Restarts, ScaleError, WorkerPools, placement_of, worker_specs
+from shared.cli.pools import (
+    Restarts,
+    ScaleError,
+    WorkerPools,
+    devices_of,
+    placement_of,
+    worker_specs,
+)
 from shared.cli.processes import (
     ProcessGroup,
     child_env,
@@ -91,6 +98,7 @@ def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> W
         worker_specs(args, common, role_env),
         f"127.0.0.1:{args.grpc_port}",
         placement=placement_of(args),
+        devices=devices_of(args),
     )
     if args.mode != "colocated":
         pools.resize("prefill", args.prefill)
@@ -146,8 +154,8 @@ def _refusal(args) -> str:
     if args.secure and args.insecure:
         return "--secure and --insecure contradict each other"
     try:
-        placement_of(args)
-    except ValueError as wrong:  # a --prefill-cpus/--decode-cpus list
+        placement_of(args), devices_of(args)
+    except ValueError as wrong:  # a --prefill-cpus/--decode-cpus/--*-devices list
         return str(wrong)
     return ""
 
@@ -222,8 +230,9 @@ def _announce(args, address: str, control: ControlServer, secure: bool) -> None:
         else f"{args.decode} colocated"
     )
     http = f", OpenAI API on http://127.0.0.1:{args.http_port}/v1" if args.http_port >= 0 else ""
-    placement = placement_of(args)
+    placement, devices = placement_of(args), devices_of(args)
     cores = f"; {placement.describe()}" if placement else "; every worker on every core"
+    cores += f"; {devices.describe('GPUs')}" if devices else ""
     print(
         f"tandem is ready: gRPC API on {address}{http} ({args.mode}; {sizes}{cores}"
         + ("; NATS: one user per role" if secure else "")

@@ -80,6 +80,13 @@ def _up_placement_arguments(up) -> None:
         "--decode-cpus", default="", help="the decode (or colocated) pool's cores, e.g. 4-7"
     )
     up.add_argument(
+        "--prefill-devices",
+        default="",
+        help="GPU hosts: the prefill pool's GPU indices, e.g. 0-1 (default: a share of the GPUs "
+        "in proportion to the pools' sizes; each worker its own)",
+    )
+    up.add_argument("--decode-devices", default="", help="the decode pool's GPU indices, e.g. 2-3")
+    up.add_argument(
         "--no-pin",
         action="store_true",
         help="let every worker run on every core (prompts then take decode's cores)",

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared.cli.processes import ProcessGroup, child_env
-from shared.worker.placement import Placement, format_cpus, place
+from shared.worker.placement import Placement, format_cpus, gpus_available, place
 from shared.worker.settings import WorkerSettings
 
 POOLS = ("prefill", "decode")
@@ -99,6 +99,7 @@ class WorkerPools:
     spawned: dict[str, int] = field(default_factory=dict)
     restarts: Restarts = field(default_factory=Restarts)  # crashed workers replaced, per pool
     placement: Placement | None = None  # the cores of each pool; None: every worker on every core
+    devices: Placement | None = None  # the GPUs of each pool; None: no GPUs (or the device set)
 
     def resize(self, pool: str, count: int) -> tuple[list[dict], list[dict]]:
         """Starts or retires (newest first) workers until `pool` has `count`; returns (started, stopping)."""
@@ -143,7 +144,9 @@ class WorkerPools:
         spec = self.specs[pool]
         env = spec.env
         if self.placement is not None:
-            env = {**env, "TANDEM_CPUS": format_cpus(self.placement.cores_of(pool, slot, count))}
+            env = {**env, "TANDEM_CPUS": format_cpus(self.placement.share_of(pool, slot, count))}
+        if self.devices is not None:
+            env = {**env, "TANDEM_DEVICE": f"cuda:{self.devices.share_of(pool, slot, count)[0]}"}
         pid = self.group.spawn(name, spec.argv, env).pid
         self.workers[pool].append((name, pid))
         return {"name": name, "pid": pid}
@@ -192,15 +195,27 @@ class WorkerPools:
         )
 
 
+def _counts(args) -> dict[str, int]:
+    counts = {"decode": args.decode}
+    return counts if args.mode == "colocated" else {"prefill": args.prefill, **counts}
+
+
 def placement_of(args) -> Placement | None:
     """The cores of each pool (None with --no-pin); ValueError for a wrong --*-cpus."""
     if args.no_pin:
         return None
-    counts = {"decode": args.decode}
-    if args.mode != "colocated":
-        counts = {"prefill": args.prefill, **counts}
     given = {"prefill": args.prefill_cpus, "decode": args.decode_cpus}
-    return place(sorted(os.sched_getaffinity(0)), counts, given)
+    return place(sorted(os.sched_getaffinity(0)), _counts(args), given)
+
+
+def devices_of(args, gpus: list[int] | None = None) -> Placement | None:
+    """The GPUs of each pool, a device per worker (None on a host without GPUs, or where
+    TANDEM_DEVICE chooses one for every worker); ValueError for a wrong --*-devices."""
+    gpus = gpus_available() if gpus is None else gpus
+    given = {"prefill": args.prefill_devices, "decode": args.decode_devices}
+    if "TANDEM_DEVICE" in os.environ or not (gpus or any(given.values())):
+        return None
+    return place(gpus, _counts(args), given, nodes=None, unit="devices")
 
 
 def worker_specs(args, common: dict[str, str], role_env: dict[str, dict]) -> dict[str, WorkerSpec]:

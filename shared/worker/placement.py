@@ -7,8 +7,10 @@ and each worker a slice of its pool's set, with as many torch threads as cores. 
 taken NUMA node by node, so a slice stays within one node where it fits. A pool that grows past
 its cores shares them among its workers; it never takes the other pool's.
 
-NATS, the scheduler and the gateway are left on every core: they are light, and pinning them to
-either pool's cores would put them in its way.
+On a GPU host the GPUs are split between the pools the same way (--prefill-devices and
+--decode-devices choose them), and each worker gets its slice's first GPU as its device (a
+group per worker once a worker spans several). NATS, the scheduler and the gateway are left on
+every core: they are light, and pinning them to either pool's cores would put them in its way.
 """
 
 import logging
@@ -20,6 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 NODES = Path("/sys/devices/system/node")
+NVIDIA = Path("/proc/driver/nvidia/gpus")
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
@@ -70,13 +73,25 @@ def pin(cpus: str) -> int:
     return len(cores)
 
 
+def gpus_available(env=os.environ, driver: Path = NVIDIA) -> list[int]:
+    """The CUDA device indices a worker started here can use: CUDA_VISIBLE_DEVICES' count where
+    it is set, else one per GPU the NVIDIA driver lists; none without either."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return list(range(len([d for d in visible.split(",") if d.strip()])))
+    try:
+        return list(range(sum(1 for _ in driver.iterdir())))
+    except OSError:
+        return []
+
+
 @dataclass
 class Placement:
     pools: dict[str, list[int]]  # pool -> its cores (disjoint where there are enough)
 
-    def cores_of(self, pool: str, slot: int, count: int) -> list[int]:
-        """The cores of the `slot`-th of `count` workers in `pool`: an equal slice of the pool's
-        cores, or, with more workers than cores, one core shared in turn."""
+    def share_of(self, pool: str, slot: int, count: int) -> list[int]:
+        """The cores (GPUs) of the `slot`-th of `count` workers in `pool`: an equal slice of the
+        pool's, or, with more workers than cores, one core shared in turn."""
         cores = self.pools[pool]
         if count >= len(cores):
             return [cores[slot % len(cores)]]
@@ -85,27 +100,32 @@ class Placement:
         start = slot * size + min(slot, extra)
         return cores[start : start + size + (1 if slot < extra else 0)]
 
-    def describe(self) -> str:
-        return ", ".join(f"{pool} on cores {format_cpus(c)}" for pool, c in self.pools.items())
+    def describe(self, unit: str = "cores") -> str:
+        return ", ".join(f"{pool} on {unit} {format_cpus(c)}" for pool, c in self.pools.items())
 
 
 def place(
-    available: list[int], counts: dict[str, int], given: dict[str, str], nodes: Path = NODES
+    available: list[int],
+    counts: dict[str, int],
+    given: dict[str, str],
+    nodes: Path | None = NODES,
+    unit: str = "cpus",
 ) -> Placement:
-    """Each pool's cores: those `given` (a CPU list per pool), else a share of `available` in
-    proportion to `counts` (at least one core each), the rest to the pools not given."""
-    ordered = numa_order(available, nodes)
+    """Each pool's cores (`unit` "devices": GPUs): those `given` (a list per pool), else a share
+    of `available` in proportion to `counts` (at least one each), the rest to the pools not
+    given. `nodes`: where NUMA nodes are listed (None: keep `available`'s order)."""
+    ordered = numa_order(available, nodes) if nodes is not None else sorted(available)
     pools = {pool: parse_cpus(text) for pool, text in given.items() if text and pool in counts}
     for pool, cores in pools.items():
         if not set(cores) <= set(available):
             raise ValueError(
-                f"--{pool}-cpus {format_cpus(cores)}: not all of them are available here "
-                f"({format_cpus(available)})"
+                f"--{pool}-{unit} {format_cpus(cores)}: not all of them are available here "
+                f"({format_cpus(available) or 'none'})"
             )
     free = [c for c in ordered if not any(c in cores for cores in pools.values())]
     rest = [pool for pool in counts if pool not in pools]
     if rest and not free:
-        raise ValueError(f"no cores left for the {' and '.join(rest)} pool")
+        raise ValueError(f"no {unit} left for the {' and '.join(rest)} pool")
     for pool, cores in zip(rest, _shares(free, [counts[p] for p in rest])):
         pools[pool] = cores
     return Placement({pool: pools[pool] for pool in counts})

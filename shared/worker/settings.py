@@ -9,6 +9,13 @@ from shared.settings import CommonSettings
 from shared.worker.placement import parse_cpus
 
 ROLES = ("prefill", "decode", "colocated")
+CHOICES = {  # settings with a fixed set of values
+    "weights": ("native", "int8"),
+    "kernels": ("auto", "off"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "kv_plane": ("helper", "inprocess"),
+    "ucx_progress_mode": ("blocking", "thread", "polling"),
+}
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -176,16 +183,12 @@ class WorkerSettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.weights not in ("native", "int8"):
-            raise ValueError(f"weights must be native or int8, got {self.weights!r}")
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                allowed = ", ".join(choices[:-1]) + " or " + choices[-1]
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         if self.cpus:
             parse_cpus(self.cpus)  # ValueError naming the list
-        if self.kernels not in ("auto", "off"):
-            raise ValueError(f"kernels must be auto or off, got {self.kernels!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
-            )
         if self.prefix_summary_limit < 0:
             raise ValueError("prefix_summary_limit must not be negative")
         for name in (
@@ -199,10 +202,6 @@ class WorkerSettings(CommonSettings):
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.kv_plane not in ("helper", "inprocess"):
-            raise ValueError("kv_plane must be helper or inprocess")
-        if self.ucx_progress_mode not in ("blocking", "thread", "polling"):
-            raise ValueError("ucx_progress_mode must be blocking, thread or polling")
         if self.kv_segment_tokens <= 0 or self.kv_segment_tokens % self.block_size:
             raise ValueError("kv_segment_tokens must be a positive multiple of block_size")
         if self.prefill_chunk_tokens % self.block_size:

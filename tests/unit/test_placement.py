@@ -23,25 +23,25 @@ def test_cpu_lists_parse_and_format():
 def test_two_cores_give_each_pool_its_own():
     placement = place([0, 1], {"prefill": 1, "decode": 1}, {})
     assert placement.pools == {"prefill": [0], "decode": [1]}
-    assert placement.cores_of("decode", 0, 1) == [1]
+    assert placement.share_of("decode", 0, 1) == [1]
 
 
 def test_pools_split_in_proportion_to_their_sizes():
     placement = place(list(range(16)), {"prefill": 1, "decode": 3}, {})
     assert placement.pools == {"prefill": list(range(4)), "decode": list(range(4, 16))}
-    assert [placement.cores_of("decode", s, 3) for s in range(3)] == [
+    assert [placement.share_of("decode", s, 3) for s in range(3)] == [
         [4, 5, 6, 7],
         [8, 9, 10, 11],
         [12, 13, 14, 15],
     ]
     odd = place(list(range(7)), {"prefill": 1, "decode": 1}, {})
     assert odd.pools == {"prefill": [0, 1, 2, 3], "decode": [4, 5, 6]}  # every core used
-    assert odd.cores_of("prefill", 0, 3) == [0, 1] and odd.cores_of("prefill", 2, 3) == [3]
+    assert odd.share_of("prefill", 0, 3) == [0, 1] and odd.share_of("prefill", 2, 3) == [3]
 
 
 def test_a_pool_past_its_cores_shares_them_and_never_takes_the_other_s():
     placement = place([0, 1, 2, 3], {"prefill": 1, "decode": 1}, {})
-    assert [placement.cores_of("decode", s, 5) for s in range(5)] == [[2], [3], [2], [3], [2]]
+    assert [placement.share_of("decode", s, 5) for s in range(5)] == [[2], [3], [2], [3], [2]]
     single = place([0], {"prefill": 1, "decode": 1}, {})  # nothing to separate
     assert single.pools == {"prefill": [0], "decode": [0]}
 
@@ -53,7 +53,7 @@ def test_given_cores_are_used_and_the_other_pool_gets_the_rest():
     assert both.pools == {"prefill": [0], "decode": list(range(8))}  # overlap asked for
     with pytest.raises(ValueError, match="not all of them are available"):
         place([0, 1], {"prefill": 1, "decode": 1}, {"decode": "4"})
-    with pytest.raises(ValueError, match="no cores left for the prefill pool"):
+    with pytest.raises(ValueError, match="no cpus left for the prefill pool"):
         place([0, 1], {"prefill": 1, "decode": 1}, {"decode": "0-1"})
 
 
@@ -68,5 +68,40 @@ def test_cores_are_taken_numa_node_by_node(tmp_path):
     order = numa_order(list(range(16)), tmp_path)
     assert order == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
     assert numa_order([1, 5, 20], tmp_path) == [1, 5, 20]  # 20: on no node listed, last
-    halves = Placement({"decode": order}).cores_of
+    halves = Placement({"decode": order}).share_of
     assert halves("decode", 0, 2) == [0, 1, 2, 3, 8, 9, 10, 11]  # one node each
+
+
+def test_gpus_are_counted_from_the_driver_or_cuda_visible_devices(tmp_path):
+    from shared.worker.placement import gpus_available
+
+    for bus in ("0000:01:00.0", "0000:41:00.0", "0000:81:00.0"):
+        (tmp_path / bus).mkdir()
+    assert gpus_available({}, tmp_path) == [0, 1, 2]
+    assert gpus_available({"CUDA_VISIBLE_DEVICES": "2,3"}, tmp_path) == [0, 1]
+    assert gpus_available({"CUDA_VISIBLE_DEVICES": ""}, tmp_path) == []
+    assert gpus_available({}, tmp_path / "absent") == []
+
+
+def test_each_worker_gets_a_gpu_of_its_pool_s_own(monkeypatch):
+    from types import SimpleNamespace
+
+    from shared.cli.pools import devices_of
+
+    monkeypatch.delenv("TANDEM_DEVICE", raising=False)
+    args = SimpleNamespace(
+        mode="disaggregated", prefill=2, decode=2, prefill_devices="", decode_devices=""
+    )
+    devices = devices_of(args, gpus=list(range(8)))
+    assert devices.pools == {"prefill": [0, 1, 2, 3], "decode": [4, 5, 6, 7]}
+    assert [devices.share_of("decode", s, 2)[0] for s in range(2)] == [4, 6]
+    assert devices_of(args, gpus=[]) is None  # a CPU host
+    given = SimpleNamespace(**{**vars(args), "decode_devices": "7"})
+    assert devices_of(given, gpus=list(range(8))).pools == {
+        "prefill": list(range(7)),
+        "decode": [7],
+    }
+    with pytest.raises(ValueError, match="--decode-devices 9"):
+        devices_of(SimpleNamespace(**{**vars(args), "decode_devices": "9"}), gpus=[0, 1])
+    monkeypatch.setenv("TANDEM_DEVICE", "cpu")
+    assert devices_of(args, gpus=list(range(8))) is None  # the user's choice for every worker

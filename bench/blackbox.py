@@ -43,12 +43,20 @@ def specs(tokenizer, tag: str, prompt, output, count: int, seed: int) -> list:
 
 async def one_run(address: str, tokenizer, args, rate: float, seed: int) -> dict:
     steady = specs(tokenizer, "steady", Uniform(32, 96), Uniform(32, 96), 4000, seed)
-    runs = [run_workload(address, steady, concurrency=STREAMS, duration_s=args.duration_s)]
+    runs = [
+        run_workload(
+            address, steady, concurrency=STREAMS, duration_s=args.duration_s, timeout_s=900
+        )
+    ]
     if rate:
         count = int(rate * args.duration_s * 3) + 5
         long = specs(tokenizer, "long", Uniform(1000, 4000), Fixed(8), count, seed + 1)
         arrivals = poisson_arrivals(rate, seed)
-        runs.append(run_workload(address, long, arrivals=arrivals, duration_s=args.duration_s))
+        runs.append(
+            run_workload(
+                address, long, arrivals=arrivals, duration_s=args.duration_s, timeout_s=900
+            )
+        )
     records = [r for done in await asyncio.gather(*runs) for r in done]
     s = summarize([r for r in records if r.tag == "steady"])
     long_done = sum(1 for r in records if r.tag == "long" and r.ok)
@@ -59,6 +67,7 @@ async def one_run(address: str, tokenizer, args, rate: float, seed: int) -> dict
         "steady_done": s.completed,
         "long_done": long_done,
         "failed": sum(1 for r in records if not r.ok),
+        "failures": sorted({f"{r.tag}: {r.status} {r.error}"[:160] for r in records if not r.ok}),
     }
 
 

@@ -117,7 +117,11 @@ def worker_main(
     settings = load_settings(settings_class, argv, prog=f"python -m services.{service}")
     setup_logging(settings.log_level, settings.role)
     if settings.cpus:  # before any thread pool starts: its threads inherit the cores
-        cores = pin(settings.cpus)
+        try:
+            cores = pin(settings.cpus)
+        except OSError as refused:  # cores this process may not use (a container's cpuset)
+            log.error("cannot run on cores %s: %s", settings.cpus, refused.strerror)
+            return 2
         settings = replace(settings, torch_threads=settings.torch_threads or cores)
     try:
         asyncio.run(run_worker(settings, service, settings.role, build, with_liveness))

@@ -105,3 +105,24 @@ def test_each_worker_gets_a_gpu_of_its_pool_s_own(monkeypatch):
         devices_of(SimpleNamespace(**{**vars(args), "decode_devices": "9"}), gpus=[0, 1])
     monkeypatch.setenv("TANDEM_DEVICE", "cpu")
     assert devices_of(args, gpus=list(range(8))) is None  # the user's choice for every worker
+
+
+def test_cores_that_cannot_be_had_are_refused_plainly():
+    import subprocess
+    import sys
+
+    worker = subprocess.run(
+        [sys.executable, "-m", "services.decode", "--cpus", "4095"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert worker.returncode == 2, worker.stderr
+    assert "cannot run on cores 4095" in worker.stderr
+    up = subprocess.run(
+        [sys.executable, "-m", "shared.cli.main", "up", "--decode-cpus", "4095"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert up.returncode == 2 and "--decode-cpus 4095: not all of them are available" in up.stderr

@@ -194,7 +194,7 @@ class ModelRunner:
         total = self.padded_rows(rows)
         if total > rows:
             normed = torch.cat([normed, normed.new_zeros(total - rows, normed.shape[1])])
-        return self.head(normed)[:rows]
+        return self.head(normed, rows)
 
     def _attend(self, index: int, x: torch.Tensor, cos, sin, batch: ForwardBatch, rows: int):
         total = x.shape[0]

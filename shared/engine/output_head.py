@@ -29,8 +29,11 @@ class OutputHead:
         # where the packed head was converted, the original, read sparsely from its mapped file)
         self.bias = bias
 
-    def __call__(self, normed: torch.Tensor) -> torch.Tensor:
-        logits = self.projection.one(normed).float()
+    def __call__(self, normed: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """`rows`: how many leading rows are real (the rest pad the GEMM to a batch-invariant
+        row count, and nothing is recomputed for them)."""
+        logits = self.projection.one(normed)[:rows].float()
+        normed = normed[:rows]
         if self.weight is None or logits.numel() == 0:
             return logits
         top = logits.topk(min(TOP, logits.shape[-1]), dim=-1).indices  # [rows, TOP]

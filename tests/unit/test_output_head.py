@@ -62,3 +62,12 @@ def test_float32_is_not_recomputed():
     assert head.weight is None  # nothing kept beyond the packed copy
     x = torch.randn(3, 8)
     assert torch.equal(head(x), head.projection.one(x))
+
+
+def test_padding_rows_are_cut_before_the_recompute():
+    generator = torch.Generator().manual_seed(2)
+    head = head_of(torch.randn(200, 16, generator=generator).to(torch.bfloat16))
+    x = torch.randn(2, 16, generator=generator).to(torch.bfloat16)
+    padded = torch.cat([x, x.new_zeros(2, 16)])
+    assert torch.equal(head(padded, 2), head(padded)[:2])  # the same GEMM, padding cut
+    assert head(padded, 2).shape == (2, 200)

@@ -1,6 +1,7 @@
 """ProcessGroup: the child processes of an embedded stack, stopped together, never orphaned."""
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,10 +31,34 @@ def guarded(argv: list[str]) -> list[str]:
     return [sys.executable, "-S", "-c", _GUARD, str(os.getpid()), *argv]
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now, for a child to bind later. Chosen below the kernel's ephemeral range, so
+    that nothing binding port 0 or connecting out in the meantime (a UCX listener, a NATS client)
+    can be given it first; never the same port twice from this process."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10000, low) if low > 11000 else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free port found on {host}")
 
 
 def wait_for_port(host: str, port: int, timeout: float) -> bool:

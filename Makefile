@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up clean
 
 install: $(STAMP)
 
@@ -44,6 +44,12 @@ test: lint kernels
 
 test-fast: kernels
 	$(PY) -m pytest -q -m "not slow"
+
+# The compose stack on a Docker engine, from nothing: the compose plugin linked where missing,
+# .env and certificates made once, the images built where missing (a base from Debian's packages
+# without a registry), the stack up and healthy. ARGS="--scale decode=2" passes options to up.
+compose-up: install
+	sh deploy/compose-up.sh $(ARGS)
 
 # The engine benchmark. llama.cpp (llama-cpp-python, compiled on install) lives in its own
 # venv, .venv-bench: it is a peer to measure against, never a dependency of the project.

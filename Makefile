@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv clean
 
 install: $(STAMP)
 
@@ -50,6 +50,11 @@ test-fast: kernels
 # without a registry), the stack up and healthy. ARGS="--scale decode=2" passes options to up.
 compose-up: install
 	sh deploy/compose-up.sh $(ARGS)
+
+# KV between compose containers on a Docker engine: the container network (compose.yaml's way)
+# against shared IPC/PID namespaces. bench/results/compose-kv.md.
+bench-compose-kv: install
+	$(PY) bench/compose_kv.py
 
 # The engine benchmark. llama.cpp (llama-cpp-python, compiled on install) lives in its own
 # venv, .venv-bench: it is a peer to measure against, never a dependency of the project.

@@ -69,5 +69,9 @@ if ! have "$keyed"; then
 	echo "built $keyed in $(($(date +%s) - start)) s"
 fi
 docker tag "$keyed" "$IMAGE"
+# Images of earlier keys go (one in use by a container stays): each is a few GB.
+for old in $(docker image ls --format '{{.Repository}}:{{.Tag}}' tandem | grep -E '^tandem:[0-9a-f]{16}$'); do
+	[ "$old" = "$keyed" ] || docker image rm "$old" >/dev/null 2>&1 || true
+done
 echo "TANDEM_IMAGE=$IMAGE"
 echo "TANDEM_NATS_IMAGE=$nats"

@@ -57,9 +57,11 @@ def build_images(env: dict[str, str], log: Path) -> dict[str, str]:
 class ComposeProject:
     """One `docker compose -p NAME` project over the repository's compose.yaml."""
 
-    def __init__(self, env: dict[str, str], images: dict[str, str]):
+    def __init__(self, env: dict[str, str], images: dict[str, str], files: tuple[Path, ...] = ()):
+        """`files`: compose files over compose.yaml (-f, in order)."""
         self.name = f"tandem-test-{os.getpid()}"
         self.env = env
+        self.files = [ROOT / "compose.yaml", *files]
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-compose-project-"))
         self.grpc_port, self.http_port = free_port(), free_port()
         deploy = self.dir / "deploy"
@@ -86,7 +88,9 @@ class ComposeProject:
             out.writelines(f"{key}={value}\n" for key, value in settings.items())
 
     def compose(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        argv = ["docker", "compose", "-p", self.name, "-f", str(ROOT / "compose.yaml")]
+        argv = ["docker", "compose", "-p", self.name]
+        for file in self.files:
+            argv += ["-f", str(file)]
         argv += ["--project-directory", str(self.dir), *args]
         return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout)
 

@@ -1,7 +1,8 @@
 """Engine: continuous batching over the paged KV pool. One step reads schedule -> run -> postprocess.
 
 Every step runs, as one batch of rows through the model: one token for each running sequence,
-whole prompt chunks of waiting sequences up to a token budget (chunked prefill), and the KV of
+whole prompt chunks of waiting sequences up to a token budget (chunked prefill: a chunk for each
+in line first, then the rest in order; see prompt_chunks), and the KV of
 sequences whose prompt was computed on another worker is written into the pool. Sequences join
 at step boundaries and leave at once. When the pool runs dry, the newest running sequence is
 preempted (its blocks freed, recomputed from its tokens later, never dropped); so is one whose
@@ -26,6 +27,7 @@ from shared.control.choices import choice_sampling
 from shared.engine.block_manager import BlockManager
 from shared.engine.fork import fork
 from shared.engine.model_runner import ModelRunner, SeqSpan
+from shared.engine.prompt_chunks import chunk_end, share_rest
 from shared.engine.sampler import logprob_of, sample
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 from shared.engine.step_stats import StepStats
@@ -153,9 +155,9 @@ class Engine:
         room = max(0, self.max_num_seqs - len(work))
         loads, self.loading = self.loading[:room], self.loading[room:]
         budget = self.max_batch_tokens - len(work)
-        admitting, prefilling = True, False
+        admitting, line = True, []  # line: [seq, end] of the prompts computed this step
         for seq in list(self.waiting):
-            if budget <= 0 and prefilling:
+            if budget <= 0 and line:
                 break
             if not seq.block_table:
                 # First come, first served: once one cannot start, later ones wait behind it;
@@ -171,12 +173,15 @@ class Engine:
                 seq.num_computed_tokens = seq.num_cached_tokens
                 seq.cached_tokens = seq.cached_tokens or seq.num_cached_tokens
                 seq.prefill_started = seq.prefill_started or time.time()
-            # One chunk per step at least, whatever the decode rows took, so prompts always advance.
-            end = self._chunk_end(seq, budget, first=not prefilling)
-            if end > seq.num_computed_tokens:
-                work.append(_Work(seq, seq.num_computed_tokens, end))
-                budget -= end - seq.num_computed_tokens
-                prefilling = True
+            # A chunk each (one at least, whatever the decode rows took: prompts always advance),
+            # then the rest of the budget in order (prompt_chunks).
+            start = seq.num_computed_tokens
+            end = chunk_end(start, seq.num_tokens, self.runner.chunk, budget, not line, most=1)
+            if end > start:
+                line.append([seq, end])
+                budget -= end - start
+        share_rest(line, [seq.num_tokens for seq, _ in line], self.runner.chunk, budget)
+        work += [_Work(seq, seq.num_computed_tokens, end) for seq, end in line]
         return loads, work
 
     def _decodable(self) -> list[Sequence]:
@@ -203,16 +208,6 @@ class Engine:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.preemptions += 1
-
-    def _chunk_end(self, seq: Sequence, budget: int, first: bool) -> int:
-        """Whole chunks (aligned to absolute positions) that fit the budget; one at least when first."""
-        chunk, start, end = self.runner.chunk, seq.num_computed_tokens, seq.num_computed_tokens
-        while end < seq.num_tokens:
-            nxt = min(seq.num_tokens, (end // chunk + 1) * chunk)
-            if nxt - start > budget and not (first and end == start):
-                break
-            end = nxt
-        return end
 
     def _load(self, seq: Sequence) -> list[tuple[Sequence, StepOutput]]:
         """A remotely computed prompt joins: its KV was received straight into its blocks."""

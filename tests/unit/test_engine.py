@@ -219,6 +219,21 @@ def test_a_prompt_wider_than_the_budget_still_gets_its_first_chunk(model, rand_t
     assert seq.output_ids == alone(model, seq.prompt_token_ids, 2)
 
 
+def test_a_short_prompt_behind_a_long_one_is_computed_in_the_same_step(model, rand_tokens):
+    """Each prompt in line gets a chunk first, then the rest of the budget goes in order: the
+    short prompt's first token comes after one step, not after the long prompt's whole prefill;
+    both answer as they do alone."""
+    engine = make_engine(model, max_batch_tokens=128)
+    long, short = make_seq(rand_tokens(200), 2, "long"), make_seq(rand_tokens(20), 2, "short")
+    engine.add(long)
+    engine.add(short)
+    engine.step()
+    assert short.output_ids and long.num_computed_tokens == CHUNK + 64
+    run_to_end(engine)
+    assert long.output_ids == alone(model, long.prompt_token_ids, 2)
+    assert short.output_ids == alone(model, short.prompt_token_ids, 2)
+
+
 # -- preemption ------------------------------------------------------------------------------
 
 

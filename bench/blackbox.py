@@ -1,6 +1,6 @@
 """`tandem up` as a user starts it, measured from outside: do long prompts stall the streams?
 
-    python bench/blackbox.py [--duration-s 60] [--rate 0.05]     (make bench-blackbox)
+    python bench/blackbox.py [--duration-s 120] [--rate 0.05]     (make bench-blackbox)
 
 Starts `tandem up --mode disaggregated` (one prefill and one decode worker, nothing else set)
 and, in the same run, the same with `--no-pin` (every worker on every core, the behaviour before
@@ -116,8 +116,9 @@ def write(results: list[dict], args) -> None:
         f"tokens) at {args.rate}/s in the second run. `{' '.join(sys.argv)}`; "
         f"{os.cpu_count()} cores.",
         "",
-        "| variant | cores | steady ITL p50 / p99 ms, alone | with long prompts | p99 ratio | long done | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| variant | cores | steady ITL p50 / p99 ms, alone | with long prompts | p99 ratio "
+        "| steady done, alone / with | long done | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         alone, loaded = r["runs"]
@@ -125,7 +126,8 @@ def write(results: list[dict], args) -> None:
         lines.append(
             f"| {r['variant']} | {cores} | {alone['itl_p50_ms']:.0f} / {alone['itl_p99_ms']:.0f} "
             f"| {loaded['itl_p50_ms']:.0f} / {loaded['itl_p99_ms']:.0f} | {r['p99_ratio']:.2f}x "
-            f"| {loaded['long_done']} | {alone['failed'] + loaded['failed']} |"
+            f"| {alone['steady_done']} / {loaded['steady_done']} | {loaded['long_done']} "
+            f"| {alone['failed'] + loaded['failed']} |"
         )
     (OUT / "blackbox.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -133,7 +135,7 @@ def write(results: list[dict], args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration-s", type=float, default=60.0)
+    parser.add_argument("--duration-s", type=float, default=120.0)
     parser.add_argument("--rate", type=float, default=0.05, help="long prompts per second")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()

@@ -30,7 +30,12 @@ class CommonSettings:
     """Settings every service shares."""
 
     nats_url: str = field(
-        default="nats://127.0.0.1:4222", repr=False, metadata=_help("NATS server URL")
+        default="nats://127.0.0.1:4222",
+        repr=False,
+        metadata=_help(
+            "NATS server URL, or a cluster's URLs separated by commas (the client connects to one "
+            "and, when it is lost, to another)"
+        ),
     )
     cluster: str = field(
         default="default",
@@ -77,6 +82,9 @@ class CommonSettings:
     )
 
     def __post_init__(self) -> None:
+        if not all(url.strip() for url in self.nats_url.split(",")):
+            # (not the URLs themselves: one may hold a password)
+            raise ValueError("nats_url: an empty URL in the comma-separated list")
         self.nats_password = self.nats_password or _secret_file(self.nats_password_file)
         self.nats_token = self.nats_token or _secret_file(self.nats_token_file)
         if self.nats_token and self.nats_user:

@@ -16,9 +16,10 @@ async def run(settings: SchedulerSettings) -> None:
     stop = stop_on_signals()
     tracing = start_tracing("tandem-scheduler", settings.otlp_endpoint)
     try:
+        # the connection is named by the replica's id: NATS's monitoring tells which is where
         async with NatsBus(
             settings.nats_url,
-            "scheduler",
+            settings.scheduler_id,
             nats_options(settings),
             role="scheduler",
             cluster=settings.cluster,

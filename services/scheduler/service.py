@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 
 from services.scheduler.admission import AdmissionQueue, Pending
 from services.scheduler.answers import SHUTTING_DOWN, Answers
@@ -57,7 +56,7 @@ class SchedulerService:
         self.registry = WorkerRegistry(settings.worker_timeout_s)
         self.router = Router(self.registry, settings.policy())
         self.queue = AdmissionQueue(settings.max_pending, settings.queue_timeout_s)
-        self.scheduler_id = settings.scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
+        self.scheduler_id = settings.scheduler_id
         self.metrics = SchedulerMetrics(self.scheduler_id)
         self.answers = Answers(self.queue, self.metrics.refused)
         self._closing = False

@@ -1,4 +1,5 @@
 import math
+import uuid
 from dataclasses import dataclass, field
 
 from services.scheduler.router import Policy
@@ -90,6 +91,8 @@ class SchedulerSettings(CommonSettings):
             raise ValueError(
                 "local_prefill_tokens must be >= 0, max_pending >= 1, decode_slack in [0, 1]"
             )
+        if not self.scheduler_id:
+            self.scheduler_id = f"scheduler-{uuid.uuid4().hex[:8]}"
 
     def policy(self) -> Policy:
         return Policy(

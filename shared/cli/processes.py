@@ -156,10 +156,11 @@ class ProcessGroup:
         )
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the services (gateway first) and let them drain; NATS goes last; SIGKILL what is left."""
-        services = [p for name, p in reversed(self.children) if name != "nats"]
+        """SIGTERM the services (gateway first) and let them drain; NATS goes last (every server
+        of a cluster: `nats-<node>`); SIGKILL what is left."""
+        services = [p for name, p in reversed(self.children) if not _is_nats(name)]
         services += [proc for proc, _ in self.retired.values()]
-        nats = [p for name, p in self.children if name == "nats"]
+        nats = [p for name, p in self.children if _is_nats(name)]
         for batch in (services, nats):
             for proc in batch:
                 if proc.poll() is None:
@@ -180,6 +181,10 @@ class ProcessGroup:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _is_nats(name: str) -> bool:
+    return name == "nats" or name.startswith("nats-")
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:

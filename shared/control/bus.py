@@ -21,6 +21,14 @@ log = logging.getLogger(__name__)
 # nats-py's buffer holds 2 MiB of unsent messages, then blocks (server stalled) or raises
 # (reconnecting); try_publish stops short of it
 BACKED_UP_BYTES = 1024 * 1024
+# A server that stops answering without closing the connection (its host cut off, or frozen) is
+# given up within PING_INTERVAL_S x (MAX_OUTSTANDING_PINGS + 1), and the cluster's servers tried
+# in random order, each for CONNECT_TIMEOUT_S at most (the lost one may come first): a client is
+# on another server within about 5 s. With nats-py's defaults (a ping every 2 minutes, 2 missed)
+# a client stayed deaf for minutes.
+PING_INTERVAL_S = 1
+MAX_OUTSTANDING_PINGS = 2
+CONNECT_TIMEOUT_S = 2
 
 Respond = Callable[[Any], Awaitable[None]]
 Handler = Callable[[Any, Respond | None], Awaitable[None]]
@@ -30,6 +38,11 @@ def redacted(url: str) -> str:
     """`url` without any user:password@ in it, for logs."""
     scheme, sep, rest = url.partition("://")
     return scheme + sep + rest.rsplit("@", 1)[-1] if sep else url.rsplit("@", 1)[-1]
+
+
+def server_urls(url: str) -> list[str]:
+    """The servers in a NATS URL setting: one URL, or a cluster's separated by commas."""
+    return [part.strip() for part in url.split(",") if part.strip()]
 
 
 class BusError(Exception):
@@ -71,7 +84,9 @@ class MessageBus(Protocol):
 
 
 class NatsBus:
-    """The real bus. Use as `async with NatsBus(url, name) as bus:`; leaving drains the connection."""
+    """The real bus. Use as `async with NatsBus(url, name) as bus:`; leaving drains the connection.
+    `url` may name several servers of one NATS cluster, separated by commas: the client connects
+    to one of them and, when that one is lost, reconnects to another."""
 
     def __init__(
         self,
@@ -82,9 +97,10 @@ class NatsBus:
         cluster: str = "default",
         tracing: bool = False,
     ):
-        self._url = url
+        self._servers = server_urls(url)
         self._tracing = tracing  # the trace context travels in message headers
-        self._shown_url = redacted(url)
+        self._shown_url = ",".join(redacted(u) for u in self._servers)
+        self._server = self._shown_url  # the one connected to, once known
         self._name = name
         # credentials and TLS (shared.settings.nats_options): never logged
         self._options = options or {}
@@ -99,16 +115,19 @@ class NatsBus:
 
     async def __aenter__(self) -> "NatsBus":
         self._nc = await nats.connect(
-            servers=[self._url],
+            servers=self._servers,
             name=self._name,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
-            connect_timeout=5,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            ping_interval=PING_INTERVAL_S,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect,
             **self._options,
         )
+        self._note_server()
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -118,7 +137,10 @@ class NatsBus:
                 await asyncio.wait_for(self._nc.drain(), timeout=5)
             except (asyncio.TimeoutError, nats.errors.Error) as err:
                 log.warning("NATS drain did not finish cleanly: %s", err)
-                await self._nc.close()
+                try:  # the server may be gone: closing then fails too, and that is fine
+                    await self._nc.close()
+                except (OSError, nats.errors.Error) as closing:
+                    log.warning("NATS connection closed uncleanly: %s", closing)
 
     async def _on_error(self, err: Exception) -> None:
         if self.connected or not self._outage_logged:  # one line per outage, not per retry
@@ -127,12 +149,18 @@ class NatsBus:
 
     async def _on_disconnect(self) -> None:
         if not self._closing:
-            log.warning("disconnected from NATS at %s", self._shown_url)
+            log.warning("disconnected from NATS at %s", self._server)
 
     async def _on_reconnect(self) -> None:
         self._outage_logged = False
         self.reconnects += 1
-        log.info("reconnected to NATS at %s", self._shown_url)
+        self._note_server()
+        log.info("reconnected to NATS at %s", self._server)
+
+    def _note_server(self) -> None:
+        """Which of the servers the connection is on now, for logs."""
+        current = self._nc.connected_url if self._nc is not None else None
+        self._server = redacted(current.geturl()) if current else self._shown_url
 
     @property
     def max_payload(self) -> int:

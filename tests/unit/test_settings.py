@@ -109,6 +109,37 @@ def test_cluster_name_with_trailing_newline_is_rejected():
         SchedulerSettings(cluster="prod\n")
 
 
+def test_nats_url_may_name_every_node_of_a_cluster():
+    """Before, one URL only: a client whose server died had nowhere else to go."""
+    from shared.control.bus import NatsBus, server_urls
+
+    urls = "nats://10.0.0.1:4222, nats://10.0.0.2:4222,tls://u:p@10.0.0.3:4222"
+    s = load_settings(SchedulerSettings, [], env={"TANDEM_NATS_URL": urls})
+    assert server_urls(s.nats_url) == [
+        "nats://10.0.0.1:4222",
+        "nats://10.0.0.2:4222",
+        "tls://u:p@10.0.0.3:4222",
+    ]
+    assert NatsBus(s.nats_url, "n")._shown_url == (
+        "nats://10.0.0.1:4222,nats://10.0.0.2:4222,tls://10.0.0.3:4222"  # no password in logs
+    )
+    assert server_urls("nats://127.0.0.1:4222") == ["nats://127.0.0.1:4222"]
+
+
+@pytest.mark.parametrize("url", ["", "nats://a:4222,", "nats://a:4222,,nats://b:4222", " "])
+def test_an_empty_nats_url_in_the_list_is_refused(url):
+    with pytest.raises(SystemExit) as exc:
+        load_settings(SchedulerSettings, ["--nats-url", url], env={})
+    assert exc.value.code == 2
+
+
+def test_each_scheduler_replica_has_an_id_of_its_own_from_the_start():
+    """Its NATS connection is named by it (which replica is where, in NATS's monitoring)."""
+    first, second = SchedulerSettings(), SchedulerSettings()
+    assert first.scheduler_id.startswith("scheduler-") and first.scheduler_id != second.scheduler_id
+    assert SchedulerSettings(scheduler_id="s1").scheduler_id == "s1"
+
+
 def test_nan_timeout_is_rejected():
     with pytest.raises(SystemExit):
         load_settings(SchedulerSettings, [], env={"TANDEM_WORKER_TIMEOUT_S": "nan"})

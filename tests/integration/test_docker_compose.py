@@ -25,6 +25,7 @@ from tests.integration.helpers import chat_request, collect, openai_streams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 STORY = "Tell me a long story about a lighthouse keeper and a storm."
+LENGTH = 192  # tokens per stream: several seconds of decoding, for the kill to land mid-stream
 
 
 @pytest.fixture(scope="module")
@@ -101,28 +102,41 @@ def test_compose_up_serves_scales_and_survives_a_killed_decode(project):
     assert "Paris" in text, text
     chat, completion = openai_streams(f"http://127.0.0.1:{project.http_port}/v1")
     assert "Paris" in chat and completion.strip(), (chat, completion)
-    _, reference, _ = collect(_stub(project), chat_request(STORY, 96, temperature=0.0))
-    assert len(reference) == 96
+    _, reference, _ = collect(_stub(project), chat_request(STORY, LENGTH, temperature=0.0))
+    assert len(reference) == LENGTH
 
     project.check("up", "--detach", "--wait", "--no-recreate", "--scale", "decode=2", timeout=900)
     _wait_roles(project, ["decode", "decode", "prefill"])
 
-    tokens, errors, threads = _streams(project, 4, 96)
+    tokens, errors, threads = _streams(project, 4, LENGTH)
     deadline = time.monotonic() + 120
     while min(len(t) for t in tokens) < 8 and not errors and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not errors and min(len(t) for t in tokens) >= 8, (errors, [len(t) for t in tokens])
-    workers = _stub(project).ClusterStatus(pb.ClusterStatusRequest(), timeout=5).workers
-    busy = max((w for w in workers if w.role == "decode"), key=lambda w: w.running)
-    assert busy.running > 0, workers
+    busy = _busy_decode(project)
     victim = project.container_of(busy.host)
     project.kill(victim)
+    at_kill = [len(t) for t in tokens]
+    assert min(at_kill) < LENGTH, at_kill  # streams were in flight
     for t in threads:
         t.join(timeout=600)
     assert not errors, errors
     assert all(t == reference for t in tokens), [len(t) for t in tokens]
     _wait_idle(project)
     print(f"compose up --wait: {up_s:.0f} s; killed {victim[:12]} ({busy.running} streams)")
+
+
+def _busy_decode(project: ComposeProject, timeout: float = 30) -> pb.WorkerStatus:
+    """The decode worker running the most streams, once a heartbeat shows one running any
+    (ClusterStatus is as fresh as the workers' last heartbeats)."""
+    deadline, workers = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        workers = _stub(project).ClusterStatus(pb.ClusterStatusRequest(), timeout=5).workers
+        busy = max((w for w in workers if w.role == "decode"), key=lambda w: w.running)
+        if busy.running:
+            return busy
+        time.sleep(0.2)
+    raise AssertionError(f"no decode worker running a stream: {workers}")
 
 
 def _wait_idle(project: ComposeProject, timeout: float = 60) -> None:

@@ -150,6 +150,7 @@ def test_prometheus_scrapes_what_was_sent(stack, prometheus):
     assert paths['{"path": "disaggregated"}'] == 2
     _until(prometheus, 'sum(tandem_scheduler_placements_total{path="disaggregated"})', 2)
     _until(prometheus, "sum(tandem_scheduler_placements_total)", sent["grpc_ok"] + 3)
+    _until(prometheus, "count(up == 1)", 4)  # every target scraped, each a success
     ups = q("up")
     assert len(ups) == 4 and set(ups.values()) == {1.0}, ups
     _until(prometheus, 'count(tandem_kv_transfer_bytes_total{direction="received"} > 0)', 1)

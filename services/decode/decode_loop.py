@@ -18,7 +18,7 @@ from shared.worker import steps
 
 log = logging.getLogger(__name__)
 
-Publish = Callable[[DecodeRequest, StepOutput], Awaitable[None]]
+Publish = Callable[[list[tuple[DecodeRequest, StepOutput]]], Awaitable[None]]  # one step's
 Finish = Callable[[DecodeRequest], Awaitable[None]]
 Adopt = Callable[[Sequence], DecodeRequest]
 
@@ -83,10 +83,13 @@ class DecodeLoop:
         # choice 0 now (re-keyed; a cancel of that choice alone applies to it alone)
         for seq in sorted(self.engine.take_forked(), key=lambda s: s.forked_from is None):
             self.requests[seq.attempt_id] = self.adopt(seq)
+        produced = []
         for seq, out in outputs:
             req = self.requests.get(seq.attempt_id)
             if req is not None and not req.cancel_reason and req.failure is None:
-                await self.publish(req, out)
+                produced.append((req, out))
+        if produced:
+            await self.publish(produced)
         return True
 
     async def _reap(self) -> None:

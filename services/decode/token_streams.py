@@ -9,12 +9,21 @@ from services.decode.stream_log import StreamLog
 from shared.control.bus import MessageBus
 from shared.control.choices import choice_ids
 from shared.control.failure import Code, failed, worker_failed
-from shared.control.messages import GenerateTask, StreamReplay, TaskAck, Timing, TokenChunk
+from shared.control.messages import (
+    GenerateTask,
+    StreamReplay,
+    TaskAck,
+    Timing,
+    TokenBatch,
+    TokenChunk,
+)
 from shared.engine.sequence import SeqStatus, StepOutput
 from shared.telemetry import tracing
 from shared.worker.metrics import WorkerMetrics
 
 MAX_ENDED_CHUNKS = 100_000  # chunks of ended streams kept for replay, at most
+# A TokenBatch is split before its chunks' estimated size passes this (the wire's cap is 1000 KiB).
+BATCH_BYTES = 256 * 1024
 
 
 class TokenStreams:
@@ -40,7 +49,18 @@ class TokenStreams:
         for attempt_id in choice_ids(task):
             self.log.end(attempt_id)
 
-    async def publish(self, req: DecodeRequest, out: StepOutput) -> None:
+    async def publish_step(self, produced: list[tuple[DecodeRequest, StepOutput]]) -> None:
+        """Sends what one step produced: the chunks bound for each gateway as one TokenBatch
+        (split where it would pass BATCH_BYTES), each chunk kept for replay."""
+        by_subject: dict[str, list[tuple[DecodeRequest, TokenChunk]]] = {}
+        for req, out in produced:
+            subject = req.seq.task.reply_subject
+            by_subject.setdefault(subject, []).append((req, self._chunk(req, out)))
+        for subject, pairs in by_subject.items():
+            for part in _parts(pairs):
+                await self._send_batch(subject, part)
+
+    def _chunk(self, req: DecodeRequest, out: StepOutput) -> TokenChunk:
         seq, extra = req.seq, {}
         req.first_token_at = req.first_token_at or tracing.now()
         if out.finish_reason:
@@ -49,7 +69,7 @@ class TokenStreams:
                 completion_tokens=seq.position,
                 timing=self._timing(req),
             )
-        chunk = TokenChunk(
+        return TokenChunk(
             req.attempt_id,
             req.next_chunk_index(),
             token_ids=out.token_ids,
@@ -58,7 +78,14 @@ class TokenStreams:
             finish_reason=out.finish_reason,
             **extra,
         )
-        await self.send(req, chunk)
+
+    async def _send_batch(self, subject: str, pairs: list[tuple[DecodeRequest, TokenChunk]]):
+        for _, chunk in pairs:
+            self.log.record(subject, chunk)
+        message = pairs[0][1] if len(pairs) == 1 else TokenBatch([c for _, c in pairs])
+        sent = await self.bus.try_publish(subject, message)
+        for req, _ in pairs:
+            self._sent(req, sent)
 
     def _timing(self, req: DecodeRequest) -> Timing:
         seq, local = req.seq, req.prefill_worker == self.worker_id
@@ -74,11 +101,15 @@ class TokenStreams:
         )
 
     async def send(self, req: DecodeRequest, chunk: TokenChunk) -> None:
-        """Sends a chunk, kept for replay. NATS down or stalled: it is held (the gateway asks for
-        it again); too many held in a row, and the request fails (the gateway moves it on)."""
+        """Sends one chunk on its own, kept for replay."""
         subject = req.seq.task.reply_subject
         self.log.record(subject, chunk)
-        if await self.bus.try_publish(subject, chunk):
+        self._sent(req, await self.bus.try_publish(subject, chunk))
+
+    def _sent(self, req: DecodeRequest, sent: bool) -> None:
+        """NATS down or stalled: the chunk is held (the gateway asks for it again); too many
+        held in a row, and the request fails (the gateway moves it on)."""
+        if sent:
             req.held = 0
             return
         req.held += 1
@@ -99,8 +130,9 @@ class TokenStreams:
             )
         else:
             subject, chunks = kept
-            for chunk in chunks:
-                if not await self.bus.try_publish(subject, chunk):
+            for part in _parts([(None, chunk) for chunk in chunks]):
+                batch = TokenBatch([chunk for _, chunk in part])
+                if not await self.bus.try_publish(subject, batch):
                     break  # backed up again: the gateway asks once more
             ack = TaskAck()
         if respond is not None:
@@ -137,3 +169,22 @@ class TokenStreams:
             await self.bus.try_publish(seq.task.reply_subject, each)
             self.log.end(attempt_id)
         return False
+
+
+def _size(chunk: TokenChunk) -> int:
+    """An upper bound of a chunk's encoded size (text in UTF-8, each logprob with its top-k)."""
+    per_logprob = sum(16 + 14 * len(lp.top_ids) for lp in chunk.logprobs)
+    return 256 + 4 * len(chunk.text) + 9 * len(chunk.token_ids) + per_logprob
+
+
+def _parts(pairs: list) -> list[list]:
+    """(request, chunk) pairs cut into runs whose chunks fit BATCH_BYTES together."""
+    parts, size = [[]], 0
+    for pair in pairs:
+        grows = _size(pair[1])
+        if parts[-1] and size + grows > BATCH_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append(pair)
+        size += grows
+    return parts

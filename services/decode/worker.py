@@ -59,7 +59,7 @@ class DecodeWorker:
             runtime.metrics,
         )
         self.loop = DecodeLoop(
-            runtime.engine, self.executor, self.out.publish, self._finish, self._adopt
+            runtime.engine, self.executor, self.out.publish_step, self._finish, self._adopt
         )
         self.kv = KVFetcher(settings, runtime, bus, plane, liveness)
         self.fetches: dict[str, asyncio.Task] = {}  # attempt id -> its remote-prefill task

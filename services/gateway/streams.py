@@ -1,9 +1,10 @@
-"""StreamRouter: one NATS subscription per gateway, token chunks handed to each attempt's queue."""
+"""StreamRouter: one NATS subscription per gateway, token chunks handed to each attempt's queue
+(a worker sends one step's chunks for this gateway as one TokenBatch)."""
 
 import asyncio
 
 from shared.control.bus import MessageBus
-from shared.control.messages import TokenChunk
+from shared.control.messages import TokenBatch, TokenChunk
 
 
 class StreamRouter:
@@ -37,7 +38,9 @@ class StreamRouter:
     def __contains__(self, attempt_id: str) -> bool:
         return attempt_id in self._queues
 
-    async def _on_chunk(self, chunk: TokenChunk, respond) -> None:
-        queue = self._queues.get(chunk.attempt_id)
-        if queue is not None:  # else: the attempt ended here already (cancelled, timed out, moved)
-            queue.put_nowait(chunk)
+    async def _on_chunk(self, message: TokenChunk | TokenBatch, respond) -> None:
+        chunks = message.chunks if isinstance(message, TokenBatch) else [message]
+        for chunk in chunks:
+            queue = self._queues.get(chunk.attempt_id)
+            if queue is not None:  # else: the attempt ended here (cancelled, timed out, moved)
+                queue.put_nowait(chunk)

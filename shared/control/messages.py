@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 from shared.control.failure import Failure
 
 
+class _Outcome:
+    failure: Failure | None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -50,21 +58,15 @@ class GenerateTask:
 
 
 @dataclass
-class SubmitReply:
-    """The scheduler's answer to a GenerateTask: the workers it was placed on, or why not.
-
-    A failure with Retry.ELSEWHERE is not the request's: blaming a worker (it never confirmed the
-    request), place it again without that worker; blaming none, submit it again to another
-    scheduler (this one is shutting down)."""
+class SubmitReply(_Outcome):
+    """The scheduler's answer to a GenerateTask: the workers it was placed on, or why not. A
+    failure with Retry.ELSEWHERE is not the request's: blaming a worker (it never confirmed),
+    place it again without it; blaming none, submit it to another scheduler (this one stops)."""
 
     failure: Failure | None = None  # None: placed
     prefill_worker: str = ""  # empty: prefilled on the decode worker
     decode_worker: str = ""
     retry_after_ms: int = 0  # with RESOURCE_EXHAUSTED: when trying again may succeed
-
-    @property
-    def ok(self) -> bool:
-        return self.failure is None
 
 
 @dataclass
@@ -76,14 +78,10 @@ class DecodeAssignment:
 
 
 @dataclass
-class TaskAck:
+class TaskAck(_Outcome):
     """A worker's answer to a task it was handed (or to a Ping): taken, or why not."""
 
     failure: Failure | None = None  # None: taken
-
-    @property
-    def ok(self) -> bool:
-        return self.failure is None
 
 
 @dataclass
@@ -102,12 +100,9 @@ class KVLayout:
 
 @dataclass
 class KVDestination:
-    """Where a prompt's KV goes: blocks the decode worker has already reserved in its own pool.
-
-    The KV of tokens [skip_tokens, prompt length) lands in `block_ids` (the decode worker holds
-    the prefix before skip_tokens in its prefix cache). It is sent in segments of
-    `segment_tokens`, each as soon as the prefill has computed it; see shared.dataplane.plan.
-    """
+    """Where a prompt's KV goes: the KV of tokens [skip_tokens, prompt length) into `block_ids`,
+    reserved in the decode worker's pool (it caches the prefix before skip_tokens), in segments
+    of `segment_tokens` sent as the prefill computes them; see shared.dataplane.plan."""
 
     ucx_address: bytes  # the decode worker's UCX worker address
     base_tag: int  # piece i of the transfer travels with UCX tag base_tag + i
@@ -134,9 +129,9 @@ class PrefillTask:
 
 
 @dataclass
-class PrefillResult:
-    """Prefill worker -> decode worker: every piece of the KV is on the wire (or the transfer is
-    aborted: it has a failure, and the decode worker frees the blocks it reserved)."""
+class PrefillResult(_Outcome):
+    """Prefill worker -> decode worker: every piece of the KV is on the wire (or, with a failure,
+    the transfer is aborted and the decode worker frees the blocks it reserved)."""
 
     attempt_id: str
     base_tag: int
@@ -152,15 +147,11 @@ class PrefillResult:
     prefill_ms: float = 0.0
     prefill_worker: str = ""
 
-    @property
-    def ok(self) -> bool:
-        return self.failure is None
-
 
 @dataclass
 class TransferAbort:
     """Decode worker -> prefill worker: stop this transfer and free its blocks (cancelled, lease
-    expired, or the decode worker is shutting down)."""
+    expired, or the decode worker stops)."""
 
     attempt_id: str
     base_tag: int
@@ -194,6 +185,13 @@ class TokenChunk:
     timing: Timing | None = None
     # the request failed; movable: a worker failed or was full, and the gateway places it again
     failure: Failure | None = None
+
+
+@dataclass
+class TokenBatch:
+    """Worker -> gateway: one engine step's chunks for that gateway, in one NATS message."""
+
+    chunks: list[TokenChunk] = field(default_factory=list)
 
 
 @dataclass
@@ -265,7 +263,7 @@ class SchedulerHeartbeat:
 
 
 @dataclass
-class Discover:
+class Discover:  # a scheduler asks every worker to announce itself now
     scheduler_id: str
 
 
@@ -294,7 +292,7 @@ class StatusReply:
 # the types that travel on their own (the others travel inside them)
 # fmt: off
 _WIRE = (GenerateTask, SubmitReply, DecodeAssignment, TaskAck, PrefillTask, PrefillResult,
-         TransferAbort, TokenChunk, StreamReplay, CancelRequest, WorkerHeartbeat,
+         TransferAbort, TokenChunk, TokenBatch, StreamReplay, CancelRequest, WorkerHeartbeat,
          SchedulerHeartbeat, Discover, StatusRequest, StatusReply, Ping)
 # fmt: on
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in _WIRE}

@@ -14,8 +14,8 @@ async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
     executor = EngineExecutor()
     published, finished = [], []
 
-    async def publish(seq, out):
-        published.append(out)
+    async def publish(produced):
+        published.extend(out for _, out in produced)
 
     async def finish(req):
         finished.append(req.attempt_id)

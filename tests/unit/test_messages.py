@@ -25,6 +25,7 @@ from shared.control.messages import (
     SubmitReply,
     TaskAck,
     Timing,
+    TokenBatch,
     TokenChunk,
     TransferAbort,
     WorkerHeartbeat,
@@ -116,6 +117,7 @@ SAMPLES = [
     SubmitReply(prefill_worker="p", decode_worker="d"),  # placed: no failure
     TaskAck(worker_full("d", "full")),
     TokenChunk(attempt_id="r1", index=4, failure=worker_failed("d", "shut down")),
+    TokenBatch([TokenChunk("r1", 5, [7, 8], "ab"), TokenChunk("r2", 0, finish_reason="stop")]),
     StreamReplay(attempt_id="r1", from_index=3),
     SchedulerHeartbeat(scheduler_id="s1", queued=2),
     StatusReply(

@@ -237,10 +237,11 @@ class Pair:
         await asyncio.wait_for(asyncio.gather(*self.serving), 30)
 
     async def submit(self, task: GenerateTask, remote: bool = True) -> TaskAck:
-        from shared.control.messages import DecodeAssignment
+        from shared.control.messages import DecodeAssignment, TokenBatch
 
-        async def collect(chunk, respond):
-            self.chunks[task.attempt_id].append(chunk)
+        async def collect(message, respond):
+            chunks = message.chunks if isinstance(message, TokenBatch) else [message]
+            self.chunks[task.attempt_id].extend(chunks)
 
         self.chunks[task.attempt_id] = []
         await self.bus.subscribe(task.reply_subject, collect)

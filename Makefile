@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
 
 install: $(STAMP)
 
@@ -135,8 +135,26 @@ bench-flood: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/flood.py
 
+# The mock engine's timing model, fitted from the real engine's profile on this machine:
+# shared/engine/timing/smollm2-135m-cpu.json and bench/results/timing-model.md.
+bench-timing: kernels
+	$(PY) bench/fit_timing.py
+
+# The control plane on mock engines against NVIDIA Dynamo's (its frontend + mocker, in its own
+# venv, .venv-dynamo, as ../shared/peers/dynamo/RUN.md installs it): TTFT/ITL at zero engine
+# time, NATS messages per token, 1,000 mock workers on one scheduler. bench/results/control-plane.*
+DYNAMO_DEPS = 'aiohttp<4.0,>=3.14.3' 'certifi>=2026.10.19' 'kubernetes<33.0.0,>=32.0.1' \
+  'msgspec>=0.19.0' 'prometheus-client<1.0,>=0.23.1' 'pyzmq>=26.0.0' 'redis<9.0.0,>=6.2.0' \
+  'tqdm>=4.0.0' 'transformers>=4.56.0' 'typing-extensions>=4.10.0' 'zstandard<1.0,>=0.23.0' httpx
+bench-control-plane: install
+	test -x .venv-dynamo/bin/python || ($(PYTHON) -m venv .venv-dynamo \
+	  && .venv-dynamo/bin/pip install --quiet ai-dynamo-runtime==1.6.1 \
+	  && .venv-dynamo/bin/pip install --quiet --no-deps ai-dynamo==1.6.1 \
+	  && .venv-dynamo/bin/pip install --quiet $(DYNAMO_DEPS))
+	$(PY) bench/control_plane.py
+
 proto: install
 	$(PY) proto/codegen.py
 
 clean:
-	rm -rf $(VENV) .venv-bench .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-bench .venv-dynamo .pytest_cache *.egg-info

@@ -5,24 +5,18 @@ serves until SIGINT or SIGTERM."""
 
 import asyncio
 import logging
-from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import replace
-from typing import Protocol
 
-from shared.control.bus import MessageBus, NatsBus
-from shared.control.liveness import Liveness
-from shared.control.subjects import Subjects
-from shared.dataplane.helper_plane import HelperDataPlane
 from shared.dataplane.plane import DataPlane
-from shared.dataplane.ucx import UcxDataPlane
 from shared.engine.architecture import UnsupportedModel
 from shared.lifecycle import stop_on_signals
 from shared.model_store import ModelNotFound
-from shared.settings import load_settings, nats_options, setup_logging
+from shared.settings import load_settings, setup_logging
 from shared.telemetry.metrics import MetricsServer
-from shared.telemetry.tracing import start_tracing
-from shared.worker.announcer import Announcer
+from shared.worker.fleet import run_fleet
+from shared.worker.links import BuildWorker, Worker, data_plane, open_links
+from shared.worker.mock_runtime import load_mock_runtime
 from shared.worker.placement import pin
 from shared.worker.runtime import WorkerRuntime, load_runtime
 from shared.worker.settings import WorkerSettings
@@ -30,43 +24,22 @@ from shared.worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 
-class Worker(Protocol):
-    announcer: Announcer
-
-    async def serve(self, stop: asyncio.Event) -> None: ...
-
-
-# (settings, runtime, bus, plane, liveness or None) -> the worker
-BuildWorker = Callable[
-    [WorkerSettings, WorkerRuntime, MessageBus, DataPlane, Liveness | None], Worker
-]
-
-
 async def run_worker(
     settings: WorkerSettings, service: str, role: str, build: BuildWorker, with_liveness: bool
 ) -> None:
-    """Serves one worker of `role` until a signal; `service` names its bus permissions."""
+    """Serves one worker of `role` (or, with --mock-workers, a fleet of mock ones) until a
+    signal; `service` names its bus permissions."""
     stop = stop_on_signals()
-    runtime = await asyncio.to_thread(load_runtime, settings, role)
+    if settings.mock_workers > 1:
+        await run_fleet(settings, service, role, build, with_liveness, stop)
+        return
+    load = load_mock_runtime if settings.engine == "mock" else load_runtime
+    runtime = await asyncio.to_thread(load, settings, role)
     async with AsyncExitStack() as stack:
-        tracing = start_tracing(f"tandem-{role}", settings.otlp_endpoint)
-        stack.callback(tracing.shutdown)
-        bus = await stack.enter_async_context(
-            NatsBus(
-                settings.nats_url,
-                runtime.worker_id,
-                nats_options(settings),
-                role=service,
-                cluster=settings.cluster,
-                tracing=tracing.enabled,
-            )
+        plane = data_plane(settings, runtime)
+        bus, plane, liveness = await open_links(
+            stack, settings, service, role, runtime.worker_id, plane, with_liveness
         )
-        plane = await stack.enter_async_context(data_plane(settings, runtime))
-        liveness = None
-        if with_liveness:
-            liveness = await stack.enter_async_context(
-                Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s)
-            )
         worker = build(settings, runtime, bus, plane, liveness)
         stack.enter_context(metrics_server(settings, runtime, plane, worker))
         await worker.serve(stop)
@@ -86,24 +59,6 @@ def metrics_server(
         )
     )
     return MetricsServer(metrics.registry, settings.metrics_host, settings.metrics_port)
-
-
-def data_plane(settings: WorkerSettings, runtime: WorkerRuntime) -> DataPlane:
-    """The KV data plane: in a helper process over the shared pool (--kv-plane helper), or in
-    this one (--kv-plane inprocess, and for a pool in GPU memory, which is not shared yet)."""
-    options = (
-        settings.ucx_net_devices,
-        settings.ucx_tls,
-        settings.ucx_error_handling,
-        settings.ucx_progress_mode,
-        settings.ucx_rndv_scheme,
-    )
-    region = runtime.runner.pool.region
-    if region is not None:
-        return HelperDataPlane([region], *options)
-    if settings.kv_plane == "helper":
-        log.warning("KV pool on %s: the data plane runs in this process", runtime.runner.device)
-    return UcxDataPlane(*options)
 
 
 def worker_main(

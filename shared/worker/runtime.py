@@ -101,7 +101,7 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
         blocks,
         engine,
         max_len,
-        eos_token_ids(model, tokenizer),
+        eos_token_ids(model.generation_config, tokenizer),
         settings.prefix_summary_limit,
         settings.max_queue,
         runner.kernel_report().line(),
@@ -164,10 +164,10 @@ def model_label(runner: ModelRunner) -> str:
     )
 
 
-def eos_token_ids(model, tokenizer) -> set[int]:
+def eos_token_ids(generation_config, tokenizer) -> set[int]:
     """Every id that ends generation: the generation config's (one or several), the tokenizer's,
     and the token the chat template closes an assistant turn with (`turn_end_id`)."""
-    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = generation_config.eos_token_id if generation_config else None
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)

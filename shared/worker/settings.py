@@ -14,6 +14,7 @@ CHOICES = {  # settings with a fixed set of values
     "kernels": ("auto", "off"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "kv_plane": ("helper", "inprocess"),
+    "engine": ("model", "mock"),
     "ucx_progress_mode": ("blocking", "thread", "polling"),
 }
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -24,6 +25,34 @@ class WorkerSettings(CommonSettings):
     model: str = field(
         default="",
         metadata={"help": "HF model directory or .gguf file; empty = SmolLM2-135M-Instruct"},
+    )
+    engine: str = field(
+        default="model",
+        metadata={
+            "help": "model (run the model) or mock (no compute: wait as the timing model says, deterministic tokens; for control-plane measurements)"
+        },
+    )
+    mock_timing: str = field(
+        default="",
+        metadata={
+            "help": "the mock engine's timing model (JSON from bench/fit_timing.py); empty = the one fitted on SmolLM2-135M here"
+        },
+    )
+    mock_speedup: float = field(
+        default=1.0,
+        metadata={"help": "the mock engine waits step time / this; 0 = no wait at all"},
+    )
+    mock_kv_bytes_per_token: int = field(
+        default=-1,
+        metadata={
+            "help": "KV bytes per token the mock engine holds and moves (0 up to the model's); -1 = the model's"
+        },
+    )
+    mock_workers: int = field(
+        default=1,
+        metadata={
+            "help": "with --engine mock: this many workers in this process, sharing its NATS connection, data plane and tokenizer (control-plane scale tests)"
+        },
     )
     model_cache: str = field(
         default="~/.cache/tandem/models",
@@ -189,6 +218,7 @@ class WorkerSettings(CommonSettings):
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         if self.cpus:
             parse_cpus(self.cpus)  # ValueError naming the list
+        self._check_mock()
         if self.prefix_summary_limit < 0:
             raise ValueError("prefix_summary_limit must not be negative")
         for name in (
@@ -199,6 +229,7 @@ class WorkerSettings(CommonSettings):
             "max_batch_tokens",
             "prefill_chunk_tokens",
             "max_held_chunks",
+            "mock_workers",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -222,6 +253,12 @@ class WorkerSettings(CommonSettings):
             raise ValueError(
                 "worker_id must be 1-64 of A-Z a-z 0-9 _ - (it becomes a NATS subject token)"
             )
+
+    def _check_mock(self) -> None:
+        if not self.mock_speedup >= 0 or self.mock_kv_bytes_per_token < -1:
+            raise ValueError("mock_speedup and mock_kv_bytes_per_token must not be negative")
+        if self.mock_workers > 1 and self.engine != "mock":
+            raise ValueError("mock_workers needs engine mock (a model worker is one per process)")
 
     def resolved_worker_id(self, role: str) -> str:
         return self.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"

@@ -292,4 +292,4 @@ def test_every_eos_id_of_the_generation_config_ends_a_sequence(family_checkpoint
 
     path = family_checkpoint("llama3")
     tokenizer = model_store.load_tokenizer(path)
-    assert eos_token_ids(load(path), tokenizer) == {0, 2, tokenizer.eos_token_id}
+    assert eos_token_ids(load(path).generation_config, tokenizer) == {0, 2, tokenizer.eos_token_id}

@@ -32,5 +32,5 @@ def test_plain_text_a_failing_template_or_none_give_no_token(tokenizer):
 
 def test_it_joins_the_generation_config_s_eos_ids(tokenizer):
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[2]))
-    assert eos_token_ids(model, with_template(tokenizer, GEMMA_LIKE)) == {0, 2}
-    assert eos_token_ids(model, with_template(tokenizer, PLAIN)) == {2}
+    assert eos_token_ids(model.generation_config, with_template(tokenizer, GEMMA_LIKE)) == {0, 2}
+    assert eos_token_ids(model.generation_config, with_template(tokenizer, PLAIN)) == {2}

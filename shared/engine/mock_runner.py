@@ -1,0 +1,125 @@
+"""MockRunner: a ModelRunner that does not compute (`--engine mock`), for measuring the control
+plane at scale without a model per worker.
+
+Everything around the forward pass is the real one: the Engine schedules and batches, the
+BlockManager and its prefix cache account every block, sequences are admitted, cancelled,
+preempted and moved as in a real worker, and the KV pool is a real tensor whose bytes the data
+plane moves over UCX. Only `forward` differs: it waits as long as the real engine would take
+for the step (a TimingModel fitted from the real engine's profile, divided by `speedup`; 0:
+no wait at all) and returns logits that make the next token a fixed function of the token
+before it and its position, so a request's answer is the same on every worker, alone or batched,
+after a move or a preemption.
+
+The pool holds `kv_bytes_per_token` bytes per token, laid out over the real model's layer count
+(one uint8 "head" per layer), so a KV transfer has the real one's pieces; 0 gives an empty pool
+(blocks are still counted: their number comes from the real model's KV size).
+"""
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from shared.control.messages import KVLayout
+from shared.engine.forward_batch import SeqSpan
+from shared.engine.kv_cache import KVPool
+from shared.engine.timing_model import TimingModel
+
+PICKED = 30.0  # the chosen token's logit; every other is 0 (a sampled draw picks it too)
+SLICE_S = 0.01  # a long wait is cut in slices of this, asking `abandon` between them
+
+
+class _NoRotary:
+    """The engine's questions about position encoding, answered as for plain RoPE."""
+
+    cacheable_tokens = None
+
+    @staticmethod
+    def recomputes_at(num_tokens: int) -> bool:
+        return False
+
+
+def mock_layout(model: str, num_layers: int, kv_bytes_per_token: int, block_size: int):
+    """The pool's layout: `kv_bytes_per_token` (rounded up to 2 x num_layers) over num_layers."""
+    per_half_layer = -(-kv_bytes_per_token // (2 * num_layers))
+    return KVLayout(
+        model=model,
+        dtype="uint8",
+        num_layers=num_layers if per_half_layer else 0,
+        num_kv_heads=1,
+        head_dim=max(per_half_layer, 1),
+        block_size=block_size,
+        architecture="mock",
+    )
+
+
+class MockRunner:
+    def __init__(
+        self,
+        layout: KVLayout,
+        pool_blocks: int,
+        chunk: int,
+        vocab: range,  # the ids it may answer with (no special token among them)
+        timing: TimingModel,
+        speedup: float,
+        shared_pool: bool = False,
+    ):
+        self.layout = layout
+        self.pool = KVPool(layout, pool_blocks, layout.block_size, "cpu", shared=shared_pool)
+        self.chunk = chunk
+        self.vocab = vocab
+        self.timing = timing
+        self.speedup = speedup
+        self.rotary = _NoRotary()
+        self.device, self.dtype, self.model = "cpu", torch.uint8, None
+        self._logits = torch.zeros(0, vocab.stop)
+        self._picked: list[tuple[int, int]] = []  # (row, token) set in _logits last step
+
+    def kernel_report(self) -> "MockReport":
+        return MockReport(self.timing.source, self.speedup)
+
+    def next_token(self, previous: int, position: int) -> int:
+        """The token a sequence gets at `position` after `previous`."""
+        mixed = (previous * 1_000_003 + position * 7_919) % len(self.vocab)
+        return self.vocab.start + mixed
+
+    def step_s(self, segments: list[SeqSpan]) -> float:
+        prompts = [(s.start, s.end) for s in segments if s.end - s.start > 1 or s.start == 0]
+        decodes = [s.end for s in segments if s.end - s.start == 1 and s.start > 0]
+        return self.timing.step_s(prompts, decodes)
+
+    def forward(
+        self, segments: list[SeqSpan], abandon: Callable[[], bool] | None = None
+    ) -> torch.Tensor | None:
+        started = time.perf_counter()
+        if self.speedup > 0:
+            until = started + self.step_s(segments) / self.speedup
+            while (left := until - time.perf_counter()) > 0:
+                if abandon is not None and abandon():
+                    return None
+                time.sleep(min(left, SLICE_S))
+        return self._pick([self.next_token(s.token_ids[s.end - 1], s.end) for s in segments])
+
+    def _pick(self, tokens: list[int]) -> torch.Tensor:
+        """Logits [len(tokens), vocab] with each row's token at PICKED, others 0 (one buffer,
+        its previous picks cleared: the engine has read them before it steps again)."""
+        if self._logits.shape[0] < len(tokens):
+            self._logits = torch.zeros(max(len(tokens), 2 * self._logits.shape[0]), self.vocab.stop)
+            self._picked = []
+        for row, token in self._picked:
+            self._logits[row, token] = 0.0
+        self._picked = list(enumerate(tokens))
+        for row, token in self._picked:
+            self._logits[row, token] = PICKED
+        return self._logits[: len(tokens)]
+
+
+class MockReport:
+    """What a mock worker says it runs with (its heartbeat's kernel line)."""
+
+    def __init__(self, source: str, speedup: float):
+        self.source, self.speedup = source, speedup
+
+    def line(self) -> str:
+        pace = "no wait" if self.speedup <= 0 else f"speedup {self.speedup:g}"
+        return f"mock engine · {pace} · timing of {self.source or 'an unnamed profile'}"[:256]

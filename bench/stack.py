@@ -6,10 +6,12 @@ setups a study compares use the same cores: `Worker("prefill", cores="0", thread
 the gateway float on every core.
 """
 
+import json
 import os
 import shutil
 import sys
 import tempfile
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +53,7 @@ class BenchStack:
         common_env: dict | None = None,
         gateway_env: dict | None = None,
         metadata=(),
+        expect_workers: int = 0,  # workers to wait for (default: one per Worker)
     ):
         self.name, self.mode, self.workers = name, mode, workers
         self.scheduler_env = scheduler_env or {}
@@ -60,6 +63,8 @@ class BenchStack:
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{name}-"))
         self.group = ProcessGroup(self.log_dir)
         self.address = ""
+        self.expect_workers = expect_workers or len(workers)
+        self.monitor_port = 0  # nats-server's HTTP monitoring (/varz: its message counts)
 
     def __enter__(self) -> "BenchStack":
         try:
@@ -74,9 +79,9 @@ class BenchStack:
 
     def _start(self) -> None:
         port, grpc_port, self.http_port = free_port(), free_port(), free_port()
-        self.group.spawn(
-            "nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], child_env({})
-        )
+        self.monitor_port = free_port()
+        nats = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
+        self.group.spawn("nats", nats + ["-m", str(self.monitor_port)], child_env({}))
         if not wait_for_port("127.0.0.1", port, 15):
             raise RuntimeError("nats-server did not start")
         common = {
@@ -115,8 +120,17 @@ class BenchStack:
         )
         self.address = f"127.0.0.1:{grpc_port}"
         wait_until_serving(
-            self.address, self.group, 300, workers=len(self.workers), metadata=self.metadata
+            self.address, self.group, 300, workers=self.expect_workers, metadata=self.metadata
         )
+
+    def varz(self) -> dict:
+        """nats-server's counters now (in_msgs: messages clients published)."""
+        url = f"http://127.0.0.1:{self.monitor_port}/varz"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return json.load(reply)
+
+    def pid(self, name: str) -> int:
+        return next(p.pid for n, p in self.group.children if n == name)
 
 
 def cores() -> int:

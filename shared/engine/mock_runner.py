@@ -11,8 +11,9 @@ before it and its position, so a request's answer is the same on every worker, a
 after a move or a preemption.
 
 The pool holds `kv_bytes_per_token` bytes per token, laid out over the real model's layer count
-(one uint8 "head" per layer), so a KV transfer has the real one's pieces; 0 gives an empty pool
-(blocks are still counted: their number comes from the real model's KV size).
+(one uint8 "head" per layer), so a KV transfer has the real one's pieces; 0 gives 2 bytes per
+token in one layer, the least a layout holds (blocks are counted alike: their number comes
+from the real model's KV size).
 """
 
 import time
@@ -40,12 +41,13 @@ class _NoRotary:
 
 
 def mock_layout(model: str, num_layers: int, kv_bytes_per_token: int, block_size: int):
-    """The pool's layout: `kv_bytes_per_token` (rounded up to 2 x num_layers) over num_layers."""
+    """The pool's layout: `kv_bytes_per_token` (rounded up to 2 x num_layers) over num_layers;
+    0: the least a layout holds, one layer of 2 bytes per token (a transfer of next to nothing)."""
     per_half_layer = -(-kv_bytes_per_token // (2 * num_layers))
     return KVLayout(
         model=model,
         dtype="uint8",
-        num_layers=num_layers if per_half_layer else 0,
+        num_layers=num_layers if per_half_layer else 1,
         num_kv_heads=1,
         head_dim=max(per_half_layer, 1),
         block_size=block_size,

@@ -65,14 +65,14 @@ def mock_runtime(
         answer_ids(model.tokenizer, model.config),
         TimingModel.load(settings.mock_timing or DEFAULT_PATH),
         settings.mock_speedup,
-        shared_pool=settings.kv_plane == "helper" and layout.num_layers > 0,
+        shared_pool=settings.kv_plane == "helper",
     )
     blocks = BlockManager(
         num_blocks, settings.block_size, cache_granularity=settings.prefill_chunk_tokens
     )
     engine = Engine(runner, blocks, settings.max_num_seqs, settings.max_batch_tokens)
     limit = model_store.context_limit(model.config)
-    held = bytes_per_token(layout) if layout.num_layers else 0
+    held = bytes_per_token(layout)
     runtime = WorkerRuntime(
         settings.resolved_worker_id(role),
         role,

@@ -45,7 +45,7 @@ class WorkerSettings(CommonSettings):
     mock_kv_bytes_per_token: int = field(
         default=-1,
         metadata={
-            "help": "KV bytes per token the mock engine holds and moves (0 up to the model's); -1 = the model's"
+            "help": "KV bytes per token the mock engine holds and moves (0: 2, the least; up to the model's); -1 = the model's"
         },
     )
     mock_workers: int = field(

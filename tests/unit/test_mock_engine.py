@@ -98,10 +98,10 @@ def test_a_step_takes_the_timing_model_s_time_over_the_speedup():
 def test_the_pool_holds_the_bytes_per_token_asked_for():
     assert bytes_per_token(mock_layout("m", 30, 46080, BLOCK)) == 46080  # SmolLM2's fp32 KV
     assert bytes_per_token(mock_layout("m", 30, 100, BLOCK)) == 120  # rounded up to 2 x layers
-    empty = mock_layout("m", 30, 0, BLOCK)
-    assert empty.num_layers == 0 and bytes_per_token(empty) == 0
+    least = mock_layout("m", 30, 0, BLOCK)
+    assert least.num_layers == 1 and bytes_per_token(least) == 2
     mock = runner(per_token=0)
-    assert mock.pool.kv.numel() == 0
+    assert mock.pool.kv.numel() == 2 * mock.pool.num_blocks * BLOCK
     seq = make_seq([4] * 40, 5)
     engine = engine_of(mock)
     engine.add(seq)

@@ -1,0 +1,161 @@
+"""The control plane's own cost, against NVIDIA Dynamo's, on mock engines (issue 19).
+
+    python bench/control_plane.py [--sections ttft,messages,fleet]   (make bench-control-plane)
+
+ttft      TTFT and ITL with a zero-time mock engine (--mock-speedup 0, no KV bytes), colocated
+          and disaggregated, at concurrency 1, 8 and 32: Tandem through its OpenAI-compatible
+          HTTP front (a fresh connection per request, and keep-alive) and through gRPC; Dynamo
+          1.6.1's frontend + mocker (speedup 1e6, --kv-transfer-bandwidth 0) through the same
+          HTTP client, in the same run, one after the other.
+messages  NATS messages per generated token at 64 concurrent streams on one worker (the
+          mock at the real engine's pace, --mock-speedup 1): nats-server's in_msgs over the run
+          (every message: submits, assignments, acks, heartbeats, token batches).
+fleet     1,000 mock workers (4 processes x 250, --mock-workers) on one scheduler: the
+          scheduler's CPU share while they heartbeat, ClusterStatus size and time, placement
+          (the scheduler's routing time, and TTFT through the gateway) at concurrency 1 and 8.
+
+Writes bench/results/control-plane.{json,md}. Dynamo runs where .venv-dynamo exists.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cp_scale import grpc_run, section_fleet, section_gateway  # noqa: E402
+from dynamo_peer import DynamoStack, available, dynamo_version  # noqa: E402
+from stack import LOAD_GENERATOR, BenchStack, Worker  # noqa: E402
+from stream_clients import GrpcClient, HttpClient, run  # noqa: E402
+
+from shared import model_store  # noqa: E402
+
+OUT = ROOT / "bench" / "results"
+LEVELS = (1, 8, 32)
+ZERO_TIME = {
+    "TANDEM_ENGINE": "mock",
+    "TANDEM_MOCK_SPEEDUP": "0",
+    "TANDEM_MOCK_KV_BYTES_PER_TOKEN": "0",
+}
+QUIET = {"TANDEM_LOG_LEVEL": "WARNING"}
+
+
+def tandem_stack(name: str, mode: str, mock: dict, workers: list[Worker] | None = None, **kw):
+    if workers is None:
+        roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
+        workers = [Worker(role) for role in roles]
+    return BenchStack(
+        name, mode, workers, common_env={**mock, **QUIET}, gateway_env=LOAD_GENERATOR, **kw
+    )
+
+
+async def tandem_levels(stack: BenchStack, model: str, n: int, max_tokens: int) -> list[dict]:
+    rows = []
+    fronts = [("http-fresh", True), ("http-keepalive", False), ("grpc", None)]
+    for front, fresh in fronts:
+        for level in LEVELS:
+            if fresh is None:
+                async with GrpcClient(stack.address) as client:
+                    row = await run(client, n, level, max_tokens)
+            else:
+                async with HttpClient(
+                    f"http://127.0.0.1:{stack.http_port}", model, fresh
+                ) as client:
+                    row = await run(client, n, level, max_tokens)
+            rows.append({"system": "tandem", "front": front, **row})
+    return rows
+
+
+async def dynamo_levels(base_url: str, model: str, n: int, max_tokens: int) -> list[dict]:
+    rows = []
+    for front, fresh in (("http-fresh", True), ("http-keepalive", False)):
+        for level in LEVELS:
+            async with HttpClient(base_url, model, fresh) as client:
+                row = await run(client, n, level, max_tokens)
+            rows.append({"system": f"dynamo {dynamo_version()}", "front": front, **row})
+    return rows
+
+
+def section_ttft(args, model_dir: Path) -> list[dict]:
+    rows = []
+    for mode in ("colocated", "disaggregated"):
+        path = "aggregated" if mode == "colocated" else "disaggregated"
+        with tandem_stack(f"cp-{mode}", mode, ZERO_TIME) as stack:
+            model = _served_model(stack.http_port)
+            for row in asyncio.run(tandem_levels(stack, model, args.n, args.max_tokens)):
+                rows.append({"path": path, **row})
+        if available():
+            with DynamoStack(model_dir, mode != "colocated") as dynamo:
+                found = asyncio.run(
+                    dynamo_levels(dynamo.base_url, dynamo.model, args.n, args.max_tokens)
+                )
+                rows += [{"path": path, **row} for row in found]
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def section_messages(args) -> dict:
+    paced = {"TANDEM_ENGINE": "mock", "TANDEM_MOCK_SPEEDUP": "1"}
+    streams, max_tokens = 64, 256
+    with tandem_stack("cp-messages", "colocated", paced) as stack:
+        before = stack.varz()["in_msgs"]
+        started = time.perf_counter()
+        result = asyncio.run(grpc_run(stack.address, 2 * streams, streams, max_tokens))
+        after = stack.varz()["in_msgs"]
+        wall = time.perf_counter() - started
+    tokens = result["content_chunks_per_request"] * result["n"]
+    return {
+        "streams_per_worker": streams,
+        "requests": result["n"],
+        "max_tokens": max_tokens,
+        "tokens": tokens,
+        "nats_messages": after - before,
+        "messages_per_token": (after - before) / tokens,
+        "seconds": wall,
+        "itl_ms_p50": result["itl_ms_p50"],
+        "itl_ms_p99": result["itl_ms_p99"],
+    }
+
+
+def _served_model(http_port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=5) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="ttft,messages,fleet,gateway")
+    parser.add_argument("-n", type=int, default=200, help="requests per level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--fleet-size", type=int, default=1000)
+    parser.add_argument("--gateway-levels", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    parser.add_argument("--gateway-tokens", type=int, default=200)
+    args = parser.parse_args()
+    model_dir = model_store.prepare("", os.path.expanduser("~/.cache/tandem/models"))
+    results = {"machine": {"cores": os.cpu_count()}, "args": vars(args)}
+    sections = args.sections.split(",")
+    if "ttft" in sections:
+        results["ttft"] = section_ttft(args, model_dir)
+    if "messages" in sections:
+        results["messages"] = section_messages(args)
+    if "fleet" in sections:
+        results["fleet"] = section_fleet(args)
+    if "gateway" in sections:
+        results["gateway"] = section_gateway(args)
+    OUT.mkdir(parents=True, exist_ok=True)
+    name = "control-plane" if len(sections) == 4 else "control-plane-" + "-".join(sections)
+    (OUT / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

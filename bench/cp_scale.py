@@ -1,0 +1,168 @@
+"""The control-plane bench's scale sections (see control_plane.py): a fleet of 1,000 mock
+workers on one scheduler, and one gateway's stream capacity."""
+
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from dynamo_peer import cpu_seconds
+from stack import LOAD_GENERATOR, BenchStack, Worker
+from stream_clients import GrpcClient, pct
+
+from shared.api import tandem_pb2 as pb
+from shared.api import tandem_pb2_grpc as pb_grpc
+from shared.engine.timing_model import FEATURES, TimingModel
+
+QUIET = {"TANDEM_LOG_LEVEL": "WARNING"}
+
+
+def section_fleet(args) -> dict:
+    per, processes = args.fleet_size // 4, 4
+    fleet_env = {
+        "TANDEM_ENGINE": "mock",
+        "TANDEM_MOCK_SPEEDUP": "0",
+        "TANDEM_MOCK_KV_BYTES_PER_TOKEN": "0",
+        "TANDEM_MOCK_WORKERS": str(per),
+        "TANDEM_KV_CACHE_MB": "64",
+    }
+    workers = [Worker("colocated", env=fleet_env) for _ in range(processes)]
+    metrics = {"TANDEM_METRICS_PORT": str(_port())}
+    stack = BenchStack(
+        "cp-fleet",
+        "colocated",
+        workers,
+        scheduler_env=metrics,
+        common_env=QUIET,
+        gateway_env=LOAD_GENERATOR,
+        expect_workers=per * processes,
+    )
+    with stack:
+        scheduler = stack.pid("scheduler")
+        time.sleep(5)  # every worker heard at least once more
+        used, window = cpu_seconds(scheduler), 20.0
+        time.sleep(window)
+        share = (cpu_seconds(scheduler) - used) / window
+        status = _cluster_status(stack.address)
+        placement = {
+            level: asyncio.run(grpc_run(stack.address, args.n, level, 8)) for level in (1, 8)
+        }
+        routing = _routing_quantiles(int(metrics["TANDEM_METRICS_PORT"]))
+    return {
+        "workers": per * processes,
+        "processes": processes,
+        "heartbeat_interval_s": 0.5,
+        "scheduler_cpu_share_idle": share,
+        "cluster_status": status,
+        "placement": placement,
+        "routing": routing,
+    }
+
+
+async def grpc_run(address: str, n: int, concurrency: int, max_tokens: int) -> dict:
+    from stream_clients import run
+
+    async with GrpcClient(address) as client:
+        return await run(client, n, concurrency, max_tokens, warmup=0)
+
+
+def section_gateway(args) -> list[dict]:
+    """One gateway, more and more concurrent streams: each a long greedy request on mock
+    workers whose every step takes STEP_S (a timing model of that base alone), so a token's gap
+    at the client is STEP_S plus what the control plane adds. Ends once the added ITL p99 passes
+    5 ms (or at the last level)."""
+    timing = Path(tempfile.mkdtemp()) / "fixed-step.json"
+    TimingModel({**dict.fromkeys(FEATURES, 0.0), "base": STEP_S}, f"{STEP_S}s per step").save(
+        timing
+    )
+    processes, per = 4, 8
+    env = {
+        "TANDEM_ENGINE": "mock",
+        "TANDEM_MOCK_TIMING": str(timing),
+        "TANDEM_MOCK_KV_BYTES_PER_TOKEN": "0",
+        "TANDEM_MOCK_WORKERS": str(per),
+        "TANDEM_MAX_NUM_SEQS": "64",
+        "TANDEM_KV_CACHE_MB": "4096",
+    }
+    workers = [Worker("colocated", env=env) for _ in range(processes)]
+    stack = BenchStack(
+        "cp-gateway",
+        "colocated",
+        workers,
+        common_env=QUIET,
+        gateway_env=LOAD_GENERATOR,
+        expect_workers=processes * per,
+    )
+    rows = []
+    with stack:
+        gateway = stack.pid("gateway")
+        for streams in args.gateway_levels:
+            used, started = cpu_seconds(gateway), time.perf_counter()
+            row = asyncio.run(_streams(stack.address, streams, args.gateway_tokens))
+            wall = time.perf_counter() - started
+            row["gateway_cores"] = (cpu_seconds(gateway) - used) / wall
+            row["tokens_per_gateway_core"] = row["tokens_per_s"] / max(row["gateway_cores"], 1e-9)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if row["added_itl_ms_p99"] > 5:
+                break
+    return rows
+
+
+STEP_S = 0.02
+
+
+async def _streams(address: str, streams: int, max_tokens: int) -> dict:
+    """`streams` requests at once, each of max_tokens tokens; ITL past the first 8 tokens of
+    each (all streams running by then)."""
+    async with GrpcClient(address) as client:
+        started = time.perf_counter()
+        done = await asyncio.gather(*(client.one(i, max_tokens) for i in range(streams)))
+        wall = time.perf_counter() - started
+    gaps = [(b - a) * 1e3 for t in done for a, b in zip(t.times[8:], t.times[9:])]
+    tokens = sum(len(t.times) for t in done)
+    return {
+        "streams": streams,
+        "answered": sum(1 for t in done if len(t.times) == max_tokens),
+        "tokens_per_s": tokens / wall,
+        "itl_ms_p50": pct(gaps, 50),
+        "itl_ms_p99": pct(gaps, 99),
+        "added_itl_ms_p50": pct(gaps, 50) - STEP_S * 1e3,
+        "added_itl_ms_p99": pct(gaps, 99) - STEP_S * 1e3,
+    }
+
+
+def _port() -> int:
+    from shared.cli.processes import free_port
+
+    return free_port()
+
+
+def _cluster_status(address: str) -> dict:
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        times, reply = [], None
+        for _ in range(5):
+            started = time.perf_counter()
+            reply = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
+            times.append(time.perf_counter() - started)
+    times.sort()
+    return {"workers": len(reply.workers), "bytes": reply.ByteSize(), "ms_median": times[2] * 1e3}
+
+
+def _routing_quantiles(port: int) -> dict:
+    """The scheduler's routing time histogram, as bucket bounds (p50 and p99 lie below them)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith("tandem_scheduler_routing_seconds_bucket"):
+            bound = line.split('le="')[1].split('"')[0]
+            buckets.append((float(bound), float(line.rsplit(" ", 1)[1])))
+    total = buckets[-1][1] if buckets else 0
+    bound = lambda q: next((b for b, c in buckets if c >= q * total), float("inf"))  # noqa: E731
+    return {"count": total, "p50_at_most_ms": bound(0.5) * 1e3, "p99_at_most_ms": bound(0.99) * 1e3}

@@ -114,7 +114,7 @@ class DynamoStack:
 def dynamo_version() -> str:
     try:
         meta = next(VENV.glob("lib/python*/site-packages/ai_dynamo-*.dist-info"))
-        return meta.name.split("-")[1]
+        return meta.name.removesuffix(".dist-info").split("-")[1]
     except StopIteration:
         return "?"
 

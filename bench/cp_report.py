@@ -1,0 +1,128 @@
+"""bench/results/control-plane.md from the control-plane bench's JSON files.
+
+python bench/cp_report.py [results JSON ...]   (default: every control-plane*.json there)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "results"
+
+
+def ttft_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| path | system | front | conc | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | req/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['path']} | {r['system']} | {r['front']} | {r['concurrency']} | "
+            f"{r['ttft_ms_p50']:.2f} | {r['ttft_ms_p99']:.2f} | {r['itl_ms_p50']:.3f} | "
+            f"{r['itl_ms_p99']:.2f} | {r['req_per_s']:.0f} |"
+        )
+    return lines
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """Tandem's TTFT p50 over Dynamo's (fresh connections, its best), per path and level."""
+    lines = [
+        "| path | conc | Tandem front | Tandem / Dynamo TTFT p50 | bar |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["system"] != "tandem" or r["front"] == "http-keepalive":
+            continue
+        peer = next(
+            (
+                p
+                for p in rows
+                if p["system"].startswith("dynamo")
+                and p["front"] == "http-fresh"
+                and p["path"] == r["path"]
+                and p["concurrency"] == r["concurrency"]
+            ),
+            None,
+        )
+        if peer is None:
+            continue
+        ratio = r["ttft_ms_p50"] / peer["ttft_ms_p50"]
+        bar = 0.5 if r["concurrency"] == 1 else 1.0
+        verdict = "met" if ratio <= bar else "NOT met"
+        lines.append(
+            f"| {r['path']} | {r['concurrency']} | {r['front']} | {ratio:.2f} | <= {bar} {verdict} |"
+        )
+    return lines
+
+
+def render(results: dict) -> list[str]:
+    lines = []
+    if "ttft" in results:
+        lines += ["## TTFT and ITL, zero-time mock engines (ms)", "", *ttft_table(results["ttft"])]
+        lines += ["", *ratios(results["ttft"]), ""]
+    if "messages" in results:
+        m = results["messages"]
+        lines += [
+            "## NATS messages per generated token",
+            "",
+            f"{m['streams_per_worker']} concurrent streams on one worker, {m['requests']} requests "
+            f"of {m['max_tokens']} tokens, mock at the real engine's pace: {m['nats_messages']} "
+            f"messages for {m['tokens']:.0f} tokens = **{m['messages_per_token']:.3f} per token** "
+            "(every message nats-server received, heartbeats included; bar <= 0.1).",
+            "",
+        ]
+    if "fleet" in results:
+        f, s = results["fleet"], results["fleet"]["cluster_status"]
+        lines += [
+            f"## {f['workers']} mock workers on one scheduler",
+            "",
+            f"{f['processes']} processes of {f['workers'] // f['processes']} workers, "
+            f"heartbeat every {f['heartbeat_interval_s']} s, all on the same 2 cores.",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            f"| scheduler CPU while they heartbeat (idle) | {f['scheduler_cpu_share_idle']:.0%} of a core |",
+            f"| ClusterStatus | {s['workers']} workers, {s['bytes'] / 1024:.0f} KiB, {s['ms_median']:.0f} ms (median of 5) |",
+            f"| routing time (scheduler histogram) | p50 <= {f['routing']['p50_at_most_ms']:g} ms, p99 <= {f['routing']['p99_at_most_ms']:g} ms |",
+            *[
+                f"| TTFT through the gateway at concurrency {c} | p50 {p['ttft_ms_p50']:.1f} ms, p99 {p['ttft_ms_p99']:.1f} ms |"
+                for c, p in f["placement"].items()
+            ],
+            "",
+        ]
+    if "gateway" in results:
+        lines += [
+            "## One gateway's streams (mock steps of 20 ms each)",
+            "",
+            "| streams | tokens/s | ITL p50 | ITL p99 | added ITL p99 | gateway cores | tokens/s per gateway core |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in results["gateway"]:
+            lines.append(
+                f"| {r['streams']} | {r['tokens_per_s']:.0f} | {r['itl_ms_p50']:.1f} | "
+                f"{r['itl_ms_p99']:.1f} | {r['added_itl_ms_p99']:.1f} | {r['gateway_cores']:.2f} | "
+                f"{r['tokens_per_gateway_core']:.0f} |"
+            )
+        lines.append("")
+    return lines
+
+
+def main(paths: list[str]) -> int:
+    files = [Path(p) for p in paths] or sorted(OUT.glob("control-plane*.json"))
+    lines = ["# The control plane on mock engines, against NVIDIA Dynamo", ""]
+    for path in files:
+        results = json.loads(path.read_text())
+        lines += [f"From `{path.name}` (`python bench/control_plane.py {_args(results)}`).", ""]
+        lines += render(results)
+    (OUT / "control-plane.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def _args(results: dict) -> str:
+    a = results.get("args", {})
+    return f"--sections {a.get('sections', '')} -n {a.get('n', '')}"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

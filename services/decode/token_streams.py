@@ -172,9 +172,10 @@ class TokenStreams:
 
 
 def _size(chunk: TokenChunk) -> int:
-    """An upper bound of a chunk's encoded size (text in UTF-8, each logprob with its top-k)."""
-    per_logprob = sum(16 + 14 * len(lp.top_ids) for lp in chunk.logprobs)
-    return 256 + 4 * len(chunk.text) + 9 * len(chunk.token_ids) + per_logprob
+    """An upper bound of a chunk's encoded size: its field names and Timing (512), text in UTF-8,
+    each logprob's map with its top-k (ids and float64s)."""
+    per_logprob = sum(64 + 14 * len(lp.top_ids) for lp in chunk.logprobs)
+    return 512 + 4 * len(chunk.text) + 9 * len(chunk.token_ids) + per_logprob
 
 
 def _parts(pairs: list) -> list[list]:

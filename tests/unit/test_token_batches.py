@@ -8,7 +8,14 @@ import dataclasses
 from services.decode.token_streams import BATCH_BYTES, _parts, _size
 from services.gateway.streams import StreamRouter
 from shared.control import wire
-from shared.control.messages import DecodeAssignment, TaskAck, TokenBatch, TokenChunk
+from shared.control.messages import (
+    DecodeAssignment,
+    TaskAck,
+    Timing,
+    TokenBatch,
+    TokenChunk,
+    TokenLogprob,
+)
 from tests.fakes.bus import InMemoryBus
 from tests.unit.transfer_fakes import DECODE, Pair, make_task, until
 
@@ -46,6 +53,22 @@ async def test_one_message_per_step_carries_every_stream_of_a_gateway(tiny_model
         assert len(messages) * 4 <= tokens, f"{len(messages)} messages for {tokens} tokens"
         assert any(isinstance(m, TokenBatch) and len(m.chunks) == 8 for m in messages)
         await pair.idle()
+
+
+def test_the_size_estimate_bounds_chunks_with_logprobs_and_timing():
+    top = TokenLogprob(-0.5, list(range(1 << 20, (1 << 20) + 20)), [-1.0 / 3] * 20)
+    chunk = TokenChunk(
+        "a" * 64,
+        1 << 30,
+        [1 << 30] * 8,
+        "x",
+        [top] * 8,
+        "length",
+        1 << 20,
+        1 << 20,
+        Timing(1.5, 2.5, 3.5, 4.5, "p" * 64, "d" * 64, "disaggregated", 1 << 20),
+    )
+    assert len(wire.encode(chunk)) <= _size(chunk)
 
 
 def test_batches_are_cut_below_the_wire_cap():

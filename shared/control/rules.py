@@ -8,7 +8,9 @@ payload: logged, counted, dropped.
 """
 
 import dataclasses
+import functools
 import math
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -106,34 +108,57 @@ EXTRA: dict[str, Callable[[Any], str | None]] = {
 }
 
 
-def _field_problem(kind: str, name: str, value: Any) -> str | None:
-    if isinstance(value, bool) or value is None or dataclasses.is_dataclass(value):
-        return None
-    if isinstance(value, int):
-        low, high = SIGNED.get((kind, name), (0, MAX_UINT))
-        return None if low <= value <= high else f"{name} out of range"
+def _int_check(name: str, low: int, high: int, value: int) -> str | None:
+    return None if low <= value <= high else f"{name} out of range"
+
+
+def _float_check(name: str, value: float) -> str | None:
     # times may differ in sign across hosts' clocks: finite is the rule
-    if isinstance(value, float):
-        return None if math.isfinite(value) else f"{name} is not a finite number"
-    if isinstance(value, (str, bytes)):
-        return None if len(value) <= MAX_STR else f"{name} is too long"
-    if isinstance(value, list):
-        if len(value) > MAX_LIST:
-            return f"{name} has too many items"
+    return None if math.isfinite(value) else f"{name} is not a finite number"
+
+
+def _size_check(name: str, value: str | bytes) -> str | None:
+    return None if len(value) <= MAX_STR else f"{name} is too long"
+
+
+def _list_check(name: str, items: type, value: list) -> str | None:
+    if len(value) > MAX_LIST:
+        return f"{name} has too many items"
+    if items is int and value:
         high = TOKEN_ID_LIMIT - 1 if name in TOKEN_LISTS else MAX_UINT
-        if any(isinstance(v, int) and not 0 <= v <= high for v in value):
+        if min(value) < 0 or max(value) > high:
             return f"{name} has an item out of range"
-        if any(isinstance(v, str) and len(v) > MAX_STR for v in value):
-            return f"{name} has an item too long"
+    if items is str and any(len(v) > MAX_STR for v in value):
+        return f"{name} has an item too long"
     return None
 
 
+def _field_check(kind: str, name: str, hint: Any) -> Callable[[Any], str | None] | None:
+    """The range check of a field of type `hint` (types are checked already); None: none."""
+    if hint is int:
+        return functools.partial(_int_check, name, *SIGNED.get((kind, name), (0, MAX_UINT)))
+    if hint is float:
+        return functools.partial(_float_check, name)
+    if hint in (str, bytes):
+        return functools.partial(_size_check, name)
+    if typing.get_origin(hint) is list:
+        return functools.partial(_list_check, name, typing.get_args(hint)[0])
+    return None  # bool, a nested message (checked as it is built), an enum
+
+
+@functools.cache
+def _checks(cls: type) -> tuple[tuple[str, Callable[[Any], str | None]], ...]:
+    kind, hints = cls.__name__, typing.get_type_hints(cls)
+    found = ((f.name, _field_check(kind, f.name, hints[f.name])) for f in dataclasses.fields(cls))
+    return tuple((name, check) for name, check in found if check is not None)
+
+
 def problem(message: Any) -> str | None:
-    """What is out of range in `message` (its nested messages are checked as they are built)."""
-    kind = type(message).__name__
-    for f in dataclasses.fields(message):
-        found = _field_problem(kind, f.name, getattr(message, f.name))
+    """What is out of range in `message` (its nested messages are checked as they are built).
+    Its fields' types are right already: wire.decode checks them first."""
+    for name, check in _checks(type(message)):
+        found = check(getattr(message, name))
         if found:
             return found
-    extra = EXTRA.get(kind)
+    extra = EXTRA.get(type(message).__name__)
     return extra(message) if extra else None

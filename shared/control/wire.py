@@ -12,6 +12,7 @@ import sys
 import time
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgpack
@@ -66,23 +67,39 @@ def _unpack(data: bytes, where: str) -> list[int]:
     return ids.tolist()
 
 
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
+
+
+def _travels(name: str) -> str:
+    return "packed" if name in PACKED else "deadline" if name in DEADLINES else ""
+
+
+@functools.cache
+def _names(cls: type) -> tuple[tuple[str, str], ...]:
+    """Each field of a message type: its name and how it travels (see _plan)."""
+    return tuple((f.name, _travels(f.name)) for f in dataclasses.fields(cls))
+
+
 def _to_plain(value: Any) -> Any:
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is list:  # a message's lists hold one type: scalars go as they are
+        return value if not value or type(value[0]) in _SCALARS else [_to_plain(v) for v in value]
     if isinstance(value, enum.Enum):
         return value.value
-    if dataclasses.is_dataclass(value):
-        body = {}
-        for f in dataclasses.fields(value):
-            field_value = getattr(value, f.name)
-            if f.name in PACKED:
-                body[f.name] = _pack(field_value)
-            elif f.name in DEADLINES and field_value:
-                body[f.name] = _time_left(field_value)
-            else:
-                body[f.name] = _to_plain(field_value)
-        return body
-    if isinstance(value, list):
-        return [_to_plain(v) for v in value]
-    return value
+    if not dataclasses.is_dataclass(value):
+        return value
+    body = {}
+    for name, travels in _names(kind):
+        field_value = getattr(value, name)
+        if travels == "packed":
+            body[name] = _pack(field_value)
+        elif travels == "deadline" and field_value:
+            body[name] = _time_left(field_value)
+        else:
+            body[name] = _to_plain(field_value)
+    return body
 
 
 def encode(message: Any) -> bytes:
@@ -98,55 +115,112 @@ def encode(message: Any) -> bytes:
     return data
 
 
-def _check(kind: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(kind)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(kind):
-            return None
-        inner = [a for a in typing.get_args(kind) if a is not type(None)][0]
-        return _check(inner, value, where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise MessageError(f"{where}: expected a list")
-        (item,) = typing.get_args(kind)
-        return [_check(item, v, f"{where}[]") for v in value]
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        try:
-            return kind(value)
-        except ValueError:
-            raise MessageError(f"{where}: not a {kind.__name__}: {str(value)[:40]!r}") from None
-    if dataclasses.is_dataclass(kind):
-        if not isinstance(value, dict):
-            raise MessageError(f"{where}: expected a map")
-        return _build(kind, value, where)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kind is int and isinstance(value, bool):
+Convert = Callable[[Any, str], Any]  # a field's value as received -> as typed, or MessageError
+
+
+def _int(value: Any, where: str) -> int:
+    if type(value) is int:
+        return value
+    if isinstance(value, bool):
         raise MessageError(f"{where}: expected int, got bool")
+    if isinstance(value, int):
+        return value
+    raise MessageError(f"{where}: expected int, got {type(value).__name__}")
+
+
+def _float(value: Any, where: str) -> float:
+    if type(value) is float:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, float):
+        return value
+    raise MessageError(f"{where}: expected float, got {type(value).__name__}")
+
+
+def _plain(kind: type, value: Any, where: str) -> Any:
     if not isinstance(value, kind):
         raise MessageError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
     return value
 
 
+def _enum(kind: type, value: Any, where: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        raise MessageError(f"{where}: not a {kind.__name__}: {str(value)[:40]!r}") from None
+
+
+def _message(cls: type, value: Any, where: str) -> Any:
+    if not isinstance(value, dict):
+        raise MessageError(f"{where}: expected a map")
+    return _build(cls, value, where)
+
+
+def _optional(convert: Convert, value: Any, where: str) -> Any:
+    return None if value is None else convert(value, where)
+
+
+def _list(convert: Convert, exact: type | None, value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise MessageError(f"{where}: expected a list")
+    if exact is None:
+        return [convert(v, f"{where}[]") for v in value]
+    for v in value:  # msgpack gives exactly int/str/bytes: only an odd item is looked at closer
+        if type(v) is not exact:
+            convert(v, f"{where}[]")
+    return value
+
+
 @functools.cache
-def _fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
-    """Each field of a message type with its resolved type (resolving costs more than decoding)."""
+def _converter(kind: Any) -> Convert:
+    """The check and conversion of a value of type `kind`, made once per type."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(kind)
+        inner = _converter([a for a in args if a is not type(None)][0])
+        return functools.partial(_optional, inner) if type(None) in args else inner
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        exact = item if item in (int, str, bytes) else None
+        return functools.partial(_list, _converter(item), exact)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return functools.partial(_enum, kind)
+    if dataclasses.is_dataclass(kind):
+        return functools.partial(_message, kind)
+    if kind is int or kind is float:
+        return _int if kind is int else _float
+    return functools.partial(_plain, kind)
+
+
+@functools.cache
+def _plan(cls: type) -> tuple[tuple[str, Convert, bool, str], ...]:
+    """Each field of a message type: its name, converter, whether it is required, and how it
+    travels ("packed", "deadline" or ""). Made once per type: resolving costs more than decoding."""
     hints = typing.get_type_hints(cls)
-    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
+    return tuple(
+        (
+            f.name,
+            _converter(hints[f.name]),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            _travels(f.name),
+        )
+        for f in dataclasses.fields(cls)
+    )
 
 
 def _build(cls: type, body: dict, where: str) -> Any:
     values = {}
-    for f, kind in _fields(cls):
-        if f.name in body:
-            value = body[f.name]
-            if f.name in PACKED and isinstance(value, bytes):
-                value = _unpack(value, f"{where}.{f.name}")
-            elif f.name in DEADLINES and isinstance(value, float) and value:
+    for name, convert, required, travels in _plan(cls):
+        if name in body:
+            value = body[name]
+            if travels == "packed" and isinstance(value, bytes):
+                value = _unpack(value, f"{where}.{name}")
+            elif travels == "deadline" and isinstance(value, float) and value:
                 value = _now() + value  # the time left, as an instant of this host's clock
-            values[f.name] = _check(kind, value, f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise MessageError(f"{where}: missing field {f.name!r}")
+            values[name] = convert(value, f"{where}.{name}")
+        elif required:
+            raise MessageError(f"{where}: missing field {name!r}")
     message = cls(**values)
     found = message_rules.problem(message)
     if found:

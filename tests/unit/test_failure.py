@@ -43,8 +43,8 @@ def test_failures_are_values():
 
 
 def test_the_codec_reads_enums_by_value_and_refuses_unknown_ones():
-    assert wire._check(Code, "UNAVAILABLE", "x") is Code.UNAVAILABLE
+    assert wire._converter(Code)("UNAVAILABLE", "x") is Code.UNAVAILABLE
     assert wire._to_plain(Retry.HERE) == "here"
     for bad in ("unavailable", 5, None):
         with pytest.raises(MessageError):
-            wire._check(Code, bad, "x")
+            wire._converter(Code)(bad, "x")

@@ -28,7 +28,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.fork import fork
 from shared.engine.model_runner import ModelRunner, SeqSpan
 from shared.engine.prompt_chunks import chunk_end, share_rest
-from shared.engine.sampler import logprob_of, sample
+from shared.engine.sampler import greedy_tokens, logprob_of, plain_greedy, sample
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
 from shared.engine.step_stats import StepStats
 
@@ -219,6 +219,9 @@ class Engine:
 
     def _postprocess(self, work: list[_Work], logits) -> list[tuple[Sequence, StepOutput]]:
         outputs = []
+        greedy = greedy_tokens(
+            logits, [w.end >= w.seq.num_tokens and plain_greedy(w.seq.sampling) for w in work]
+        )
         for row, w in enumerate(work):
             seq = w.seq
             if seq.status is SeqStatus.WAITING:  # a prompt pass: its full blocks may be shared
@@ -235,13 +238,16 @@ class Engine:
                 seq.queue_ms = (
                     seq.queue_ms or max(0.0, seq.prefill_started - seq.task.arrival_time) * 1000
                 )
-            outputs += self._sample(seq, logits[row])
+            outputs += self._sample(seq, logits[row], greedy[row])
         return outputs
 
-    def _sample(self, seq: Sequence, logits) -> list[tuple[Sequence, StepOutput]]:
+    def _sample(self, seq: Sequence, logits, greedy: int) -> list[tuple[Sequence, StepOutput]]:
         """The next token from seq's logits [vocab] (with its logprob when asked); at the end of
-        the prompt of a request of n > 1 choices, the first token of each choice."""
+        the prompt of a request of n > 1 choices, the first token of each choice. `greedy`: the
+        row's argmax, when it is all the request asks for (-1: not computed)."""
         params = seq.sampling
+        if greedy >= 0:
+            return self._first_of_each(seq, [(greedy, None)])
         choices = (
             [choice_sampling(params, i) for i in range(params.n)] if params.n > 1 else [params]
         )

@@ -75,7 +75,7 @@ class MockRunner:
         self.rotary = _NoRotary()
         self.device, self.dtype, self.model = "cpu", torch.uint8, None
         self._logits = torch.zeros(0, vocab.stop)
-        self._picked: list[tuple[int, int]] = []  # (row, token) set in _logits last step
+        self._picked: torch.Tensor | None = None  # where _logits holds PICKED (flat offsets)
 
     def kernel_report(self) -> "MockReport":
         return MockReport(self.timing.source, self.speedup)
@@ -107,12 +107,12 @@ class MockRunner:
         its previous picks cleared: the engine has read them before it steps again)."""
         if self._logits.shape[0] < len(tokens):
             self._logits = torch.zeros(max(len(tokens), 2 * self._logits.shape[0]), self.vocab.stop)
-            self._picked = []
-        for row, token in self._picked:
-            self._logits[row, token] = 0.0
-        self._picked = list(enumerate(tokens))
-        for row, token in self._picked:
-            self._logits[row, token] = PICKED
+            self._picked = None
+        flat, width = self._logits.view(-1), self._logits.shape[1]
+        if self._picked is not None:
+            flat[self._picked] = 0.0
+        self._picked = torch.tensor([row * width + t for row, t in enumerate(tokens)])
+        flat[self._picked] = PICKED
         return self._logits[: len(tokens)]
 
 

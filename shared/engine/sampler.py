@@ -39,6 +39,20 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Greedy, one choice, no logprobs: the argmax is all the request asks of its logits."""
+    return params.temperature < MIN_TEMPERATURE and params.n == 1 and not params.logprobs
+
+
+def greedy_tokens(logits: torch.Tensor, wanted: list[bool]) -> list[int]:
+    """The argmax of each row of logits [rows, vocab] that is `wanted`, in one call (row by
+    row, each costs a call of its own); -1 for the others. The same tokens as sample()."""
+    if not any(wanted):
+        return [-1] * len(wanted)
+    picked = torch.argmax(logits[: len(wanted)], dim=-1).tolist()
+    return [token if want else -1 for token, want in zip(picked, wanted)]
+
+
 def logprob_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """`token`'s log-probability under the raw logits [vocab] (no temperature, top-k or top-p:
     the model's own distribution, as OpenAI's API reports it) and the `top` most likely tokens."""

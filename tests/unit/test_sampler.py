@@ -3,7 +3,7 @@
 import torch
 
 from shared.control.messages import SamplingParams
-from shared.engine.sampler import sample, step_seed
+from shared.engine.sampler import greedy_tokens, plain_greedy, sample, step_seed
 
 VOCAB = 512
 
@@ -85,3 +85,20 @@ def test_step_seed_stays_within_63_bits():
     assert sample(
         torch.zeros(VOCAB), SamplingParams(temperature=1.0, seed=2**63 - 1), 10**6
     ) in range(VOCAB)
+
+
+def test_greedy_rows_in_one_call_pick_what_sample_picks_row_by_row():
+    torch.manual_seed(3)
+    logits = torch.randn(6, 50)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index wins either way
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    wanted = [True, False, True, True, False, True]
+    picked = greedy_tokens(logits, wanted)
+    for row, want in enumerate(wanted):
+        assert picked[row] == (sample(logits[row], greedy, 0) if want else -1)
+    assert picked[2] == 7
+    assert greedy_tokens(logits, [False] * 6) == [-1] * 6
+    assert plain_greedy(greedy)
+    assert not plain_greedy(SamplingParams(max_tokens=1, temperature=0.0, logprobs=True))
+    assert not plain_greedy(SamplingParams(max_tokens=1, temperature=0.0, n=2))
+    assert not plain_greedy(SamplingParams(max_tokens=1, temperature=0.7))

@@ -3,7 +3,7 @@
 import torch
 
 from shared.control.messages import SamplingParams
-from shared.engine.sampler import greedy_tokens, plain_greedy, sample, step_seed
+from shared.engine.sampler import argmax_rows, greedy_tokens, plain_greedy, sample, step_seed
 
 VOCAB = 512
 
@@ -102,3 +102,13 @@ def test_greedy_rows_in_one_call_pick_what_sample_picks_row_by_row():
     assert not plain_greedy(SamplingParams(max_tokens=1, temperature=0.0, logprobs=True))
     assert not plain_greedy(SamplingParams(max_tokens=1, temperature=0.0, n=2))
     assert not plain_greedy(SamplingParams(max_tokens=1, temperature=0.7))
+
+
+def test_argmax_rows_agrees_with_torch_in_every_dtype_and_on_ties():
+    torch.manual_seed(5)
+    logits = torch.randn(4, 1000)
+    logits[1, 10] = logits[1, 500] = 50.0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        rows = logits.to(dtype)
+        assert argmax_rows(rows) == torch.argmax(rows.float(), dim=-1).tolist()
+    assert argmax_rows(logits)[1] == 10

@@ -9,6 +9,7 @@ that no longer has the stream (or one the cluster holds for lost) has the reques
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -65,6 +66,20 @@ class ChunkWaiter:
                 self.early[chunk.index] = chunk
                 await self._ask_again(attempt)
         return chunk
+
+    def ready(self, attempt: Attempt, takes: Callable[[TokenChunk], bool]) -> TokenChunk | None:
+        """The chunk expected, taken if it is here already and `takes` wants it; else None (it
+        is left for next)."""
+        chunk = self.early.get(attempt.expected)
+        if chunk is not None:
+            return self.early.pop(attempt.expected) if takes(chunk) else None
+        while (chunk := self.streams.peek(attempt.id)) is not None:
+            if chunk.index >= attempt.expected:
+                break
+            self.streams.take(attempt.id)  # had already
+        if chunk is None or chunk.index != attempt.expected or not takes(chunk):
+            return None
+        return self.streams.take(attempt.id)
 
     async def _check_silence(self, attempt: Attempt, idle_since: float, reconnects: int) -> None:
         """Raises WorkerLost, or ends the call, when a silent stream is not worth waiting for; asks

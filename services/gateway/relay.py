@@ -14,12 +14,14 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 
 import grpc
 from opentelemetry.context import Context
 
 from services.gateway.attempt import Attempt
 from services.gateway.chunk_waiter import ChunkWaiter
+from services.gateway.joined_chunks import joinable, joined
 from services.gateway.migration import FULL_MOVES, WorkerLost
 from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
@@ -110,6 +112,9 @@ class RequestRelay:
                     attempt = await self._move(attempt, lost.failure)
                     continue
                 attempt, ended = attempt.received(chunk), bool(chunk.finish_reason)
+                while not ended and (more := self.waiter.ready(attempt, partial(joinable, chunk))):
+                    attempt, ended = attempt.received(more), bool(more.finish_reason)
+                    chunk = joined(chunk, more)  # those already here go as one answer
                 yield attempt, chunk
         finally:
             self.streams.close(attempt.id)

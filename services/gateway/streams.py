@@ -1,17 +1,30 @@
-"""StreamRouter: one NATS subscription per gateway, token chunks handed to each attempt's queue
-(a worker sends one step's chunks for this gateway as one TokenBatch)."""
+"""StreamRouter: one NATS subscription per gateway, token chunks handed to each attempt's stream
+(a worker sends one step's chunks for this gateway as one TokenBatch).
+
+A stream is a deque and, while its reader waits, a future: a chunk already there is taken at
+once (no task, no timer), and the reader may look at the next one before taking it (the relay
+joins the chunks that are already there into one answer)."""
 
 import asyncio
+from collections import deque
 
 from shared.control.bus import MessageBus
 from shared.control.messages import TokenBatch, TokenChunk
+
+
+class _Stream:
+    __slots__ = ("chunks", "waiter")
+
+    def __init__(self) -> None:
+        self.chunks: deque[TokenChunk] = deque()
+        self.waiter: asyncio.Future | None = None  # set while its reader waits for a chunk
 
 
 class StreamRouter:
     def __init__(self, bus: MessageBus, subject: str):
         self.bus = bus
         self.subject = subject
-        self._queues: dict[str, asyncio.Queue[TokenChunk]] = {}  # attempt id -> its chunks
+        self._streams: dict[str, _Stream] = {}  # attempt id -> its chunks
         self._sub = None
 
     async def __aenter__(self) -> "StreamRouter":
@@ -21,26 +34,43 @@ class StreamRouter:
     async def __aexit__(self, *exc) -> None:
         await self._sub.unsubscribe()
 
-    def open(self, attempt_id: str) -> asyncio.Queue[TokenChunk]:
-        if attempt_id in self._queues:
+    def open(self, attempt_id: str) -> None:
+        if attempt_id in self._streams:
             raise KeyError(attempt_id)
-        queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
-        self._queues[attempt_id] = queue
-        return queue
+        self._streams[attempt_id] = _Stream()
 
     async def next(self, attempt_id: str, timeout_s: float) -> TokenChunk:
         """The next chunk of an open stream; asyncio.TimeoutError when none came in timeout_s."""
-        return await asyncio.wait_for(self._queues[attempt_id].get(), timeout_s)
+        stream = self._streams[attempt_id]
+        if not stream.chunks:
+            stream.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(stream.waiter, timeout_s)
+            finally:
+                stream.waiter = None
+        return stream.chunks.popleft()
+
+    def peek(self, attempt_id: str) -> TokenChunk | None:
+        """The next chunk of a stream if it is here already (not taken: see take)."""
+        stream = self._streams.get(attempt_id)
+        return stream.chunks[0] if stream is not None and stream.chunks else None
+
+    def take(self, attempt_id: str) -> TokenChunk:
+        """The chunk peek showed."""
+        return self._streams[attempt_id].chunks.popleft()
 
     def close(self, attempt_id: str) -> None:
-        self._queues.pop(attempt_id, None)
+        self._streams.pop(attempt_id, None)
 
     def __contains__(self, attempt_id: str) -> bool:
-        return attempt_id in self._queues
+        return attempt_id in self._streams
 
     async def _on_chunk(self, message: TokenChunk | TokenBatch, respond) -> None:
         chunks = message.chunks if isinstance(message, TokenBatch) else [message]
         for chunk in chunks:
-            queue = self._queues.get(chunk.attempt_id)
-            if queue is not None:  # else: the attempt ended here (cancelled, timed out, moved)
-                queue.put_nowait(chunk)
+            stream = self._streams.get(chunk.attempt_id)
+            if stream is None:  # the attempt ended here (cancelled, timed out, moved)
+                continue
+            stream.chunks.append(chunk)
+            if stream.waiter is not None and not stream.waiter.done():
+                stream.waiter.set_result(None)

@@ -218,10 +218,8 @@ class Engine:
             return self._first_of_each(seq, list(zip(seq.first_tokens, logprobs)))
 
     def _postprocess(self, work: list[_Work], logits) -> list[tuple[Sequence, StepOutput]]:
-        outputs = []
-        greedy = greedy_tokens(
-            logits, [w.end >= w.seq.num_tokens and plain_greedy(w.seq.sampling) for w in work]
-        )
+        ends = [w.end >= w.seq.num_tokens and plain_greedy(w.seq.sampling) for w in work]
+        outputs, greedy = [], greedy_tokens(logits, ends)
         for row, w in enumerate(work):
             seq = w.seq
             if seq.status is SeqStatus.WAITING:  # a prompt pass: its full blocks may be shared

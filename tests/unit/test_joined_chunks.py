@@ -1,0 +1,123 @@
+"""Chunks of a stream already waiting at the gateway go to the client as one answer: tokens,
+text and logprobs in order, the last chunk's ending kept; a failure, a gap or a duplicate is
+left to the stream's own handling, and nothing is held back to be joined."""
+
+import asyncio
+
+from services.gateway.attempt import Attempt
+from services.gateway.chunk_waiter import ChunkWaiter
+from services.gateway.joined_chunks import MAX_JOINED_TOKENS, joinable, joined
+from services.gateway.relay import RequestRelay
+from services.gateway.settings import GatewaySettings
+from services.gateway.streams import StreamRouter
+from shared.control.failure import worker_failed
+from shared.control.liveness import Liveness
+from shared.control.messages import GenerateTask, SamplingParams, TokenChunk, TokenLogprob
+from shared.control.subjects import Subjects
+from tests.fakes.bus import InMemoryBus
+
+SUBJECT = "gw.tokens"
+LP = TokenLogprob(-0.5)
+
+
+def chunk(index: int, tokens: list[int], **fields) -> TokenChunk:
+    return TokenChunk("a", index, tokens, "".join(f"<{t}>" for t in tokens), **fields)
+
+
+def test_joined_chunks_keep_order_and_the_last_ones_ending():
+    first = chunk(0, [1, 2], logprobs=[LP, LP])
+    last = chunk(1, [3], logprobs=[LP], finish_reason="length", completion_tokens=3)
+    assert joinable(first, last)
+    both = joined(first, last)
+    assert both.token_ids == [1, 2, 3] and both.text == "<1><2><3>"
+    assert both.logprobs == [LP] * 3 and both.index == 1
+    assert both.finish_reason == "length" and both.completion_tokens == 3
+
+
+def test_what_is_not_joined():
+    lost = chunk(1, [], failure=worker_failed("d1", "gone"))
+    assert not joinable(chunk(0, [1]), lost)  # a failure is the stream's own business
+    assert not joinable(chunk(0, [1], finish_reason="stop"), chunk(1, [2]))  # ended
+    assert not joinable(chunk(0, [1], logprobs=[LP]), chunk(1, [2]))  # logprobs on one only
+    assert not joinable(chunk(0, [1, 2], logprobs=[LP]), chunk(1, [3], logprobs=[LP]))
+    big = chunk(0, [1] * MAX_JOINED_TOKENS)
+    assert not joinable(big, chunk(1, [2])) and joinable(chunk(0, [1]), chunk(1, [2]))
+
+
+async def _waiter(bus, router) -> ChunkWaiter:
+    settings = GatewaySettings()
+    liveness = Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s)
+    return ChunkWaiter(settings, bus, router, liveness, context=None)
+
+
+async def test_ready_takes_the_expected_chunk_only_when_it_is_already_here():
+    bus = InMemoryBus()
+    async with StreamRouter(bus, SUBJECT) as router:
+        router.open("a")
+        waiter = await _waiter(bus, router)
+        attempt = Attempt(_task(), worker="d1", expected=1)
+        takes_all = lambda _: True  # noqa: E731
+        assert waiter.ready(attempt, takes_all) is None  # nothing here: nothing waited for
+        for c in (chunk(0, [9]), chunk(1, [1]), chunk(3, [3])):  # a duplicate, the one, a gap
+            await bus.publish(SUBJECT, c)
+        assert waiter.ready(attempt, takes_all).token_ids == [1]
+        attempt = Attempt(_task(), worker="d1", expected=2)
+        assert waiter.ready(attempt, takes_all) is None  # chunk 2 is missing: 3 is left
+        assert (await router.next("a", 1)).index == 3
+        await bus.publish(SUBJECT, chunk(2, [2]))
+        assert waiter.ready(attempt, lambda _: False) is None  # not wanted: left for next()
+        assert (await router.next("a", 1)).index == 2
+
+
+async def test_a_stream_that_came_meanwhile_reaches_the_client_as_one_answer():
+    bus = InMemoryBus()
+    settings = GatewaySettings()
+    async with (
+        StreamRouter(bus, SUBJECT) as router,
+        Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s) as liveness,
+    ):
+        router.open("a")
+        for i, tokens in enumerate([[1], [2, 3], [4]]):
+            await bus.publish(SUBJECT, chunk(i, tokens))
+        await bus.publish(SUBJECT, chunk(3, [5], finish_reason="length", completion_tokens=5))
+        relay = RequestRelay(settings, bus, router, liveness, context=None)
+        placed = Attempt(_task(), worker="d1")
+        answers = [c async for _, c in relay.follow(placed.task, placed)]
+        assert len(answers) == 1
+        assert answers[0].token_ids == [1, 2, 3, 4, 5] and answers[0].finish_reason == "length"
+        assert "a" not in router  # the stream is closed at the end
+
+
+async def test_each_chunk_goes_alone_when_the_client_keeps_up():
+    bus = InMemoryBus()
+    settings = GatewaySettings()
+    async with (
+        StreamRouter(bus, SUBJECT) as router,
+        Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s) as liveness,
+    ):
+        router.open("a")
+        relay = RequestRelay(settings, bus, router, liveness, context=None)
+        placed = Attempt(_task(), worker="d1")
+        answers = []
+
+        async def feed() -> None:
+            for i in range(3):
+                await asyncio.sleep(0.01)
+                last = {"finish_reason": "length"} if i == 2 else {}
+                await bus.publish(SUBJECT, chunk(i, [i], **last))
+
+        feeding = asyncio.ensure_future(feed())
+        async for _, c in relay.follow(placed.task, placed):
+            answers.append(c.token_ids)
+        await feeding
+        assert answers == [[0], [1], [2]]
+
+
+def _task() -> GenerateTask:
+    return GenerateTask(
+        attempt_id="a",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=5),
+        reply_subject=SUBJECT,
+        arrival_time=0.0,
+    )

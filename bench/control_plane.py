@@ -109,7 +109,7 @@ def section_messages(args) -> dict:
         result = asyncio.run(grpc_run(stack.address, 2 * streams, streams, max_tokens))
         after = stack.varz()["in_msgs"]
         wall = time.perf_counter() - started
-    tokens = result["content_chunks_per_request"] * result["n"]
+    tokens = result["tokens_per_request"] * result["n"]
     return {
         "streams_per_worker": streams,
         "requests": result["n"],

@@ -121,10 +121,10 @@ async def _streams(address: str, streams: int, max_tokens: int) -> dict:
         done = await asyncio.gather(*(client.one(i, max_tokens) for i in range(streams)))
         wall = time.perf_counter() - started
     gaps = [(b - a) * 1e3 for t in done for a, b in zip(t.times[8:], t.times[9:])]
-    tokens = sum(len(t.times) for t in done)
+    tokens = sum(t.tokens for t in done)
     return {
         "streams": streams,
-        "answered": sum(1 for t in done if len(t.times) == max_tokens),
+        "answered": sum(1 for t in done if t.tokens == max_tokens),
         "tokens_per_s": tokens / wall,
         "itl_ms_p50": pct(gaps, 50),
         "itl_ms_p99": pct(gaps, 99),

@@ -3,7 +3,10 @@ front (Tandem's gateway or Dynamo's frontend, the same code for both) or over Ta
 API, timed as a user sees it; and a run of N such requests at concurrency C.
 
 TTFT: send -> the first response carrying content. ITL: the gap between consecutive responses
-carrying content, as the client reads them. As in ../shared/peers/dynamo/bench.py (whose
+carrying content, as the client reads them (a response may carry several tokens: tokens are
+counted from gRPC's token ids, and over HTTP from the usage chunk asked for with
+stream_options.include_usage). Tandem's gRPC answer says its gateway's own TTFT too (from the
+call's start in the gateway), reported beside the client's. As in ../shared/peers/dynamo/bench.py (whose
 figures the issue quotes): a chat request, "Request i: tell me a short story about a robot.",
 greedy, ignore_eos, 3 warm-up requests.
 """
@@ -38,9 +41,12 @@ class Timed:
     def __init__(self) -> None:
         self.sent = time.perf_counter()
         self.times: list[float] = []
+        self.gateway_ttft_ms: float | None = None  # what Tandem's gateway measured, when it says
+        self.tokens = 0  # generated tokens received (a response may carry several)
 
-    def content(self) -> None:
+    def content(self, tokens: int = 1) -> None:
         self.times.append(time.perf_counter())
+        self.tokens += tokens
 
 
 class HttpClient:
@@ -67,6 +73,9 @@ class HttpClient:
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
+            "stream_options": {
+                "include_usage": True
+            },  # the token count: an event may carry several
             "messages": [{"role": "user", "content": prompt(index)}],
         }
         timed = Timed()
@@ -86,9 +95,12 @@ def _read_event(event: bytes, timed: Timed) -> None:
     for line in event.split(b"\n"):
         if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
             continue
-        choices = json.loads(line[5:]).get("choices") or []
+        body = json.loads(line[5:])
+        choices = body.get("choices") or []
         if choices and choices[0].get("delta", {}).get("content"):
-            timed.content()
+            timed.content(0)
+        if (body.get("usage") or {}).get("completion_tokens"):
+            timed.tokens = body["usage"]["completion_tokens"]
 
 
 class GrpcClient:
@@ -113,7 +125,9 @@ class GrpcClient:
         timed = Timed()
         async for response in self.stub.Generate(request, timeout=300):
             if response.text:
-                timed.content()
+                timed.content(len(response.token_ids))
+            if response.finish_reason:
+                timed.gateway_ttft_ms = response.timing.ttft_ms
         return timed
 
 
@@ -133,6 +147,8 @@ async def run(client, n: int, concurrency: int, max_tokens: int, warmup: int = 3
     ttft = [(t.times[0] - t.sent) * 1e3 for t in done if t.times]
     itl = [(b - a) * 1e3 for t in done for a, b in zip(t.times, t.times[1:])]
     chunks = sum(len(t.times) for t in done)
+    tokens = sum(t.tokens for t in done)
+    inside = [t.gateway_ttft_ms for t in done if t.gateway_ttft_ms is not None]
     return {
         "n": n,
         "concurrency": concurrency,
@@ -140,9 +156,13 @@ async def run(client, n: int, concurrency: int, max_tokens: int, warmup: int = 3
         "answered": len(ttft),
         "ttft_ms_p50": pct(ttft, 50),
         "ttft_ms_p99": pct(ttft, 99),
+        "gateway_ttft_ms_p50": pct(inside, 50),
+        "gateway_ttft_ms_p99": pct(inside, 99),
         "itl_ms_p50": pct(itl, 50),
         "itl_ms_p99": pct(itl, 99),
         "content_chunks_per_request": statistics.mean(len(t.times) for t in done),
+        "tokens_per_request": tokens / n,
         "chunks_per_s": chunks / wall,
+        "tokens_per_s": tokens / wall,
         "req_per_s": n / wall,
     }

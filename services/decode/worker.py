@@ -221,8 +221,9 @@ class DecodeWorker:
         """Tells the gateway how the request ended (the loop freed its blocks), on every path."""
         if await self.out.end(req):
             self.served += 1
-        else:  # its blocks are free: the scheduler and ClusterStatus hear it now
-            self.announcer.nudge()
+        # its blocks and batch slot are free: the scheduler hears it within NUDGE_GAP_S, not
+        # at the next interval (meanwhile it counts what it placed here as taking room)
+        self.announcer.nudge()
 
     def _adopt(self, seq: Sequence) -> DecodeRequest:
         """A choice forked from a group held here: a request of its own from now on (ended at

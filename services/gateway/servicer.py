@@ -25,7 +25,7 @@ from services.gateway.responses import cluster_status_response, generate_respons
 from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
-from services.gateway.validation import InvalidRequest, Limits, ValidRequest, validate
+from services.gateway.validation import InvalidRequest, Limits, ValidRequest, small_prompt, validate
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.control.bus import BusError, MessageBus
@@ -251,7 +251,12 @@ class TandemServicer(pb_grpc.TandemServicer):
     ) -> ValidRequest:
         try:
             return await self._tokenize.run(
-                client.name, validate, request, self.tokenizer, self.limits
+                client.name,
+                validate,
+                request,
+                self.tokenizer,
+                self.limits,
+                small=small_prompt(request),
             )
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

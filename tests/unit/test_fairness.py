@@ -181,3 +181,26 @@ async def test_the_gateway_authenticates_caps_priority_and_refuses_past_a_limit(
         await generate(servicer, request(max_tokens=1000), big)
         assert big.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV tokens" in big.message
         assert not servicer.usage.streams  # everything held was given back
+
+
+async def test_a_small_job_runs_on_the_loop_only_while_the_tokenizer_thread_is_idle():
+    fair, gate = FairTokenizer(), threading.Event()
+
+    def where(_: str) -> str:
+        return threading.current_thread().name
+
+    assert await fair.run("A", where, "x", small=True) == threading.current_thread().name
+    assert (await fair.run("A", where, "x")).startswith("tokenize")  # not small: the thread
+
+    def slow(_: str) -> str:
+        gate.wait(5)
+        return where(_)
+
+    running = asyncio.ensure_future(fair.run("A", slow, "big"))
+    await asyncio.sleep(0.05)  # on the thread now: a small job waits its turn behind it
+    small = asyncio.ensure_future(fair.run("B", where, "x", small=True))
+    await asyncio.sleep(0.05)
+    assert not small.done()
+    gate.set()
+    assert (await small).startswith("tokenize") and (await running).startswith("tokenize")
+    fair.close()

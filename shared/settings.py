@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import ssl
+import sys
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -73,6 +74,13 @@ class CommonSettings:
         default=-1,
         metadata=_help("Prometheus metrics port (/metrics); -1 = none, 0 = any free port"),
     )
+    gil_switch_ms: float = field(
+        default=0.5,
+        metadata=_help(
+            "how long a thread may hold Python's GIL while another waits (Python's own: 5 ms): "
+            "the event loop, gRPC's poller and the model's thread hand over sooner"
+        ),
+    )
     otlp_endpoint: str = field(
         default="",
         metadata=_help(
@@ -97,6 +105,8 @@ class CommonSettings:
             raise ValueError("metrics_port must be -1..65535")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"unknown log level {self.log_level!r}")
+        if not 0.05 <= self.gil_switch_ms <= 100:
+            raise ValueError("gil_switch_ms must be 0.05..100")
 
 
 def _secret_file(path: str) -> str:
@@ -180,6 +190,11 @@ def load_settings(
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+
+
+def setup_interpreter(settings: CommonSettings) -> None:
+    """The process-wide interpreter settings a service runs with (set once, in main())."""
+    sys.setswitchinterval(settings.gil_switch_ms / 1000)
 
 
 def setup_logging(level: str, service: str) -> None:

@@ -23,7 +23,7 @@ from shared.control.bus import NatsBus
 from shared.control.liveness import Liveness
 from shared.control.subjects import Subjects
 from shared.lifecycle import stop_on_signals
-from shared.settings import load_settings, nats_options, setup_logging
+from shared.settings import load_settings, nats_options, setup_interpreter, setup_logging
 from shared.telemetry.metrics import MetricsServer
 from shared.telemetry.tracing import start_tracing
 
@@ -175,6 +175,7 @@ async def run(settings: GatewaySettings) -> None:
 def main(argv=None) -> int:
     settings = load_settings(GatewaySettings, argv, prog="python -m services.gateway")
     setup_logging(settings.log_level, "gateway")
+    setup_interpreter(settings)
     asyncio.run(run(settings))
     return 0
 

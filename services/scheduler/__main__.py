@@ -7,7 +7,7 @@ from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
 from shared.control.bus import NatsBus
 from shared.lifecycle import stop_on_signals
-from shared.settings import load_settings, nats_options, setup_logging
+from shared.settings import load_settings, nats_options, setup_interpreter, setup_logging
 from shared.telemetry.metrics import MetricsServer
 from shared.telemetry.tracing import start_tracing
 
@@ -36,6 +36,7 @@ async def run(settings: SchedulerSettings) -> None:
 def main(argv=None) -> int:
     settings = load_settings(SchedulerSettings, argv, prog="python -m services.scheduler")
     setup_logging(settings.log_level, "scheduler")
+    setup_interpreter(settings)
     asyncio.run(run(settings))
     return 0
 

@@ -12,7 +12,7 @@ from shared.dataplane.plane import DataPlane
 from shared.engine.architecture import UnsupportedModel
 from shared.lifecycle import stop_on_signals
 from shared.model_store import ModelNotFound
-from shared.settings import load_settings, setup_logging
+from shared.settings import load_settings, setup_interpreter, setup_logging
 from shared.telemetry.metrics import MetricsServer
 from shared.worker.fleet import run_fleet
 from shared.worker.links import BuildWorker, Worker, data_plane, open_links
@@ -71,6 +71,7 @@ def worker_main(
     """The whole of `python -m services.<service>`; the role is the settings' `role`."""
     settings = load_settings(settings_class, argv, prog=f"python -m services.{service}")
     setup_logging(settings.log_level, settings.role)
+    setup_interpreter(settings)
     if settings.cpus:  # before any thread pool starts: its threads inherit the cores
         try:
             cores = pin(settings.cpus)

@@ -166,3 +166,12 @@ def test_tandem_up_is_secure_unless_told_otherwise(capsys):
     assert not secured(insecure) and "warning: --insecure" in capsys.readouterr().err
     assert not secured(parser().parse_args(["up", "--nats-url", "nats://10.0.0.2:4222"]))
     assert "contradict" in _refusal(parser().parse_args(["up", "--secure", "--insecure"]))
+
+
+def test_the_gil_switch_interval_is_a_common_setting_with_bounds(capsys):
+    s = load_settings(GatewaySettings, [], env={"TANDEM_GIL_SWITCH_MS": "1"})
+    assert s.gil_switch_ms == 1.0
+    assert load_settings(SchedulerSettings, [], env={}).gil_switch_ms == 0.5
+    with pytest.raises(SystemExit):
+        load_settings(DecodeSettings, ["--gil-switch-ms", "0"], env={})
+    assert "gil_switch_ms" in capsys.readouterr().err

@@ -1,8 +1,29 @@
 """Token ids to streamed text: valid UTF-8 only, stop strings honoured and never shown."""
 
 import copy
+from collections.abc import Callable
 
 REPLACEMENT = "\ufffd"
+_HF_BASE = "transformers.tokenization_utils_base"
+_HF_FAST = "transformers.tokenization_utils_tokenizers"
+
+
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """tokenizer.decode(ids, skip_special_tokens=True); through the Rust tokenizer directly when
+    that is all Hugging Face's decode would do (a fast tokenizer, its decode not overridden, no
+    clean-up of spaces): a token's text then costs ~1 us instead of ~10."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    kind = type(tokenizer)
+    plain = (
+        getattr(tokenizer, "is_fast", False)
+        and hasattr(backend, "decode")
+        and getattr(getattr(kind, "decode", None), "__module__", "") == _HF_BASE
+        and getattr(getattr(kind, "_decode", None), "__module__", "") == _HF_FAST
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    )
+    if plain:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class Detokenizer:
@@ -13,7 +34,7 @@ class Detokenizer:
     """
 
     def __init__(self, tokenizer, stop: list[str]):
-        self._tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer)
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
@@ -27,9 +48,8 @@ class Detokenizer:
 
     def _pending(self) -> str:
         """The text the tokens after _read add (may end in an incomplete character)."""
-        decode = self._tokenizer.decode
-        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
-        return decode(self._ids[self._prefix :], skip_special_tokens=True)[len(before) :]
+        before = self._decode(self._ids[self._prefix : self._read])
+        return self._decode(self._ids[self._prefix :])[len(before) :]
 
     def fork(self) -> "Detokenizer":
         """A twin in the same state (another choice of the request goes on from here)."""

@@ -1,8 +1,10 @@
 """Detokenizer with the real SmolLM2 tokenizer: valid UTF-8 pieces, stop strings cut exactly."""
 
+import random
+
 import pytest
 
-from shared.engine.detokenizer import REPLACEMENT, Detokenizer
+from shared.engine.detokenizer import REPLACEMENT, Detokenizer, text_decoder
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -151,3 +153,21 @@ def test_a_primed_detokenizer_goes_on_exactly_where_the_first_left_off(tokenizer
                 break
         assert "".join(shown + rest) + second.flush() == "".join(pieces) + tail
         assert second.stopped == whole.stopped
+
+
+def test_the_direct_decoder_gives_hugging_faces_text_and_a_stand_in_keeps_its_own(tokenizer):
+    fast = text_decoder(tokenizer)
+    assert fast.__code__.co_names == ("decode",)  # the Rust tokenizer's, straight
+    rng = random.Random(7)
+    special = list(tokenizer.all_special_ids)
+    for _ in range(300):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 12))]
+        ids += rng.sample(special, k=min(len(special), rng.randrange(0, 3)))
+        rng.shuffle(ids)
+        assert fast(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+    class StandIn:
+        def decode(self, ids, **kw):
+            return f"<{len(ids)}>"
+
+    assert text_decoder(StandIn())([1, 2]) == "<2>"

@@ -74,10 +74,22 @@ def _travels(name: str) -> str:
     return "packed" if name in PACKED else "deadline" if name in DEADLINES else ""
 
 
+def _plain_type(hint: Any) -> bool:
+    """A field of this type goes to msgpack as it is (a scalar, or a list of scalars)."""
+    if typing.get_origin(hint) is list:
+        hint = typing.get_args(hint)[0]
+    return hint in _SCALARS
+
+
 @functools.cache
-def _names(cls: type) -> tuple[tuple[str, str], ...]:
-    """Each field of a message type: its name and how it travels (see _plan)."""
-    return tuple((f.name, _travels(f.name)) for f in dataclasses.fields(cls))
+def _layout(cls: type) -> tuple[tuple[str, str], ...]:
+    """Each field of a message type and how it is encoded: "plain" (as it is), "packed",
+    "deadline", or "nested" (messages, enums: converted in turn). Made once per type."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, _travels(f.name) or ("plain" if _plain_type(hints[f.name]) else "nested"))
+        for f in dataclasses.fields(cls)
+    )
 
 
 def _to_plain(value: Any) -> Any:
@@ -91,14 +103,16 @@ def _to_plain(value: Any) -> Any:
     if not dataclasses.is_dataclass(value):
         return value
     body = {}
-    for name, travels in _names(kind):
+    for name, how in _layout(kind):
         field_value = getattr(value, name)
-        if travels == "packed":
-            body[name] = _pack(field_value)
-        elif travels == "deadline" and field_value:
-            body[name] = _time_left(field_value)
-        else:
+        if how == "plain":
+            body[name] = field_value
+        elif how == "nested":
             body[name] = _to_plain(field_value)
+        elif how == "packed":
+            body[name] = _pack(field_value)
+        else:  # a deadline: the time left (0: none)
+            body[name] = _time_left(field_value) if field_value else field_value
     return body
 
 
@@ -194,9 +208,11 @@ def _converter(kind: Any) -> Convert:
 
 
 @functools.cache
-def _plan(cls: type) -> tuple[tuple[str, Convert, bool, str], ...]:
-    """Each field of a message type: its name, converter, whether it is required, and how it
-    travels ("packed", "deadline" or ""). Made once per type: resolving costs more than decoding."""
+def _plan(cls: type) -> tuple[tuple[str, Convert, bool, str, type | None], ...]:
+    """Each field of a message type: its name, converter, whether it is required, how it travels
+    ("packed", "deadline" or ""), and its type when a value of exactly that type is taken as it is
+    (int, str, bool, bytes, float; else None). Made once per type: resolving costs more than
+    decoding."""
     hints = typing.get_type_hints(cls)
     return tuple(
         (
@@ -204,6 +220,7 @@ def _plan(cls: type) -> tuple[tuple[str, Convert, bool, str], ...]:
             _converter(hints[f.name]),
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
             _travels(f.name),
+            hints[f.name] if hints[f.name] in (int, str, bool, bytes, float) else None,
         )
         for f in dataclasses.fields(cls)
     )
@@ -211,9 +228,12 @@ def _plan(cls: type) -> tuple[tuple[str, Convert, bool, str], ...]:
 
 def _build(cls: type, body: dict, where: str) -> Any:
     values = {}
-    for name, convert, required, travels in _plan(cls):
+    for name, convert, required, travels, exact in _plan(cls):
         if name in body:
             value = body[name]
+            if type(value) is exact and not travels:
+                values[name] = value  # what the converter would return, unchanged
+                continue
             if travels == "packed" and isinstance(value, bytes):
                 value = _unpack(value, f"{where}.{name}")
             elif travels == "deadline" and isinstance(value, float) and value:

@@ -17,6 +17,7 @@ an attempt is never changed after it is made:
     moved(failure)           any -> unplaced, under a new id: its worker was lost (full or failed)
 """
 
+import copy
 import dataclasses
 
 from services.gateway.migration import client_id, new_attempt_id, resumed
@@ -59,8 +60,10 @@ class Attempt:
     def received(self, chunk: TokenChunk) -> "Attempt":
         if not self.worker or chunk.index != self.expected:
             raise ValueError(f"{self.id} expects chunk {self.expected} from {self.worker or '?'}")
-        sent = self.sent + tuple(chunk.token_ids)
-        return dataclasses.replace(self, sent=sent, expected=self.expected + 1)
+        after = copy.copy(self)  # as dataclasses.replace, without its __init__ (once per chunk)
+        object.__setattr__(after, "sent", self.sent + tuple(chunk.token_ids))
+        object.__setattr__(after, "expected", self.expected + 1)
+        return after
 
     def resubmitted(self) -> "Attempt":
         if self.worker or self.resubmission:

@@ -6,7 +6,7 @@ several tokens, in order, as a worker's chunk may. Nothing waits to be joined: a
 soon as the client can take it, with those that came meanwhile.
 """
 
-import dataclasses
+import copy
 
 from shared.control.messages import TokenChunk
 
@@ -35,9 +35,8 @@ def _logprobs_aligned(chunk: TokenChunk) -> bool | None:
 
 def joined(first: TokenChunk, later: TokenChunk) -> TokenChunk:
     """One chunk with both chunks' tokens, text and logprobs, and what `later` ends with."""
-    return dataclasses.replace(
-        later,
-        token_ids=first.token_ids + later.token_ids,
-        text=first.text + later.text,
-        logprobs=first.logprobs + later.logprobs,
-    )
+    both = copy.copy(later)
+    both.token_ids = first.token_ids + later.token_ids
+    both.text = first.text + later.text
+    both.logprobs = first.logprobs + later.logprobs
+    return both

@@ -65,6 +65,7 @@ class RequestObserver:
         self.last_token_at: dict[int, float] = {}  # of each choice
         self.last: pb.GenerateResponse | None = None  # the first choice's last response
         self.path = "none"
+        self._itl = self._generated = None  # this request's series, looked up once
         metrics.in_flight.labels(*self.labels).inc()
 
     def on_response(self, response: pb.GenerateResponse) -> None:
@@ -74,9 +75,11 @@ class RequestObserver:
             if not self.last_token_at:
                 m.latency["time_to_first_token"].labels(*labels).observe(now - self.arrival)
             elif last is not None:
-                m.latency["inter_token_latency"].labels(*labels).observe(now - last)
+                self._itl = self._itl or m.latency["inter_token_latency"].labels(*labels)
+                self._itl.observe(now - last)
             self.last_token_at[response.index] = now
-            m.tokens["generation"].labels(*labels).inc(len(response.token_ids))
+            self._generated = self._generated or m.tokens["generation"].labels(*labels)
+            self._generated.inc(len(response.token_ids))
         if response.finish_reason:  # of one choice: the request's figures count once, at the end
             migrated = response.timing.migrations or self.path == "migrated"
             self.path = "migrated" if migrated else (response.timing.path or "none")

@@ -4,7 +4,8 @@
    hit, a batch slot, and, with `max_itl_ms` set, a measured decode step time under it: more
    sequences there would slow every token past the target), the emptiest by max(batch fill,
    KV fill) after placing it, so the pool fills evenly. Workers within `decode_slack` of the
-   emptiest count as equal.
+   emptiest count as equal; of those, the emptiest NEAR_PRICED and every one with a prefix hit
+   go on to be priced (an idle pool of a thousand costs no more than one of 32).
 2. Prefill: every (prefill worker, near-equal decode worker) pair is priced by the cost model
    (services.scheduler.cost): queued prompt work plus this prompt's uncached part, at the
    worker's measured speed, plus moving the KV at the pair's topology bandwidth. A prefill
@@ -26,6 +27,8 @@ from services.scheduler.cost import PromptView
 from services.scheduler.registry import WorkerRegistry
 from shared.control.failure import Code, Failure, failed
 from shared.control.messages import GenerateTask, WorkerHeartbeat
+
+NEAR_PRICED = 32  # near-equal decode workers priced per request, besides those with a prefix hit
 
 
 class NoWorker(Exception):
@@ -160,11 +163,13 @@ class Router:
             )
         room.sort(key=lambda r: r[:2])
         best = room[0][0]
-        return [
+        near = [
             (w, cached, blocks)
             for fill, _, w, cached, blocks in room
             if fill <= best + self.policy.decode_slack
         ]
+        # priced (with every prefill worker) are the emptiest NEAR_PRICED and each prefix hit
+        return near[:NEAR_PRICED] + [e for e in near[NEAR_PRICED:] if e[1] > 0]
 
     def _too_slow(self, w: WorkerHeartbeat) -> bool:
         """The worker's tokens will come slower than the ITL target once the sequences already

@@ -12,45 +12,71 @@ OUT = Path(__file__).resolve().parent / "results"
 
 def ttft_table(rows: list[dict]) -> list[str]:
     lines = [
-        "| path | system | front | conc | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | req/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| path | system | front | conc | TTFT p50 | TTFT p99 | gateway's TTFT p50 | ITL p50 | "
+        "ITL p99 | req/s | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        inside = r.get("gateway_ttft_ms_p50", float("nan"))
         lines.append(
             f"| {r['path']} | {r['system']} | {r['front']} | {r['concurrency']} | "
-            f"{r['ttft_ms_p50']:.2f} | {r['ttft_ms_p99']:.2f} | {r['itl_ms_p50']:.3f} | "
-            f"{r['itl_ms_p99']:.2f} | {r['req_per_s']:.0f} |"
+            f"{r['ttft_ms_p50']:.2f} | {r['ttft_ms_p99']:.2f} | "
+            f"{'' if inside != inside else f'{inside:.2f}'} | {r['itl_ms_p50']:.3f} | "
+            f"{r['itl_ms_p99']:.2f} | {r['req_per_s']:.0f} | {r.get('tokens_per_s', 0):.0f} |"
         )
     return lines
 
 
+def _peer(rows: list[dict], r: dict) -> dict | None:
+    """Dynamo's row to set beside Tandem's: the same front (HTTP, fresh or keep-alive), and for
+    gRPC (Dynamo has none) Dynamo's best front at that level."""
+    same = [
+        p
+        for p in rows
+        if p["system"].startswith("dynamo")
+        and p["path"] == r["path"]
+        and p["concurrency"] == r["concurrency"]
+    ]
+    exact = [p for p in same if p["front"] == r["front"]]
+    return (exact or sorted(same, key=lambda p: p["ttft_ms_p50"]) or [None])[0]
+
+
+def _stalled(rows: list[dict], peer: dict) -> bool:
+    """Dynamo's keep-alive row is one stall per request (over 5x its fresh connections' TTFT,
+    as at concurrency 1: ~43 ms against ~2-4), not a figure to beat."""
+    fresh = [
+        p
+        for p in rows
+        if p["system"] == peer["system"]
+        and p["front"] == "http-fresh"
+        and p["path"] == peer["path"]
+        and p["concurrency"] == peer["concurrency"]
+    ]
+    return (
+        peer["front"] == "http-keepalive"
+        and bool(fresh)
+        and (peer["ttft_ms_p50"] > 5 * fresh[0]["ttft_ms_p50"])
+    )
+
+
 def ratios(rows: list[dict]) -> list[str]:
-    """Tandem's TTFT p50 over Dynamo's (fresh connections, its best), per path and level."""
+    """Tandem's TTFT p50 over Dynamo's, front for front (gRPC: over Dynamo's best)."""
     lines = [
-        "| path | conc | Tandem front | Tandem / Dynamo TTFT p50 | bar |",
-        "|---|---|---|---|---|",
+        "| path | conc | Tandem front | Dynamo front | Tandem / Dynamo TTFT p50 | bar |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if r["system"] != "tandem" or r["front"] == "http-keepalive":
-            continue
-        peer = next(
-            (
-                p
-                for p in rows
-                if p["system"].startswith("dynamo")
-                and p["front"] == "http-fresh"
-                and p["path"] == r["path"]
-                and p["concurrency"] == r["concurrency"]
-            ),
-            None,
-        )
+        peer = _peer(rows, r) if r["system"] == "tandem" else None
         if peer is None:
             continue
         ratio = r["ttft_ms_p50"] / peer["ttft_ms_p50"]
         bar = 0.5 if r["concurrency"] == 1 else 1.0
         verdict = "met" if ratio <= bar else "NOT met"
+        if _stalled(rows, peer):
+            verdict = "not counted: Dynamo's keep-alive stalls (~40 ms a request)"
         lines.append(
-            f"| {r['path']} | {r['concurrency']} | {r['front']} | {ratio:.2f} | <= {bar} {verdict} |"
+            f"| {r['path']} | {r['concurrency']} | {r['front']} | {peer['front']} | {ratio:.2f} | "
+            f"<= {bar} {verdict} |"
         )
     return lines
 

@@ -120,17 +120,23 @@ def render(results: dict) -> list[str]:
         lines += [
             "## One gateway's streams (mock steps of 20 ms each)",
             "",
-            "| streams | tokens/s | ITL p50 | ITL p99 | added ITL p99 | gateway cores | tokens/s per gateway core |",
-            "|---|---|---|---|---|---|---|",
+            "| streams | tokens/s | ITL p50 | ITL p99 | added ITL p99 (client) | gateway's own p50 / p99 (token wait) | gateway cores | tokens/s per gateway core |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in results["gateway"]:
             lines.append(
                 f"| {r['streams']} | {r['tokens_per_s']:.0f} | {r['itl_ms_p50']:.1f} | "
-                f"{r['itl_ms_p99']:.1f} | {r['added_itl_ms_p99']:.1f} | {r['gateway_cores']:.2f} | "
+                f"{r['itl_ms_p99']:.1f} | {r['added_itl_ms_p99']:.1f} | {_wait(r)} | "
+                f"{r['gateway_cores']:.2f} | "
                 f"{r['tokens_per_gateway_core']:.0f} |"
             )
         lines.append("")
     return lines
+
+
+def _wait(row: dict) -> str:
+    w = row.get("gateway_wait")
+    return f"<= {w['p50_at_most_ms']:g} / <= {w['p99_at_most_ms']:g} ms" if w else "-"
 
 
 def main(paths: list[str]) -> int:

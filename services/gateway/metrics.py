@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from shared.api import tandem_pb2 as pb
 from shared.telemetry.metrics import ID_LABELS, LATENCY_BUCKETS
 
+WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.5)
+
 
 class GatewayMetrics:
     def __init__(self, gateway_id: str):
@@ -52,8 +54,26 @@ class GatewayMetrics:
             )
         }
 
+        self.token_wait = _token_wait(registry).labels(*self.ids)
+
+    def waited(self, arrived: float | None) -> None:
+        """An answer goes out now whose first chunk arrived at `arrived` (None: not known)."""
+        if arrived is not None:
+            self.token_wait.observe(time.monotonic() - arrived)
+
     def request(self, api: str) -> "RequestObserver":
         return RequestObserver(self, api)
+
+
+def _token_wait(registry: CollectorRegistry) -> Histogram:
+    return Histogram(
+        "tandem_gateway_token_wait_seconds",
+        "A token's time in the gateway: its chunk's arrival from the worker to its answer "
+        "going to the client (what the gateway adds to the inter-token latency)",
+        ID_LABELS,
+        buckets=WAIT_BUCKETS,
+        registry=registry,
+    )
 
 
 class RequestObserver:

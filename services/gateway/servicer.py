@@ -218,6 +218,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                 async for index, (attempt, chunk) in chunks:
                     if index not in first_at and chunk.token_ids:
                         first_at[index] = time.time()
+                    self.metrics.waited(self.streams.arrived(attempt.id))
                     yield generate_response(
                         valid.request_id,
                         chunk,

@@ -6,6 +6,7 @@ once (no task, no timer), and the reader may look at the next one before taking 
 joins the chunks that are already there into one answer)."""
 
 import asyncio
+import time
 from collections import deque
 
 from shared.control.bus import MessageBus
@@ -13,11 +14,12 @@ from shared.control.messages import TokenBatch, TokenChunk
 
 
 class _Stream:
-    __slots__ = ("chunks", "waiter")
+    __slots__ = ("chunks", "waiter", "arrived")
 
     def __init__(self) -> None:
-        self.chunks: deque[TokenChunk] = deque()
+        self.chunks: deque[tuple[float, TokenChunk]] = deque()  # (when it arrived, the chunk)
         self.waiter: asyncio.Future | None = None  # set while its reader waits for a chunk
+        self.arrived: float | None = None  # when the chunk `next` took last arrived
 
 
 class StreamRouter:
@@ -48,16 +50,22 @@ class StreamRouter:
                 await asyncio.wait_for(stream.waiter, timeout_s)
             finally:
                 stream.waiter = None
-        return stream.chunks.popleft()
+        stream.arrived, chunk = stream.chunks.popleft()
+        return chunk
 
     def peek(self, attempt_id: str) -> TokenChunk | None:
         """The next chunk of a stream if it is here already (not taken: see take)."""
         stream = self._streams.get(attempt_id)
-        return stream.chunks[0] if stream is not None and stream.chunks else None
+        return stream.chunks[0][1] if stream is not None and stream.chunks else None
 
     def take(self, attempt_id: str) -> TokenChunk:
-        """The chunk peek showed."""
-        return self._streams[attempt_id].chunks.popleft()
+        """The chunk peek showed (joining an answer `next` began: `arrived` stays)."""
+        return self._streams[attempt_id].chunks.popleft()[1]
+
+    def arrived(self, attempt_id: str) -> float | None:
+        """When (time.monotonic) the chunk that began the stream's latest answer arrived."""
+        stream = self._streams.get(attempt_id)
+        return stream.arrived if stream is not None else None
 
     def close(self, attempt_id: str) -> None:
         self._streams.pop(attempt_id, None)
@@ -67,10 +75,11 @@ class StreamRouter:
 
     async def _on_chunk(self, message: TokenChunk | TokenBatch, respond) -> None:
         chunks = message.chunks if isinstance(message, TokenBatch) else [message]
+        now = time.monotonic()
         for chunk in chunks:
             stream = self._streams.get(chunk.attempt_id)
             if stream is None:  # the attempt ended here (cancelled, timed out, moved)
                 continue
-            stream.chunks.append(chunk)
+            stream.chunks.append((now, chunk))
             if stream.waiter is not None and not stream.waiter.done():
                 stream.waiter.set_result(None)

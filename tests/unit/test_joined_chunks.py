@@ -3,10 +3,12 @@ text and logprobs in order, the last chunk's ending kept; a failure, a gap or a 
 left to the stream's own handling, and nothing is held back to be joined."""
 
 import asyncio
+import time
 
 from services.gateway.attempt import Attempt
 from services.gateway.chunk_waiter import ChunkWaiter
 from services.gateway.joined_chunks import MAX_JOINED_TOKENS, joinable, joined
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.relay import RequestRelay
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
@@ -121,3 +123,25 @@ def _task() -> GenerateTask:
         reply_subject=SUBJECT,
         arrival_time=0.0,
     )
+
+
+async def test_the_gateway_times_a_tokens_stay_from_its_arrival_to_its_answer():
+    bus = InMemoryBus()
+    async with StreamRouter(bus, SUBJECT) as router:
+        router.open("a")
+        assert router.arrived("a") is None
+        before = time.monotonic()
+        await bus.publish(SUBJECT, chunk(0, [1]))
+        await bus.publish(SUBJECT, chunk(1, [2]))
+        await router.next("a", 1)
+        began = router.arrived("a")
+        assert before <= began <= time.monotonic()
+        router.take("a")  # joins the answer next() began: its arrival is the answer's
+        assert router.arrived("a") == began
+        metrics = GatewayMetrics("g1")
+        metrics.waited(began)
+        metrics.waited(None)  # not known: not counted
+        count = metrics.registry.get_sample_value(
+            "tandem_gateway_token_wait_seconds_count", {"role": "gateway", "worker": "g1"}
+        )
+        assert count == 1

@@ -3,6 +3,7 @@ workers on one scheduler, and one gateway's stream capacity."""
 
 import asyncio
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -89,6 +90,10 @@ def section_gateway(args) -> list[dict]:
     }
     workers = [Worker("colocated", env=env) for _ in range(processes)]
     port = _port()
+    # the gateway on a core of its own; NATS, the scheduler, the workers and this client (they
+    # inherit this process's cores) on the others: what it adds is its own, not their jitter
+    every = sorted(os.sched_getaffinity(0))
+    gateway_core, others = every[0], set(every[1:]) or set(every)
     stack = BenchStack(
         "cp-gateway",
         "colocated",
@@ -96,7 +101,20 @@ def section_gateway(args) -> list[dict]:
         common_env=QUIET,
         gateway_env={**LOAD_GENERATOR, "TANDEM_METRICS_PORT": str(port)},
         expect_workers=processes * per,
+        gateway_cores=str(gateway_core),
     )
+    rows = []
+    os.sched_setaffinity(0, others)
+    try:
+        rows = _gateway_levels(args, stack, port)
+    finally:
+        os.sched_setaffinity(0, every)
+    for row in rows:
+        row["gateway_core"], row["other_cores"] = gateway_core, sorted(others)
+    return rows
+
+
+def _gateway_levels(args, stack: BenchStack, port: int) -> list[dict]:
     rows = []
     with stack:
         gateway = stack.pid("gateway")

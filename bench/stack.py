@@ -54,6 +54,7 @@ class BenchStack:
         gateway_env: dict | None = None,
         metadata=(),
         expect_workers: int = 0,  # workers to wait for (default: one per Worker)
+        gateway_cores: str = "",  # taskset -c list for the gateway; empty = every core
     ):
         self.name, self.mode, self.workers = name, mode, workers
         self.scheduler_env = scheduler_env or {}
@@ -65,6 +66,7 @@ class BenchStack:
         self.address = ""
         self.expect_workers = expect_workers or len(workers)
         self.monitor_port = 0  # nats-server's HTTP monitoring (/varz: its message counts)
+        self.gateway_cores = gateway_cores
 
     def __enter__(self) -> "BenchStack":
         try:
@@ -105,9 +107,10 @@ class BenchStack:
                 **w.env,
             }
             self.group.spawn(f"{w.role}-{i}", pin + py + [service], child_env(env))
+        pin = ["taskset", "-c", self.gateway_cores] if self.gateway_cores else []
         self.group.spawn(
             "gateway",
-            py + ["services.gateway"],
+            pin + py + ["services.gateway"],
             child_env(
                 {
                     **common,

@@ -125,7 +125,8 @@ class GrpcClient:
         timed = Timed()
         async for response in self.stub.Generate(request, timeout=300):
             if response.text:
-                timed.content(len(response.token_ids))
+                timed.content(0)
+            timed.tokens += len(response.token_ids)  # a response may hold text back (UTF-8)
             if response.finish_reason:
                 timed.gateway_ttft_ms = response.timing.ttft_ms
         return timed

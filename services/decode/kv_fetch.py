@@ -31,6 +31,7 @@ from shared.control.subjects import Subjects
 from shared.dataplane.plan import PlanError, TransferPlan, new_base_tag
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.receiver import KVReceiver
+from shared.engine.sequence import Sequence, StepOutput
 from shared.telemetry import tracing
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
@@ -113,9 +114,11 @@ class KVFetcher:
         )
         return TransferPlan(self.rt.runner.layout, seq.prompt_len, destination)
 
-    async def fetch(self, req: DecodeRequest) -> None:
+    async def fetch(self, req: DecodeRequest) -> list[tuple[Sequence, StepOutput]]:
         """Drives req's transfer to COMPLETE (the KV is handed to the engine) or through an abort
-        to RELEASED or QUARANTINED (req's error set); either way it is settled on return."""
+        to RELEASED or QUARANTINED (req's error set); either way it is settled on return. What
+        the engine produced on landing it (its first token, when the batch had room) is returned:
+        to send at once."""
         t = req.transfer
         asking = None
         try:
@@ -135,9 +138,9 @@ class KVFetcher:
             if t.state is not TransferState.ABORTING:
                 self._forget(t)
         if t.state is TransferState.COMPLETE:
-            self._land(req, t)
-        else:
-            await self._abort(req, t)
+            return self._land(req, t)
+        await self._abort(req, t)
+        return []
 
     async def _plane_ready(self, t: InboundTransfer) -> None:
         """Waits (up to a lease) for a data plane that is restarting (its helper replaced); the
@@ -195,7 +198,7 @@ class KVFetcher:
     async def _lost(self, worker_id: str) -> bool:
         return await self.liveness.lost(worker_id)
 
-    def _land(self, req: DecodeRequest, t: InboundTransfer) -> None:
+    def _land(self, req: DecodeRequest, t: InboundTransfer) -> list[tuple[Sequence, StepOutput]]:
         """COMPLETE: the timings come from the transfer, and the sequence joins the batch."""
         seq, result = req.seq, t.result
         seq.first_tokens, req.prefill_worker = result.first_tokens, result.prefill_worker
@@ -208,7 +211,7 @@ class KVFetcher:
         tracing.record("decode.kv_receive", req.trace, landed - t.kv_transfer_ms / 1000, landed)
         if result.transport:
             self.transports.add(result.transport)
-        self.rt.engine.kv_arrived(seq)
+        return self.rt.engine.kv_arrived(seq)
 
     async def _abort(self, req: DecodeRequest, t: InboundTransfer) -> None:
         """ABORTING: req gets the cause as its error, the prefill worker is told, every receive

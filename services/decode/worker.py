@@ -202,7 +202,9 @@ class DecodeWorker:
 
     async def _fetch_kv(self, req: DecodeRequest) -> None:
         try:
-            await self.kv.fetch(req)
+            first = await self.kv.fetch(req)
+            if first and not req.cancel_reason and req.failure is None:
+                await self.out.publish_step([(req, out) for _, out in first])  # not a step later
         finally:
             self.fetches.pop(req.attempt_id, None)
             self.loop.wakeup.set()

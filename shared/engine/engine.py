@@ -1,21 +1,19 @@
 """Engine: continuous batching over the paged KV pool. One step reads schedule -> run -> postprocess.
 
-Every step runs, as one batch of rows through the model: one token for each running sequence,
-whole prompt chunks of waiting sequences up to a token budget (chunked prefill: a chunk for each
-in line first, then the rest in order; see prompt_chunks), and the KV of
-sequences whose prompt was computed on another worker is written into the pool. Sequences join
-at step boundaries and leave at once. When the pool runs dry, the newest running sequence is
-preempted (its blocks freed, recomputed from its tokens later, never dropped); so is one whose
-rope asks for it (Phi-3's longrope, as HF does, past its trained length: see Rotary).
+A step runs one batch of rows through the model: a token per running sequence, and prompt chunks
+of waiting ones up to a token budget (chunked prefill: a chunk each in line, then the rest in
+order; see prompt_chunks). A prompt computed on another worker joins when its KV has landed, at
+once when the batch has room (its first token goes out before the step in flight ends). When the
+pool runs dry the newest running sequence is preempted (blocks freed, recomputed later, never
+dropped); so is one whose rope asks for it (Phi-3's longrope past its trained length: Rotary).
 
 `step()` runs in the engine thread; `admit`, `add` and `kv_arrived` may be called from the event
-loop while a step runs, so the block bookkeeping sits behind one lock (the forward pass itself
-runs outside it). `release` must be called between steps: a sequence in the running step's batch
-is still being written.
+loop while a step runs, so block bookkeeping sits behind one lock (the forward pass outside it).
+`release` must be called between steps: a sequence in the running step's batch is being written.
 
-Only blocks computed by a prompt pass (here or on a prefill worker) enter the prefix cache:
-a token decoded alone gets slightly different bits than the same token inside a prompt chunk,
-so caching decode-filled blocks would make a cache hit differ from a cold run.
+Only blocks computed by a prompt pass (here or on a prefill worker) enter the prefix cache: a
+token decoded alone gets slightly different bits than inside a prompt chunk, so caching
+decode-filled blocks would make a cache hit differ from a cold run.
 """
 
 import threading
@@ -98,11 +96,17 @@ class Engine:
                 for s in self.waiting
             )
 
-    def kv_arrived(self, seq: Sequence) -> None:
-        """seq's KV is in its blocks and seq.first_tokens are set: it joins the batch next step."""
+    def kv_arrived(self, seq: Sequence) -> list[tuple[Sequence, StepOutput]]:
+        """seq's KV is in its blocks and seq.first_tokens are set: it joins the batch now when
+        there is room and none waits before it (its first token returned, to send at once),
+        else at a step (a group of n > 1 choices always does: its forks are a step's)."""
         with self.lock:
             seq.status = SeqStatus.KV_READY
-            self.loading.append(seq)
+            room = len(self.running) < self.max_num_seqs and not self.loading
+            if not (room and len(seq.first_tokens) == 1):
+                self.loading.append(seq)
+                return []
+        return self._load(seq)
 
     def release(self, seq: Sequence) -> None:
         """Takes seq out of the engine and frees its blocks (finished, cancelled or failed)."""
@@ -142,13 +146,8 @@ class Engine:
             self.stats.record(decoding, prompt_rows, forward_s, step_s, len(work))
         return outputs
 
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.stats.prefill_tokens_per_s
-
-    @property
-    def decode_step_s(self) -> float:
-        return self.stats.decode_step_s
+    prefill_tokens_per_s = property(lambda self: self.stats.prefill_tokens_per_s)
+    decode_step_s = property(lambda self: self.stats.decode_step_s)
 
     def _schedule(self) -> tuple[list[Sequence], list[_Work]]:
         work = [_Work(seq, seq.num_tokens - 1, seq.num_tokens) for seq in self._decodable()]

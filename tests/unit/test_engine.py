@@ -428,13 +428,27 @@ def test_remote_kv_decodes_like_the_colocated_run(model, rand_tokens):
     assert not seq.output_ids and seq not in engine.running
     land(engine, seq, buffer)
     seq.first_tokens = [first]
-    engine.kv_arrived(seq)
-    assert seq.status is SeqStatus.KV_READY
-    outputs = engine.step()
+    outputs = engine.kv_arrived(seq)  # the batch has room: it joins now, its first token out
     assert (seq, [first]) in [(s, out.token_ids) for s, out in outputs]
     assert seq.status is SeqStatus.RUNNING and seq.num_computed_tokens == 45
     run_to_end(engine)
     assert seq.output_ids == alone(model, prompt, 12)
+    assert engine.blocks.used == 0
+
+
+def test_remote_kv_waits_for_a_step_when_the_batch_is_full(model, rand_tokens):
+    prompt = rand_tokens(40)
+    buffer, first = prefill_elsewhere(model, prompt)
+    engine = make_engine(model, num_blocks=64, max_num_seqs=1)
+    engine.add(make_seq(rand_tokens(20), 4, "other"))
+    engine.step()  # "other" holds the batch's one slot
+    seq = make_seq(prompt, 6, "remote")
+    assert engine.admit(seq)
+    land(engine, seq, buffer)
+    seq.first_tokens = [first]
+    assert engine.kv_arrived(seq) == [] and seq.status is SeqStatus.KV_READY
+    run_to_end(engine)  # it joins once "other" is done
+    assert seq.output_ids == alone(model, prompt, 6)
     assert engine.blocks.used == 0
 
 

@@ -88,8 +88,7 @@ def test_a_remote_first_token_carries_the_prefill_workers_logprob(tiny_model, ra
     seq = make_seq(rand_tokens(20), 1, logprobs=True)
     seq.first_tokens, seq.first_logprobs = [7], [TL(-1.25, [7], [-1.25])]
     assert engine.admit(seq)
-    engine.kv_arrived(seq)
-    ((_, out),) = engine.step()
+    ((_, out),) = engine.kv_arrived(seq)  # landed at once: the batch has room
     assert out.token_ids == [7] and out.logprobs == [TL(-1.25, [7], [-1.25])]
     run_to_end(engine)
 

@@ -3,6 +3,7 @@ text and logprobs in order, the last chunk's ending kept; a failure, a gap or a 
 left to the stream's own handling, and nothing is held back to be joined."""
 
 import asyncio
+import contextlib
 import time
 
 from services.gateway.attempt import Attempt
@@ -71,18 +72,23 @@ async def test_ready_takes_the_expected_chunk_only_when_it_is_already_here():
         assert (await router.next("a", 1)).index == 2
 
 
-async def test_a_stream_that_came_meanwhile_reaches_the_client_as_one_answer():
-    bus = InMemoryBus()
-    settings = GatewaySettings()
+@contextlib.asynccontextmanager
+async def _relay():
+    """(bus, router, a relay) with stream "a" open and its attempt placed on d1."""
+    bus, settings = InMemoryBus(), GatewaySettings()
     async with (
         StreamRouter(bus, SUBJECT) as router,
         Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s) as liveness,
     ):
         router.open("a")
+        yield bus, router, RequestRelay(settings, bus, router, liveness, context=None)
+
+
+async def test_a_stream_that_came_meanwhile_reaches_the_client_as_one_answer():
+    async with _relay() as (bus, router, relay):
         for i, tokens in enumerate([[1], [2, 3], [4]]):
             await bus.publish(SUBJECT, chunk(i, tokens))
         await bus.publish(SUBJECT, chunk(3, [5], finish_reason="length", completion_tokens=5))
-        relay = RequestRelay(settings, bus, router, liveness, context=None)
         placed = Attempt(_task(), worker="d1")
         answers = [c async for _, c in relay.follow(placed.task, placed)]
         assert len(answers) == 1
@@ -91,14 +97,7 @@ async def test_a_stream_that_came_meanwhile_reaches_the_client_as_one_answer():
 
 
 async def test_each_chunk_goes_alone_when_the_client_keeps_up():
-    bus = InMemoryBus()
-    settings = GatewaySettings()
-    async with (
-        StreamRouter(bus, SUBJECT) as router,
-        Liveness(bus, Subjects(settings.cluster), settings.worker_timeout_s) as liveness,
-    ):
-        router.open("a")
-        relay = RequestRelay(settings, bus, router, liveness, context=None)
+    async with _relay() as (bus, _, relay):
         placed = Attempt(_task(), worker="d1")
         answers = []
 

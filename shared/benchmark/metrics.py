@@ -56,7 +56,9 @@ def itl_ms(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[fl
 
 
 def request_metrics(record: RequestRecord) -> RequestMetrics:
-    output = sum(record.chunk_tokens)
+    # tokens as the responses carried them, or as the usage says where a response's count is not
+    # known (an OpenAI stream event may carry several tokens: it is counted as one)
+    output = max(sum(record.chunk_tokens), record.completion_tokens)
     ttft = (record.chunk_times[0] - record.sent_at) * 1000 if record.chunk_times else None
     e2e = (record.ended_at - record.sent_at) * 1000
     tpot = (e2e - ttft) / (output - 1) if ttft is not None and output > 1 else None

@@ -42,8 +42,10 @@ async def send_openai(
     spec: RequestSpec,
     timeout_s: float | None = None,
 ) -> RequestRecord:
-    """Sends one request and records its event stream (each event: one gateway response, one
-    token); a failure is recorded, never raised (cancellation aside)."""
+    """Sends one request and records its event stream (each event: one gateway response, counted
+    as one token: it may carry several, joined at the gateway, so the request's output is its
+    usage's count and its ITL is per event); a failure is recorded, never raised (cancellation
+    aside)."""
     record = RequestRecord.sent(spec)
     headers = {"X-Request-Id": spec.request_id}
     if timeout_s:

@@ -20,6 +20,7 @@ from services.gateway.fair_tokenizer import FairTokenizer
 from services.gateway.merge import merged
 from services.gateway.metrics import GatewayMetrics, RecordingContext
 from services.gateway.migration import new_attempt_id
+from services.gateway.prompt_tokenizer import PromptTokenizer
 from services.gateway.relay import RequestRelay
 from services.gateway.responses import cluster_status_response, generate_response
 from services.gateway.schedulers import SchedulerPool
@@ -127,6 +128,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.bus = bus
         self.streams = streams
         self.tokenizer = tokenizer
+        self.prompts = PromptTokenizer(tokenizer)
         self.limits = limits
         self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
@@ -255,7 +257,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                 client.name,
                 validate,
                 request,
-                self.tokenizer,
+                self.prompts,
                 self.limits,
                 small=small_prompt(request),
             )

@@ -7,6 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from services.gateway.prompt_tokenizer import PromptTokenizer
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
 from shared.control.messages import SamplingParams
@@ -99,30 +100,27 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
     )
 
 
-def prompt_ids_of(request: pb.GenerateRequest, tokenizer) -> list[int]:
+def prompt_ids_of(request: pb.GenerateRequest, tokens: PromptTokenizer) -> list[int]:
     """Tokenizes the raw prompt, or renders the messages with the model's chat template."""
     if (bool(request.prompt) + bool(request.messages) + bool(request.prompt_token_ids)) > 1:
         raise InvalidRequest("give one of prompt, messages or prompt_token_ids")
     if request.prompt_token_ids:
-        vocab = len(tokenizer)
-        if max(request.prompt_token_ids) >= vocab:
-            raise InvalidRequest(f"prompt_token_ids must be below the vocabulary size, {vocab}")
+        if max(request.prompt_token_ids) >= tokens.vocab_size:
+            raise InvalidRequest(
+                f"prompt_token_ids must be below the vocabulary size, {tokens.vocab_size}"
+            )
         return list(request.prompt_token_ids)
     if request.messages:
         for m in request.messages:
             if m.role not in ROLES:
                 raise InvalidRequest(f"unknown role {m.role!r}: use one of {', '.join(ROLES)}")
-        chat = [{"role": m.role, "content": m.content} for m in request.messages]
-        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # some tokenizers answer with a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return tokens.chat_ids([{"role": m.role, "content": m.content} for m in request.messages])
     if not request.prompt:
         raise InvalidRequest("prompt is empty: give a prompt, messages or prompt_token_ids")
-    ids = tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+    ids = tokens.text_ids(request.prompt, special_tokens=True)
     if not ids:
         raise InvalidRequest("the prompt has no tokens")
-    return list(ids)
+    return ids
 
 
 def small_prompt(request: pb.GenerateRequest) -> bool:
@@ -131,7 +129,7 @@ def small_prompt(request: pb.GenerateRequest) -> bool:
     return chars + len(request.prompt_token_ids) <= SMALL_PROMPT
 
 
-def validate(request: pb.GenerateRequest, tokenizer, limits: Limits) -> ValidRequest:
+def validate(request: pb.GenerateRequest, tokens: PromptTokenizer, limits: Limits) -> ValidRequest:
     request_id = request_id_of(request)
     sampling = sampling_of(request, limits)
     chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
@@ -141,7 +139,7 @@ def validate(request: pb.GenerateRequest, tokenizer, limits: Limits) -> ValidReq
             f"{limits.max_model_len} tokens can hold"
         )
     began = time.time()
-    ids = prompt_ids_of(request, tokenizer)
+    ids = prompt_ids_of(request, tokens)
     tokenized = (began, time.time())
     if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequest(

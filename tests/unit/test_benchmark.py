@@ -150,8 +150,11 @@ def test_a_prefix_longer_than_the_prompts_is_refused():
 
 def test_prompts_match_the_gateway_token_count(tokenizer):
     """With the real tokenizer, as the gateway counts a raw prompt (services/gateway/validation.py)."""
+    from services.gateway.prompt_tokenizer import PromptTokenizer
     from services.gateway.validation import prompt_ids_of
     from shared.api import tandem_pb2 as pb
+
+    prompts = PromptTokenizer(tokenizer)
 
     workload = Workload(parse_lengths("uniform:1-600"), parse_lengths("fixed:1"), seed=11)
     specs = list(request_specs(workload, tokenizer, 20))
@@ -161,7 +164,7 @@ def test_prompts_match_the_gateway_token_count(tokenizer):
         )
     )
     for spec in specs:
-        ids = prompt_ids_of(pb.GenerateRequest(prompt=spec.prompt), tokenizer)
+        ids = prompt_ids_of(pb.GenerateRequest(prompt=spec.prompt), prompts)
         assert len(ids) == spec.prompt_len, spec
 
 

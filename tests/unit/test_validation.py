@@ -4,8 +4,15 @@ import math
 
 import pytest
 
+from services.gateway.prompt_tokenizer import PromptTokenizer
 from services.gateway.validation import InvalidRequest, Limits, validate
 from shared.api import tandem_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return PromptTokenizer(tokenizer)
+
 
 LIMITS = Limits(
     max_model_len=8192, default_max_tokens=256, max_tokens_limit=4096, max_stop_strings=16
@@ -51,29 +58,29 @@ def request(
     ],
     ids=lambda r: str(r).replace("\n", " ")[:60],
 )
-def test_invalid_requests_are_rejected(tokenizer, bad):
+def test_invalid_requests_are_rejected(bad, prompts):
     with pytest.raises(InvalidRequest):
-        validate(bad, tokenizer, LIMITS)
+        validate(bad, prompts, LIMITS)
 
 
-def test_prompt_plus_max_tokens_must_fit_the_context(tokenizer):
+def test_prompt_plus_max_tokens_must_fit_the_context(tokenizer, prompts):
     prompt = "word " * 500
     n = len(tokenizer(prompt)["input_ids"])
     limits = Limits(
         max_model_len=n + 10, default_max_tokens=256, max_tokens_limit=4096, max_stop_strings=16
     )
     assert (
-        len(validate(request(prompt, max_tokens=10), tokenizer, limits).prompt_token_ids) == n
+        len(validate(request(prompt, max_tokens=10), prompts, limits).prompt_token_ids) == n
     )  # exactly full
     with pytest.raises(InvalidRequest, match="context"):
-        validate(request(prompt, max_tokens=11), tokenizer, limits)
+        validate(request(prompt, max_tokens=11), prompts, limits)
     with pytest.raises(InvalidRequest, match="context"):
-        validate(request(prompt), tokenizer, limits)  # the default max_tokens counts too
+        validate(request(prompt), prompts, limits)  # the default max_tokens counts too
     with pytest.raises(InvalidRequest, match="context"):
-        validate(request("word " * 8192, max_tokens=1), tokenizer, LIMITS)
+        validate(request("word " * 8192, max_tokens=1), prompts, LIMITS)
 
 
-def test_a_prompt_over_the_prompt_limit_is_refused(tokenizer):
+def test_a_prompt_over_the_prompt_limit_is_refused(tokenizer, prompts):
     prompt = "word " * 100
     n = len(tokenizer(prompt)["input_ids"])
     limits = Limits(
@@ -84,23 +91,23 @@ def test_a_prompt_over_the_prompt_limit_is_refused(tokenizer):
         max_prompt_tokens=n,
     )
     # exactly at the limit
-    assert len(validate(request(prompt), tokenizer, limits).prompt_token_ids) == n
+    assert len(validate(request(prompt), prompts, limits).prompt_token_ids) == n
     longer = prompt + "and more words"
     with pytest.raises(
         InvalidRequest,
         match=f"the prompt is {len(tokenizer(longer)['input_ids'])} tokens, over the limit of {n}",
     ):
-        validate(request(longer), tokenizer, limits)
+        validate(request(longer), prompts, limits)
 
 
-def test_raw_prompt_is_tokenized(tokenizer):
-    valid = validate(request("The capital of France is"), tokenizer, LIMITS)
+def test_raw_prompt_is_tokenized(tokenizer, prompts):
+    valid = validate(request("The capital of France is"), prompts, LIMITS)
     assert valid.prompt_token_ids == tokenizer("The capital of France is")["input_ids"]
 
 
-def test_chat_messages_render_the_chat_template(tokenizer):
+def test_chat_messages_render_the_chat_template(tokenizer, prompts):
     chat = [("system", "Be brief."), ("user", "Hi!"), ("assistant", "Hello."), ("user", "2+2?")]
-    valid = validate(request(prompt="", messages=chat), tokenizer, LIMITS)
+    valid = validate(request(prompt="", messages=chat), prompts, LIMITS)
     expected = tokenizer.apply_chat_template(
         [{"role": r, "content": c} for r, c in chat], add_generation_prompt=True, tokenize=True
     )
@@ -110,8 +117,8 @@ def test_chat_messages_render_the_chat_template(tokenizer):
     assert tokenizer.decode(valid.prompt_token_ids).endswith("<|im_start|>assistant\n")
 
 
-def test_defaults_for_unset_fields(tokenizer):
-    valid = validate(request(), tokenizer, LIMITS)
+def test_defaults_for_unset_fields(prompts):
+    valid = validate(request(), prompts, LIMITS)
     s = valid.sampling
     assert (s.max_tokens, s.top_p, s.temperature, s.top_k, s.stop, s.ignore_eos) == (
         256,
@@ -122,12 +129,12 @@ def test_defaults_for_unset_fields(tokenizer):
         False,
     )
     assert 0 <= s.seed < 2**63
-    seeds = {validate(request(), tokenizer, LIMITS).sampling.seed for _ in range(5)}
+    seeds = {validate(request(), prompts, LIMITS).sampling.seed for _ in range(5)}
     assert len(seeds) > 1  # random, not a constant
     assert len(valid.request_id) == 32  # a generated uuid hex
 
 
-def test_explicit_values_are_kept(tokenizer):
+def test_explicit_values_are_kept(prompts):
     valid = validate(
         request(
             request_id="req-1.a:b_c",
@@ -141,7 +148,7 @@ def test_explicit_values_are_kept(tokenizer):
             logprobs=True,
             top_logprobs=20,
         ),
-        tokenizer,
+        prompts,
         LIMITS,
     )
     s = valid.sampling
@@ -156,21 +163,21 @@ def test_explicit_values_are_kept(tokenizer):
         True,
     )
     assert s.stop == ["\n\n", "x" * 256]
-    assert validate(request(seed=0), tokenizer, LIMITS).sampling.seed == 0
-    assert validate(request(seed=2**63 - 1), tokenizer, LIMITS).sampling.seed == 2**63 - 1
-    assert validate(request(top_p=1.0, stop=["s"] * 16), tokenizer, LIMITS).sampling.top_p == 1.0
+    assert validate(request(seed=0), prompts, LIMITS).sampling.seed == 0
+    assert validate(request(seed=2**63 - 1), prompts, LIMITS).sampling.seed == 2**63 - 1
+    assert validate(request(top_p=1.0, stop=["s"] * 16), prompts, LIMITS).sampling.top_p == 1.0
 
 
-def test_request_id_with_trailing_newline_is_rejected(tokenizer):
+def test_request_id_with_trailing_newline_is_rejected(prompts):
     with pytest.raises(InvalidRequest):
-        validate(request(request_id="abc\n"), tokenizer, LIMITS)
+        validate(request(request_id="abc\n"), prompts, LIMITS)
 
 
-def test_seeds_above_63_bits_are_kept_not_folded(tokenizer):
-    assert validate(request(seed=2**64 - 1), tokenizer, LIMITS).sampling.seed == 2**64 - 1
+def test_seeds_above_63_bits_are_kept_not_folded(prompts):
+    assert validate(request(seed=2**64 - 1), prompts, LIMITS).sampling.seed == 2**64 - 1
 
 
-def test_the_most_a_valid_request_may_ask_passes_the_wire_checks(tokenizer):
+def test_the_most_a_valid_request_may_ask_passes_the_wire_checks(prompts):
     """What the gateway accepts, the scheduler and workers must accept: a GenerateTask at every
     edge the validation allows survives encode -> decode (its range checks) unchanged."""
     from shared.control.messages import GenerateTask
@@ -187,7 +194,7 @@ def test_the_most_a_valid_request_may_ask_passes_the_wire_checks(tokenizer):
         ignore_eos=True,
     )
     edge.priority = -(2**31)
-    valid = validate(edge, tokenizer, LIMITS)
+    valid = validate(edge, prompts, LIMITS)
     task = GenerateTask(
         attempt_id=valid.request_id + ".0123456789ab",
         prompt_token_ids=valid.prompt_token_ids,

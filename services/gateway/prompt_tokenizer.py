@@ -1,0 +1,48 @@
+"""PromptTokenizer: a prompt's token ids, as Hugging Face's tokenizer gives them, made cheaper.
+
+A fast (Rust) tokenizer whose encoding Hugging Face does not override is called directly: for a
+short chat that is ~60 us instead of ~170 (apply_chat_template's tokenize=True goes through the
+tokenizer's __call__, which validates its arguments and resets truncation and padding on every
+call). The chat template is still rendered by apply_chat_template (tokenize=False), so what the
+template writes is Hugging Face's. Anything else (a slow tokenizer, an overridden encoding, a
+backend set to truncate, pad or split special tokens) takes Hugging Face's own path.
+"""
+
+_HF_FAST = "transformers.tokenization_utils_tokenizers"
+
+
+class PromptTokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self._backend = _plain_backend(tokenizer)
+
+    def text_ids(self, text: str, special_tokens: bool) -> list[int]:
+        """tokenizer(text, add_special_tokens=special_tokens)["input_ids"]."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=special_tokens).ids
+        return list(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+
+    def chat_ids(self, chat: list[dict]) -> list[int]:
+        """tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)."""
+        if self._backend is None:
+            ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+            return list(ids if isinstance(ids, list) else ids["input_ids"])  # or a BatchEncoding
+        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+
+def _plain_backend(tokenizer):
+    """The Rust tokenizer when calling it gives what Hugging Face's __call__ would; else None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    encode_plus = getattr(type(tokenizer), "_encode_plus", None)
+    plain = (
+        getattr(tokenizer, "is_fast", False)
+        and hasattr(backend, "encode")
+        and getattr(encode_plus, "__module__", "") == _HF_FAST
+        and getattr(backend, "truncation", None) is None
+        and getattr(backend, "padding", None) is None
+        and not getattr(tokenizer, "split_special_tokens", False)
+        and not getattr(backend, "encode_special_tokens", False)
+    )
+    return backend if plain else None

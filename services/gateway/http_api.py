@@ -174,7 +174,7 @@ class OpenAIApi:
         except Exception:
             log.exception("request %s failed", formatter.id)
             return _error_response(INTERNAL)
-        stream = web.StreamResponse(headers=SSE_HEADERS | {"X-Request-Id": formatter.id})
+        stream = EventStream(headers=SSE_HEADERS | {"X-Request-Id": formatter.id})
         await stream.prepare(request)
         response, offsets, lasts = first, {}, []
         try:
@@ -197,6 +197,13 @@ class OpenAIApi:
             await _event(stream, INTERNAL.body)
         await stream.write_eof()
         return stream
+
+
+class EventStream(web.StreamResponse):
+    """An SSE response whose headers go out with its first event, in one write (aiohttp's
+    StreamResponse sends them on prepare(), a write of their own: a syscall per request)."""
+
+    _send_headers_immediately = False
 
 
 async def _event(stream: web.StreamResponse, obj: dict) -> None:

@@ -17,7 +17,6 @@ an attempt is never changed after it is made:
     moved(failure)           any -> unplaced, under a new id: its worker was lost (full or failed)
 """
 
-import copy
 import dataclasses
 
 from services.gateway.migration import client_id, new_attempt_id, resumed
@@ -60,9 +59,13 @@ class Attempt:
     def received(self, chunk: TokenChunk) -> "Attempt":
         if not self.worker or chunk.index != self.expected:
             raise ValueError(f"{self.id} expects chunk {self.expected} from {self.worker or '?'}")
-        after = copy.copy(self)  # as dataclasses.replace, without its __init__ (once per chunk)
-        object.__setattr__(after, "sent", self.sent + tuple(chunk.token_ids))
-        object.__setattr__(after, "expected", self.expected + 1)
+        # as dataclasses.replace, without its __init__ or copy's protocol (once per chunk: ~1 us
+        # instead of ~4)
+        after = object.__new__(Attempt)
+        state = after.__dict__
+        state.update(self.__dict__)
+        state["sent"] = self.sent + tuple(chunk.token_ids)
+        state["expected"] = self.expected + 1
         return after
 
     def resubmitted(self) -> "Attempt":

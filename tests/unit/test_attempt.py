@@ -33,8 +33,13 @@ def chunk(index: int, token_ids: list[int]) -> TokenChunk:
 
 def test_an_attempt_placed_counts_the_chunks_and_tokens_it_receives():
     unplaced = first_attempt()
-    serving = unplaced.placed("d1").received(chunk(0, [20])).received(chunk(1, [21, 22]))
+    placed = unplaced.placed("d1")
+    serving = placed.received(chunk(0, [20])).received(chunk(1, [21, 22]))
     assert (serving.worker, serving.sent, serving.expected) == ("d1", (20, 21, 22), 2)
+    assert (placed.sent, placed.expected) == ((), 0)  # a new attempt each time, as replace's
+    assert serving == dataclasses.replace(placed, sent=(20, 21, 22), expected=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        serving.expected = 5
     assert (unplaced.worker, unplaced.sent, unplaced.expected) == ("", (), 0)
     assert serving.task is unplaced.task and serving.id == "req.aaaa"
 

@@ -6,7 +6,8 @@ ttft      TTFT and ITL with a zero-time mock engine (--mock-speedup 0, no KV byt
           and disaggregated, at concurrency 1, 8 and 32: Tandem through its OpenAI-compatible
           HTTP front (a fresh connection per request, and keep-alive) and through gRPC; Dynamo
           1.6.1's frontend + mocker (speedup 1e6, --kv-transfer-bandwidth 0) through the same
-          HTTP client, in the same run, one after the other.
+          HTTP client, in the same run, one after the other, --rounds times (which goes first
+          alternates; the report takes each cell's median over the rounds and shows the spread).
 messages  NATS messages per generated token at 64 concurrent streams on one worker (the
           mock at the real engine's pace, --mock-speedup 1): nats-server's in_msgs over the run
           (every message: submits, assignments, acks, heartbeats, token batches).
@@ -83,21 +84,34 @@ async def dynamo_levels(base_url: str, model: str, n: int, max_tokens: int) -> l
 
 
 def section_ttft(args, model_dir: Path) -> list[dict]:
+    """Every level, front and path, `--rounds` times: Tandem and Dynamo one after the other in
+    each round, which goes first alternating (the machine's speed drifts within a run; a cell's
+    median over rounds is the figure, its spread is reported)."""
     rows = []
-    for mode in ("colocated", "disaggregated"):
-        path = "aggregated" if mode == "colocated" else "disaggregated"
-        with tandem_stack(f"cp-{mode}", mode, ZERO_TIME) as stack:
-            model = _served_model(stack.http_port)
-            for row in asyncio.run(tandem_levels(stack, model, args.n, args.max_tokens)):
-                rows.append({"path": path, **row})
-        if available():
-            with DynamoStack(model_dir, mode != "colocated") as dynamo:
-                found = asyncio.run(
-                    dynamo_levels(dynamo.base_url, dynamo.model, args.n, args.max_tokens)
-                )
-                rows += [{"path": path, **row} for row in found]
-        print(json.dumps(rows[-1]), flush=True)
+    for round_ in range(args.rounds):
+        for mode in ("colocated", "disaggregated"):
+            path = "aggregated" if mode == "colocated" else "disaggregated"
+            systems = (
+                [_tandem_rows, _dynamo_rows] if round_ % 2 == 0 else [_dynamo_rows, _tandem_rows]
+            )
+            for measure in systems:
+                found = measure(mode, args, model_dir)
+                rows += [{"path": path, "round": round_, **row} for row in found]
+            print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _tandem_rows(mode: str, args, model_dir: Path) -> list[dict]:
+    with tandem_stack(f"cp-{mode}", mode, ZERO_TIME) as stack:
+        model = _served_model(stack.http_port)
+        return asyncio.run(tandem_levels(stack, model, args.n, args.max_tokens))
+
+
+def _dynamo_rows(mode: str, args, model_dir: Path) -> list[dict]:
+    if not available():
+        return []
+    with DynamoStack(model_dir, mode != "colocated") as dynamo:
+        return asyncio.run(dynamo_levels(dynamo.base_url, dynamo.model, args.n, args.max_tokens))
 
 
 def section_messages(args) -> dict:
@@ -135,6 +149,7 @@ def main() -> int:
     parser.add_argument("--sections", default="ttft,messages,fleet,gateway")
     parser.add_argument("-n", type=int, default=200, help="requests per level")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="ttft: Tandem and Dynamo rounds")
     parser.add_argument("--fleet-size", type=int, default=1000)
     parser.add_argument("--gateway-levels", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     parser.add_argument("--gateway-tokens", type=int, default=200)

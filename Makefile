@@ -143,6 +143,8 @@ bench-timing: kernels
 # The control plane on mock engines against NVIDIA Dynamo's (its frontend + mocker, in its own
 # venv, .venv-dynamo, as ../shared/peers/dynamo/RUN.md installs it): TTFT/ITL at zero engine
 # time, NATS messages per token, 1,000 mock workers on one scheduler. bench/results/control-plane.*
+# Then the floor under it here, with no Tandem code: a bare NATS round trip, grpc.aio's call
+# acceptance against its event loop's load (bench/results/control-plane-floor.*).
 DYNAMO_DEPS = 'aiohttp<4.0,>=3.14.3' 'certifi>=2026.10.19' 'kubernetes<33.0.0,>=32.0.1' \
   'msgspec>=0.19.0' 'prometheus-client<1.0,>=0.23.1' 'pyzmq>=26.0.0' 'redis<9.0.0,>=6.2.0' \
   'tqdm>=4.0.0' 'transformers>=4.56.0' 'typing-extensions>=4.10.0' 'zstandard<1.0,>=0.23.0' httpx
@@ -152,6 +154,8 @@ bench-control-plane: install
 	  && .venv-dynamo/bin/pip install --quiet --no-deps ai-dynamo==1.6.1 \
 	  && .venv-dynamo/bin/pip install --quiet $(DYNAMO_DEPS))
 	$(PY) bench/control_plane.py
+	$(PY) bench/cp_report.py
+	$(PY) bench/cp_floor.py
 
 proto: install
 	$(PY) proto/codegen.py

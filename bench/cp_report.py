@@ -188,7 +188,8 @@ def _wait(row: dict) -> str:
 
 
 def main(paths: list[str]) -> int:
-    files = [Path(p) for p in paths] or sorted(OUT.glob("control-plane*.json"))
+    found = sorted(OUT.glob("control-plane*.json"))
+    files = [Path(p) for p in paths] or [p for p in found if p.name != "control-plane-floor.json"]
     lines = ["# The control plane on mock engines, against NVIDIA Dynamo", ""]
     for path in files:
         results = json.loads(path.read_text())
@@ -201,7 +202,8 @@ def main(paths: list[str]) -> int:
 
 def _args(results: dict) -> str:
     a = results.get("args", {})
-    return f"--sections {a.get('sections', '')} -n {a.get('n', '')}"
+    rounds = f" --rounds {a['rounds']}" if "ttft" in a.get("sections", "") and "rounds" in a else ""
+    return f"--sections {a.get('sections', '')} -n {a.get('n', '')}{rounds}"
 
 
 if __name__ == "__main__":

@@ -14,8 +14,11 @@ _HF_FAST = "transformers.tokenization_utils_tokenizers"
 class PromptTokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)
         self._backend = _plain_backend(tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
 
     def text_ids(self, text: str, special_tokens: bool) -> list[int]:
         """tokenizer(text, add_special_tokens=special_tokens)["input_ids"]."""

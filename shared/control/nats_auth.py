@@ -78,6 +78,17 @@ def new_passwords() -> dict[str, str]:
     return {role: "t" + secrets.token_hex(24) for role in ROLES}
 
 
+# A client or route that went silent (its host cut off, or frozen) is given up within
+# ping_interval x (ping_max + 1), ~6 s, and its subscriptions with it. With nats-server's default
+# (a ping every 2 minutes) a worker cut off that way kept its share of a queue group's messages,
+# into the void, for minutes (seen with a scheduler: ClusterStatus "no scheduler answered").
+SILENCE = [
+    "# A silent client is given up within ~6 s (nats-server's default: minutes).",
+    'ping_interval: "2s"',
+    "ping_max: 2",
+]
+
+
 def server_config(
     cluster: str,
     passwords: dict[str, str] | None = None,
@@ -106,6 +117,7 @@ def server_config(
         *users,
         "  ]",
         "}",
+        *SILENCE,
     ]
     if tls:
         lines += [

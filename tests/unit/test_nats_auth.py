@@ -1,9 +1,12 @@
 """NATS users per role: the configs nats-server is given parse, with any password we generate."""
 
+import json
 import re
+import socket
 import subprocess
+import time
 
-from shared.cli.processes import child_env, nats_server_binary
+from shared.cli.processes import child_env, free_port, nats_server_binary, wait_for_port
 from shared.control.nats_auth import ROLES, env_file, new_passwords, server_config
 
 
@@ -41,3 +44,33 @@ def test_literal_passwords_and_tls_parse(tmp_path):
         "c", new_passwords(), tls={"cert_file": "/x/server.pem", "key_file": "/x/server.key"}
     )
     assert 'cert_file: "/x/server.pem"' in tls and 'key_file: "/x/server.key"' in tls
+
+
+def test_the_server_gives_up_a_silent_client_within_seconds(tmp_path):
+    """A client that stops answering (its host cut off) is dropped, and its subscriptions with
+    it, in ~6 s, not nats-server's default of minutes: here one that never answers a PING."""
+    passwords = new_passwords()
+    port = free_port()
+    path = tmp_path / "nats.conf"
+    path.write_text(server_config("default", passwords))
+    server = subprocess.Popen(
+        [nats_server_binary(), "-c", str(path), "-a", "127.0.0.1", "-p", str(port)],
+        env=child_env({}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert wait_for_port("127.0.0.1", port, 10)
+        with socket.create_connection(("127.0.0.1", port), timeout=15) as client:
+            assert client.recv(4096).startswith(b"INFO")
+            hello = {"user": "tandem-gateway", "pass": passwords["gateway"], "verbose": False}
+            client.sendall(b"CONNECT " + json.dumps(hello).encode() + b"\r\nPING\r\n")
+            started, heard = time.monotonic(), b""
+            while chunk := client.recv(4096):  # the server's PONG, its PINGs, then the close
+                heard += chunk
+            silent_s = time.monotonic() - started
+        assert b"PONG" in heard and heard.count(b"PING") >= 2  # logged in, then asked twice
+        assert 3 < silent_s < 12, silent_s
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

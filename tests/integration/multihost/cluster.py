@@ -33,11 +33,6 @@ WORKERS = (
     {"decode-2": "decode", "prefill-1": "prefill"},
     {"decode-3": "decode"},
 )
-# Each server gives up a client or route that went silent (its host cut off) within about 6 s, and
-# with it its subscriptions. With nats-server's default (2 minutes) a client that had left for
-# another server still had a subscription on the old one, which took its share of a queue
-# group's messages into the void (seen: ClusterStatus "no scheduler answered" after a cut).
-SILENCE = 'ping_interval: "2s"\nping_max: 2\n'
 _FETCH = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
 
 
@@ -81,8 +76,9 @@ class MultiHostStack:
 
 def start(hosts: Hosts, cluster: str, secrets: Path, sockets: Path) -> MultiHostStack:
     """Starts the NATS cluster, then the services, and waits until every worker has joined."""
+    # the config gives up a silent client within ~6 s (nats_auth.SILENCE): one cut off here
+    # does not keep its subscriptions on its old server
     conf, role_env = write_credentials(secrets, cluster)
-    conf.write_text(conf.read_text() + SILENCE)
     labels = list(hosts.hosts)
     nats_url = ",".join(f"nats://{h.address}:{NATS_PORT}" for h in hosts.hosts.values())
     stack = MultiHostStack(hosts, cluster, nats_url, {})

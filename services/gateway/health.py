@@ -6,8 +6,9 @@ import logging
 
 from grpc_health.v1 import health_pb2
 
+from services.gateway.status_asks import ask_status
 from shared.control.bus import BusError, MessageBus
-from shared.control.messages import StatusReply, StatusRequest
+from shared.control.messages import StatusRequest
 from shared.control.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,9 @@ class ReadinessProbe:
             await asyncio.sleep(self._interval)
 
     async def _ready(self) -> bool:
-        try:
-            reply = await self._bus.request(
-                self._subjects.status, StatusRequest(), 1.0, StatusReply
-            )
+        try:  # asked again once when unanswered: a scheduler cut off (not yet given up by its
+            # server) is not the gateway's readiness
+            reply = await ask_status(self._bus, self._subjects, StatusRequest(), 1.0, asks=2)
         except BusError:  # no scheduler answers (yet): not ready, nothing to log
             return False
         return reply.ready

@@ -25,6 +25,7 @@ from services.gateway.relay import RequestRelay
 from services.gateway.responses import cluster_status_response, generate_response
 from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
+from services.gateway.status_asks import status_pages
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import InvalidRequest, Limits, ValidRequest, small_prompt, validate
 from shared.api import tandem_pb2 as pb
@@ -32,7 +33,7 @@ from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.control.bus import BusError, MessageBus
 from shared.control.choices import choice_task
 from shared.control.liveness import Liveness
-from shared.control.messages import GenerateTask, StatusReply, StatusRequest
+from shared.control.messages import GenerateTask
 from shared.control.subjects import Subjects
 from shared.telemetry import tracing
 
@@ -99,6 +100,7 @@ def add_to_server(servicer: "TandemServicer", server) -> None:
 
 
 STATUS_PAGE = 128  # workers asked for per status request (the scheduler caps it too)
+STATUS_TIMEOUT_S = 2.0  # a status page's wait for an answer (asked up to 3 times)
 
 
 def default_policy(settings: GatewaySettings) -> ClientPolicy:
@@ -288,13 +290,9 @@ class TandemServicer(pb_grpc.TandemServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"not a ClusterStatusRequest: {request.error}"
             )
         await self._identify(context)  # with keys configured, status needs one too
-        pages, after = [], ""
-        while not pages or (pages[-1].more and pages[-1].workers):
-            try:
-                ask = StatusRequest(after=after, limit=STATUS_PAGE)
-                pages.append(await self.bus.request(self.subjects.status, ask, 2.0, StatusReply))
-            except BusError:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler answered")
-            after = pages[-1].workers[-1].worker_id if pages[-1].workers else after
+        try:
+            pages = await status_pages(self.bus, self.subjects, STATUS_PAGE, STATUS_TIMEOUT_S)
+        except BusError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler answered")
         workers = [w for page in pages for w in page.workers]
         return cluster_status_response(pages[0], workers, self.bus.dropped)

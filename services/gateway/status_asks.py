@@ -1,0 +1,42 @@
+"""Asking the schedulers' queue group for the cluster's status (ClusterStatus, readiness).
+
+A scheduler cut off from the cluster keeps its subscription on its NATS server until the server
+gives it up (~6 s with Tandem's config; minutes with nats-server's default), and a request the
+server hands to it goes unanswered. Such a request is asked again: the queue group hands it to
+another member. Nobody listening at all is not asked again.
+"""
+
+from shared.control.bus import BusError, MessageBus, NoResponders
+from shared.control.messages import StatusReply, StatusRequest
+from shared.control.subjects import Subjects
+
+ASKS = 3  # a status request is asked at most this many times
+
+
+async def ask_status(
+    bus: MessageBus, subjects: Subjects, ask: StatusRequest, timeout_s: float, asks: int = ASKS
+) -> StatusReply:
+    """One scheduler's answer; BusError when `asks` tries went unanswered (NoResponders at once
+    when no scheduler listens)."""
+    for left in range(asks - 1, -1, -1):
+        try:
+            return await bus.request(subjects.status, ask, timeout_s, StatusReply)
+        except NoResponders:
+            raise
+        except BusError:
+            if not left:
+                raise
+    raise ValueError("asks must be at least 1")
+
+
+async def status_pages(
+    bus: MessageBus, subjects: Subjects, page_size: int, timeout_s: float
+) -> list[StatusReply]:
+    """Every page of the cluster's status, in worker id order; BusError when a page went
+    unanswered."""
+    pages, after = [], ""
+    while not pages or (pages[-1].more and pages[-1].workers):
+        ask = StatusRequest(after=after, limit=page_size)
+        pages.append(await ask_status(bus, subjects, ask, timeout_s))
+        after = pages[-1].workers[-1].worker_id if pages[-1].workers else after
+    return pages

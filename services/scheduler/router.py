@@ -107,20 +107,13 @@ class Router:
         near = self._near_equal(decoders, task, prompt)
         if self.policy.mode == "colocated":
             return self._local_best(near, prompt)
+        remote = self._remote_best(near, prompt, exclude)
         if self.policy.mode == "disaggregated":
-            exclude = self._prefill_exclusions(exclude)
-            remote = self._remote_best(near, prompt, exclude)
             if remote is None:
                 self._no_prefill(prompt, exclude)
             return self._checked(remote)
-        remote = self._remote_best(near, prompt, exclude)  # none left: auto prefills locally
-        return self._auto(self._local_best(near, prompt), remote)
-
-    def _prefill_exclusions(self, exclude: set[str]) -> set[str]:
-        """`exclude` (workers that failed the request before), but when it holds every live
-        prefill worker they are tried again: with no other, the request would fail instead."""
-        live = {p.worker_id for p in self.registry.live("prefill")}
-        return exclude if live - exclude else exclude - live
+        local = self._local_best(near, prompt)
+        return self._auto(local, remote)
 
     # -- decode -------------------------------------------------------------------------------
 

@@ -323,18 +323,3 @@ def test_equal_cost_pairs_go_to_the_emptier_decode_worker():
     r.registry.update(beat("c1", role="colocated", running=2))
     r.registry.update(beat("c2", role="colocated", running=1))
     assert r.route(task(500)).decode.worker_id == "c2"
-
-
-def test_a_request_that_failed_on_every_prefill_worker_tries_them_again_not_fails():
-    """A prefill worker a request avoids (its transfer failed there) is passed over while
-    another can take it; when it is the only one left, the request goes back to it rather than
-    failing (disaggregated; auto prefills on the decode worker instead)."""
-    r = router(beat("d"), beat("p1", role="prefill"), beat("p2", role="prefill", queued=5))
-    assert r.route(task(), exclude={"p1"}).prefill.worker_id == "p2"
-    assert r.route(task(), exclude={"p1", "p2"}).prefill.worker_id == "p1"
-    alone = router(beat("d"), beat("p1", role="prefill"))
-    assert alone.route(task(), exclude={"p1"}).prefill.worker_id == "p1"
-    with pytest.raises(NoWorker):
-        alone.route(task(), exclude={"p1", "d"})  # the decode worker is still avoided
-    auto = router(beat("d"), beat("p1", role="prefill"), mode="auto")
-    assert auto.route(task(5000), exclude={"p1"}).prefill is None

@@ -25,7 +25,7 @@ from services.gateway.relay import RequestRelay
 from services.gateway.responses import cluster_status_response, generate_response
 from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
-from services.gateway.status_asks import status_pages
+from services.gateway.status_asks import ask_wait, status_pages
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import InvalidRequest, Limits, ValidRequest, small_prompt, validate
 from shared.api import tandem_pb2 as pb
@@ -100,7 +100,6 @@ def add_to_server(servicer: "TandemServicer", server) -> None:
 
 
 STATUS_PAGE = 128  # workers asked for per status request (the scheduler caps it too)
-STATUS_TIMEOUT_S = 2.0  # a status page's wait for an answer (asked up to 3 times)
 
 
 def default_policy(settings: GatewaySettings) -> ClientPolicy:
@@ -291,7 +290,8 @@ class TandemServicer(pb_grpc.TandemServicer):
             )
         await self._identify(context)  # with keys configured, status needs one too
         try:
-            pages = await status_pages(self.bus, self.subjects, STATUS_PAGE, STATUS_TIMEOUT_S)
+            wait_s = ask_wait(context.time_remaining())  # within the call's deadline
+            pages = await status_pages(self.bus, self.subjects, STATUS_PAGE, wait_s)
         except BusError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler answered")
         workers = [w for page in pages for w in page.workers]

@@ -11,6 +11,13 @@ from shared.control.messages import StatusReply, StatusRequest
 from shared.control.subjects import Subjects
 
 ASKS = 3  # a status request is asked at most this many times
+MAX_WAIT_S = 2.0  # an ask's wait for its answer, at most
+
+
+def ask_wait(left_s: float | None) -> float:
+    """An ask's wait when the caller has `left_s` (None: no deadline): all the asks fit in it,
+    with a share to spare for the answer to go out."""
+    return MAX_WAIT_S if left_s is None else max(0.05, min(MAX_WAIT_S, left_s / (ASKS + 1)))
 
 
 async def ask_status(

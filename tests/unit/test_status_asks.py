@@ -3,7 +3,7 @@ listening is not asked again."""
 
 import pytest
 
-from services.gateway.status_asks import ask_status, status_pages
+from services.gateway.status_asks import ASKS, MAX_WAIT_S, ask_status, ask_wait, status_pages
 from shared.control.bus import NoResponders, RequestTimeout
 from shared.control.messages import StatusReply, StatusRequest, WorkerStatus
 from shared.control.subjects import Subjects
@@ -61,3 +61,9 @@ async def test_unanswered_asks_end_with_the_timeout_after_three_and_nobody_at_on
     assert cut_off.asked == 3
     with pytest.raises(NoResponders):
         await ask_status(InMemoryBus(), SUBJECTS, StatusRequest(), WAIT_S)
+
+
+def test_every_ask_fits_in_the_callers_deadline():
+    assert ask_wait(None) == MAX_WAIT_S and ask_wait(100.0) == MAX_WAIT_S
+    assert ask_wait(0.8) * ASKS < 0.8 and ask_wait(0.8) == pytest.approx(0.2)
+    assert ask_wait(0.0) == 0.05  # past its deadline: one short ask, then the call ends

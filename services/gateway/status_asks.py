@@ -25,15 +25,14 @@ async def ask_status(
 ) -> StatusReply:
     """One scheduler's answer; BusError when `asks` tries went unanswered (NoResponders at once
     when no scheduler listens)."""
-    for left in range(asks - 1, -1, -1):
+    for _ in range(asks - 1):
         try:
             return await bus.request(subjects.status, ask, timeout_s, StatusReply)
         except NoResponders:
             raise
         except BusError:
-            if not left:
-                raise
-    raise ValueError("asks must be at least 1")
+            continue  # unanswered: the queue group hands the next ask to another member
+    return await bus.request(subjects.status, ask, timeout_s, StatusReply)
 
 
 async def status_pages(

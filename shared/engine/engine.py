@@ -7,13 +7,12 @@ once when the batch has room (its first token goes out before the step in flight
 pool runs dry the newest running sequence is preempted (blocks freed, recomputed later, never
 dropped); so is one whose rope asks for it (Phi-3's longrope past its trained length: Rotary).
 
-`step()` runs in the engine thread; `admit`, `add` and `kv_arrived` may be called from the event
-loop while a step runs, so block bookkeeping sits behind one lock (the forward pass outside it).
-`release` must be called between steps: a sequence in the running step's batch is being written.
+`step()` runs in the engine thread; `admit`, `add`, `kv_arrived` may come from the event loop
+meanwhile (block bookkeeping behind one lock, the forward pass outside it); `release` only between
+steps (a sequence in the running step's batch is being written).
 
-Only blocks computed by a prompt pass (here or on a prefill worker) enter the prefix cache: a
-token decoded alone gets slightly different bits than inside a prompt chunk, so caching
-decode-filled blocks would make a cache hit differ from a cold run.
+Only prompt-pass blocks (here or on a prefill worker) enter the prefix cache: a decoded token's bits
+differ slightly from a prompt row's; a hit on decode-filled blocks would differ from a cold run.
 """
 
 import threading
@@ -133,10 +132,11 @@ class Engine:
             decoding = sum(1 for w in work if w.seq.status is SeqStatus.RUNNING)
             prompt_rows = sum(w.end - w.start for w in work if w.seq.status is SeqStatus.WAITING)
             started = time.perf_counter()
-            logits = self.runner.forward(
-                [SeqSpan(w.seq.block_table, w.seq.token_ids, w.start, w.end) for w in work],
-                abandon=lambda: all(w.seq.abandoned for w in work),
-            )
+            spans = [
+                SeqSpan(w.seq.block_table, w.seq.token_ids, w.start, w.end, w.seq.computing_prompt)
+                for w in work
+            ]
+            logits = self.runner.forward(spans, abandon=lambda: all(w.seq.abandoned for w in work))
             if logits is None:  # every sequence in it was cancelled meanwhile: they are freed next
                 return outputs
             forward_s = time.perf_counter() - started

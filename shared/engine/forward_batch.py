@@ -4,7 +4,8 @@ The model runner computes a batch of sequence spans as one block of rows. Before
 arranges the batch: token ids, positions and the pool slots each row's KV is written to; the
 query ranges (prompt chunks aligned to absolute `chunk` boundaries, so a prompt is computed
 the same way whatever else is in the batch); the single rows that go to the paged decode
-kernel; and the row whose logits each span wants.
+kernel; the spans of several rows that go to the prefill kernel (when there is one: then they
+are not cut into ranges at all); and the row whose logits each span wants.
 """
 
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ class SeqSpan:
     token_ids: list[int]
     start: int
     end: int
+    prompt: bool = False  # prompt rows: the prefill kernel even for a single row (see `arrange`)
 
 
 @dataclass
@@ -54,6 +56,7 @@ class ForwardBatch:
     context: torch.Tensor | None  # slots gathered once per layer for scattered ranges
     attention: list[QueryRange]  # ranges through scaled_dot_product_attention
     decode: tuple | None  # single-token rows through the paged decode kernel
+    prompt: tuple | None  # spans of several rows through the paged prefill kernel
     last_rows: torch.Tensor
     span_lengths: list[tuple[int, int]]  # (rows, sequence length) of each span: rotary tables
 
@@ -75,6 +78,7 @@ def query_ranges(span: SeqSpan, chunk: int) -> list[tuple[int, int]]:
 class _Builder:
     pool: KVPool
     paged: object  # PagedAttention, or None: every range goes through SDPA
+    prefill: object  # PrefillAttention, or None: spans of several rows go through SDPA
     chunk: int
     device: str
     ids: list[int] = field(default_factory=list)
@@ -87,6 +91,8 @@ class _Builder:
     tables: list[list[int]] = field(default_factory=list)  # of the single rows
     lengths: list[int] = field(default_factory=list)
     single_rows: list[int] = field(default_factory=list)
+    prompt_tables: list[list[int]] = field(default_factory=list)  # of the prefill kernel's spans
+    prompt_ranges: list[tuple[int, int, int]] = field(default_factory=list)
     row: int = 0
     ctx: int = 0
 
@@ -95,6 +101,9 @@ class _Builder:
         self.span_lengths.append((span.end - span.start, max(span.end, len(span.token_ids))))
         self.positions.append(torch.arange(span.start, span.end))
         self.slots.append(self.pool.slots(span.block_table, span.start, span.end))
+        if self.prefill and (span.prompt or span.end - span.start > 1):
+            self._prompt(span)
+            return
         run = self.pool.contiguous_run(span.block_table, span.end)
         gathered = False
         for start, stop in query_ranges(span, self.chunk):
@@ -114,6 +123,12 @@ class _Builder:
         self.ctx += span.end if gathered else 0
         self.last_rows.append(self.row - 1)
 
+    def _prompt(self, span: SeqSpan) -> None:
+        self.prompt_tables.append(span.block_table[: -(-span.end // self.pool.block_size)])
+        self.prompt_ranges.append((self.row, span.start, span.end - span.start))
+        self.row += span.end - span.start
+        self.last_rows.append(self.row - 1)
+
     def _single_row(self, span: SeqSpan, stop: int, row: int) -> None:
         self.tables.append(span.block_table[: -(-stop // self.pool.block_size)])
         self.lengths.append(stop)
@@ -128,6 +143,11 @@ class _Builder:
         decode = (
             self.paged.plan(self.tables, self.lengths, self.single_rows) if self.tables else None
         )
+        prompt = (
+            self.prefill.plan(self.prompt_tables, self.prompt_ranges)
+            if self.prompt_tables
+            else None
+        )
         return ForwardBatch(
             torch.tensor(self.ids, dtype=torch.long, device=self.device),
             torch.cat(self.positions).to(self.device),
@@ -135,19 +155,24 @@ class _Builder:
             torch.cat(self.context) if self.context else None,
             self.attention,
             decode,
+            prompt,
             torch.tensor(self.last_rows, dtype=torch.long, device=self.device),
             self.span_lengths,
         )
 
 
-def arrange(spans: list[SeqSpan], pool: KVPool, paged, chunk: int, device: str) -> ForwardBatch:
+def arrange(
+    spans: list[SeqSpan], pool: KVPool, paged, chunk: int, device: str, prefill=None
+) -> ForwardBatch:
     """The rows of one pass over `spans`, arranged.
 
     Single rows (decode tokens, a prompt's one-token tail) go to the decode kernel when there is
-    one. All the keys the other ranges read are gathered once per layer (`context`
+    one; prompt spans, and any of several rows, to the prefill kernel when there is one (a
+    prompt row is then computed the same way however the prompt was cut). All the keys the other
+    ranges read are gathered once per layer (`context`
     slots): a sequence's context appears once, and its ranges read prefixes of it.
     """
-    builder = _Builder(pool, paged, chunk, device)
+    builder = _Builder(pool, paged, prefill, chunk, device)
     for span in spans:
         builder.add(span)
     return builder.build()

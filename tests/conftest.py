@@ -2,9 +2,13 @@
 
 import os
 
-import pytest
+# Triton kernels (the CUDA attention) run in Triton's interpreter on CPU: set before anything
+# imports triton (torch may), as its own jitted library functions are made at its import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shared import model_store
+import pytest  # noqa: E402
+
+from shared import model_store  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL_CACHE = os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models")

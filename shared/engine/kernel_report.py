@@ -25,7 +25,7 @@ class KernelReport:
     bf16: str  # "native" (oneDNN has bf16 kernels here), "emulated" (through fp32); "" if unused
     weights: str  # "native", or "int8-<torch's quantized engine>" (dynamically quantized)
     projections: str  # "onednn-packed", "torch", or "mixed" (some of each)
-    attention: str  # "paged-c++" (Tandem's kernels, decode rows and prompt spans) or "sdpa"
+    attention: str  # "paged-c++" (Tandem's kernels, decode and prompt rows), "paged-triton", "sdpa"
     decode_stack: str  # all-decode steps: "c++" (one call for every layer) or "per-layer"
     layer_ops: str  # norms, rotary, KV write: "c++" (fused) or "torch"
     row_counts: tuple[int, ...] | None  # batch-invariant row counts found; None = not probed
@@ -74,7 +74,7 @@ def report_of(runner) -> KernelReport:
         bf16=bf16_path(runner.dtype, runner.device),
         weights=_weights(runner.projections),
         projections=paths.pop() if len(paths) == 1 else "mixed",
-        attention="paged-c++" if runner.paged else "sdpa",
+        attention=runner.paged.name if runner.paged else "sdpa",
         decode_stack="c++" if runner.stack is not None else "per-layer",
         layer_ops="c++" if isinstance(runner.ops, KernelOps) else "torch",
         row_counts=tuple(runner.row_counts) if runner.batch_invariant else None,

@@ -14,6 +14,7 @@ absolute positions, decode tokens one at a time.
 
 import logging
 from collections.abc import Callable
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -54,6 +55,7 @@ class ModelRunner:
         shared_pool: bool = False,  # the pool in memory a data-plane helper process maps too
         release_weights: bool = False,  # free each linear weight once packed (see below)
         dtype: torch.dtype | None = None,  # to compute in, if not the model's (converted here)
+        triton: bool | None = None,  # Triton attention; None: on CUDA where Triton is installed
     ):
         self.model = model
         self.device = device
@@ -75,25 +77,41 @@ class ModelRunner:
         self.min_rows = cached_fastest_row_count(
             self.projections, [c for c in self.row_counts if c <= 4], row_timing
         )
-        self._use_kernels(cpu_kernels.load() if use_kernels and device == "cpu" else None)
+        if triton is None:
+            triton = use_kernels and device.startswith("cuda") and find_spec("triton") is not None
+        self._use_kernels(cpu_kernels.load() if use_kernels and device == "cpu" else None, triton)
 
-    def _use_kernels(self, kernels) -> None:
-        """Tandem's C++ kernels where they are built and apply to this family (None: torch)."""
-        scale = self.head_dim**-0.5
-        self.paged = kernels and PagedAttention(kernels, self.pool.block_size, scale)
-        self.prefill = kernels and PrefillAttention(kernels, self.pool.block_size, scale)
+    def _use_kernels(self, kernels, triton: bool) -> None:
+        """Tandem's C++ kernels where they are built and apply to this family (None: torch);
+        `triton`: Triton's attention instead of the C++ one (the elementwise ops stay as they are)."""
+        self.paged, self.prefill = self._attention(kernels, triton)
         self.ops = layer_ops(kernels, self.model, self.parts)
         per_layer = [
             p for parts in zip(self.qkv, self.o_proj, self.gate_up, self.down) for p in parts
         ]
         shape = (self.num_heads, self.layout.num_kv_heads, self.head_dim)
-        self.stack = decode_stack(self.ops, self.paged, self.parts, self.norm, per_layer, shape)
+        paged = None if triton else self.paged  # the C++ stack calls the C++ decode kernel
+        self.stack = decode_stack(self.ops, paged, self.parts, self.norm, per_layer, shape)
         if kernels is not None and self.stack is None:
             log.info(
                 "%s: decode steps run layer by layer in Python: %s",
                 self.family,
                 self.kernel_report().line(),
             )
+
+    def _attention(self, kernels, triton: bool) -> tuple:
+        """(decode, prefill) attention: Triton's, the C++ kernels', or none (SDPA per range)."""
+        size, scale = self.pool.block_size, self.head_dim**-0.5
+        if triton:
+            from shared.engine.triton_attention import TritonPagedAttention, TritonPrefillAttention
+
+            return (
+                TritonPagedAttention(size, scale, self.device),
+                TritonPrefillAttention(size, scale, self.device),
+            )
+        if kernels is None:
+            return None, None
+        return PagedAttention(kernels, size, scale), PrefillAttention(kernels, size, scale)
 
     def _fuse_projections(self, model, release: bool) -> None:
         """q|k|v and gate|up fused into one GEMM each, every projection packed where it can be.

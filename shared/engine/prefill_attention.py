@@ -11,6 +11,8 @@ import torch
 
 
 class PrefillAttention:
+    name = "paged-c++"  # in the kernel report
+
     def __init__(self, kernels, block_size: int, scale: float):
         self.kernels = kernels
         self.block_size = block_size

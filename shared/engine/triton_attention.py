@@ -115,9 +115,12 @@ def paged_attention(
 
 
 class _Paged:
-    def __init__(self, block_size: int, scale: float):
+    name = "paged-triton"  # in the kernel report
+
+    def __init__(self, block_size: int, scale: float, device="cuda"):
         self.block_size = block_size
         self.scale = scale
+        self.device = device
 
     @staticmethod
     def _tables(tables: list[list[int]], device) -> torch.Tensor:
@@ -128,12 +131,6 @@ class _Paged:
 
 class TritonPagedAttention(_Paged):
     """Decode rows (one per sequence): PagedAttention's interface."""
-
-    rows = 16
-
-    def __init__(self, block_size: int, scale: float, device="cuda"):
-        super().__init__(block_size, scale)
-        self.device = device
 
     def plan(self, tables: list[list[int]], lengths: list[int], rows: list[int]):
         ranges = [(row, length - 1, 1) for row, length in zip(rows, lengths, strict=True)]
@@ -146,10 +143,6 @@ class TritonPagedAttention(_Paged):
 
 class TritonPrefillAttention(_Paged):
     """Prompt spans: PrefillAttention's interface."""
-
-    def __init__(self, block_size: int, scale: float, device="cuda"):
-        super().__init__(block_size, scale)
-        self.device = device
 
     def plan(self, tables: list[list[int]], ranges: list[tuple[int, int, int]]):
         spans = torch.tensor(ranges, dtype=torch.long, device=self.device).view(-1, 3)

@@ -67,3 +67,30 @@ def test_decode_rows_match_the_cpp_kernel():
     cpp(q, keys, values, cpp.plan(tables, lengths, rows), cpp_out)
     torch.testing.assert_close(triton_out, cpp_out, rtol=1e-5, atol=2e-6)
     assert triton_out[1].abs().sum() == 0  # row 1 was not planned
+
+
+def test_a_model_runner_on_triton_attention_matches_the_cpp_kernels(tiny_model, rand_tokens):
+    """The runner's plumbing for the CUDA path: plans, the prompt/decode split and the pool
+    reads, with Triton's attention in place of the C++ kernels in one pass of both kinds."""
+    from shared.engine.model_runner import ModelRunner, SeqSpan
+
+    def table(first_block: int, tokens: int) -> list[int]:
+        return list(range(first_block, first_block + -(-tokens // BLOCK)))
+
+    prompt, other = rand_tokens(40), rand_tokens(20)
+
+    def run(triton: bool):
+        runner = ModelRunner(
+            tiny_model, "tiny", "cpu", pool_blocks=32, block_size=BLOCK, chunk=32, triton=triton
+        )
+        first = runner.forward([SeqSpan(table(0, 41), prompt, 0, 40, prompt=True)])
+        token = int(first[0].argmax())
+        decode = SeqSpan(table(0, 41), prompt + [token], 40, 41)
+        both = runner.forward([decode, SeqSpan(table(10, 20), other, 0, 20, prompt=True)])
+        return first, both, runner.kernel_report().attention
+
+    first, both, name = run(triton=True)
+    cpp_first, cpp_both, cpp_name = run(triton=False)
+    assert (name, cpp_name) == ("paged-triton", "paged-c++")
+    torch.testing.assert_close(first, cpp_first, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(both, cpp_both, rtol=1e-4, atol=1e-5)

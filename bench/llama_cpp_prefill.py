@@ -2,7 +2,7 @@
 
     python bench/llama_cpp_prefill.py --model FILE.gguf --lengths 1024,4096,8192 [--threads 2]
 
-Prints one JSON line: {length: {"ttft_s": ..., "tokens_per_s": ...}}: the time of one eval of a
+Prints one line, "TANDEM_RESULT " and JSON: {length: {"ttft_s": ..., "tokens_per_s": ...}}: the time of one eval of a
 `length`-token prompt (seeded random ids, a fresh context each time: nothing cached).
 """
 
@@ -29,17 +29,17 @@ def main() -> None:
         n_batch=512,
         verbose=False,
     )
-    rng = random.Random(0)
-    base = [rng.randrange(100, 40000) for _ in range(max(lengths))]
-    llm.eval(base[:64])  # warm-up
+    llm.eval(list(range(100, 164)))  # warm-up
     out = {}
     for length in lengths:
+        rng = random.Random(length)  # as bench/prefill.py and vllm_prefill.py draw theirs
+        prompt = [11] + [rng.randrange(100, 40000) for _ in range(length - 1)]
         llm.reset()
         started = time.perf_counter()
-        llm.eval(base[:length])
+        llm.eval(prompt)
         took = time.perf_counter() - started
         out[str(length)] = {"ttft_s": took, "tokens_per_s": length / took}
-    print(json.dumps(out))
+    print("TANDEM_RESULT", json.dumps(out))
 
 
 if __name__ == "__main__":

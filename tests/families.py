@@ -160,6 +160,21 @@ VARIANTS: dict[str, dict] = {
 # For the benchmarks: Qwen2.5-0.5B's shape (24 layers, hidden 896, 14:2 heads, tied; its own
 # 151,936-row vocabulary), random weights. About 0.49B parameters.
 LARGE: dict[str, dict] = {
+    # Llama-3-8B's layer (GQA 4:1, head 128, SwiGLU 14336) on SmolLM2's vocabulary, for the GPU
+    # check (bench/gpu_check.py builds it with a few layers: num_hidden_layers=N)
+    "llama3-8b": dict(
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=32768 + 512,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    ),
     "qwen2.5-0.5b": dict(
         model_type="qwen2",
         vocab_size=151936,
@@ -214,14 +229,16 @@ def build(
     dtype: torch.dtype = torch.float32,
     shard: str = "",
     target: Path | None = None,
+    overrides: dict | None = None,
 ) -> Path:
     """The variant's directory (`root`/`name` unless `target` is given), built once: weights
-    saved in `dtype`, sharded at `shard` (e.g. "200MB"; default: the variant's own)."""
+    saved in `dtype`, sharded at `shard` (e.g. "200MB"; default: the variant's own); `overrides`:
+    config fields changed from the variant's (num_hidden_layers=4)."""
     target = target or root / name
     if (target / "config.json").exists():
         return target
     spec = spec_of(name)
-    config = config_of(name)
+    config = config_of(name, **(overrides or {}))
     config.architectures = [_architecture(config.model_type)]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

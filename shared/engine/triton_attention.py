@@ -24,6 +24,54 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _key_tile(
+    k_ptr, v_ptr, table, k0, last, kv_head, d, dim_ok,
+    KV_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Positions k0.. (BLOCK_N of them, those < last) of one kv head, read through the table."""
+    p = k0 + tl.arange(0, BLOCK_N)
+    in_range = p < last
+    block = tl.load(table + p // BLOCK_SIZE, mask=in_range, other=0)
+    slot = block * BLOCK_SIZE + p % BLOCK_SIZE
+    rows = slot[:, None] * (KV_HEADS * DIM) + kv_head * DIM + d[None, :]
+    mask = in_range[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + rows, mask=mask, other=0.0)
+    v = tl.load(v_ptr + rows, mask=mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return p, in_range, k, v
+
+
+@triton.jit
+def _softmax_step(
+    q, k, v, p, in_range, position, valid, window, m, total, acc, PRECISION: tl.constexpr
+):
+    """One key tile into the running max `m`, sum `total` and weighted values `acc` of each row."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # fp32 accumulators
+    seen = (p[None, :] <= position[:, None]) & in_range[None, :] & valid[:, None]
+    if window > 0:
+        seen = seen & (p[None, :] > position[:, None] - window)
+    s = tl.where(seen, s, float("-inf"))
+    top = tl.maximum(m, tl.max(s, 1))
+    safe = tl.where(top == float("-inf"), 0.0, top)  # a row that has seen nothing yet
+    weights = tl.where(seen, tl.exp(s - safe[:, None]), 0.0)
+    alpha = tl.where(m == float("-inf"), 0.0, tl.exp(m - safe))
+    total = total * alpha + tl.sum(weights, 1)
+    acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
+    return top, total, acc
+
+
+@triton.jit
+def _queries(q_ptr, rows, mask, scale, UPCAST: tl.constexpr):
+    """The tile's queries, scaled; in their own dtype for the dots unless UPCAST."""
+    q = tl.load(q_ptr + rows, mask=mask, other=0.0).to(tl.float32) * scale
+    if not UPCAST:
+        q = q.to(q_ptr.dtype.element_ty)  # bf16 stays bf16 for the dots
+    return q
+
+
+@triton.jit
 def _paged_attention(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ranges_ptr,
     q_row_stride, out_row_stride, table_width, scale, window,
@@ -33,24 +81,19 @@ def _paged_attention(
 ):  # fmt: skip
     span, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GROUP: tl.constexpr = HEADS // KV_HEADS
-    row0 = tl.load(ranges_ptr + span * 3)
-    first = tl.load(ranges_ptr + span * 3 + 1)
-    count = tl.load(ranges_ptr + span * 3 + 2)
     per_tile: tl.constexpr = BLOCK_M // GROUP
+    row0, first = tl.load(ranges_ptr + span * 3), tl.load(ranges_ptr + span * 3 + 1)
+    count = tl.load(ranges_ptr + span * 3 + 2)
     if tile * per_tile >= count:
         return
     r = tl.arange(0, BLOCK_M)
     offset = tile * per_tile + r // GROUP  # within the span
     head = kv_head * GROUP + r % GROUP
     valid = (r < per_tile * GROUP) & (offset < count)
-    position = first + offset
     d = tl.arange(0, DIM_P)
     dim_ok = d < DIM
     q_rows = (row0 + offset)[:, None] * q_row_stride + head[:, None] * DIM + d[None, :]
-    q = tl.load(q_ptr + q_rows, mask=valid[:, None] & dim_ok[None, :], other=0.0)
-    q = q.to(tl.float32) * scale
-    if not UPCAST:
-        q = q.to(q_ptr.dtype.element_ty)  # bf16 stays bf16 for the dots
+    q = _queries(q_ptr, q_rows, valid[:, None] & dim_ok[None, :], scale, UPCAST)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_P], tl.float32)
@@ -60,28 +103,13 @@ def _paged_attention(
         start = tl.maximum(0, first + tile * per_tile - window + 1) // BLOCK_N * BLOCK_N
     table = tables_ptr + span * table_width
     for k0 in range(start, last, BLOCK_N):
-        p = k0 + tl.arange(0, BLOCK_N)
-        in_range = p < last
-        block = tl.load(table + p // BLOCK_SIZE, mask=in_range, other=0)
-        slot = block * BLOCK_SIZE + p % BLOCK_SIZE
-        kv_rows = slot[:, None] * (KV_HEADS * DIM) + kv_head * DIM + d[None, :]
-        kv_mask = in_range[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + kv_rows, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_rows, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # fp32 accumulators
-        seen = (p[None, :] <= position[:, None]) & in_range[None, :] & valid[:, None]
-        if window > 0:
-            seen = seen & (p[None, :] > position[:, None] - window)
-        s = tl.where(seen, s, float("-inf"))
-        top = tl.maximum(m, tl.max(s, 1))
-        safe = tl.where(top == float("-inf"), 0.0, top)  # a row that has seen nothing yet
-        weights = tl.where(seen, tl.exp(s - safe[:, None]), 0.0)
-        alpha = tl.where(m == float("-inf"), 0.0, tl.exp(m - safe))
-        total = total * alpha + tl.sum(weights, 1)
-        acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
-        m = top
+        p, in_range, k, v = _key_tile(
+            k_ptr, v_ptr, table, k0, last, kv_head, d, dim_ok,
+            KV_HEADS, DIM, BLOCK_SIZE, BLOCK_N, UPCAST,
+        )  # fmt: skip
+        m, total, acc = _softmax_step(
+            q, k, v, p, in_range, first + offset, valid, window, m, total, acc, PRECISION
+        )
     result = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     out_rows = (row0 + offset)[:, None] * out_row_stride + head[:, None] * DIM + d[None, :]
     tl.store(

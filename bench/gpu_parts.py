@@ -36,13 +36,15 @@ def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
 
 
 class EngineRun:
-    """One engine over `model` on `device`, sized for `tokens` of KV."""
+    """One engine over `model` on `device`, sized for `tokens` of KV (bench/prefill.py's too)."""
 
-    def __init__(self, model, device: str, tokens: int, max_batch_tokens: int = 2048):
+    def __init__(
+        self, model, device: str, tokens: int, max_batch_tokens: int = 2048, chunk: int = 128
+    ):
         blocks = tokens // BLOCK + 256
-        self.runner = ModelRunner(model, "gpu-check", device, blocks, BLOCK, chunk=128)
+        self.runner = ModelRunner(model, "bench", device, blocks, BLOCK, chunk=chunk)
         self.engine = Engine(
-            self.runner, BlockManager(blocks, BLOCK, cache_granularity=128), 256, max_batch_tokens
+            self.runner, BlockManager(blocks, BLOCK, cache_granularity=chunk), 256, max_batch_tokens
         )
         self.device = device
         self.context = model.config.max_position_embeddings

@@ -33,13 +33,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from prefill_report import plot, table  # noqa: E402
 
+from bench.gpu_parts import EngineRun  # noqa: E402
 from shared import model_store  # noqa: E402
-from shared.control.messages import GenerateTask, SamplingParams  # noqa: E402
-from shared.engine.block_manager import BlockManager  # noqa: E402
-from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kernel_report import cpu_capability  # noqa: E402
-from shared.engine.model_runner import ModelRunner  # noqa: E402
-from shared.engine.sequence import Sequence  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 PEER_LENGTHS = [1024, 4096, 8190]  # 8190 + the first token fit SmolLM2's 8,192 positions
@@ -70,30 +66,12 @@ def flops(config, length: int) -> tuple[float, float]:
     return linear, attention
 
 
-class PromptBench:
-    """One engine over a model: prompts prefilled alone, or beside decoding sequences."""
+class PromptBench(EngineRun):
+    """One engine over a model on CPU: prompts prefilled alone, or beside decoding sequences."""
 
     def __init__(self, model, chunk: int = 128, max_batch_tokens: int = 512):
-        context = model.config.max_position_embeddings
-        blocks = -(-(context + 64 * 256) // 16)
-        self.runner = ModelRunner(
-            model, "bench", "cpu", pool_blocks=blocks, block_size=16, chunk=chunk
-        )
-        self.blocks = BlockManager(blocks, 16, cache_granularity=chunk)
-        self.engine = Engine(
-            self.runner, self.blocks, max_num_seqs=64, max_batch_tokens=max_batch_tokens
-        )
-        self.context = context
-
-    def seq(self, ids: list[int], max_tokens: int, prefill_only: bool) -> Sequence:
-        task = GenerateTask(
-            attempt_id=f"p{time.perf_counter_ns()}",
-            prompt_token_ids=ids,
-            sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            reply_subject="",
-            arrival_time=time.time(),
-        )
-        return Sequence(task, None, set(), self.context, prefill_only=prefill_only)
+        tokens = model.config.max_position_embeddings + 64 * 256
+        super().__init__(model, "cpu", tokens, max_batch_tokens, chunk)
 
     def ttft(self, ids: list[int]) -> tuple[float, int]:
         """Seconds to the first token of one prompt, and that token."""
@@ -209,6 +187,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="512-2k only, no peers, no 32k")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=OUT, help="where prefill.{json,md,png} go")
     parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
     parser.add_argument(
         "--llama-python", type=Path, default=ROOT / ".venv-bench" / "bin" / "python"
@@ -248,10 +227,10 @@ def main() -> int:
     peak = max(first_peak, gemm_peak())  # the best the machine gave in this run, start or end
     results["machine"]["gemm_gflops"] = peak / 1e9
     ceilings(results, peak)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "prefill.json").write_text(json.dumps(results, indent=2))
-    (OUT / "prefill.md").write_text(table(results))
-    plot(results, OUT / "prefill.png")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "prefill.json").write_text(json.dumps(results, indent=2))
+    (args.out / "prefill.md").write_text(table(results))
+    plot(results, args.out / "prefill.png")
     print(table(results))
     return 0
 

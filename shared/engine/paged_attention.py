@@ -9,6 +9,13 @@ order, so a row's result does not depend on the rest of the batch.
 import torch
 
 
+def padded_tables(tables: list[list[int]], dtype=torch.long, device="cpu") -> torch.Tensor:
+    """Block tables as one [n, longest] tensor, padded with block 0 (never read past a length)."""
+    width = max(len(t) for t in tables)
+    rows = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=dtype, device=device)
+
+
 class PagedAttention:
     name = "paged-c++"  # in the kernel report
 
@@ -19,9 +26,8 @@ class PagedAttention:
 
     def plan(self, tables: list[list[int]], lengths: list[int], rows: list[int]):
         """Tensors for one forward pass: block tables (padded), context lengths, output rows."""
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        return padded, torch.tensor(lengths, dtype=torch.long), torch.tensor(rows, dtype=torch.long)
+        lengths_, rows_ = (torch.tensor(x, dtype=torch.long) for x in (lengths, rows))
+        return padded_tables(tables), lengths_, rows_
 
     def __call__(
         self,

@@ -9,6 +9,8 @@ so a prompt gets the same bits however it was cut into chunks and whatever share
 
 import torch
 
+from shared.engine.paged_attention import padded_tables
+
 
 class PrefillAttention:
     name = "paged-c++"  # in the kernel report
@@ -21,9 +23,7 @@ class PrefillAttention:
     def plan(self, tables: list[list[int]], ranges: list[tuple[int, int, int]]):
         """Tensors for one forward pass: block tables (padded) and (first row, first position,
         rows) of each span."""
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        return padded, torch.tensor(ranges, dtype=torch.long).view(-1, 3)
+        return padded_tables(tables), torch.tensor(ranges, dtype=torch.long).view(-1, 3)
 
     def __call__(
         self,

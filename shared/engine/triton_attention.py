@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shared.engine.paged_attention import padded_tables
+
 # Triton's interpreter computes a bf16 tl.dot wrongly (3.9): there the dots run on fp32 copies.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -150,11 +152,8 @@ class _Paged:
         self.scale = scale
         self.device = device
 
-    @staticmethod
-    def _tables(tables: list[list[int]], device) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        rows = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(rows, dtype=torch.int32, device=device)
+    def _tables(self, tables: list[list[int]]) -> torch.Tensor:
+        return padded_tables(tables, torch.int32, self.device)
 
 
 class TritonPagedAttention(_Paged):
@@ -163,7 +162,7 @@ class TritonPagedAttention(_Paged):
     def plan(self, tables: list[list[int]], lengths: list[int], rows: list[int]):
         ranges = [(row, length - 1, 1) for row, length in zip(rows, lengths, strict=True)]
         spans = torch.tensor(ranges, dtype=torch.long, device=self.device)
-        return self._tables(tables, self.device), spans, 1
+        return self._tables(tables), spans, 1
 
     def __call__(self, q, keys, values, plan, out, window: int | None = None) -> None:
         paged_attention(q, keys, values, plan, out, self.block_size, self.scale, window or 0, 1)
@@ -174,7 +173,7 @@ class TritonPrefillAttention(_Paged):
 
     def plan(self, tables: list[list[int]], ranges: list[tuple[int, int, int]]):
         spans = torch.tensor(ranges, dtype=torch.long, device=self.device).view(-1, 3)
-        return self._tables(tables, self.device), spans, max(count for _, _, count in ranges)
+        return self._tables(tables), spans, max(count for _, _, count in ranges)
 
     def __call__(self, q, keys, values, plan, out, window: int | None = None) -> None:
         paged_attention(q, keys, values, plan, out, self.block_size, self.scale, window or 0, 64)

@@ -50,3 +50,13 @@ def rand_tokens():
         return torch.randint(3, 128, (n,), generator=generator).tolist()
 
     return make
+
+
+@pytest.fixture(scope="session")
+def kernel():
+    """Tandem's compiled CPU kernels: they must build on the test machine (a C++ compiler)."""
+    from shared.engine import kernels
+
+    loaded = kernels.load()
+    assert loaded is not None, "the kernels must build here (is a C++ compiler installed?)"
+    return loaded

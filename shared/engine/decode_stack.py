@@ -1,9 +1,9 @@
 """DecodeStack: a step in which every row decodes, through all the layers in one C++ call.
 
-csrc/decode_stack.cpp runs each layer's norms, packed GEMMs, rotary embedding, KV write and paged
-attention itself, with the bits the per-layer Python loop gives (a unit test compares them). It
-applies only when every piece of it does: the fused C++ layer ops and the paged attention kernel
-are built, every projection is packed without a bias, the norms share one epsilon, q and k are
+csrc/decode_stack.cpp runs each layer's norms, row-kernel projections, rotary embedding, KV write
+and paged attention itself, with the bits the per-layer Python loop gives (a unit test compares
+them). It applies only when every piece of it does: the fused C++ layer ops and the paged
+attention kernel are built, every projection has the row kernel and no bias, the norms share one epsilon, q and k are
 not normalized per head and the MLP is SiLU; otherwise `decode_stack` returns None and the runner
 loops over the layers. Sliding windows are passed per layer.
 """
@@ -18,10 +18,12 @@ from shared.engine.projection import Projection
 
 
 class DecodeStack:
-    def __init__(self, ops: KernelOps, paged: PagedAttention, weights, norms, eps, shape, windows):
+    def __init__(self, ops: KernelOps, paged: PagedAttention, rows, norms, eps, shape, windows):
         self.ops = ops  # read at each call: a test spies on ops.kernels
         self.paged = paged
-        self.weights, self.norms, self.eps = weights, norms, eps
+        self.weights = [r.panels for r in rows]
+        self.outs = [r.out_features for r in rows]
+        self.norms, self.eps = norms, eps
         self.windows = windows
         self.num_heads, self.num_kv_heads, self.head_dim = shape
 
@@ -30,6 +32,7 @@ class DecodeStack:
         return self.ops.kernels.decode_stack(
             hidden,
             self.weights,
+            self.outs,
             self.norms,
             self.eps,
             cos,
@@ -59,12 +62,12 @@ def decode_stack(
         or not paged
         or len(eps) != 1
         or None in eps
-        or any(p.packed is None or p.bias is not None for p in projections)
+        or any(p.rows is None or p.bias is not None for p in projections)
         or any(
             p.q_norm is not None or not isinstance(p.act, (nn.SiLU, SiLUActivation)) for p in parts
         )
     ):
         return None
-    weights = [p.packed for p in projections]
+    rows = [p.rows for p in projections]
     windows = [p.window or 0 for p in parts]
-    return DecodeStack(ops, paged, weights, [n.weight for n in norms], eps.pop(), shape, windows)
+    return DecodeStack(ops, paged, rows, [n.weight for n in norms], eps.pop(), shape, windows)

@@ -4,7 +4,7 @@ The same model runs through different kernels on different CPUs, and a result me
 without saying which: oneDNN packs bfloat16 weights only where it has bf16 kernels (AVX-512,
 AVX-NE-CONVERT, AMX), and elsewhere torch emulates bf16 through float32; int8 weights go through
 torch's quantized engine; Tandem's C++ kernels (compiled for this CPU) may be missing, and the
-fused decode stack applies only when every projection is packed. Workers announce the report in
+fused decode stack applies only when every projection has Tandem's row kernel. Workers announce the report in
 their heartbeat (`tandem status` shows it), the engine bench records it with each result, and
 tests say which path they exercised.
 """
@@ -24,7 +24,8 @@ class KernelReport:
     dtype: str  # of the weights and activations: float32, bfloat16
     bf16: str  # "native" (oneDNN has bf16 kernels here), "emulated" (through fp32); "" if unused
     weights: str  # "native", or "int8-<torch's quantized engine>" (dynamically quantized)
-    projections: str  # "onednn-packed", "torch", or "mixed" (some of each)
+    projections: str  # "onednn-packed", "torch", "rows-c++/onednn-packed" (decode rows through
+    # Tandem's row kernel, prompt rows through oneDNN), "rows-c++/torch", or "mixed"
     attention: str  # "paged-c++" (Tandem's kernels, decode and prompt rows), "paged-triton", "sdpa"
     decode_stack: str  # all-decode steps: "c++" (one call for every layer) or "per-layer"
     layer_ops: str  # norms, rotary, KV write: "c++" (fused) or "torch"
@@ -67,7 +68,7 @@ def bf16_path(dtype: torch.dtype, device: str) -> str:
 
 def report_of(runner) -> KernelReport:
     """The paths `runner` (a ModelRunner) takes, as it stands."""
-    paths = {p.path for p in runner.projections}
+    paths = {p.path for p in runner.projections if p is not runner.lm_head}  # the head: rows
     return KernelReport(
         cpu=cpu_capability() if runner.device == "cpu" else runner.device,
         dtype=str(runner.dtype).removeprefix("torch."),

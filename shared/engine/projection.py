@@ -10,15 +10,26 @@ Anything else (CUDA, int8 dynamic-quantized modules, a torch without oneDNN, bfl
 oneDNN has no bf16 kernels for: AVX2 without AVX-512 or AVX-NE-CONVERT) calls the modules
 themselves; `path` says which ran.
 
+Decode rows go through Tandem's own kernel instead (`RowLinear`, where the C++ kernels are
+built): it reads the weights at close to the machine's read rate at one row and keeps pace with
+oneDNN at a few dozen, on AVX2 as on AVX-512, and computes bfloat16 where oneDNN cannot. A call
+is told how many of its leading rows decode (`decode_rows`); those get the row kernel, the rest
+(prompt rows) the GEMM. A row's kind, not the batch it is in, decides its kernel. The cost is a
+second copy of the layer weights (the row kernel's panels beside oneDNN's packing); the output
+head, whose rows are few in any step, is kept only as panels.
+
 `invariant_row_counts` measures, on the projections in hand, which row counts give each row the
 same bits as a larger batch does (the GEMM kernel oneDNN or MKL picks depends on the row count);
-the model runner pads tiny batches up to one of them.
+the model runner pads tiny batches of prompt rows up to one of them. The row kernel needs none.
 """
 
 import time
 
 import torch
 from torch import nn
+
+from shared.engine import row_linear
+from shared.engine.row_linear import RowLinear
 
 PROBE_ROWS = 64  # the reference batch; row counts up to SMALL are probed against it
 SMALL = 16
@@ -46,63 +57,77 @@ class Projection:
     """x -> [m(x) for m in modules], computed as one GEMM when the weights can be packed.
     `sizes` splits one fused module's output (Phi-3's qkv_proj and gate_up_proj). `dtype`, where
     it is not the weights' own, is the one they are packed in (unpacked, the modules must be
-    converted to it before they are called)."""
+    converted to it before they are called). `kernels`: Tandem's C++ kernels, for the decode
+    rows' `RowLinear` (None: every row through the GEMM); `gemm=False` keeps no GEMM copy where
+    the row kernel applies (the output head: every row of it goes through the row kernel)."""
 
     def __init__(
         self,
         modules: list[nn.Module],
         sizes: list[int] | None = None,
         dtype: torch.dtype | None = None,
+        kernels=None,
+        gemm: bool = True,
     ):
         self.modules = modules
         self.sizes = sizes or [m.out_features for m in modules]
         self.in_features = modules[0].in_features
         self.dtype = dtype or _dtype_of(modules[0])  # of the input it takes
-        self.packed = None
-        if _packable(modules, self.dtype):
-            with torch.no_grad():
-                weight = (
-                    torch.cat([m.weight for m in modules])
-                    if len(modules) > 1
-                    else modules[0].weight
-                ).to(self.dtype)
+        self.packed = self.rows = self.bias = None
+        self.rows_only = False  # every row through the row kernel (no GEMM copy kept)
+        rows = kernels is not None and row_linear.applies(modules, self.dtype)
+        packable = _packable(modules, self.dtype)
+        if not (rows or packable):
+            return
+        with torch.no_grad():
+            weight = (
+                torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight
+            )
+            self.bias = _fused_bias(modules, self.dtype)
+            if rows:
+                self.rows = RowLinear(kernels, weight, self.bias, self.dtype)
+            self.rows_only = rows and not gemm
+            if packable and not self.rows_only:
                 try:
-                    self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                        weight.detach().to(self.dtype), None
+                    )
+                    self._matmul = torch.ops.mkldnn._linear_pointwise.default
                 except RuntimeError:  # e.g. bf16 on a CPU oneDNN has no bf16 kernels for
-                    return
-                self._matmul = torch.ops.mkldnn._linear_pointwise.default
-                biases = [m.bias for m in modules]
-                self.bias = (
-                    None
-                    if all(b is None for b in biases)
-                    else torch.cat(
-                        [
-                            b if b is not None else weight.new_zeros(m.out_features)
-                            for b, m in zip(biases, modules)
-                        ]
-                    ).to(self.dtype)
-                )
+                    pass
 
     @property
     def path(self) -> str:
-        """Which kernels compute this projection: "onednn-packed" or "torch"."""
-        return "torch" if self.packed is None else "onednn-packed"
+        """Which kernels compute this projection: "onednn-packed" or "torch" (every row), or
+        with the row kernel "rows-c++" (every row) or "rows-c++/<the prompt rows' GEMM>"."""
+        gemm = "torch" if self.packed is None else "onednn-packed"
+        if self.rows is None:
+            return gemm
+        return "rows-c++" if self.rows_only else "rows-c++/" + gemm
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.packed is None:
+    def __call__(self, x: torch.Tensor, decode_rows: int = 0) -> list[torch.Tensor]:
+        """The outputs of the modules; the first `decode_rows` rows of x are decode rows."""
+        if self.rows is None and self.packed is None:
             outs = [m(x) for m in self.modules]
             if len(outs) == len(self.sizes):
                 return outs
             out = outs[0]
         else:
-            out = self._matmul(x, self.packed, self.bias, "none", [], "")
+            out = self.one(x, decode_rows)
         return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
 
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self._matmul(x, self.packed, self.bias, "none", [], "")
+        outs = [m(x) for m in self.modules]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
     def release_modules(self, keep: torch.Tensor, pages=None) -> None:
-        """Drops the modules' own weights once packed (the packed copy is all the engine reads),
-        except `keep` (a tied output head's weight is the embedding table). `pages`, a
-        FilePages, gives back the resident pages of weights read from a mapped file."""
-        if self.packed is None:
+        """Drops the modules' own weights once packed (the packed copies are all the engine
+        reads), except `keep` (a tied output head's weight is the embedding table). `pages`, a
+        FilePages, gives back the resident pages of weights read from a mapped file. Modules
+        that still compute prompt rows (nothing packed them for the GEMM) are kept."""
+        if self.packed is None and not self.rows_only:
             return
         for module in self.modules:
             if module.weight is not keep:
@@ -110,11 +135,15 @@ class Projection:
                     pages.drop(module.weight)
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
-    def one(self, x: torch.Tensor) -> torch.Tensor:
-        """The output of a single-module projection."""
-        if self.packed is None:
-            return self.modules[0](x)
-        return self._matmul(x, self.packed, self.bias, "none", [], "")
+    def one(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        """The output of a (fused) projection as one tensor; the first `decode_rows` rows of x
+        are decode rows."""
+        rows = x.shape[0]
+        if self.rows is None or (decode_rows == 0 and not self.rows_only):
+            return self._gemm(x)
+        if decode_rows >= rows or self.rows_only:
+            return self.rows(x)
+        return torch.cat([self.rows(x[:decode_rows]), self._gemm(x[decode_rows:])])
 
     def _row_invariant(self, rows: int, reference: torch.Tensor, full: list[torch.Tensor]) -> bool:
         return all(torch.equal(a, b[:rows]) for a, b in zip(self(reference[:rows]), full))
@@ -127,6 +156,20 @@ class Projection:
             return {
                 rows for rows in range(1, SMALL + 1) if self._row_invariant(rows, reference, full)
             }
+
+
+def _fused_bias(modules: list[nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
+    """The modules' biases end to end (zeros for a module without one), or None if none has one."""
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return None
+    weight = modules[0].weight
+    return torch.cat(
+        [
+            b.detach() if b is not None else weight.new_zeros(m.out_features)
+            for b, m in zip(biases, modules)
+        ]
+    ).to(dtype)
 
 
 def _dtype_of(module: nn.Module) -> torch.dtype:

@@ -60,8 +60,11 @@ def test_cli_status_lists_workers_and_the_kernels_each_runs(disagg):
     _, kernels = done.stdout.split("\n\nkernels:\n")
     for worker in disagg.status().workers:
         assert worker.id in done.stdout and worker.role in done.stdout
-        # the default model is float32: oneDNN-packed on any CPU with AVX2, with Tandem's kernels
-        assert worker.kernels.startswith(cpu_capability() + " · float32 · matmul onednn-packed")
+        # the default model is float32: decode rows through Tandem's row kernel, prompt rows
+        # oneDNN-packed, on any CPU with AVX2
+        assert worker.kernels.startswith(
+            cpu_capability() + " · float32 · matmul rows-c++/onednn-packed"
+        )
         assert any(
             line.split()[0] == worker.id and line.endswith(worker.kernels)
             for line in kernels.splitlines()

@@ -40,22 +40,25 @@ def test_float32_takes_every_fast_path_on_any_avx2_cpu(tiny_model):
     report = runner_for(tiny_model).kernel_report()
     assert report.cpu == cpu_capability() and report.cpu.split("+")[0] in ("avx2", "avx512")
     assert (report.dtype, report.bf16, report.weights) == ("float32", "", "native")
-    assert report.projections == "onednn-packed"
+    assert report.projections == "rows-c++/onednn-packed"  # decode rows / prompt rows
     assert (report.attention, report.decode_stack, report.layer_ops) == ("paged-c++", "c++", "c++")
     assert report.row_counts and set(report.row_counts) <= set(range(1, 17))
     line = report.line()
-    assert line.startswith(report.cpu + " · float32 · matmul onednn-packed · attention paged-c++")
+    assert line.startswith(
+        report.cpu + " · float32 · matmul rows-c++/onednn-packed · attention paged-c++"
+    )
     assert "decode-stack c++" in line and "ops c++" in line and "invariant rows " in line
 
 
 def test_bfloat16_is_packed_only_where_onednn_has_bf16_kernels(bf16_model):
-    """AVX2 without AVX-512: bf16 emulated through fp32, modules called as they are, no fused
-    decode stack (it needs packed weights). AVX-512/AMX: packed, native, fused."""
+    """Decode rows go through Tandem's row kernel on any CPU (bf16 widened to fp32), so the
+    fused decode stack runs everywhere. Prompt rows: AVX2 without AVX-512, bf16 emulated through
+    fp32, modules called as they are; AVX-512/AMX: packed, native."""
     report = runner_for(bf16_model).kernel_report()
     native = onednn_bf16()
     assert (report.dtype, report.bf16) == ("bfloat16", "native" if native else "emulated")
-    assert report.projections == ("onednn-packed" if native else "torch")
-    assert report.decode_stack == ("c++" if native else "per-layer")
+    assert report.projections == ("rows-c++/onednn-packed" if native else "rows-c++/torch")
+    assert report.decode_stack == "c++"
     assert (report.attention, report.layer_ops) == ("paged-c++", "c++")
     assert f"bfloat16 {report.bf16} · matmul {report.projections}" in report.line()
 
@@ -69,7 +72,7 @@ def test_bfloat16_runner_matches_hugging_face(bf16_model, rand_tokens, monkeypat
     runner = runner_for(bf16_model)
     if forced:
         report = runner.kernel_report()
-        assert (report.projections, report.decode_stack) == ("torch", "per-layer")
+        assert (report.projections, report.decode_stack) == ("rows-c++/torch", "c++")
     prompt = rand_tokens(40)
     ours = runner.forward([SeqSpan([0, 1, 2], prompt, 0, 40)])[0]
     with torch.no_grad():

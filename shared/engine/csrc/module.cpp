@@ -10,10 +10,13 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
                            double eps);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 void store_kv(torch::Tensor kv_layer, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
-at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std::vector<at::Tensor> norms,
+at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std::vector<int64_t> outs,
+                        std::vector<at::Tensor> norms,
                         double eps, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor slots,
                         at::Tensor tables, at::Tensor lengths, at::Tensor rows, int64_t heads, int64_t kv_heads,
                         int64_t head_dim, int64_t block_size, double scale, std::vector<int64_t> windows);
+at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias);
+int64_t row_linear_panel();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV pool");
@@ -21,5 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; weight * RMSNorm(residual)");
   m.def("rope_", &rope_, "rotary embedding of q and k, in place");
   m.def("store_kv", &store_kv, "k and v rows into their pool slots");
+  m.def("row_linear", &row_linear, "x @ weight.T (+ bias) over packed panels, each row on its own");
+  m.def("row_linear_panel", &row_linear_panel, "the outputs per panel row_linear's weights are packed in");
   m.def("decode_stack", &decode_stack, "the decoder stack for a step of single-token rows");
 }

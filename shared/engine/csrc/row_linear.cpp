@@ -1,0 +1,167 @@
+// Linear layers for decode rows: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), float32 or
+// bfloat16 weights, computed in float32.
+//
+// A decode step reads every weight once for a few rows: bound by memory at one row, by the FMA
+// units at a few dozen. GEMM libraries serve those row counts poorly (oneDNN's packed fp32 on
+// this project's machines: a batch-1 pass over SmolLM2's weights at 1.5-1.7x their read time),
+// and bfloat16 on a CPU without bf16 instructions falls back to an emulation that collapses at
+// 8 rows and more. Here the weights stream once per call, in panels of kPanel outputs laid out
+// [panel][k][kPanel] (pack_rows in row_linear.py), and each panel serves every row while it is
+// in cache; bf16 is widened to float32 in registers (exact), or, for many rows, once per panel.
+//
+// Batch invariance by construction: every output is one chain of FMAs over k in order, started
+// from zero, then the bias added. Which rows share a call, a register block or a thread, and
+// whether a panel was widened first, changes nothing.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA: every output's chain alike
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kRows = 12;  // 24 accumulators, 2 weights, 1 input: of 32 registers
+#else
+constexpr int kLanes = 8, kRows = 6;  // AVX2 and narrower: 12 + 2 + 1 of 16 registers
+#endif
+constexpr int kVecs = 2, kPanel = kVecs * kLanes;
+constexpr int64_t kWidenRows = 2 * kRows;  // from this many rows a bf16 panel is widened once
+
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+// Loaded once into a register (GCC would otherwise fold the load into every FMA that uses it).
+inline vf hold(vf v) {
+#if defined(__x86_64__)
+  asm("" : "+v"(v));
+#endif
+  return v;
+}
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return hold(v);
+}
+// bf16 -> f32 is exact: the 16 bits become the high half of the float.
+inline vf load(const at::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return hold(v);
+}
+
+void widen(const at::BFloat16* src, float* dst, int64_t n) {  // n: a multiple of kLanes
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const vf v = load(src + i);
+    std::memcpy(dst + i, &v, sizeof v);
+  }
+}
+
+struct Operands {
+  const float* x;  // [M, K] float32, row stride x_stride
+  int64_t x_stride, K, N;
+  const float* bias;  // [N], or nullptr
+  float* out;         // [M, N]
+};
+
+// Rows [m, m + R) of x by one panel ([K, kPanel]) into outputs [n, n + kPanel).
+template <int R, typename W>
+void block(const Operands& o, const W* panel, int64_t m, int64_t n) {
+  const float* x = o.x + m * o.x_stride;
+  vf acc[R][kVecs] = {};
+  for (int64_t k = 0; k < o.K; ++k) {
+    vf w[kVecs];
+    for (int v = 0; v < kVecs; ++v) w[v] = load(panel + k * kPanel + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vf xr = vf{} + x[r * o.x_stride + k];
+      for (int v = 0; v < kVecs; ++v) acc[r][v] += xr * w[v];
+    }
+  }
+  const int64_t cols = std::min<int64_t>(kPanel, o.N - n);
+  for (int r = 0; r < R; ++r) {
+    float sums[kPanel];
+    std::memcpy(sums, acc[r], sizeof sums);
+    if (o.bias != nullptr)
+      for (int64_t c = 0; c < cols; ++c) sums[c] += o.bias[n + c];
+    std::memcpy(o.out + (m + r) * o.N + n, sums, cols * sizeof(float));
+  }
+}
+
+template <typename W, int R = kRows - 1>
+void leftover(const Operands& o, const W* panel, int64_t rows, int64_t m, int64_t n) {
+  if constexpr (R > 0) {
+    if (rows == R) return block<R>(o, panel, m, n);
+    leftover<W, R - 1>(o, panel, rows, m, n);
+  }
+}
+
+template <typename W>
+void panel_rows(const Operands& o, const W* panel, int64_t M, int64_t n) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) block<kRows>(o, panel, m, n);
+  leftover(o, panel, M - m, m, n);
+}
+
+template <typename W>
+void run(const Operands& o, const W* panels, int64_t M) {
+  const int64_t K = o.K, count = (o.N + kPanel - 1) / kPanel;
+  // Each thread takes a run of whole panels: its own stretch of the weights, read once.
+  at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened;
+    const bool widen_first = !std::is_same_v<W, float> && M >= kWidenRows;
+    if (widen_first) widened.resize(kPanel * K);
+    for (int64_t p = begin; p < end; ++p) {
+      const W* panel = panels + p * kPanel * K;
+      if constexpr (std::is_same_v<W, float>) {
+        panel_rows(o, panel, M, p * kPanel);
+      } else if (widen_first) {
+        widen(panel, widened.data(), kPanel * K);
+        panel_rows(o, static_cast<const float*>(widened.data()), M, p * kPanel);
+      } else {
+        panel_rows(o, panel, M, p * kPanel);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+int64_t row_linear_panel() { return kPanel; }
+
+// x [M, K] float32 or bfloat16 (rows contiguous); panels [ceil(N / kPanel), K, kPanel] float32
+// or bfloat16; bias [N] or None. Returns [M, N] in x's dtype (bf16 rounded to nearest even).
+at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "row_linear: x [M, K] with contiguous rows");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
+                  panels.size(1) == x.size(1) && panels.size(0) * kPanel >= N && N > 0,
+              "row_linear: panels [ceil(N / ", kPanel, "), K, ", kPanel, "] (pack_rows)");
+  const auto dt = x.scalar_type(), wt = panels.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && (wt == at::kFloat || wt == at::kBFloat16),
+              "row_linear: float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1);
+  const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);  // exact widening
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "row_linear: a bias of N values");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const Operands o{xf.data_ptr<float>(), xf.stride(0), K, N, b.defined() ? b.data_ptr<float>() : nullptr,
+                   out.data_ptr<float>()};
+  if (M > 0) {
+    if (wt == at::kFloat)
+      run(o, panels.data_ptr<float>(), M);
+    else
+      run(o, panels.data_ptr<at::BFloat16>(), M);
+  }
+  return dt == at::kFloat ? out : out.to(dt);
+}

@@ -1,0 +1,42 @@
+"""RowLinear: a linear layer for decode rows through Tandem's own kernel (csrc/row_linear.cpp).
+
+The weight is repacked once into panels of `panel` outputs, [panel][k][output], which the kernel
+streams once per call, every row served from each panel while it is in cache. Every output is
+one chain of FMAs over k in order, so a row's bits do not depend on the other rows of the call:
+decode rows need no padding to a batch-invariant row count. bfloat16 weights are computed in
+float32 (widened exactly), which is what makes bf16 usable on CPUs without bf16 instructions.
+"""
+
+import torch
+from torch import nn
+
+
+def pack_rows(weight: torch.Tensor, panel: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N / panel), K, panel], the outputs past N zero."""
+    n, k = weight.shape
+    padded = -(-n // panel) * panel
+    if padded > n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    return weight.reshape(padded // panel, panel, k).transpose(1, 2).contiguous()
+
+
+def applies(modules: list[nn.Module], dtype: torch.dtype) -> bool:
+    """Plain float32/bfloat16 nn.Linear modules on the CPU (not int8-quantized ones)."""
+    return dtype in (torch.float32, torch.bfloat16) and all(
+        type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.is_floating_point()
+        for m in modules
+    )
+
+
+class RowLinear:
+    """x [M, K] -> x @ weight.T + bias, [M, N], in x's dtype."""
+
+    def __init__(self, kernels, weight: torch.Tensor, bias: torch.Tensor | None, dtype):
+        self.kernels = kernels
+        self.out_features = weight.shape[0]
+        with torch.no_grad():
+            self.panels = pack_rows(weight.detach().to(dtype), kernels.row_linear_panel())
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.row_linear(x, self.panels, self.out_features, self.bias)

@@ -86,8 +86,7 @@ class Projection:
             self.bias = _fused_bias(modules, self.dtype)
             if rows:
                 self.rows = RowLinear(kernels, weight, self.bias, self.dtype)
-            self.rows_only = rows and not gemm
-            if packable and not self.rows_only:
+            if packable and (gemm or not rows):
                 try:
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(
                         weight.detach().to(self.dtype), None
@@ -95,6 +94,9 @@ class Projection:
                     self._matmul = torch.ops.mkldnn._linear_pointwise.default
                 except RuntimeError:  # e.g. bf16 on a CPU oneDNN has no bf16 kernels for
                     pass
+            # nothing packed for the GEMM: the row kernel takes the prompt rows too (bf16 where
+            # torch would emulate it: 4x faster at 512 rows on AVX2)
+            self.rows_only = self.rows is not None and self.packed is None
 
     @property
     def path(self) -> str:

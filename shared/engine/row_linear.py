@@ -4,20 +4,27 @@ The weight is repacked once into panels of `panel` outputs, [panel][k][output], 
 streams once per call, every row served from each panel while it is in cache. Every output is
 one chain of FMAs over k in order, so a row's bits do not depend on the other rows of the call:
 decode rows need no padding to a batch-invariant row count. bfloat16 weights are computed in
-float32 (widened exactly), which is what makes bf16 usable on CPUs without bf16 instructions.
+float32 (widened exactly), which is what makes bf16 usable on CPUs without bf16 instructions;
+with AVX512-BF16 they go through its dot-product instruction, in k-pairs.
 """
 
 import torch
 from torch import nn
 
 
-def pack_rows(weight: torch.Tensor, panel: int) -> torch.Tensor:
-    """[N, K] -> [ceil(N / panel), K, panel], the outputs past N zero."""
+def pack_rows(weight: torch.Tensor, panel: int, pairs: bool = False) -> torch.Tensor:
+    """[N, K] -> [ceil(N / panel), K, panel], the outputs past N zero. `pairs` (bf16 with an
+    even K, on a CPU with AVX512-BF16): each panel's k in pairs, [K / 2][panel][2], for the
+    CPU's bf16 dot-product instruction (the same shape, another order within a panel)."""
     n, k = weight.shape
     padded = -(-n // panel) * panel
     if padded > n:
         weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
-    return weight.reshape(padded // panel, panel, k).transpose(1, 2).contiguous()
+    panels = weight.reshape(padded // panel, panel, k)
+    if pairs and k % 2 == 0:
+        paired = panels.reshape(padded // panel, panel, k // 2, 2).permute(0, 2, 1, 3)
+        return paired.contiguous().reshape(padded // panel, k, panel)
+    return panels.transpose(1, 2).contiguous()
 
 
 def applies(modules: list[nn.Module], dtype: torch.dtype) -> bool:
@@ -35,7 +42,8 @@ class RowLinear:
         self.kernels = kernels
         self.out_features = weight.shape[0]
         with torch.no_grad():
-            self.panels = pack_rows(weight.detach().to(dtype), kernels.row_linear_panel())
+            pairs = dtype == torch.bfloat16 and kernels.row_linear_pairs()
+            self.panels = pack_rows(weight.detach().to(dtype), kernels.row_linear_panel(), pairs)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

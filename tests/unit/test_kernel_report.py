@@ -52,12 +52,12 @@ def test_float32_takes_every_fast_path_on_any_avx2_cpu(tiny_model):
 
 def test_bfloat16_is_packed_only_where_onednn_has_bf16_kernels(bf16_model):
     """Decode rows go through Tandem's row kernel on any CPU (bf16 widened to fp32), so the
-    fused decode stack runs everywhere. Prompt rows: AVX2 without AVX-512, bf16 emulated through
-    fp32, modules called as they are; AVX-512/AMX: packed, native."""
+    fused decode stack runs everywhere. Prompt rows: on AVX2 without AVX-512 torch would emulate
+    bf16 through fp32, so the row kernel takes them too; AVX-512/AMX: oneDNN-packed, native."""
     report = runner_for(bf16_model).kernel_report()
     native = onednn_bf16()
     assert (report.dtype, report.bf16) == ("bfloat16", "native" if native else "emulated")
-    assert report.projections == ("rows-c++/onednn-packed" if native else "rows-c++/torch")
+    assert report.projections == ("rows-c++/onednn-packed" if native else "rows-c++")
     assert report.decode_stack == "c++"
     assert (report.attention, report.layer_ops) == ("paged-c++", "c++")
     assert f"bfloat16 {report.bf16} · matmul {report.projections}" in report.line()
@@ -72,7 +72,7 @@ def test_bfloat16_runner_matches_hugging_face(bf16_model, rand_tokens, monkeypat
     runner = runner_for(bf16_model)
     if forced:
         report = runner.kernel_report()
-        assert (report.projections, report.decode_stack) == ("rows-c++/torch", "c++")
+        assert (report.projections, report.decode_stack) == ("rows-c++", "c++")
     prompt = rand_tokens(40)
     ours = runner.forward([SeqSpan([0, 1, 2], prompt, 0, 40)])[0]
     with torch.no_grad():

@@ -47,6 +47,33 @@ def test_panels_hold_the_weight_in_panel_order():
     assert not panels[1, :, 1:].any()  # past the last output: zeros
 
 
+def test_bf16_panels_in_k_pairs_hold_the_weight_in_pair_order(kernel):
+    weight = torch.arange(3 * 4, dtype=torch.float32).view(3, 4).bfloat16()
+    panels = pack_rows(weight, 2, pairs=True)  # [2 panels, K=4 as 2 pairs x (2 outputs x 2)]
+    assert panels.shape == (2, 4, 2)
+    assert panels[0].flatten().tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # k-pair 0 of rows 0, 1...
+    assert panels[1].flatten().tolist() == [8, 9, 0, 0, 10, 11, 0, 0]
+    odd = torch.ones(3, 5).bfloat16()  # an odd K is never paired
+    assert torch.equal(pack_rows(odd, 2, pairs=True), pack_rows(odd, 2))
+
+
+def test_a_projection_without_a_gemm_copy_sends_prompt_rows_to_the_row_kernel(kernel, monkeypatch):
+    """What a CPU without oneDNN bf16 kernels does with bf16 (torch would emulate it slowly)."""
+
+    def refuse(weight, batch_size):
+        raise RuntimeError("bf16 path needs the cpu support avx_ne_convert or avx512bw")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    torch.manual_seed(0)
+    modules = [nn.Linear(48, 40).bfloat16()]
+    projection = Projection(modules, kernels=kernel)
+    assert projection.rows_only and projection.path == "rows-c++"
+    x = torch.randn(30, 48).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(projection.one(x), projection.rows(x))
+        torch.testing.assert_close(projection.one(x), modules[0](x), rtol=2e-2, atol=2e-2)
+
+
 def test_bad_operands_are_refused(kernel):
     rows = RowLinear(kernel, torch.randn(8, 16), None, torch.float32)
     with pytest.raises(RuntimeError, match="panels"):

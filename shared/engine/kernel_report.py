@@ -22,19 +22,23 @@ from shared.engine.projection import onednn_bf16
 class KernelReport:
     cpu: str  # torch's vector ISA for this CPU ("avx2", "avx512", "default"; "+amx"), or "cuda"
     dtype: str  # of the weights and activations: float32, bfloat16
-    bf16: str  # "native" (oneDNN has bf16 kernels here), "emulated" (through fp32); "" if unused
+    bf16: str  # "native" (bf16 dot products: the row kernel's AVX512-BF16 or oneDNN's kernels),
+    # "widened" (the row kernel widens bf16 to fp32 in registers), "emulated" (torch, through
+    # fp32); "" if unused
     weights: str  # "native", or "int8-<torch's quantized engine>" (dynamically quantized)
-    projections: str  # "onednn-packed", "torch", "rows-c++/onednn-packed" (decode rows through
-    # Tandem's row kernel, prompt rows through oneDNN), "rows-c++/torch", or "mixed"
+    projections: str  # "rows-c++" (Tandem's row kernel), "onednn-packed", "torch", or "mixed"
     attention: str  # "paged-c++" (Tandem's kernels, decode and prompt rows), "paged-triton", "sdpa"
     decode_stack: str  # all-decode steps: "c++" (one call for every layer) or "per-layer"
     layer_ops: str  # norms, rotary, KV write: "c++" (fused) or "torch"
     row_counts: tuple[int, ...] | None  # batch-invariant row counts found; None = not probed
+    row_kernel: bool = False  # every projection computes each row alone: any count invariant
 
     def line(self) -> str:
-        """The report in one line, e.g. "avx2 · float32 · matmul onednn-packed · attention
-        paged-c++ · decode-stack c++ · ops c++ · invariant rows 1-16"."""
-        if self.row_counts is None:
+        """The report in one line, e.g. "avx2 · float32 · matmul rows-c++ · attention paged-c++
+        · decode-stack c++ · ops c++ · invariant rows any"."""
+        if self.row_kernel:
+            rows = "invariant rows any"
+        elif self.row_counts is None:
             rows = "batch-invariance off"
         else:
             rows = "invariant rows " + (_ranges(self.row_counts) or "none")
@@ -59,27 +63,37 @@ def cpu_capability() -> str:
     return name + "+amx" if amx else name
 
 
-def bf16_path(dtype: torch.dtype, device: str) -> str:
-    """How bfloat16 is computed here: "native", "emulated", or "" for another dtype."""
+def bf16_path(dtype: torch.dtype, device: str, row_pairs: bool | None = None) -> str:
+    """How bfloat16 is computed here: "native", "widened", "emulated", or "" for another dtype.
+    `row_pairs`: None where the row kernel does not compute the projections, else whether it
+    has bf16 pair dot products here."""
     if dtype != torch.bfloat16:
         return ""
+    if device == "cpu" and row_pairs is not None:
+        return "native" if row_pairs else "widened"
     return "native" if device != "cpu" or onednn_bf16() else "emulated"
 
 
 def report_of(runner) -> KernelReport:
     """The paths `runner` (a ModelRunner) takes, as it stands."""
-    paths = {p.path for p in runner.projections if p is not runner.lm_head}  # the head: rows
+    paths = {p.path for p in runner.projections}
     return KernelReport(
         cpu=cpu_capability() if runner.device == "cpu" else runner.device,
         dtype=str(runner.dtype).removeprefix("torch."),
-        bf16=bf16_path(runner.dtype, runner.device),
+        bf16=bf16_path(runner.dtype, runner.device, _row_pairs(runner)),
         weights=_weights(runner.projections),
         projections=paths.pop() if len(paths) == 1 else "mixed",
         attention=runner.paged.name if runner.paged else "sdpa",
         decode_stack="c++" if runner.stack is not None else "per-layer",
         layer_ops="c++" if isinstance(runner.ops, KernelOps) else "torch",
         row_counts=tuple(runner.row_counts) if runner.batch_invariant else None,
+        row_kernel=runner.row_kernel,
     )
+
+
+def _row_pairs(runner) -> bool | None:
+    """Whether the row kernel computes bf16 in pair dot products (None: it is not used)."""
+    return runner.projections[0].rows.pairs if runner.row_kernel else None
 
 
 def _weights(projections) -> str:

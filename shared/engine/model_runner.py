@@ -6,10 +6,10 @@ of every running sequence go through the projections and MLPs as one batch of ro
 between the supported families is named per layer by `architecture.LayerParts`.
 
 Determinism: a sequence's tokens are computed the same way whatever else is in the batch, so a
-greedy request gives the same tokens alone or among many. Decode rows go through the row kernel
-(`RowLinear`, independent of the other rows by construction), the output head too; prompt rows
-through GEMMs that are row-independent at the row counts measured at start-up (see
-`projection.invariant_row_counts`; a tiny batch of them is padded up to one); attention runs per
+greedy request gives the same tokens alone or among many. Where Tandem's C++ kernels are built,
+every row of every projection goes through the row kernel (`RowLinear`), which computes each row
+alone by construction; otherwise GEMMs are row-independent at the row counts measured at start-up
+(see `projection.invariant_row_counts`; a tiny batch is padded up to one). Attention runs per
 sequence, prompts in fixed `chunk`-token ranges aligned to absolute positions, decode tokens one
 at a time.
 """
@@ -76,7 +76,9 @@ class ModelRunner:
         kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
         self._fuse_projections(model, release_weights, kernels)
         self.batch_invariant = batch_invariant and device == "cpu"
-        self.row_counts = self._invariant_rows() if self.batch_invariant else []
+        # the row kernel in every projection: each row computed alone, at any row count
+        probe = self.batch_invariant and not self.row_kernel
+        self.row_counts = self._invariant_rows() if probe else []
         self.min_rows = cached_fastest_row_count(
             self.projections, [c for c in self.row_counts if c <= 4], row_timing
         )
@@ -128,14 +130,14 @@ class ModelRunner:
         at no point are both a converted table and the packed head held with the rest."""
         pages = FilePages() if release else None
 
-        def packed(modules, sizes=None, gemm=True) -> Projection:
-            projection = Projection(modules, sizes, self.dtype, kernels, gemm)
+        def packed(modules, sizes=None) -> Projection:
+            projection = Projection(modules, sizes, self.dtype, kernels)
             if release:
                 projection.release_modules(keep=self.embed.weight, pages=pages)
             return projection
 
         weight, bias = model.lm_head.weight, model.lm_head.bias
-        self.lm_head = packed([model.lm_head], gemm=False)  # pages dropped, then read sparsely:
+        self.lm_head = packed([model.lm_head])  # its pages dropped, then read sparsely if at all:
         self.head = OutputHead(self.lm_head, weight, bias)  # rows recomputed in float32
         tied = weight is self.embed.weight
         if release and tied:
@@ -149,8 +151,7 @@ class ModelRunner:
             self.gate_up.append(packed(p.gate_up, p.gate_up_sizes))
             self.down.append(packed([p.down]))
         self.projections = [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.lm_head]
-        # decode rows first in every step, through the row kernel: where every layer has it
-        self.rows_first = all(p.rows is not None for p in self.projections)
+        self.row_kernel = all(p.rows is not None for p in self.projections)
 
     def _invariant_rows(self) -> list[int]:
         probe = [self.qkv[0], self.o_proj[0], self.gate_up[0], self.down[0], self.lm_head]
@@ -167,18 +168,11 @@ class ModelRunner:
         """Which kernels this runner computes with (projections, attention, decode stack, ops)."""
         return report_of(self)
 
-    def padded_rows(self, rows: int, decode_rows: int = 0) -> int:
-        """The row count to compute `rows` rows at, the first `decode_rows` of them decode rows
-        (which the row kernel computes alone, unpadded, where it applies): one at which every
-        prompt row gets the bits it gets in any batch (the smallest >= their count, and for a
-        tiny batch the fastest, see fastest_row_count)."""
-        decode = decode_rows if self.rows_first else 0
-        prompt = rows - decode
-        if prompt == 0:
-            return rows
-        return decode + next(
-            (count for count in self.row_counts if count >= max(prompt, self.min_rows)), prompt
-        )
+    def padded_rows(self, rows: int) -> int:
+        """The row count to compute `rows` rows at: one at which every row gets the bits it gets in
+        any batch (the smallest >= rows, and for a tiny batch the fastest, see fastest_row_count);
+        `rows` itself where the row kernel computes every projection."""
+        return next((count for count in self.row_counts if count >= max(rows, self.min_rows)), rows)
 
     @torch.inference_mode()
     def forward(
@@ -189,9 +183,8 @@ class ModelRunner:
         sequence in it was cancelled, and the KV it wrote so far is of no use to anyone."""
         batch = arrange(segments, self.pool, self.paged, self.chunk, self.device, self.prefill)
         rows = batch.ids.numel()
-        decode = batch.decode_rows if self.rows_first else 0
         hidden = self._embed(batch.ids)
-        total = self.padded_rows(rows, decode)
+        total = self.padded_rows(rows)
         if total > rows:
             hidden = torch.cat([hidden, hidden.new_zeros(total - rows, hidden.shape[1])])
         positions = torch.cat([batch.positions, batch.positions.new_zeros(total - rows)])
@@ -210,10 +203,10 @@ class ModelRunner:
         for index, parts in enumerate(self.parts):
             if abandon is not None and abandon():
                 return None
-            attended = self._attend(index, x, cos, sin, batch, rows, decode)
+            attended = self._attend(index, x, cos, sin, batch, rows)
             residual, x = self.ops.norm(residual, attended, parts.post_norm)
-            gate, up = self.gate_up[index](x, decode)
-            out = self.down[index].one(self.ops.act_mul(parts.act, gate, up), decode)
+            gate, up = self.gate_up[index](x)
+            out = self.down[index].one(self.ops.act_mul(parts.act, gate, up))
             after = self.parts[index + 1].input_norm if index + 1 < len(self.parts) else self.norm
             residual, x = self.ops.norm(residual, out, after)
         return self._logits(x.index_select(0, batch.last_rows))
@@ -229,14 +222,14 @@ class ModelRunner:
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         rows = normed.shape[0]
-        total = rows if self.lm_head.rows_only else self.padded_rows(rows)
+        total = rows if self.lm_head.rows is not None else self.padded_rows(rows)
         if total > rows:
             normed = torch.cat([normed, normed.new_zeros(total - rows, normed.shape[1])])
         return self.head(normed, rows)
 
-    def _attend(self, index: int, x, cos, sin, batch: ForwardBatch, rows: int, decode: int):
+    def _attend(self, index: int, x, cos, sin, batch: ForwardBatch, rows: int):
         total = x.shape[0]
-        q, k, v = self.qkv[index](x, decode)
+        q, k, v = self.qkv[index](x)
         q = q.view(total, self.num_heads, self.head_dim)
         k = k.view(total, self.layout.num_kv_heads, self.head_dim)
         v = v.view(total, self.layout.num_kv_heads, self.head_dim)
@@ -258,7 +251,7 @@ class ModelRunner:
             self.prefill(q, keys, values, batch.prompt, out, parts.window)
         if batch.attention:
             self._attend_ranges(index, q, batch, out, parts.window)
-        return self.o_proj[index].one(out.view(total, -1), decode)
+        return self.o_proj[index].one(out.view(total, -1))
 
     def _attend_ranges(
         self, index: int, q: torch.Tensor, batch: ForwardBatch, out: torch.Tensor, window

@@ -1,26 +1,22 @@
 """Projection: the model's linear layers as the engine runs them.
 
-On CPU, float32 and bfloat16 weights are packed once into oneDNN's blocked layout and every
-call goes straight to oneDNN's matmul: no per-call repacking of the weight, which is what makes
-torch's default (MKL sgemm on the transposed weight) slow at the row counts decode runs at (1 to
-64 rows: 2-3x slower, and up to 4x on the 49k-row output head). Layers that read the same input
-are fused into one weight (q|k|v, gate|up), one call instead of several.
+Layers that read the same input are fused into one weight (q|k|v, gate|up), one call instead of
+several. On CPU, where Tandem's C++ kernels are built, float32 and bfloat16 weights are repacked
+once into the row kernel's panels (`RowLinear`) and every row goes through it: it reads the
+weights at close to the machine's read rate at one row and keeps pace with oneDNN's GEMMs from a
+few dozen rows to hundreds (prompt chunks), on AVX2 as on AVX-512; it computes bfloat16 where
+oneDNN cannot (AVX2 without AVX-NE-CONVERT); and it computes each row alone, so no row count
+needs padding for batch invariance. One copy of the weights is kept.
 
+Without the kernels, float32 and bfloat16 weights are packed into oneDNN's blocked layout and
+every call goes straight to oneDNN's matmul (no per-call repacking of the weight, which is what
+makes torch's default, MKL sgemm on the transposed weight, 2-4x slower at decode's row counts).
 Anything else (CUDA, int8 dynamic-quantized modules, a torch without oneDNN, bfloat16 on a CPU
-oneDNN has no bf16 kernels for: AVX2 without AVX-512 or AVX-NE-CONVERT) calls the modules
-themselves; `path` says which ran.
-
-Decode rows go through Tandem's own kernel instead (`RowLinear`, where the C++ kernels are
-built): it reads the weights at close to the machine's read rate at one row and keeps pace with
-oneDNN at a few dozen, on AVX2 as on AVX-512, and computes bfloat16 where oneDNN cannot. A call
-is told how many of its leading rows decode (`decode_rows`); those get the row kernel, the rest
-(prompt rows) the GEMM. A row's kind, not the batch it is in, decides its kernel. The cost is a
-second copy of the layer weights (the row kernel's panels beside oneDNN's packing); the output
-head, whose rows are few in any step, is kept only as panels.
+oneDNN has no bf16 kernels for) calls the modules themselves; `path` says which ran.
 
 `invariant_row_counts` measures, on the projections in hand, which row counts give each row the
 same bits as a larger batch does (the GEMM kernel oneDNN or MKL picks depends on the row count);
-the model runner pads tiny batches of prompt rows up to one of them. The row kernel needs none.
+the model runner pads tiny batches up to one of them where a GEMM computes the rows.
 """
 
 import time
@@ -54,12 +50,11 @@ def _packable(modules: list[nn.Module], dtype: torch.dtype) -> bool:
 
 
 class Projection:
-    """x -> [m(x) for m in modules], computed as one GEMM when the weights can be packed.
-    `sizes` splits one fused module's output (Phi-3's qkv_proj and gate_up_proj). `dtype`, where
-    it is not the weights' own, is the one they are packed in (unpacked, the modules must be
-    converted to it before they are called). `kernels`: Tandem's C++ kernels, for the decode
-    rows' `RowLinear` (None: every row through the GEMM); `gemm=False` keeps no GEMM copy where
-    the row kernel applies (the output head: every row of it goes through the row kernel)."""
+    """x -> [m(x) for m in modules], computed as one call: the row kernel, or one GEMM on packed
+    weights. `sizes` splits one fused module's output (Phi-3's qkv_proj and gate_up_proj).
+    `dtype`, where it is not the weights' own, is the one they are packed in (unpacked, the
+    modules must be converted to it before they are called). `kernels`: Tandem's C++ kernels,
+    for `RowLinear` (None: oneDNN where it packs, else the modules)."""
 
     def __init__(
         self,
@@ -67,17 +62,14 @@ class Projection:
         sizes: list[int] | None = None,
         dtype: torch.dtype | None = None,
         kernels=None,
-        gemm: bool = True,
     ):
         self.modules = modules
         self.sizes = sizes or [m.out_features for m in modules]
         self.in_features = modules[0].in_features
         self.dtype = dtype or _dtype_of(modules[0])  # of the input it takes
         self.packed = self.rows = self.bias = None
-        self.rows_only = False  # every row through the row kernel (no GEMM copy kept)
         rows = kernels is not None and row_linear.applies(modules, self.dtype)
-        packable = _packable(modules, self.dtype)
-        if not (rows or packable):
+        if not (rows or _packable(modules, self.dtype)):
             return
         with torch.no_grad():
             weight = (
@@ -86,50 +78,39 @@ class Projection:
             self.bias = _fused_bias(modules, self.dtype)
             if rows:
                 self.rows = RowLinear(kernels, weight, self.bias, self.dtype)
-            if packable and (gemm or not rows):
-                try:
-                    self.packed = torch.ops.mkldnn._reorder_linear_weight(
-                        weight.detach().to(self.dtype), None
-                    )
-                    self._matmul = torch.ops.mkldnn._linear_pointwise.default
-                except RuntimeError:  # e.g. bf16 on a CPU oneDNN has no bf16 kernels for
-                    pass
-            # nothing packed for the GEMM: the row kernel takes the prompt rows too (bf16 where
-            # torch would emulate it: 4x faster at 512 rows on AVX2)
-            self.rows_only = self.rows is not None and self.packed is None
+                return
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                    weight.detach().to(self.dtype), None
+                )
+                self._matmul = torch.ops.mkldnn._linear_pointwise.default
+            except RuntimeError:  # e.g. bf16 on a CPU oneDNN has no bf16 kernels for
+                pass
 
     @property
     def path(self) -> str:
-        """Which kernels compute this projection: "onednn-packed" or "torch" (every row), or
-        with the row kernel "rows-c++" (every row) or "rows-c++/<the prompt rows' GEMM>"."""
-        gemm = "torch" if self.packed is None else "onednn-packed"
-        if self.rows is None:
-            return gemm
-        return "rows-c++" if self.rows_only else "rows-c++/" + gemm
+        """Which kernel computes this projection: "rows-c++", "onednn-packed" or "torch"."""
+        if self.rows is not None:
+            return "rows-c++"
+        return "torch" if self.packed is None else "onednn-packed"
 
-    def __call__(self, x: torch.Tensor, decode_rows: int = 0) -> list[torch.Tensor]:
-        """The outputs of the modules; the first `decode_rows` rows of x are decode rows."""
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The outputs of the modules."""
         if self.rows is None and self.packed is None:
             outs = [m(x) for m in self.modules]
             if len(outs) == len(self.sizes):
                 return outs
             out = outs[0]
         else:
-            out = self.one(x, decode_rows)
+            out = self.one(x)
         return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
 
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self._matmul(x, self.packed, self.bias, "none", [], "")
-        outs = [m(x) for m in self.modules]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-
     def release_modules(self, keep: torch.Tensor, pages=None) -> None:
-        """Drops the modules' own weights once packed (the packed copies are all the engine
-        reads), except `keep` (a tied output head's weight is the embedding table). `pages`, a
-        FilePages, gives back the resident pages of weights read from a mapped file. Modules
-        that still compute prompt rows (nothing packed them for the GEMM) are kept."""
-        if self.packed is None and not self.rows_only:
+        """Drops the modules' own weights once copied (the row panels or the packed weights are
+        all the engine reads), except `keep` (a tied output head's weight is the embedding
+        table). `pages`, a FilePages, gives back the resident pages of weights read from a
+        mapped file. Modules nothing copied are kept: they compute."""
+        if self.packed is None and self.rows is None:
             return
         for module in self.modules:
             if module.weight is not keep:
@@ -137,15 +118,14 @@ class Projection:
                     pages.drop(module.weight)
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
-    def one(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
-        """The output of a (fused) projection as one tensor; the first `decode_rows` rows of x
-        are decode rows."""
-        rows = x.shape[0]
-        if self.rows is None or (decode_rows == 0 and not self.rows_only):
-            return self._gemm(x)
-        if decode_rows >= rows or self.rows_only:
+    def one(self, x: torch.Tensor) -> torch.Tensor:
+        """The output of a (fused) projection as one tensor."""
+        if self.rows is not None:
             return self.rows(x)
-        return torch.cat([self.rows(x[:decode_rows]), self._gemm(x[decode_rows:])])
+        if self.packed is not None:
+            return self._matmul(x, self.packed, self.bias, "none", [], "")
+        outs = [m(x) for m in self.modules]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def _row_invariant(self, rows: int, reference: torch.Tensor, full: list[torch.Tensor]) -> bool:
         return all(torch.equal(a, b[:rows]) for a, b in zip(self(reference[:rows]), full))

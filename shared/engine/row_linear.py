@@ -1,9 +1,9 @@
-"""RowLinear: a linear layer for decode rows through Tandem's own kernel (csrc/row_linear.cpp).
+"""RowLinear: a linear layer through Tandem's own kernel (csrc/row_linear.cpp), for every row.
 
 The weight is repacked once into panels of `panel` outputs, [panel][k][output], which the kernel
 streams once per call, every row served from each panel while it is in cache. Every output is
 one chain of FMAs over k in order, so a row's bits do not depend on the other rows of the call:
-decode rows need no padding to a batch-invariant row count. bfloat16 weights are computed in
+no row count needs padding for batch invariance. bfloat16 weights are computed in
 float32 (widened exactly), which is what makes bf16 usable on CPUs without bf16 instructions;
 with AVX512-BF16 they go through its dot-product instruction, in k-pairs.
 """
@@ -42,8 +42,11 @@ class RowLinear:
         self.kernels = kernels
         self.out_features = weight.shape[0]
         with torch.no_grad():
-            pairs = dtype == torch.bfloat16 and kernels.row_linear_pairs()
-            self.panels = pack_rows(weight.detach().to(dtype), kernels.row_linear_panel(), pairs)
+            k = weight.shape[1]
+            self.pairs = dtype == torch.bfloat16 and k % 2 == 0 and kernels.row_linear_pairs()
+            self.panels = pack_rows(
+                weight.detach().to(dtype), kernels.row_linear_panel(), self.pairs
+            )
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -152,7 +152,9 @@ def start_stack(
         "TANDEM_LOG_LEVEL": "INFO",
         **(extra_env or {}),
     }
-    worker = {**common, "TANDEM_TORCH_THREADS": "1"}
+    # 512 MiB of KV each (11k SmolLM2 fp32 tokens; the longest test prompt is ~3k), not the 1 GiB
+    # default: a test may run 5 workers beside the session's stacks on CI's 24 GB
+    worker = {"TANDEM_KV_CACHE_MB": "512", **common, "TANDEM_TORCH_THREADS": "1"}
     names, metrics_ports = [], {}
 
     def spawn(name: str, service: str, env: dict) -> None:

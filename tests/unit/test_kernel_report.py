@@ -1,8 +1,8 @@
 """KernelReport says which paths a runner takes on this CPU, and each fallback computes correctly.
 
 Every assertion holds on any x86-64 CPU with AVX2, with or without AVX-512/AMX: where a fast
-path cannot exist here (bfloat16 packing without oneDNN bf16 kernels) the fallback is expected,
-and the fallback is also forced on every CPU and checked against Hugging Face.
+path cannot exist here (bf16 dot products without AVX512-BF16) the fallback is expected, and
+torch's fallback is also forced on every CPU and checked against Hugging Face.
 """
 
 import pytest
@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from shared.engine import kernel_report
+from shared.engine import kernels as cpu_kernels
 from shared.engine.kernel_report import bf16_path, cpu_capability
 from shared.engine.model_runner import ModelRunner, SeqSpan
-from shared.engine.projection import onednn_bf16
 from shared.model_store import quantize_int8
 from tests.unit.conftest import tiny_config
 
@@ -40,24 +40,22 @@ def test_float32_takes_every_fast_path_on_any_avx2_cpu(tiny_model):
     report = runner_for(tiny_model).kernel_report()
     assert report.cpu == cpu_capability() and report.cpu.split("+")[0] in ("avx2", "avx512")
     assert (report.dtype, report.bf16, report.weights) == ("float32", "", "native")
-    assert report.projections == "rows-c++/onednn-packed"  # decode rows / prompt rows
+    assert report.projections == "rows-c++"  # every row, decode and prompt
     assert (report.attention, report.decode_stack, report.layer_ops) == ("paged-c++", "c++", "c++")
-    assert report.row_counts and set(report.row_counts) <= set(range(1, 17))
+    assert report.row_kernel and report.row_counts == ()  # nothing to probe, nothing padded
     line = report.line()
-    assert line.startswith(
-        report.cpu + " · float32 · matmul rows-c++/onednn-packed · attention paged-c++"
-    )
-    assert "decode-stack c++" in line and "ops c++" in line and "invariant rows " in line
+    assert line.startswith(report.cpu + " · float32 · matmul rows-c++ · attention paged-c++")
+    assert "decode-stack c++" in line and "ops c++" in line and "invariant rows any" in line
 
 
-def test_bfloat16_is_packed_only_where_onednn_has_bf16_kernels(bf16_model):
-    """Decode rows go through Tandem's row kernel on any CPU (bf16 widened to fp32), so the
-    fused decode stack runs everywhere. Prompt rows: on AVX2 without AVX-512 torch would emulate
-    bf16 through fp32, so the row kernel takes them too; AVX-512/AMX: oneDNN-packed, native."""
+def test_bfloat16_takes_the_row_kernel_on_any_cpu(bf16_model):
+    """Every row through Tandem's row kernel (bf16 widened to fp32 where the CPU has no bf16
+    dot products), so the fused decode stack runs everywhere; the report still says whether
+    oneDNN could compute bf16 here (what the torch path would do)."""
     report = runner_for(bf16_model).kernel_report()
-    native = onednn_bf16()
-    assert (report.dtype, report.bf16) == ("bfloat16", "native" if native else "emulated")
-    assert report.projections == ("rows-c++/onednn-packed" if native else "rows-c++")
+    pairs = cpu_kernels.load().row_linear_pairs()  # AVX512-BF16
+    assert (report.dtype, report.bf16) == ("bfloat16", "native" if pairs else "widened")
+    assert report.projections == "rows-c++"
     assert report.decode_stack == "c++"
     assert (report.attention, report.layer_ops) == ("paged-c++", "c++")
     assert f"bfloat16 {report.bf16} · matmul {report.projections}" in report.line()
@@ -65,14 +63,15 @@ def test_bfloat16_is_packed_only_where_onednn_has_bf16_kernels(bf16_model):
 
 @pytest.mark.parametrize("forced", [False, True], ids=["as-this-cpu-runs-it", "unpacked-forced"])
 def test_bfloat16_runner_matches_hugging_face(bf16_model, rand_tokens, monkeypatch, forced):
-    """The bf16 path this CPU takes, and the unpacked fallback forced on any CPU: the same
-    next-token choices as HF's own bf16 forward pass, logits within bf16 rounding."""
+    """The bf16 path this CPU takes, and torch's unpacked fallback (no C++ kernels, no oneDNN
+    bf16) forced on any CPU: the same next-token choices as HF's own bf16 forward pass, logits
+    within bf16 rounding."""
     if forced:
         refuse_packing(monkeypatch)
-    runner = runner_for(bf16_model)
+    runner = runner_for(bf16_model, use_kernels=not forced)
     if forced:
         report = runner.kernel_report()
-        assert (report.projections, report.decode_stack) == ("rows-c++", "c++")
+        assert (report.projections, report.decode_stack) == ("torch", "per-layer")
     prompt = rand_tokens(40)
     ours = runner.forward([SeqSpan([0, 1, 2], prompt, 0, 40)])[0]
     with torch.no_grad():
@@ -88,7 +87,7 @@ def test_bfloat16_decode_does_not_depend_on_the_batch(bf16_model, rand_tokens):
     start-up probe found row counts that compute rows independently (where it found none, the
     report says so and the runner warns: that CPU's bf16 kernels are not batch-invariant)."""
     runner = runner_for(bf16_model)
-    if not runner.row_counts:
+    if not (runner.row_kernel or runner.row_counts):
         assert "invariant rows none" in runner.kernel_report().line()
         return
     segments = []
@@ -113,8 +112,11 @@ def test_without_the_cpp_kernels_every_path_is_torch(tiny_model):
 
 
 def test_without_batch_invariance_nothing_is_probed(tiny_model):
-    report = runner_for(tiny_model, batch_invariant=False).kernel_report()
+    report = runner_for(tiny_model, batch_invariant=False, use_kernels=False).kernel_report()
     assert report.row_counts is None and report.line().endswith("batch-invariance off")
+    # the row kernel computes each row alone whatever the setting: nothing to turn off
+    report = runner_for(tiny_model, batch_invariant=False).kernel_report()
+    assert report.row_counts is None and report.line().endswith("invariant rows any")
 
 
 def test_int8_weights_name_torchs_quantized_engine_and_find_no_invariant_rows():
@@ -134,6 +136,8 @@ def test_bf16_path_names(monkeypatch):
     assert bf16_path(torch.bfloat16, "cpu") == "native"
     monkeypatch.setattr(kernel_report, "onednn_bf16", lambda: False)
     assert bf16_path(torch.bfloat16, "cpu") == "emulated"
+    assert bf16_path(torch.bfloat16, "cpu", row_pairs=False) == "widened"
+    assert bf16_path(torch.bfloat16, "cpu", row_pairs=True) == "native"
 
 
 def test_row_counts_read_as_ranges():

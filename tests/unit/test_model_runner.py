@@ -21,6 +21,14 @@ def runner(tiny_model):
     return ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=512, block_size=BLOCK, chunk=32)
 
 
+@pytest.fixture(scope="module")
+def gemm_runner(tiny_model):
+    """Without Tandem's kernels: the projections through oneDNN's GEMMs, rows padded."""
+    return ModelRunner(
+        tiny_model, "tiny", "cpu", pool_blocks=64, block_size=BLOCK, chunk=32, use_kernels=False
+    )
+
+
 def greedy(runner: ModelRunner, prompt: list[int], new_tokens: int, first_block: int) -> list[int]:
     tokens = list(prompt)
     blocks = table(first_block, len(prompt) + new_tokens)
@@ -74,9 +82,12 @@ def test_forward_returns_one_row_of_logits_per_segment(runner, rand_tokens):
 # -- (b) batch invariance ------------------------------------------------------------------------
 
 
-def test_padded_rows_pads_only_up_to_a_measured_invariant_count(runner):
+def test_padded_rows_pads_only_up_to_a_measured_invariant_count(gemm_runner, runner):
     """Which counts are invariant depends on the GEMM kernels this CPU gets (the report says
-    which ran); that some are holds for fp32 on AVX2 and AVX-512 alike."""
+    which ran); that some are holds for fp32 on AVX2 and AVX-512 alike. The row kernel computes
+    each row alone: nothing is padded."""
+    assert all(runner.padded_rows(rows) == rows for rows in range(1, 40))
+    runner = gemm_runner
     assert runner.row_counts, runner.kernel_report().line()
     assert all(1 <= count <= SMALL for count in runner.row_counts)
     for rows in range(1, 40):
@@ -104,8 +115,13 @@ def threads(request, tiny_model):
         yield torch.get_num_threads()
 
 
-def test_padded_row_counts_are_row_invariant_in_every_projection(runner, threads):
-    """The premise of padded_rows: a padded GEMM gives each row the bits it has in a bigger batch."""
+@pytest.mark.parametrize("kind", ["row-kernel", "gemm"])
+def test_padded_row_counts_are_row_invariant_in_every_projection(
+    kind, threads, runner, gemm_runner
+):
+    """The premise of padded_rows: a padded GEMM gives each row the bits it has in a bigger batch
+    (and the row kernel, unpadded, at any count)."""
+    runner = gemm_runner if kind == "gemm" else runner
     g = torch.Generator().manual_seed(threads)
     projections = (
         runner.qkv[0],

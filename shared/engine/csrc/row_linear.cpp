@@ -1,5 +1,5 @@
-// Linear layers for decode rows: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), float32 or
-// bfloat16 weights, computed in float32.
+// Linear layers, every row of them: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), float32
+// or bfloat16 weights, computed in float32.
 //
 // A decode step reads every weight once for a few rows: bound by memory at one row, by the FMA
 // units at a few dozen. GEMM libraries serve those row counts poorly (oneDNN's packed fp32 on
@@ -8,6 +8,8 @@
 // 8 rows and more. Here the weights stream once per call, in panels of kPanel outputs laid out
 // [panel][k][kPanel] (pack_rows in row_linear.py), and each panel serves every row while it is
 // in cache; bf16 is widened to float32 in registers (exact), or, for many rows, once per panel.
+// A prompt chunk's hundreds of rows run at the FMA units' pace too, as oneDNN's GEMMs do, the
+// panel held in L1/L2 while every register block of rows passes over it.
 //
 // Where the CPU has AVX512-BF16, bf16 weights are packed in k-pairs ([panel][k / 2][output][2])
 // and a bf16 input goes through its dot-product instruction (two products per lane at once),

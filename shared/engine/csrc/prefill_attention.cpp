@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include "fast_math.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -24,33 +25,17 @@
 
 namespace {
 
+using vec::kLanes, vec::vf, vec::load, vec::load_held, vec::store;
+
 #if defined(__AVX512F__)
-constexpr int64_t kLanes = 16, kKeyVecs = 4, kDimVecs = 4;  // 32 registers
+constexpr int64_t kKeyVecs = 4, kDimVecs = 4;  // 32 registers
 #else
-constexpr int64_t kLanes = 8, kKeyVecs = 2, kDimVecs = 2;  // AVX2 and narrower: 16 registers
+constexpr int64_t kKeyVecs = 2, kDimVecs = 2;  // AVX2 and narrower: 16 registers
 #endif
 constexpr int64_t kRows = 4;           // query rows per register block
 constexpr int64_t kQueryTile = 128;    // query positions per work item
 constexpr int64_t kKeyTile = 128;      // keys per softmax step (a multiple of kLanes * kKeyVecs)
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
-
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vf load(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-// Loaded once into a register: without this GCC folds the load into each of the kRows FMAs that
-// use it, and the loop waits on loads (x86 can issue fewer wide loads than FMAs per cycle).
-inline vf load_held(const float* p) {
-  vf v = load(p);
-#if defined(__x86_64__)
-  asm("" : "+v"(v));
-#endif
-  return v;
-}
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 

@@ -21,10 +21,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -35,32 +38,22 @@
 
 namespace {
 
+using vec::kLanes, vec::vf, vec::hold;
+
 #if defined(__AVX512F__)
-constexpr int kLanes = 16, kRows = 12;  // 24 accumulators, 2 weights, 1 input: of 32 registers
+constexpr int kRows = 12;  // 24 accumulators, 2 weights, 1 input: of 32 registers
 #else
-constexpr int kLanes = 8, kRows = 6;  // AVX2 and narrower: 12 + 2 + 1 of 16 registers
+constexpr int kRows = 6;  // AVX2 and narrower: 12 + 2 + 1 of 16 registers
 #endif
 constexpr int kVecs = 2, kPanel = kVecs * kLanes;
 constexpr int64_t kWidenRows = 2 * kRows;  // from this many rows a bf16 panel is widened once
 
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-// Loaded once into a register (GCC would otherwise fold the load into every FMA that uses it).
-inline vf hold(vf v) {
-#if defined(__x86_64__)
-  asm("" : "+v"(v));
-#endif
-  return v;
-}
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return hold(v);
-}
+inline vf load_held(const float* p) { return vec::load_held(p); }
 // bf16 -> f32 is exact: the 16 bits become the high half of the float.
-inline vf load(const at::BFloat16* p) {
+inline vf load_held(const at::BFloat16* p) {
   vh h;
   std::memcpy(&h, p, sizeof h);
   const vu u = __builtin_convertvector(h, vu) << 16;
@@ -82,10 +75,7 @@ inline vf splat(const float* s) {
 }
 
 void widen(const at::BFloat16* src, float* dst, int64_t n) {  // n: a multiple of kLanes
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const vf v = load(src + i);
-    std::memcpy(dst + i, &v, sizeof v);
-  }
+  for (int64_t i = 0; i < n; i += kLanes) vec::store(dst + i, load_held(src + i));
 }
 
 struct Operands {
@@ -111,7 +101,7 @@ void block(const Operands& o, const W* panel, int64_t m, int64_t n) {
   vf acc[R][kVecs] = {};
   for (int64_t k = 0; k < o.K; ++k) {
     vf w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = load(panel + k * kPanel + v * kLanes);
+    for (int v = 0; v < kVecs; ++v) w[v] = load_held(panel + k * kPanel + v * kLanes);
     for (int r = 0; r < R; ++r) {
       const vf xr = splat(x + r * o.x_stride + k);
       for (int v = 0; v < kVecs; ++v) acc[r][v] += xr * w[v];
@@ -124,20 +114,35 @@ void block(const Operands& o, const W* panel, int64_t m, int64_t n) {
   }
 }
 
-template <typename W, int R = kRows - 1>
-void leftover(const Operands& o, const W* panel, int64_t rows, int64_t m, int64_t n) {
+// f(std::integral_constant<int, rows>{}): a register block's row count as a template argument.
+template <typename F, int R = kRows>
+void with_rows(int64_t rows, F&& f) {
   if constexpr (R > 0) {
-    if (rows == R) return block<R>(o, panel, m, n);
-    leftover<W, R - 1>(o, panel, rows, m, n);
+    if (rows == R) return f(std::integral_constant<int, R>{});
+    with_rows<F, R - 1>(rows, std::forward<F>(f));
+  }
+}
+
+// f(rows, m) for the register blocks that cover M rows: kRows at a time, but never a last block
+// of under kRows / 2 rows (2 accumulators a row: too few chains to hide the FMA latency), so
+// between kRows and 2 * kRows rows are left, two near-equal blocks take them (32 rows on AVX2:
+// 6, 6, 6, 6, 4, 4, not 6, 6, 6, 6, 6, 2). Each output's chain is the same in any block.
+template <typename F>
+void row_blocks(int64_t M, F&& f) {
+  for (int64_t m = 0; m < M;) {
+    const int64_t rest = M - m;
+    const int64_t rows = rest > kRows && rest < 2 * kRows ? (rest + 1) / 2 : std::min<int64_t>(rest, kRows);
+    with_rows(rows, [&](auto r) { f(r, m); });
+    m += rows;
   }
 }
 
 template <typename W>
 void panel_rows(const Operands& o, const W* panel, int64_t M, int64_t n) {
-  int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) block<kRows>(o, panel, m, n);
-  leftover(o, panel, M - m, m, n);
+  row_blocks(M, [&](auto r, int64_t m) { block<decltype(r)::value>(o, panel, m, n); });
 }
+
+int64_t panel_count(const Operands& o) { return (o.N + kPanel - 1) / kPanel; }
 
 #if defined(__AVX512BF16__)
 constexpr bool kPairs = true;
@@ -165,22 +170,11 @@ void block_pairs(const Operands& o, const uint16_t* panel, int64_t m, int64_t n)
   }
 }
 
-template <int R = kRows - 1>
-void leftover_pairs(const Operands& o, const uint16_t* panel, int64_t rows, int64_t m, int64_t n) {
-  if constexpr (R > 0) {
-    if (rows == R) return block_pairs<R>(o, panel, m, n);
-    leftover_pairs<R - 1>(o, panel, rows, m, n);
-  }
-}
-
 void run_pairs(const Operands& o, const uint16_t* panels, int64_t M) {
-  const int64_t count = (o.N + kPanel - 1) / kPanel;
-  at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, panel_count(o), 4, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const uint16_t* panel = panels + p * kPanel * o.K;
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows) block_pairs<kRows>(o, panel, m, p * kPanel);
-      leftover_pairs(o, panel, M - m, m, p * kPanel);
+      row_blocks(M, [&](auto r, int64_t m) { block_pairs<decltype(r)::value>(o, panel, m, p * kPanel); });
     }
   });
 }
@@ -190,22 +184,21 @@ constexpr bool kPairs = false;
 
 template <typename W>
 void run(const Operands& o, const W* panels, int64_t M) {
-  const int64_t K = o.K, count = (o.N + kPanel - 1) / kPanel;
+  const int64_t K = o.K;
   // Each thread takes a run of whole panels: its own stretch of the weights, read once.
-  at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened;
-    const bool widen_first = !std::is_same_v<W, float> && M >= kWidenRows;
-    if (widen_first) widened.resize(kPanel * K);
+  at::parallel_for(0, panel_count(o), 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened;  // a bf16 panel in float32, once for many rows
     for (int64_t p = begin; p < end; ++p) {
       const W* panel = panels + p * kPanel * K;
-      if constexpr (std::is_same_v<W, float>) {
-        panel_rows(o, panel, M, p * kPanel);
-      } else if (widen_first) {
-        widen(panel, widened.data(), kPanel * K);
-        panel_rows(o, static_cast<const float*>(widened.data()), M, p * kPanel);
-      } else {
-        panel_rows(o, panel, M, p * kPanel);
+      if constexpr (!std::is_same_v<W, float>) {
+        if (M >= kWidenRows) {
+          widened.resize(kPanel * K);
+          widen(panel, widened.data(), kPanel * K);
+          panel_rows(o, static_cast<const float*>(widened.data()), M, p * kPanel);
+          continue;
+        }
       }
+      panel_rows(o, panel, M, p * kPanel);
     }
   });
 }

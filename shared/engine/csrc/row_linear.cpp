@@ -46,7 +46,7 @@ constexpr int kRows = 12;  // 24 accumulators, 2 weights, 1 input: of 32 registe
 constexpr int kRows = 6;  // AVX2 and narrower: 12 + 2 + 1 of 16 registers
 #endif
 constexpr int kVecs = 2, kPanel = kVecs * kLanes;
-constexpr int64_t kWidenRows = 2 * kRows;  // from this many rows a bf16 panel is widened once
+constexpr int64_t kWidenRows = kRows + 1;  // from two register blocks a bf16 panel is widened once
 
 typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));

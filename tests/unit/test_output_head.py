@@ -71,3 +71,22 @@ def test_padding_rows_are_cut_before_the_recompute():
     padded = torch.cat([x, x.new_zeros(2, 16)])
     assert torch.equal(head(padded, 2), head(padded)[:2])  # the same GEMM, padding cut
     assert head(padded, 2).shape == (2, 200)
+
+
+def test_the_row_kernel_hands_the_head_its_float32_sums(kernel):
+    """Where the row kernel computes the head, every logit is its float32 sum (none rounded to
+    bf16, nothing recomputed, no copy of the weight kept), each row's alone."""
+    generator = torch.Generator().manual_seed(4)
+    module = nn.Linear(64, 500, bias=True).to(torch.bfloat16)
+    head = OutputHead(Projection([module], kernels=kernel), module.weight, module.bias)
+    assert head.weight is None and head.projection.path == "rows-c++"
+    x = torch.randn(6, 64, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        logits = head(x)
+        exact = x.float() @ module.weight.float().T + module.bias.float()
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, exact, rtol=1e-5, atol=1e-4)
+        assert not torch.equal(logits, logits.to(torch.bfloat16).float())  # not rounded
+        assert torch.equal(head(x, 2), logits[:2])
+        for row in range(len(x)):
+            assert torch.equal(head(x[row : row + 1])[0], logits[row])

@@ -39,6 +39,26 @@ def test_rows_match_torch_and_each_other_in_any_batch(kernel, dtype, shape, bias
     assert torch.equal(rows(x[17:18]), full[17:18])
 
 
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_a_bf16_call_rounds_its_float32_sums_once_and_can_hand_them_back_unrounded(kernel, rows):
+    """float_out (the output head's logits): the sums themselves; the bf16 output is exactly
+    those sums rounded to nearest even. A bf16 input with a row stride (a narrowed tensor) is
+    widened by the kernel, the same bits as a contiguous copy."""
+    torch.manual_seed(3)
+    weight, b = torch.randn(101, 64), torch.randn(101)
+    layer = RowLinear(kernel, weight, b, torch.bfloat16)
+    wide = torch.randn(rows, 80).to(torch.bfloat16)
+    x = wide[:, 8:72]  # rows 80 apart
+    sums = layer(x, float_out=True)
+    assert sums.dtype == torch.float32 and sums.shape == (rows, 101)
+    assert torch.equal(layer(x), sums.to(torch.bfloat16))
+    assert torch.equal(layer(x.contiguous(), float_out=True), sums)
+    expected = F.linear(x.float(), weight.bfloat16().float(), b)  # the bias as given, float32
+    torch.testing.assert_close(sums, expected, rtol=1e-5, atol=1e-4)
+    fp32 = RowLinear(kernel, weight, b, torch.float32)
+    assert torch.equal(fp32(x.float(), float_out=True), fp32(x.float()))
+
 def test_panels_hold_the_weight_in_panel_order():
     weight = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
     panels = pack_rows(weight, 4)

@@ -11,7 +11,7 @@ void store_kv(at::Tensor kv_layer, at::Tensor slots, at::Tensor k, at::Tensor v)
 void decode_attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor tables, at::Tensor lengths,
                       at::Tensor rows, at::Tensor out, int64_t block_size, double scale, int64_t window);
 
-at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias);
+at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias, bool float_out);
 
 // hidden: the padded embeddings [total, hidden], the residual stream (updated in place).
 // weights: per layer the panels of q|k|v, o, gate|up, down (outs: their output widths); norms: per layer input and post-attention
@@ -28,7 +28,7 @@ at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std:
                   static_cast<int64_t>(windows.size()) == layers,
               "decode_stack: 4 weights, 2 norms and a window per layer, and the final norm");
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-  const auto linear = [&](const at::Tensor& x, int64_t i) { return row_linear(x, weights[i], outs[i], std::nullopt); };
+  const auto linear = [&](const at::Tensor& x, int64_t i) { return row_linear(x, weights[i], outs[i], std::nullopt, false); };
   at::Tensor x = add_rms_norm(hidden, std::nullopt, norms[0], eps);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor qkv = linear(x, 4 * l);

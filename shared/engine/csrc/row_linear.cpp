@@ -82,16 +82,36 @@ struct Operands {
   const float* x;  // [M, K] float32, row stride x_stride (the pairs path: xh, bfloat16)
   const uint16_t* xh;
   int64_t x_stride, K, N;
-  const float* bias;  // [N], or nullptr
-  float* out;         // [M, N]
+  const float* bias;      // [N], or nullptr
+  float* out;             // [M, N] float32, or nullptr and:
+  at::BFloat16* out_bf16; // [M, N] bfloat16
 };
 
-// One row's kPanel sums (a register block's row, stored) plus the bias, out to outputs [n, ...).
+// One row's kPanel sums (a register block's row, stored) plus the bias, out to outputs [n, ...),
+// rounded to bfloat16 (to nearest even, as torch's conversion) where the output is bf16.
 void write_row(const Operands& o, float* sums, int64_t row, int64_t n) {
   const int64_t cols = std::min<int64_t>(kPanel, o.N - n);
   if (o.bias != nullptr)
     for (int64_t c = 0; c < cols; ++c) sums[c] += o.bias[n + c];
-  std::memcpy(o.out + row * o.N + n, sums, cols * sizeof(float));
+  if (o.out != nullptr) {
+    std::memcpy(o.out + row * o.N + n, sums, cols * sizeof(float));
+    return;
+  }
+  at::BFloat16* out = o.out_bf16 + row * o.N + n;
+  for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<at::BFloat16>(sums[c]);
+}
+
+// A bf16 input's rows widened to float32 (exact), contiguous: the kernel's float input.
+std::vector<float> widened_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), stride = x.stride(0);
+  std::vector<float> out(M * K);
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const uint32_t bits = static_cast<uint32_t>(src[m * stride + k]) << 16;
+      std::memcpy(&out[m * K + k], &bits, sizeof(float));
+    }
+  return out;
 }
 
 // Rows [m, m + R) of x by one panel ([K, kPanel]) into outputs [n, n + kPanel).
@@ -210,8 +230,9 @@ int64_t row_linear_panel() { return kPanel; }
 bool row_linear_pairs() { return kPairs; }
 
 // x [M, K] float32 or bfloat16 (rows contiguous); panels [ceil(N / kPanel), K, kPanel] float32
-// or bfloat16; bias [N] or None. Returns [M, N] in x's dtype (bf16 rounded to nearest even).
-at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias) {
+// or bfloat16; bias [N] or None. Returns [M, N] in x's dtype (bf16 rounded to nearest even), or
+// in float32 with float_out (an output head's logits, not rounded to bf16 on the way).
+at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "row_linear: x [M, K] with contiguous rows");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
                   panels.size(1) == x.size(1) && panels.size(0) * kPanel >= N && N > 0,
@@ -222,27 +243,33 @@ at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<
   const int64_t M = x.size(0), K = x.size(1);
   const bool pairs = kPairs && wt == at::kBFloat16 && K % 2 == 0;
   TORCH_CHECK(!pairs || dt == at::kBFloat16, "row_linear: k-pair bf16 panels take a bf16 input");
-  const at::Tensor xf = dt == at::kFloat || pairs ? x : x.to(at::kFloat);  // exact widening
+  // A bf16 input is widened here, not by torch: no tensor, no dispatch, for each of a step's calls.
+  const std::vector<float> widened = dt == at::kFloat || pairs ? std::vector<float>() : widened_rows(x);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "row_linear: a bias of N values");
     b = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const Operands o{pairs ? nullptr : xf.data_ptr<float>(),
-                   pairs ? reinterpret_cast<const uint16_t*>(xf.data_ptr<at::BFloat16>()) : nullptr,
-                   xf.stride(0), K, N, b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>()};
-  if (M > 0) {
+  const bool bf16_out = dt == at::kBFloat16 && !float_out;
+  at::Tensor out = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  const Operands o{dt == at::kFloat ? x.data_ptr<float>() : widened.data(),
+                   pairs ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr,
+                   dt == at::kFloat || pairs ? x.stride(0) : K,
+                   K,
+                   N,
+                   b.defined() ? b.data_ptr<float>() : nullptr,
+                   bf16_out ? nullptr : out.data_ptr<float>(),
+                   bf16_out ? out.data_ptr<at::BFloat16>() : nullptr};
+  if (M == 0) return out;
 #if defined(__AVX512BF16__)
-    if (pairs) {
-      run_pairs(o, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), M);
-      return out.to(dt);
-    }
-#endif
-    if (wt == at::kFloat)
-      run(o, panels.data_ptr<float>(), M);
-    else
-      run(o, panels.data_ptr<at::BFloat16>(), M);
+  if (pairs) {
+    run_pairs(o, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), M);
+    return out;
   }
-  return dt == at::kFloat ? out : out.to(dt);
+#endif
+  if (wt == at::kFloat)
+    run(o, panels.data_ptr<float>(), M);
+  else
+    run(o, panels.data_ptr<at::BFloat16>(), M);
+  return out;
 }

@@ -7,9 +7,10 @@
 // and bfloat16 on a CPU without bf16 instructions falls back to an emulation that collapses at
 // 8 rows and more. Here the weights stream once per call, in panels of kPanel outputs laid out
 // [panel][k][kPanel] (pack_rows in row_linear.py), and each panel serves every row while it is
-// in cache; bf16 is widened to float32 in registers (exact), or, for many rows, once per panel.
-// A prompt chunk's hundreds of rows run at the FMA units' pace too, as oneDNN's GEMMs do, the
-// panel held in L1/L2 while every register block of rows passes over it.
+// in cache; bf16 is widened to float32 in registers (exact), or, for many rows, once per tile.
+// A prompt chunk's hundreds of rows run at the FMA units' pace too, as oneDNN's GEMMs do: the
+// panel is taken a tile of k at a time, held in L1 while every register block of rows passes
+// over it.
 //
 // Where the CPU has AVX512-BF16, bf16 weights are packed in k-pairs ([panel][k / 2][output][2])
 // and a bf16 input goes through its dot-product instruction (two products per lane at once),
@@ -17,7 +18,8 @@
 //
 // Batch invariance by construction: every output is one chain of FMAs (or bf16 pair dot
 // products) over k in order, started from zero, then the bias added. Which rows share a call, a
-// register block or a thread, and whether a panel was widened first, changes nothing.
+// register block or a thread, where k is tiled and whether a tile was widened first, changes
+// nothing.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -46,7 +48,6 @@ constexpr int kRows = 12;  // 24 accumulators, 2 weights, 1 input: of 32 registe
 constexpr int kRows = 6;  // AVX2 and narrower: 12 + 2 + 1 of 16 registers
 #endif
 constexpr int kVecs = 2, kPanel = kVecs * kLanes;
-constexpr int64_t kWidenRows = kRows + 1;  // from two register blocks a bf16 panel is widened once
 
 typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -114,18 +115,31 @@ std::vector<float> widened_rows(const at::Tensor& x) {
   return out;
 }
 
-// Rows [m, m + R) of x by one panel ([K, kPanel]) into outputs [n, n + kPanel).
+// A stretch of k: where a call has several register blocks of rows, each panel is taken a tile
+// of k at a time, every block passing over the tile while it is in L1 (a whole panel, K up to a
+// few thousand, is not), each block's sums held between tiles in `state`.
+constexpr int64_t kTile = 16384 / (kPanel * sizeof(float));  // 16 KiB of float32 panel
+
+// Rows [m, m + R) of x by the panel's k in [k0, k1) ([K, kPanel], `panel` at k0) into outputs
+// [n, n + kPanel). The sums start from zero at k0 = 0, else from `state` ([R][kPanel]); at
+// k1 = K they go out, else back to `state`. A float stored and loaded is the same float: an
+// output's chain of FMAs is the same however k is cut.
 template <int R, typename W>
-void block(const Operands& o, const W* panel, int64_t m, int64_t n) {
+void block(const Operands& o, const W* panel, int64_t m, int64_t n, int64_t k0, int64_t k1, float* state) {
   const float* x = o.x + m * o.x_stride;
   vf acc[R][kVecs] = {};
-  for (int64_t k = 0; k < o.K; ++k) {
+  if (k0 > 0) std::memcpy(acc, state, sizeof acc);
+  for (int64_t k = k0; k < k1; ++k, panel += kPanel) {
     vf w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = load_held(panel + k * kPanel + v * kLanes);
+    for (int v = 0; v < kVecs; ++v) w[v] = load_held(panel + v * kLanes);
     for (int r = 0; r < R; ++r) {
       const vf xr = splat(x + r * o.x_stride + k);
       for (int v = 0; v < kVecs; ++v) acc[r][v] += xr * w[v];
     }
+  }
+  if (k1 < o.K) {
+    std::memcpy(state, acc, sizeof acc);
+    return;
   }
   for (int r = 0; r < R; ++r) {
     float sums[kPanel];
@@ -157,9 +171,31 @@ void row_blocks(int64_t M, F&& f) {
   }
 }
 
+// All M rows by one panel: in one pass over k where one register block takes them, else a tile
+// of k at a time. A bf16 tile met by more than one block is widened once, into `widened`.
 template <typename W>
-void panel_rows(const Operands& o, const W* panel, int64_t M, int64_t n) {
-  row_blocks(M, [&](auto r, int64_t m) { block<decltype(r)::value>(o, panel, m, n); });
+void panel_rows(const Operands& o, const W* panel, int64_t M, int64_t n, std::vector<float>& state,
+                std::vector<float>& widened) {
+  if (M <= kRows) {
+    with_rows(M, [&](auto r) { block<decltype(r)::value>(o, panel, 0, n, 0, o.K, nullptr); });
+    return;
+  }
+  state.resize(M * kPanel);
+  for (int64_t k0 = 0; k0 < o.K; k0 += kTile) {
+    const int64_t k1 = std::min(o.K, k0 + kTile);
+    const auto tile_rows = [&](const auto* tile) {
+      row_blocks(M, [&](auto r, int64_t m) {
+        block<decltype(r)::value>(o, tile, m, n, k0, k1, state.data() + m * kPanel);
+      });
+    };
+    if constexpr (std::is_same_v<W, float>) {
+      tile_rows(panel + k0 * kPanel);
+    } else {
+      widened.resize(kTile * kPanel);
+      widen(panel + k0 * kPanel, widened.data(), (k1 - k0) * kPanel);
+      tile_rows(static_cast<const float*>(widened.data()));
+    }
+  }
 }
 
 int64_t panel_count(const Operands& o) { return (o.N + kPanel - 1) / kPanel; }
@@ -204,22 +240,10 @@ constexpr bool kPairs = false;
 
 template <typename W>
 void run(const Operands& o, const W* panels, int64_t M) {
-  const int64_t K = o.K;
   // Each thread takes a run of whole panels: its own stretch of the weights, read once.
   at::parallel_for(0, panel_count(o), 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened;  // a bf16 panel in float32, once for many rows
-    for (int64_t p = begin; p < end; ++p) {
-      const W* panel = panels + p * kPanel * K;
-      if constexpr (!std::is_same_v<W, float>) {
-        if (M >= kWidenRows) {
-          widened.resize(kPanel * K);
-          widen(panel, widened.data(), kPanel * K);
-          panel_rows(o, static_cast<const float*>(widened.data()), M, p * kPanel);
-          continue;
-        }
-      }
-      panel_rows(o, panel, M, p * kPanel);
-    }
+    std::vector<float> state, widened;
+    for (int64_t p = begin; p < end; ++p) panel_rows(o, panels + p * kPanel * o.K, M, p * kPanel, state, widened);
   });
 }
 

@@ -8,25 +8,74 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int kLanes = 16;
 
-// DIM > 0: the head size known at compile time (fully unrolled); 0: read from `dim`.
+// Eight floats: the 16 lanes of a dot product are two of them, a value row's 64 dims eight. The
+// arithmetic below is that of a plain loop over 16 lanes, lane by lane, in the same order (the
+// build keeps products and sums apart: no FMA), held in registers instead of a stack array.
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+typedef uint16_t h8 __attribute__((vector_size(8 * sizeof(uint16_t))));
+typedef uint32_t u8 __attribute__((vector_size(8 * sizeof(uint32_t))));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8 load8(const at::BFloat16* p) {  // exact: the 16 bits become the float's high half
+  h8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u8 u = __builtin_convertvector(h, u8) << 16;
+  v8 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+template <typename T>
+inline v8 load8(const T* p) {
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+// lanes[l] += q[d + l] * k[d + l] over d in steps of 16, then lanes[l] += lanes[l + w] for
+// w = 8, 4, 2, 1, then the tail: one float, the same bits as that loop.
 template <int DIM, typename T>
 inline float dot(const float* q, const T* k, int64_t dim) {
   const int64_t n = DIM > 0 ? DIM : dim;
-  float lanes[kLanes] = {0};
+  v8 lo = {}, hi = {};
   int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += q[d + l] * static_cast<float>(k[d + l]);
+  for (; d + kLanes <= n; d += kLanes) {
+    lo += load8(q + d) * load8(k + d);
+    hi += load8(q + d + 8) * load8(k + d + 8);
+  }
   float tail = 0.f;
   for (; d < n; ++d) tail += q[d] * static_cast<float>(k[d]);
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0] + tail;
+  const v8 w8 = lo + hi;
+  const v4 w4 = __builtin_shufflevector(w8, w8, 0, 1, 2, 3) + __builtin_shufflevector(w8, w8, 4, 5, 6, 7);
+  const float a = w4[0] + w4[2], b = w4[1] + w4[3];
+  return (a + b) + tail;
+}
+
+// acc[d] += p[t] * v[t][d] for t in [0, tokens), d in [0, DIM): per element the same sums in
+// the same order as one axpy per token, the DIM accumulators held in registers for all tokens.
+template <int DIM, typename T>
+inline void axpy_tokens(const float* p, const T* v, int64_t stride, int64_t tokens, float* acc) {
+  static_assert(DIM % 8 == 0 && DIM <= 128, "a head size the registers hold");
+  v8 sums[DIM / 8];
+  for (int c = 0; c < DIM / 8; ++c) sums[c] = load8(acc + 8 * c);
+  for (int64_t t = 0; t < tokens; ++t, v += stride) {
+    v8 pt;
+    for (int i = 0; i < 8; ++i) pt[i] = p[t];
+    for (int c = 0; c < DIM / 8; ++c) sums[c] += pt * load8(v + 8 * c);
+  }
+  std::memcpy(acc, sums, sizeof sums);
 }
 
 template <int DIM, typename T>
@@ -67,6 +116,11 @@ void attend_one(const float* query, const T* keys, const T* values, const int64_
   for (int64_t b = first / s.block_size; b * s.block_size < length; ++b) {
     const int64_t start = std::max(b * s.block_size, first), stop = std::min((b + 1) * s.block_size, length);
     const T* value = values + (table[b] * s.block_size + start - b * s.block_size) * stride + kv_head * dim;
+    if constexpr (DIM > 0) {
+      for (int64_t g = 0; g < group; ++g)
+        axpy_tokens<DIM>(scores.data() + g * n + start - first, value, stride, stop - start, acc + g * dim);
+      continue;
+    }
     for (int64_t t = start; t < stop; ++t, value += stride)
       for (int64_t g = 0; g < group; ++g) axpy<DIM>(scores[g * n + t - first], value, acc + g * dim, dim);
   }

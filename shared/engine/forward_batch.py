@@ -82,8 +82,8 @@ class _Builder:
     chunk: int
     device: str
     ids: list[int] = field(default_factory=list)
-    positions: list[torch.Tensor] = field(default_factory=list)
-    slots: list[torch.Tensor] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
     context: list[torch.Tensor] = field(default_factory=list)
     attention: list[QueryRange] = field(default_factory=list)
     last_rows: list[int] = field(default_factory=list)
@@ -99,8 +99,8 @@ class _Builder:
     def add(self, span: SeqSpan) -> None:
         self.ids.extend(span.token_ids[span.start : span.end])
         self.span_lengths.append((span.end - span.start, max(span.end, len(span.token_ids))))
-        self.positions.append(torch.arange(span.start, span.end))
-        self.slots.append(self.pool.slots(span.block_table, span.start, span.end))
+        self.positions.extend(range(span.start, span.end))
+        self.slots.extend(self.pool.slot_list(span.block_table, span.start, span.end))
         if self.prefill and (span.prompt or span.end - span.start > 1):
             self._prompt(span)
             return
@@ -150,8 +150,8 @@ class _Builder:
         )
         return ForwardBatch(
             torch.tensor(self.ids, dtype=torch.long, device=self.device),
-            torch.cat(self.positions).to(self.device),
-            torch.cat(self.slots),
+            torch.tensor(self.positions, dtype=torch.long, device=self.device),
+            torch.tensor(self.slots, dtype=torch.long, device=self.pool.device),
             torch.cat(self.context) if self.context else None,
             self.attention,
             decode,

@@ -63,6 +63,11 @@ class KVPool:
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
+    def slot_list(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """`slots` as plain ints (no tensor ops per sequence: a batch makes one tensor of them)."""
+        size = self.block_size
+        return [block_table[p // size] * size + p % size for p in range(start, end)]
+
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of token positions [start, end) of a sequence with this block table."""
         positions = torch.arange(start, end)

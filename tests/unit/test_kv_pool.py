@@ -59,12 +59,16 @@ def test_slots_map_positions_through_the_block_table():
     assert pool.slots(table, 11, 12).tolist() == [23]
     assert pool.slots(table, 4, 4).numel() == 0
     assert pool.slots(table, 0, 3).dtype == torch.long
+    for start, end in [(0, 12), (5, 9), (11, 12), (4, 4), (7, 8)]:  # the batch builder's ints
+        assert pool.slot_list(table, start, end) == pool.slots(table, start, end).tolist()
 
 
 def test_slots_past_the_block_table_fail():
     pool = KVPool(LAYOUT, num_blocks=6, block_size=BLOCK, device="cpu")
     with pytest.raises(IndexError):
         pool.slots([1], 0, BLOCK + 1)
+    with pytest.raises(IndexError):
+        pool.slot_list([1], 0, BLOCK + 1)
 
 
 def test_write_read_round_trip():

@@ -28,8 +28,9 @@ class OutputHead:
     def __init__(self, projection, weight: torch.Tensor, bias: torch.Tensor | None):
         self.projection = projection
         rounded = projection.dtype not in (torch.float32, torch.float64)
-        self.weight = weight if rounded and projection.rows is None else None  # the rows to recompute from (not a copy:
-        # where the packed head was converted, the original, read sparsely from its mapped file)
+        # The rows to recompute from, where a GEMM rounds the logits (not a copy: where the
+        # packed head was converted, the original, read sparsely from its mapped file).
+        self.weight = weight if rounded and projection.rows is None else None
         self.bias = bias
 
     def __call__(self, normed: torch.Tensor, rows: int | None = None) -> torch.Tensor:

@@ -39,7 +39,6 @@ def test_rows_match_torch_and_each_other_in_any_batch(kernel, dtype, shape, bias
     assert torch.equal(rows(x[17:18]), full[17:18])
 
 
-
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_a_bf16_call_rounds_its_float32_sums_once_and_can_hand_them_back_unrounded(kernel, rows):
     """float_out (the output head's logits): the sums themselves; the bf16 output is exactly
@@ -58,6 +57,7 @@ def test_a_bf16_call_rounds_its_float32_sums_once_and_can_hand_them_back_unround
     torch.testing.assert_close(sums, expected, rtol=1e-5, atol=1e-4)
     fp32 = RowLinear(kernel, weight, b, torch.float32)
     assert torch.equal(fp32(x.float(), float_out=True), fp32(x.float()))
+
 
 def test_panels_hold_the_weight_in_panel_order():
     weight = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)

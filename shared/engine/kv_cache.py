@@ -64,15 +64,15 @@ class KVPool:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     def slot_list(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """`slots` as plain ints (no tensor ops per sequence: a batch makes one tensor of them)."""
+        """Slot indices of token positions [start, end) of a sequence with this block table, as
+        plain ints (a batch makes one tensor of all its sequences' slots)."""
         size = self.block_size
         return [block_table[p // size] * size + p % size for p in range(start, end)]
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Slot indices of token positions [start, end) of a sequence with this block table."""
-        positions = torch.arange(start, end)
-        blocks = torch.tensor(block_table, dtype=torch.long)[positions // self.block_size]
-        return (blocks * self.block_size + positions % self.block_size).to(self.device)
+        """`slot_list` as a tensor on the pool's device."""
+        slots = self.slot_list(block_table, start, end)
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
 
     def contiguous_run(self, block_table: list[int], num_tokens: int) -> int | None:
         """The first slot when positions [0, num_tokens) sit in consecutive blocks (read in place), else None."""

@@ -4,7 +4,7 @@ The weight is repacked once into panels of `panel` outputs, [panel][k][output], 
 streams once per call, every row served from each panel while it is in cache. Every output is
 one chain of FMAs over k in order, so a row's bits do not depend on the other rows of the call:
 no row count needs padding for batch invariance. bfloat16 weights are computed in
-float32 (widened exactly), which is what makes bf16 usable on CPUs without bf16 instructions;
+float32 (widened exactly, in registers), which is what makes bf16 usable on CPUs without bf16 instructions;
 with AVX512-BF16 they go through its dot-product instruction, in k-pairs.
 """
 
@@ -12,15 +12,21 @@ import torch
 from torch import nn
 
 
-def pack_rows(weight: torch.Tensor, panel: int, pairs: bool = False) -> torch.Tensor:
+def pack_rows(
+    weight: torch.Tensor, panel: int, pairs: bool = False, halves: bool = False
+) -> torch.Tensor:
     """[N, K] -> [ceil(N / panel), K, panel], the outputs past N zero. `pairs` (bf16 with an
     even K, on a CPU with AVX512-BF16): each panel's k in pairs, [K / 2][panel][2], for the
-    CPU's bf16 dot-product instruction (the same shape, another order within a panel)."""
+    CPU's bf16 dot-product instruction (the same shape, another order within a panel). `halves`
+    (other bf16 panels): each k's outputs interleaved, position 2j output j and 2j + 1 output
+    j + panel / 2, so the kernel widens both halves of a panel from one load."""
     n, k = weight.shape
     padded = -(-n // panel) * panel
     if padded > n:
         weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
     panels = weight.reshape(padded // panel, panel, k)
+    if halves:
+        panels = panels.reshape(-1, 2, panel // 2, k).transpose(1, 2).reshape(-1, panel, k)
     if pairs and k % 2 == 0:
         paired = panels.reshape(padded // panel, panel, k // 2, 2).permute(0, 2, 1, 3)
         return paired.contiguous().reshape(padded // panel, k, panel)
@@ -45,7 +51,10 @@ class RowLinear:
             k = weight.shape[1]
             self.pairs = dtype == torch.bfloat16 and k % 2 == 0 and kernels.row_linear_pairs()
             self.panels = pack_rows(
-                weight.detach().to(dtype), kernels.row_linear_panel(), self.pairs
+                weight.detach().to(dtype),
+                kernels.row_linear_panel(),
+                self.pairs,
+                halves=dtype == torch.bfloat16 and not self.pairs,
             )
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
 

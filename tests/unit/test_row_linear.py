@@ -77,6 +77,33 @@ def test_bf16_panels_in_k_pairs_hold_the_weight_in_pair_order(kernel):
     assert torch.equal(pack_rows(odd, 2, pairs=True), pack_rows(odd, 2))
 
 
+def test_bf16_panels_in_halves_interleave_a_panels_two_vectors():
+    """Position 2j holds output j, 2j + 1 output j + panel / 2: one load of 32-bit words gives
+    both vectors (low halves shifted, high halves masked)."""
+    weight = torch.arange(6 * 2, dtype=torch.float32).view(6, 2).bfloat16()
+    panels = pack_rows(weight, 4, halves=True)  # outputs 0..3, then 4, 5 and two zeros
+    assert panels.shape == (2, 2, 4)
+    assert panels[0, 0].tolist() == [0, 4, 2, 6]  # k = 0 of outputs 0, 2, 1, 3
+    assert panels[1, 1].tolist() == [9, 0, 11, 0]  # k = 1 of outputs 4, (6), 5, (7)
+
+
+def test_bf16_rounding_matches_torch_on_ties_overflow_and_nan(kernel):
+    """A zero input's sums are the bias itself: its bf16 rounding, vectorized in the kernel, is
+    torch's, bit for bit (ties to even, overflow to infinity, subnormals; a NaN as c10's 0x7FC0)."""
+    one = 1.0 + 2.0**-8  # a tie between 1 and 1 + 2^-7: to even, 1
+    specials = [one, 1.0 + 3 * 2.0**-8, -one, 3.4e38, -3.4e38, float("inf"), float("-inf")]
+    specials += [float("nan"), 1e-40, -1e-40, 2.0**-133, 0.0, 65504.0, 1.0 - 2.0**-24]
+    torch.manual_seed(4)
+    bias = torch.cat([torch.tensor(specials), torch.randn(37) * 1e3])
+    layer = RowLinear(kernel, torch.randn(len(bias), 24), bias, torch.bfloat16)
+    for rows in (1, 9):  # one register block, and tiles of k across blocks
+        out = layer(torch.zeros(rows, 24, dtype=torch.bfloat16))
+        expected = bias.to(torch.bfloat16).expand(rows, -1)
+        nan = expected.isnan()  # torch's vector path writes 0xFFFF, c10's scalar one 0x7FC0
+        assert torch.equal(out.isnan(), nan) and (out.view(torch.int16)[nan] == 0x7FC0).all()
+        assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
 def test_a_projection_computes_every_row_through_the_row_kernel(kernel):
     torch.manual_seed(0)
     modules = [nn.Linear(48, size) for size in (32, 16)]  # fused, with biases

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include "fast_math.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,24 +20,15 @@ constexpr int kLanes = 16;
 // Eight floats: the 16 lanes of a dot product are two of them, a value row's 64 dims eight. The
 // arithmetic below is that of a plain loop over 16 lanes, lane by lane, in the same order (the
 // build keeps products and sums apart: no FMA), held in registers instead of a stack array.
-typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+using vec::v8;
 typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-typedef uint16_t h8 __attribute__((vector_size(8 * sizeof(uint16_t))));
-typedef uint32_t u8 __attribute__((vector_size(8 * sizeof(uint32_t))));
 
 inline v8 load8(const float* p) {
   v8 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v8 load8(const at::BFloat16* p) {  // exact: the 16 bits become the float's high half
-  h8 h;
-  std::memcpy(&h, p, sizeof h);
-  const u8 u = __builtin_convertvector(h, u8) << 16;
-  v8 v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
+inline v8 load8(const at::BFloat16* p) { return vec::bf16_load8(p); }
 template <typename T>
 inline v8 load8(const T* p) {
   v8 v;

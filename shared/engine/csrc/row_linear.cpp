@@ -7,7 +7,7 @@
 // and bfloat16 on a CPU without bf16 instructions falls back to an emulation that collapses at
 // 8 rows and more. Here the weights stream once per call, in panels of kPanel outputs laid out
 // [panel][k][kPanel] (pack_rows in row_linear.py), and each panel serves every row while it is
-// in cache; bf16 is widened to float32 in registers (exact), or, for many rows, once per tile.
+// in cache; bf16 is widened to float32 in registers (exact: a shift and a mask per two vectors).
 // A prompt chunk's hundreds of rows run at the FMA units' pace too, as oneDNN's GEMMs do: the
 // panel is taken a tile of k at a time, held in L1 while every register block of rows passes
 // over it.
@@ -18,8 +18,7 @@
 //
 // Batch invariance by construction: every output is one chain of FMAs (or bf16 pair dot
 // products) over k in order, started from zero, then the bias added. Which rows share a call, a
-// register block or a thread, where k is tiled and whether a tile was widened first, changes
-// nothing.
+// register block or a thread, and where k is tiled, changes nothing.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -28,7 +27,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -52,15 +50,22 @@ constexpr int kVecs = 2, kPanel = kVecs * kLanes;
 typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-inline vf load_held(const float* p) { return vec::load_held(p); }
-// bf16 -> f32 is exact: the 16 bits become the high half of the float.
-inline vf load_held(const at::BFloat16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &u, sizeof v);
-  return hold(v);
+// A panel's kPanel weights at one k, as kVecs = 2 float vectors. bf16 panels are packed in
+// interleaved halves (pack_rows(halves=True)): position 2j holds output j, 2j + 1 output
+// j + kLanes, so one load of kLanes 32-bit words gives both vectors, the low halves shifted up and
+// the high halves masked (bf16 -> f32 is exact: the 16 bits become the high half of the float).
+inline void load_weights(const float* p, vf w[kVecs]) {
+  for (int v = 0; v < kVecs; ++v) w[v] = vec::load_held(p + v * kLanes);
+}
+inline void load_weights(const at::BFloat16* p, vf w[kVecs]) {
+  static_assert(kVecs == 2, "bf16 panels hold two vectors in interleaved halves");
+  vu u;
+  std::memcpy(&u, p, sizeof u);  // little-endian: position 2j is word j's low half
+  const vu lo = u << 16, hi = u & 0xFFFF0000u;
+  std::memcpy(&w[0], &lo, sizeof lo);
+  std::memcpy(&w[1], &hi, sizeof hi);
+  w[0] = hold(w[0]);
+  w[1] = hold(w[1]);
 }
 
 // One value in every lane: a broadcast load (`vf{} + s` adds 0 to s first, an addition GCC
@@ -73,10 +78,6 @@ inline vf splat(const float* s) {
 #else
   return vf{} + *s;
 #endif
-}
-
-void widen(const at::BFloat16* src, float* dst, int64_t n) {  // n: a multiple of kLanes
-  for (int64_t i = 0; i < n; i += kLanes) vec::store(dst + i, load_held(src + i));
 }
 
 struct Operands {
@@ -98,8 +99,7 @@ void write_row(const Operands& o, float* sums, int64_t row, int64_t n) {
     std::memcpy(o.out + row * o.N + n, sums, cols * sizeof(float));
     return;
   }
-  at::BFloat16* out = o.out_bf16 + row * o.N + n;
-  for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<at::BFloat16>(sums[c]);
+  vec::bf16_round(sums, reinterpret_cast<uint16_t*>(o.out_bf16 + row * o.N + n), cols);
 }
 
 // A bf16 input's rows widened to float32 (exact), contiguous: the kernel's float input.
@@ -107,18 +107,14 @@ std::vector<float> widened_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), stride = x.stride(0);
   std::vector<float> out(M * K);
   const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      const uint32_t bits = static_cast<uint32_t>(src[m * stride + k]) << 16;
-      std::memcpy(&out[m * K + k], &bits, sizeof(float));
-    }
+  for (int64_t m = 0; m < M; ++m) vec::bf16_widen(src + m * stride, out.data() + m * K, K);
   return out;
 }
 
 // A stretch of k: where a call has several register blocks of rows, each panel is taken a tile
 // of k at a time, every block passing over the tile while it is in L1 (a whole panel, K up to a
 // few thousand, is not), each block's sums held between tiles in `state`.
-constexpr int64_t kTile = 16384 / (kPanel * sizeof(float));  // 16 KiB of float32 panel
+constexpr int64_t kTile = 16384 / (kPanel * sizeof(float));  // 16 KiB of float32 panel, 8 of bf16
 
 // Rows [m, m + R) of x by the panel's k in [k0, k1) ([K, kPanel], `panel` at k0) into outputs
 // [n, n + kPanel). The sums start from zero at k0 = 0, else from `state` ([R][kPanel]); at
@@ -131,7 +127,7 @@ void block(const Operands& o, const W* panel, int64_t m, int64_t n, int64_t k0, 
   if (k0 > 0) std::memcpy(acc, state, sizeof acc);
   for (int64_t k = k0; k < k1; ++k, panel += kPanel) {
     vf w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = load_held(panel + v * kLanes);
+    load_weights(panel, w);
     for (int r = 0; r < R; ++r) {
       const vf xr = splat(x + r * o.x_stride + k);
       for (int v = 0; v < kVecs; ++v) acc[r][v] += xr * w[v];
@@ -172,10 +168,9 @@ void row_blocks(int64_t M, F&& f) {
 }
 
 // All M rows by one panel: in one pass over k where one register block takes them, else a tile
-// of k at a time. A bf16 tile met by more than one block is widened once, into `widened`.
+// of k at a time.
 template <typename W>
-void panel_rows(const Operands& o, const W* panel, int64_t M, int64_t n, std::vector<float>& state,
-                std::vector<float>& widened) {
+void panel_rows(const Operands& o, const W* panel, int64_t M, int64_t n, std::vector<float>& state) {
   if (M <= kRows) {
     with_rows(M, [&](auto r) { block<decltype(r)::value>(o, panel, 0, n, 0, o.K, nullptr); });
     return;
@@ -183,18 +178,9 @@ void panel_rows(const Operands& o, const W* panel, int64_t M, int64_t n, std::ve
   state.resize(M * kPanel);
   for (int64_t k0 = 0; k0 < o.K; k0 += kTile) {
     const int64_t k1 = std::min(o.K, k0 + kTile);
-    const auto tile_rows = [&](const auto* tile) {
-      row_blocks(M, [&](auto r, int64_t m) {
-        block<decltype(r)::value>(o, tile, m, n, k0, k1, state.data() + m * kPanel);
-      });
-    };
-    if constexpr (std::is_same_v<W, float>) {
-      tile_rows(panel + k0 * kPanel);
-    } else {
-      widened.resize(kTile * kPanel);
-      widen(panel + k0 * kPanel, widened.data(), (k1 - k0) * kPanel);
-      tile_rows(static_cast<const float*>(widened.data()));
-    }
+    row_blocks(M, [&](auto r, int64_t m) {
+      block<decltype(r)::value>(o, panel + k0 * kPanel, m, n, k0, k1, state.data() + m * kPanel);
+    });
   }
 }
 
@@ -242,8 +228,8 @@ template <typename W>
 void run(const Operands& o, const W* panels, int64_t M) {
   // Each thread takes a run of whole panels: its own stretch of the weights, read once.
   at::parallel_for(0, panel_count(o), 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> state, widened;
-    for (int64_t p = begin; p < end; ++p) panel_rows(o, panels + p * kPanel * o.K, M, p * kPanel, state, widened);
+    std::vector<float> state;
+    for (int64_t p = begin; p < end; ++p) panel_rows(o, panels + p * kPanel * o.K, M, p * kPanel, state);
   });
 }
 

@@ -32,4 +32,59 @@ inline vf load(const float* p) {
 inline vf load_held(const float* p) { return hold(load(p)); }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+// Eight lanes whatever the machine's width, and bfloat16 (its 16 bits, uint16_t) to and from
+// float32 eight at a time.
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef uint32_t u8 __attribute__((vector_size(8 * sizeof(uint32_t))));
+typedef uint16_t h8 __attribute__((vector_size(8 * sizeof(uint16_t))));
+
+// Exact: the 16 bits become the float's high half.
+inline v8 bf16_load8(const void* p) {
+  h8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u8 u = __builtin_convertvector(h, u8) << 16;
+  v8 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// To nearest even, a NaN to the quiet 0x7FC0: c10::BFloat16's rounding, lane by lane.
+inline uint32_t bf16_round1(uint32_t bits) {
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
+inline void bf16_store8(uint16_t* p, v8 v) {
+  u8 u;
+  std::memcpy(&u, &v, sizeof u);
+  const u8 nan = (u8)((u & 0x7FFFFFFFu) > 0x7F800000u);  // all ones in a NaN's lane
+  const u8 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const h8 h = __builtin_convertvector((rounded & ~nan) | (nan & 0x7FC0u), h8);
+  std::memcpy(p, &h, sizeof h);
+}
+
+inline void bf16_widen(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8 v = bf16_load8(src + i);
+    std::memcpy(dst + i, &v, sizeof v);
+  }
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof bits);
+  }
+}
+inline void bf16_round(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    v8 v;
+    std::memcpy(&v, src + i, sizeof v);
+    bf16_store8(dst + i, v);
+  }
+  for (; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, src + i, sizeof bits);
+    dst[i] = static_cast<uint16_t>(bf16_round1(bits));
+  }
+}
+
 }  // namespace vec

@@ -34,7 +34,9 @@ class MockModel:
         model_dir = model_store.prepare(settings.model, settings.model_cache)
         config = model_store.load_config(model_dir)
         name = model_store.model_name(settings.model)
-        dtype = compute_dtype(settings.dtype, config, "cpu")
+        # the real worker's dtype (its row kernel assumed built: the mock loads no kernels)
+        row_kernel = settings.kernels == "auto" and settings.weights == "native"
+        dtype = compute_dtype(settings.dtype, config, "cpu", row_kernel)
         return cls(
             name,
             config,

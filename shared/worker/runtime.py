@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from shared import model_store
+from shared.engine import kernels as cpu_kernels
 from shared.engine.architecture import check
 from shared.engine.block_manager import BlockManager
 from shared.engine.dtypes import compute_dtype
@@ -78,7 +79,7 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     model_dir = model_store.prepare(settings.model, settings.model_cache)
     config = model_store.load_config(model_dir)
     check(config)  # an architecture or option the engine does not run: refused before loading
-    dtype = compute_dtype(settings.dtype, config, device)
+    dtype = compute_dtype(settings.dtype, config, device, _row_kernel(settings, device))
     with allocations_given_back():
         model = load_model(model_dir, device, dtype, settings.weights, config)
         runner = _runner(settings, model, device, dtype)
@@ -109,6 +110,17 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     )
     _log_ready(runtime, settings, device)
     return runtime
+
+
+def _row_kernel(settings: WorkerSettings, device: str) -> bool:
+    """Whether Tandem's row kernel will compute the linear layers (native weights, its C++
+    kernels on and built here)."""
+    return (
+        device == "cpu"
+        and settings.kernels == "auto"
+        and settings.weights == "native"
+        and cpu_kernels.load() is not None
+    )
 
 
 def _runner(settings: WorkerSettings, model, device: str, dtype: torch.dtype) -> ModelRunner:

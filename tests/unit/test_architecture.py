@@ -89,6 +89,9 @@ def test_dtype_auto_is_the_checkpoints_where_this_cpu_computes_it(saved):
     assert compute_dtype("auto", config, "cpu") == expected
     assert compute_dtype("auto", config, "cuda") == getattr(torch, saved)
     assert compute_dtype("bfloat16", config, "cpu") == torch.bfloat16  # asked: as asked
+    # where the row kernel computes the linear layers, bf16 is never slower than float32
+    row = torch.bfloat16 if saved == "bfloat16" else expected
+    assert compute_dtype("auto", config, "cpu", row_kernel=True) == row
 
 
 def test_float16_is_refused_on_a_cpu_without_float16_arithmetic():

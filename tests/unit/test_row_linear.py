@@ -142,6 +142,9 @@ def test_bad_operands_are_refused(kernel):
         kernel.row_linear(torch.randn(2, 15), rows.panels, 8, None)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernel.row_linear(torch.randn(2, 16, dtype=torch.float64), rows.panels, 8, None)
+    empty = torch.zeros(1, 0, kernel.row_linear_panel())  # K = 0: nothing to sum
+    with pytest.raises(RuntimeError, match="panels"):
+        kernel.row_linear(torch.randn(20, 0), empty, 8, None)
 
 
 def test_a_decode_row_gets_the_same_logits_beside_prompt_rows(tiny_model, rand_tokens):

@@ -245,7 +245,7 @@ bool row_linear_pairs() { return kPairs; }
 at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "row_linear: x [M, K] with contiguous rows");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
-                  panels.size(1) == x.size(1) && panels.size(0) * kPanel >= N && N > 0,
+                  panels.size(1) == x.size(1) && panels.size(0) * kPanel >= N && N > 0 && x.size(1) > 0,
               "row_linear: panels [ceil(N / ", kPanel, "), K, ", kPanel, "] (pack_rows)");
   const auto dt = x.scalar_type(), wt = panels.scalar_type();
   TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && (wt == at::kFloat || wt == at::kBFloat16),

@@ -47,7 +47,6 @@ constexpr int kRows = 6;  // AVX2 and narrower: 12 + 2 + 1 of 16 registers
 #endif
 constexpr int kVecs = 2, kPanel = kVecs * kLanes;
 
-typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 // A panel's kPanel weights at one k, as kVecs = 2 float vectors. bf16 panels are packed in

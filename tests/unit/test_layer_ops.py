@@ -1,5 +1,6 @@
 """The fused C++ layer ops against the Hugging Face modules they stand in for."""
 
+import numpy as np
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -36,15 +37,55 @@ def test_add_rms_norm(ops, dtype, with_delta):
     torch.testing.assert_close(got, expected, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_in_place_is_bit_identical_to_hf(ops, dtype):
+def reference_norm(residual, weight, eps):
+    """The kernel's arithmetic one float32 torch op at a time: the squares summed over 16 lanes
+    (lane l takes every i = l mod 16), the lanes halved 8, 4, 2, 1, the tail after."""
+    h = residual.float()
+    full = h.shape[1] // 16 * 16
+    lanes = torch.zeros(h.shape[0], 16)
+    for i in range(0, full, 16):
+        lanes += h[:, i : i + 16] * h[:, i : i + 16]
+    tail = torch.zeros(h.shape[0])
+    for i in range(full, h.shape[1]):
+        tail += h[:, i] * h[:, i]
+    for width in (8, 4, 2, 1):
+        lanes[:, :width] += lanes[:, width : 2 * width]
+    # numpy's float32 division and square root (IEEE's, correctly rounded; torch's differ by
+    # an ulp at times)
+    total = (lanes[:, 0] + tail).numpy()
+    root = np.sqrt(total / np.float32(h.shape[1]) + np.float32(eps))
+    inv = torch.from_numpy(np.float32(1) / root)
+    scaled = (h * inv[:, None]).to(residual.dtype).float()
+    return (weight.float() * scaled).to(residual.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [72, 576, 13])
+def test_add_rms_norm_bits(ops, dtype, hidden):
+    """Vector and scalar tails alike give the bits of the plain arithmetic."""
+    fused, _ = ops
+    g = torch.Generator().manual_seed(hidden)
+    norm = LlamaRMSNorm(hidden, eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(hidden, generator=g).to(dtype)
+    residual = (torch.randn(5, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(5, hidden, generator=g).to(dtype)
+    expected_residual = (residual.float() + delta.float()).to(dtype)
+    got_residual, got = fused.norm(residual, delta, norm)
+    assert torch.equal(got_residual, expected_residual)
+    assert torch.equal(got, reference_norm(expected_residual, norm.weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [32, 20])
+def test_rope_in_place_is_bit_identical_to_hf(ops, dtype, dim):
+    """Heads of 32 (whole vectors) and 20 (a vector and a scalar tail per half)."""
     fused, plain = ops
     g = torch.Generator().manual_seed(1)
     # q|k|v rows, as the fused GEMM gives them
-    qkv = torch.randn(5, (4 + 2 + 2) * 32, generator=g).to(dtype)
-    q, k, _ = qkv.split([128, 64, 64], dim=-1)
-    q, k = q.view(5, 4, 32), k.view(5, 2, 32)
-    angles = torch.randn(5, 16, generator=g)
+    qkv = torch.randn(5, (4 + 2 + 2) * dim, generator=g).to(dtype)
+    q, k, _ = qkv.split([4 * dim, 2 * dim, 2 * dim], dim=-1)
+    q, k = q.view(5, 4, dim), k.view(5, 2, dim)
+    angles = torch.randn(5, dim // 2, generator=g)
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
     expected_q, expected_k = plain.rope(q.clone(), k.clone(), cos, sin)
     got_q, got_k = fused.rope(q, k, cos, sin)

@@ -7,8 +7,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+
+#include "vec.h"
 
 namespace {
+
+using vec::load8, vec::round8, vec::store8, vec::v8;
 
 constexpr int kLanes = 16;
 
@@ -38,27 +43,38 @@ void add_rms_norm_rows(T* residual, const T* delta, const T* weight, T* out, int
   });
 }
 
-// x[r, head, :] rotated in place: x * cos + rotate_half(x) * sin, each product and the sum
-// rounded to T as torch does them one op at a time (the build turns FMA contraction off).
+// One head rotated in place: x * cos + rotate_half(x) * sin, each product and the sum rounded
+// to T as torch does them one op at a time (the build turns FMA contraction off).
+template <typename T>
+void rope_head(T* v, const T* c, const T* s, int64_t half) {
+  int64_t d = 0;
+  // bf16 eight at a time in registers (the plain loop with c10's rounding does not vectorize: 3x
+  // slower); float32 and fp16 through the plain loop, which GCC vectorizes at the machine's width.
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    for (; d + 8 <= half; d += 8) {
+      const v8 x1 = load8(v + d), x2 = load8(v + d + half);
+      const v8 a1 = round8<T>(x1 * load8(c + d)), b1 = round8<T>(-x2 * load8(s + d));
+      const v8 a2 = round8<T>(x2 * load8(c + d + half)), b2 = round8<T>(x1 * load8(s + d + half));
+      store8(v + d, a1 + b1);
+      store8(v + d + half, a2 + b2);
+    }
+  for (; d < half; ++d) {
+    const float x1 = f(v[d]), x2 = f(v[d + half]);
+    const T a1 = static_cast<T>(x1 * f(c[d])), b1 = static_cast<T>(-x2 * f(s[d]));
+    const T a2 = static_cast<T>(x2 * f(c[d + half])), b2 = static_cast<T>(x1 * f(s[d + half]));
+    v[d] = static_cast<T>(f(a1) + f(b1));
+    v[d + half] = static_cast<T>(f(a2) + f(b2));
+  }
+}
+
+// x[r, head, :] rotated in place for every row and head.
 template <typename T>
 void rope_rows(T* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride, int64_t head_stride,
                const T* cos, const T* sin) {
-  const int64_t half = dim / 2;
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* c = cos + r * dim;
-      const T* s = sin + r * dim;
-      for (int64_t head = 0; head < heads; ++head) {
-        T* v = x + r * row_stride + head * head_stride;
-        for (int64_t d = 0; d < half; ++d) {
-          const float x1 = f(v[d]), x2 = f(v[d + half]);
-          const T a1 = static_cast<T>(x1 * f(c[d])), b1 = static_cast<T>(-x2 * f(s[d]));
-          const T a2 = static_cast<T>(x2 * f(c[d + half])), b2 = static_cast<T>(x1 * f(s[d + half]));
-          v[d] = static_cast<T>(f(a1) + f(b1));
-          v[d + half] = static_cast<T>(f(a2) + f(b2));
-        }
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t head = 0; head < heads; ++head)
+        rope_head(x + r * row_stride + head * head_stride, cos + r * dim, sin + r * dim, dim / 2);
   });
 }
 

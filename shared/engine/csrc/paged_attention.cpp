@@ -20,21 +20,8 @@ constexpr int kLanes = 16;
 // Eight floats: the 16 lanes of a dot product are two of them, a value row's 64 dims eight. The
 // arithmetic below is that of a plain loop over 16 lanes, lane by lane, in the same order (the
 // build keeps products and sums apart: no FMA), held in registers instead of a stack array.
-using vec::v8;
+using vec::load8, vec::v8;
 typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline v8 load8(const at::BFloat16* p) { return vec::bf16_load8(p); }
-template <typename T>
-inline v8 load8(const T* p) {
-  v8 v;
-  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
 
 // lanes[l] += q[d + l] * k[d + l] over d in steps of 16, then lanes[l] += lanes[l + w] for
 // w = 8, 4, 2, 1, then the tail: one float, the same bits as that loop.

@@ -115,16 +115,27 @@ std::vector<float> widened_rows(const at::Tensor& x) {
 // few thousand, is not), each block's sums held between tiles in `state`.
 constexpr int64_t kTile = 16384 / (kPanel * sizeof(float));  // 16 KiB of float32 panel, 8 of bf16
 
+// Cache lines of the next tile for a register block to prefetch as it goes, `per` a k step from
+// `p` up to `end` (none by default).
+struct Ahead {
+  const char* p = nullptr;
+  int64_t per = 0;
+  const char* end = nullptr;
+};
+
 // Rows [m, m + R) of x by the panel's k in [k0, k1) ([K, kPanel], `panel` at k0) into outputs
 // [n, n + kPanel). The sums start from zero at k0 = 0, else from `state` ([R][kPanel]); at
 // k1 = K they go out, else back to `state`. A float stored and loaded is the same float: an
 // output's chain of FMAs is the same however k is cut.
 template <int R, typename W>
-void block(const Operands& o, const W* panel, int64_t m, int64_t n, int64_t k0, int64_t k1, float* state) {
+void block(const Operands& o, const W* panel, int64_t m, int64_t n, int64_t k0, int64_t k1, float* state,
+           Ahead ahead = {}) {
   const float* x = o.x + m * o.x_stride;
   vf acc[R][kVecs] = {};
   if (k0 > 0) std::memcpy(acc, state, sizeof acc);
   for (int64_t k = k0; k < k1; ++k, panel += kPanel) {
+    for (int64_t i = 0; i < ahead.per && ahead.p < ahead.end; ++i, ahead.p += 64)
+      __builtin_prefetch(ahead.p, 0, 2);  // to L2: L1 holds this tile and the rows' x
     vf w[kVecs];
     load_weights(panel, w);
     for (int r = 0; r < R; ++r) {
@@ -166,19 +177,40 @@ void row_blocks(int64_t M, F&& f) {
   }
 }
 
+// Block j (of `blocks`, j >= 1) of a tile `steps` k long: its share of the next tile's lines,
+// [next, next + bytes), spread over its k steps.
+Ahead share(const char* next, int64_t bytes, int64_t blocks, int64_t j, int64_t steps) {
+  const int64_t lines = ((bytes + 63) / 64 + blocks - 2) / (blocks - 1);
+  const char* first = next + (j - 1) * lines * 64;
+  return {first, (lines + steps - 1) / steps, std::min(first + lines * 64, next + bytes)};
+}
+
 // All M rows by one panel: in one pass over k where one register block takes them, else a tile
-// of k at a time.
+// of k at a time. A tile's first block reads it from memory at the pace of the FMAs, the others
+// from L1, so the memory would idle through them: they prefetch the next tile meanwhile (the
+// rest of this panel's k, or the next panel's first tile, before `stop`), into L2, each a share
+// of its lines spread over its k steps (30 SmolLM2 layers at 32 rows on a Zen 4 EPYC: 44 -> 41.5
+// ms; built for AVX2 there: 55 -> 49 ms, and 25 -> 20 ms at 8 rows).
 template <typename W>
-void panel_rows(const Operands& o, const W* panel, int64_t M, int64_t n, std::vector<float>& state) {
+void panel_rows(const Operands& o, const W* panel, const W* stop, int64_t M, int64_t n, std::vector<float>& state) {
   if (M <= kRows) {
     with_rows(M, [&](auto r) { block<decltype(r)::value>(o, panel, 0, n, 0, o.K, nullptr); });
     return;
   }
   state.resize(M * kPanel);
+  int64_t blocks = 0;
+  row_blocks(M, [&](auto, int64_t) { ++blocks; });
   for (int64_t k0 = 0; k0 < o.K; k0 += kTile) {
     const int64_t k1 = std::min(o.K, k0 + kTile);
+    const W* next = panel + k1 * kPanel;  // panels are contiguous: this one's k1, or the next's 0
+    const int64_t next_k = next < stop ? (k1 < o.K ? std::min(o.K - k1, kTile) : std::min(o.K, kTile)) : 0;
+    int64_t j = 0;
     row_blocks(M, [&](auto r, int64_t m) {
-      block<decltype(r)::value>(o, panel + k0 * kPanel, m, n, k0, k1, state.data() + m * kPanel);
+      const Ahead ahead = j > 0 && next_k > 0 ? share(reinterpret_cast<const char*>(next), next_k * kPanel * sizeof(W),
+                                                      blocks, j, k1 - k0)
+                                              : Ahead{};
+      ++j;
+      block<decltype(r)::value>(o, panel + k0 * kPanel, m, n, k0, k1, state.data() + m * kPanel, ahead);
     });
   }
 }
@@ -228,7 +260,8 @@ void run(const Operands& o, const W* panels, int64_t M) {
   // Each thread takes a run of whole panels: its own stretch of the weights, read once.
   at::parallel_for(0, panel_count(o), 4, [&](int64_t begin, int64_t end) {
     std::vector<float> state;
-    for (int64_t p = begin; p < end; ++p) panel_rows(o, panels + p * kPanel * o.K, M, p * kPanel, state);
+    const W* stop = panels + end * kPanel * o.K;
+    for (int64_t p = begin; p < end; ++p) panel_rows(o, panels + p * kPanel * o.K, stop, M, p * kPanel, state);
   });
 }
 

@@ -13,7 +13,7 @@
 
 namespace {
 
-using vec::load8, vec::round8, vec::store8, vec::v8;
+using vec::bf16_round8, vec::load8, vec::store8, vec::v8;
 
 constexpr int kLanes = 16;
 
@@ -53,8 +53,8 @@ void rope_head(T* v, const T* c, const T* s, int64_t half) {
   if constexpr (std::is_same_v<T, at::BFloat16>)
     for (; d + 8 <= half; d += 8) {
       const v8 x1 = load8(v + d), x2 = load8(v + d + half);
-      const v8 a1 = round8<T>(x1 * load8(c + d)), b1 = round8<T>(-x2 * load8(s + d));
-      const v8 a2 = round8<T>(x2 * load8(c + d + half)), b2 = round8<T>(x1 * load8(s + d + half));
+      const v8 a1 = bf16_round8(x1 * load8(c + d)), b1 = bf16_round8(-x2 * load8(s + d));
+      const v8 a2 = bf16_round8(x2 * load8(c + d + half)), b2 = bf16_round8(x1 * load8(s + d + half));
       store8(v + d, a1 + b1);
       store8(v + d + half, a2 + b2);
     }

@@ -55,29 +55,29 @@ inline uint32_t bf16_round1(uint32_t bits) {
   if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
   return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
 }
-inline void bf16_store8(uint16_t* p, v8 v) {
-  u8 u;
-  std::memcpy(&u, &v, sizeof u);
-  const u8 nan = (u8)((u & 0x7FFFFFFFu) > 0x7F800000u);  // all ones in a NaN's lane
-  const u8 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const h8 h = __builtin_convertvector((rounded & ~nan) | (nan & 0x7FC0u), h8);
-  std::memcpy(p, &h, sizeof h);
-}
 
-// v rounded to bfloat16 as bf16_store8 rounds it, back in float32 (exact): the value a
+// v rounded to bfloat16 (c10's rounding, lane by lane), back in float32 (exact): the value a
 // bfloat16 tensor would hold, without leaving the registers.
 inline v8 bf16_round8(v8 v) {
   u8 u;
   std::memcpy(&u, &v, sizeof u);
-  const u8 nan = (u8)((u & 0x7FFFFFFFu) > 0x7F800000u);
+  const u8 nan = (u8)((u & 0x7FFFFFFFu) > 0x7F800000u);  // all ones in a NaN's lane
   const u8 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
   const u8 bits = (rounded & ~nan) | (nan & 0x7FC00000u);
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
+// The rounded values' 16 bits.
+inline void bf16_store8(uint16_t* p, v8 v) {
+  u8 u;
+  const v8 r = bf16_round8(v);
+  std::memcpy(&u, &r, sizeof u);
+  const h8 h = __builtin_convertvector(u >> 16, h8);
+  std::memcpy(p, &h, sizeof h);
+}
 
-// Eight elements of a tensor's dtype as floats, and back (rounded to the dtype as c10 rounds),
-// for the elementwise kernels: float32 and bfloat16 in registers, other types one by one.
+// Eight elements of a tensor's dtype as floats (float32 and bfloat16 in registers, other types
+// one by one), and bfloat16's back, for the elementwise kernels.
 inline v8 load8(const float* p) {
   v8 v;
   std::memcpy(&v, p, sizeof v);
@@ -90,27 +90,7 @@ inline v8 load8(const T* p) {
   for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
-inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 inline void store8(c10::BFloat16* p, v8 v) { bf16_store8(reinterpret_cast<uint16_t*>(p), v); }
-template <typename T>
-inline void store8(T* p, v8 v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<T>(v[i]);
-}
-// v as a T would hold it (what static_cast<T> then back to float gives, lane by lane).
-template <typename T>
-inline v8 round8(v8 v) {
-  T t[8];
-  store8(t, v);
-  return load8(t);
-}
-template <>
-inline v8 round8<float>(v8 v) {
-  return v;
-}
-template <>
-inline v8 round8<c10::BFloat16>(v8 v) {
-  return bf16_round8(v);
-}
 
 inline void bf16_widen(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;

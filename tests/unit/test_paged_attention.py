@@ -13,8 +13,9 @@ from shared.engine.model_runner import ModelRunner, SeqSpan
 BLOCK = 4
 
 
-def reference(q, keys, values, table, length):
-    slots = torch.tensor([table[t // BLOCK] * BLOCK + t % BLOCK for t in range(length)])
+def reference(q, keys, values, table, length, window=0):
+    first = max(0, length - window) if window else 0
+    slots = torch.tensor([table[t // BLOCK] * BLOCK + t % BLOCK for t in range(first, length)])
     k, v = keys[slots].transpose(0, 1)[None].float(), values[slots].transpose(0, 1)[None].float()
     return F.scaled_dot_product_attention(q[None, :, None].float(), k, v, enable_gqa=True)[0, :, 0]
 
@@ -38,6 +39,42 @@ def test_matches_sdpa_over_scattered_blocks(kernel, dtype):
             out[row].float(), reference(q[row], keys, values, table, length), **tolerance
         )
     assert out[1].isnan().all() and out[3].isnan().all()  # rows not planned are not touched
+
+
+def scattered_tables(lengths, blocks, g):
+    """Each context's blocks, drawn without repeats from `blocks` in a random order."""
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables = []
+    for length in lengths:
+        count = -(-length // BLOCK)
+        tables.append(order[:count])
+        order = order[count:]
+    return tables
+
+
+# 64 and 128: the vector paths (a multiple of 8 and 16 lanes); contexts long enough, together,
+# for the call to be split over threads, and a sliding window.
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 37])
+def test_matches_sdpa_at_the_vector_head_sizes(kernel, dim, dtype, window):
+    g = torch.Generator().manual_seed(dim + window)
+    heads, kv_heads, lengths = 9, 3, [150, 1, 38, 64, 97, 5]
+    keys, values = (
+        torch.randn(256 * BLOCK, kv_heads, dim, generator=g).to(dtype) for _ in range(2)
+    )
+    tables = scattered_tables(lengths, 256, g)
+    q = torch.randn(len(lengths), heads, dim, generator=g).to(dtype)
+    out = torch.zeros_like(q)
+    attention = paged_attention.PagedAttention(kernel, BLOCK, dim**-0.5)
+    rows = list(range(len(lengths)))[::-1]
+    attention(q, keys, values, attention.plan(tables, lengths, rows), out, window=window)
+    tolerance = (
+        dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    )
+    for row, table, length in zip(rows, tables, lengths):
+        expected = reference(q[row], keys, values, table, length, window)
+        torch.testing.assert_close(out[row].float(), expected, **tolerance)
 
 
 def test_q_may_be_a_view_of_the_fused_qkv_rows(kernel):
@@ -66,6 +103,24 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_call(kernel):
     for i in range(8):
         alone = torch.zeros_like(q)
         attention(q, keys, values, attention.plan([tables[i]], [9 + i], [i]), alone)
+        assert torch.equal(alone[i], together[i])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_same_bits_alone_and_in_a_call_split_over_threads(kernel, dtype):
+    """A row alone is split by kv heads over the threads; in a batch whole rows are: either way
+    each head's sums run in the same order."""
+    g = torch.Generator().manual_seed(4)
+    lengths = [40 + (i * 37) % 200 for i in range(24)]
+    keys, values = (torch.randn(1600 * BLOCK, 3, 64, generator=g).to(dtype) for _ in range(2))
+    tables = scattered_tables(lengths, 1600, g)
+    q = torch.randn(len(lengths), 9, 64, generator=g).to(dtype)
+    attention = paged_attention.PagedAttention(kernel, BLOCK, 0.125)
+    together = torch.zeros_like(q)
+    attention(q, keys, values, attention.plan(tables, lengths, list(range(len(lengths)))), together)
+    for i in (0, 7, 23):
+        alone = torch.zeros_like(q)
+        attention(q, keys, values, attention.plan([tables[i]], [lengths[i]], [i]), alone)
         assert torch.equal(alone[i], together[i])
 
 

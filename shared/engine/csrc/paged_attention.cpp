@@ -1,6 +1,12 @@
 // Decode attention over the paged KV pool: one query row per sequence, keys and values read in
 // place through the sequence's block table (no gather), every (row, kv head) computed start to
 // finish by one thread in a fixed order, so a row's result never depends on the other rows.
+//
+// A step's contexts are read from memory once per layer (at 32 streams of ~70 tokens, SmolLM2's
+// fp32 KV is 3.5 MB a layer): the work items are whole sequences, a block's pool rows read whole
+// for all their kv heads, with the next block prefetched while one is computed on; with fewer
+// sequences than the threads can share, a sequence's kv heads are split between items. Scores
+// are dot products of kLanes-wide FMA chains, values summed with the head's dims in registers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -13,112 +19,164 @@
 #include <cstring>
 #include <vector>
 
+#pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA: every row's chains alike
+
 namespace {
 
-constexpr int kLanes = 16;
+using vec::kLanes, vec::vf;
 
-// Eight floats: the 16 lanes of a dot product are two of them, a value row's 64 dims eight. The
-// arithmetic below is that of a plain loop over 16 lanes, lane by lane, in the same order (the
-// build keeps products and sums apart: no FMA), held in registers instead of a stack array.
-using vec::load8, vec::v8;
-typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+// Under this many (key, kv head) pairs in a call, waking the other threads costs more than it saves.
+constexpr int64_t kAlone = 256;
 
-// lanes[l] += q[d + l] * k[d + l] over d in steps of 16, then lanes[l] += lanes[l + w] for
-// w = 8, 4, 2, 1, then the tail: one float, the same bits as that loop.
+// One row of DIM values and its query: sum over the DIM / kLanes vectors of their lane products
+// (one FMA chain), then the lanes (lane_sum's tree).
 template <int DIM, typename T>
+inline float dot(const float* q, const T* k) {
+  vf p = vec::load(q) * vec::widen(k);
+  for (int c = 1; c < DIM / kLanes; ++c) p += vec::load(q + c * kLanes) * vec::widen(k + c * kLanes);
+  return vec::lane_sum(p);
+}
+// A head size that is not a multiple of kLanes: lane by lane.
+template <typename T>
 inline float dot(const float* q, const T* k, int64_t dim) {
-  const int64_t n = DIM > 0 ? DIM : dim;
-  v8 lo = {}, hi = {};
-  int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes) {
-    lo += load8(q + d) * load8(k + d);
-    hi += load8(q + d + 8) * load8(k + d + 8);
-  }
-  float tail = 0.f;
-  for (; d < n; ++d) tail += q[d] * static_cast<float>(k[d]);
-  const v8 w8 = lo + hi;
-  const v4 w4 = __builtin_shufflevector(w8, w8, 0, 1, 2, 3) + __builtin_shufflevector(w8, w8, 4, 5, 6, 7);
-  const float a = w4[0] + w4[2], b = w4[1] + w4[3];
-  return (a + b) + tail;
+  float total = 0.f;
+  for (int64_t d = 0; d < dim; ++d) total += q[d] * static_cast<float>(k[d]);
+  return total;
 }
 
-// acc[d] += p[t] * v[t][d] for t in [0, tokens), d in [0, DIM): per element the same sums in
-// the same order as one axpy per token, the DIM accumulators held in registers for all tokens.
+// acc[d] += p[t] * v[t][d] for t in [0, tokens), d in [0, DIM): each element one FMA chain over
+// the tokens in order, up to 8 vectors of dims at a time held in registers.
 template <int DIM, typename T>
-inline void axpy_tokens(const float* p, const T* v, int64_t stride, int64_t tokens, float* acc) {
-  static_assert(DIM % 8 == 0 && DIM <= 128, "a head size the registers hold");
-  v8 sums[DIM / 8];
-  for (int c = 0; c < DIM / 8; ++c) sums[c] = load8(acc + 8 * c);
-  for (int64_t t = 0; t < tokens; ++t, v += stride) {
-    v8 pt;
-    for (int i = 0; i < 8; ++i) pt[i] = p[t];
-    for (int c = 0; c < DIM / 8; ++c) sums[c] += pt * load8(v + 8 * c);
+inline void weigh(const float* p, const T* v, int64_t stride, int64_t tokens, float* acc) {
+  constexpr int kDimVecs = std::min<int>(DIM / kLanes, 8), kChunk = kDimVecs * kLanes;
+  for (int c0 = 0; c0 < DIM; c0 += kChunk) {
+    vf a[kDimVecs];
+    for (int c = 0; c < kDimVecs; ++c) a[c] = vec::load(acc + c0 + c * kLanes);
+    const T* row = v + c0;
+    for (int64_t t = 0; t < tokens; ++t, row += stride) {
+      const vf w = vec::splat(p + t);
+      for (int c = 0; c < kDimVecs; ++c) a[c] += w * vec::widen(row + c * kLanes);
+    }
+    for (int c = 0; c < kDimVecs; ++c) vec::store(acc + c0 + c * kLanes, a[c]);
   }
-  std::memcpy(acc, sums, sizeof sums);
+}
+template <typename T>
+inline void weigh(const float* p, const T* v, int64_t stride, int64_t tokens, float* acc, int64_t dim) {
+  for (int64_t t = 0; t < tokens; ++t, v += stride)
+    for (int64_t d = 0; d < dim; ++d) acc[d] += p[t] * static_cast<float>(v[d]);
 }
 
-template <int DIM, typename T>
-inline void axpy(float p, const T* v, float* acc, int64_t dim) {
-  const int64_t n = DIM > 0 ? DIM : dim;
-  for (int64_t d = 0; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
+// Softmax of n scores in place: exp of each less the top, over their sum in order.
+inline void softmax(float* sc, int64_t n) {
+  const float top = *std::max_element(sc, sc + n);
+  float total = 0.f;
+  for (int64_t t = 0; t < n; ++t) sc[t] = fast_exp(sc[t] - top);
+  for (int64_t t = 0; t < n; ++t) total += sc[t];
+  const float inv = 1.f / total;
+  for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
 }
 
 struct Shape {
-  int64_t heads, kv_heads, dim, max_blocks, block_size, q_row_stride, grain, window;
+  int64_t heads, kv_heads, dim, max_blocks, block_size, q_row_stride, window, parts;
 };
 
-// One (sequence, kv head): scores of its `group` query heads over the context (its last
-// `window` positions when the layer has a sliding window), softmax, then the weighted sum of
-// values, walking the block table block by block.
+// A work item: one sequence's kv heads [kv0, kv1) over its context positions [first, length).
+struct Item {
+  int64_t seq, kv0, kv1, first, length;
+  const int64_t* table;
+  Item(int64_t i, const int64_t* tables, const int64_t* lengths, const Shape& s)
+      : seq(i / s.parts), kv0(i % s.parts * s.kv_heads / s.parts), kv1((i % s.parts + 1) * s.kv_heads / s.parts),
+        first(s.window > 0 ? std::max<int64_t>(0, lengths[seq] - s.window) : 0), length(lengths[seq]),
+        table(tables + seq * s.max_blocks) {}
+  int64_t first_block(const Shape& s) const { return first / s.block_size; }
+  int64_t last_block(const Shape& s) const { return (length - 1) / s.block_size; }
+  // Block b's first position this item reads, and the pool row (slot) that holds it.
+  int64_t start(int64_t b, const Shape& s) const { return std::max(b * s.block_size, first); }
+  int64_t slot(int64_t b, const Shape& s) const { return table[b] * s.block_size + start(b, s) - b * s.block_size; }
+};
+
+// The block to be read next, pulled into L2 a few pool rows at a time (this item's kv heads of
+// each) while the one before it is computed on: the context's blocks lie anywhere in the pool,
+// where the CPU's own prefetchers lose the stream at each block.
+template <typename T>
+struct Ahead {
+  const char* base = nullptr;  // the block's first row, at kv head kv0; nullptr: nothing ahead
+  int64_t stride = 0, bytes = 0;
+  Ahead() = default;
+  Ahead(const T* pool, const Item& it, int64_t b, const Shape& s)
+      : base(reinterpret_cast<const char*>(pool + (it.slot(b, s) * s.kv_heads + it.kv0) * s.dim)),
+        stride(s.kv_heads * s.dim * sizeof(T)), bytes((it.kv1 - it.kv0) * s.dim * sizeof(T)) {}
+  void rows(int64_t begin, int64_t end) const {
+    if (base == nullptr) return;
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + i * stride + o, 0, 2);
+  }
+};
+
+// One item: scores of its query heads (`query`: the row's, every head, scaled) over the context,
+// softmax, then the weighted sum of values into acc (the row's heads), block by block: a block's
+// keys (then values) for all the item's heads while the next is prefetched, the last key block
+// prefetching the first value block, the last value block `next` (the thread's next item's
+// first key block). DIM: the head size where it is a multiple of kLanes, else 0 (lane by lane).
 template <int DIM, typename T>
-void attend_one(const float* query, const T* keys, const T* values, const int64_t* table, int64_t length,
-                int64_t kv_head, const Shape& s, std::vector<float>& scores, float* acc) {
+void attend_one(const float* query, const T* keys, const T* values, const Item& it, const Shape& s,
+                std::vector<float>& scores, float* acc, const Ahead<T>& next) {
   const int64_t group = s.heads / s.kv_heads, dim = DIM > 0 ? DIM : s.dim, stride = s.kv_heads * dim;
-  const int64_t first = s.window > 0 ? std::max<int64_t>(0, length - s.window) : 0, n = length - first;
-  scores.resize(group * n);
-  for (int64_t b = first / s.block_size; b * s.block_size < length; ++b) {
-    const int64_t start = std::max(b * s.block_size, first), stop = std::min((b + 1) * s.block_size, length);
-    const T* key = keys + (table[b] * s.block_size + start - b * s.block_size) * stride + kv_head * dim;
-    for (int64_t t = start; t < stop; ++t, key += stride)
-      for (int64_t g = 0; g < group; ++g) scores[g * n + t - first] = dot<DIM>(query + g * dim, key, dim);
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sc = scores.data() + g * n;
-    const float top = *std::max_element(sc, sc + n);
-    float total = 0.f;
-    for (int64_t t = 0; t < n; ++t) sc[t] = fast_exp(sc[t] - top);
-    for (int64_t t = 0; t < n; ++t) total += sc[t];
-    const float inv = 1.f / total;
-    for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
-  }
-  std::fill(acc, acc + group * dim, 0.f);
-  for (int64_t b = first / s.block_size; b * s.block_size < length; ++b) {
-    const int64_t start = std::max(b * s.block_size, first), stop = std::min((b + 1) * s.block_size, length);
-    const T* value = values + (table[b] * s.block_size + start - b * s.block_size) * stride + kv_head * dim;
-    if constexpr (DIM > 0) {
-      for (int64_t g = 0; g < group; ++g)
-        axpy_tokens<DIM>(scores.data() + g * n + start - first, value, stride, stop - start, acc + g * dim);
-      continue;
+  const int64_t h0 = it.kv0 * group, h1 = it.kv1 * group, n = it.length - it.first;
+  const int64_t b0 = it.first_block(s), last = it.last_block(s);
+  scores.resize((h1 - h0) * n);
+  for (int64_t b = b0; b <= last; ++b) {
+    const int64_t start = it.start(b, s), stop = std::min((b + 1) * s.block_size, it.length);
+    const Ahead<T> ahead = b < last ? Ahead<T>(keys, it, b + 1, s) : Ahead<T>(values, it, b0, s);
+    const T* key = keys + it.slot(b, s) * stride;
+    for (int64_t t = start; t < stop; ++t, key += stride) {
+      ahead.rows(t - start, t - start + 1);
+      for (int64_t h = h0; h < h1; ++h) {
+        float& score = scores[(h - h0) * n + t - it.first];
+        if constexpr (DIM > 0)
+          score = dot<DIM>(query + h * dim, key + h / group * dim);
+        else
+          score = dot(query + h * dim, key + h / group * dim, dim);
+      }
     }
-    for (int64_t t = start; t < stop; ++t, value += stride)
-      for (int64_t g = 0; g < group; ++g) axpy<DIM>(scores[g * n + t - first], value, acc + g * dim, dim);
+  }
+  for (int64_t h = h0; h < h1; ++h) softmax(scores.data() + (h - h0) * n, n);
+  std::fill(acc + h0 * dim, acc + h1 * dim, 0.f);
+  for (int64_t b = b0; b <= last; ++b) {
+    const int64_t start = it.start(b, s), stop = std::min((b + 1) * s.block_size, it.length);
+    const Ahead<T> ahead = b < last ? Ahead<T>(values, it, b + 1, s) : next;
+    const T* value = values + it.slot(b, s) * stride;
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t share = h - h0, heads = h1 - h0;  // this head's share of the next block's rows
+      ahead.rows(share * s.block_size / heads, (share + 1) * s.block_size / heads);
+      const float* p = scores.data() + share * n + start - it.first;
+      if constexpr (DIM > 0)
+        weigh<DIM>(p, value + h / group * dim, stride, stop - start, acc + h * dim);
+      else
+        weigh(p, value + h / group * dim, stride, stop - start, acc + h * dim, dim);
+    }
   }
 }
 
 template <int DIM, typename T>
 void attend(const T* q, const T* keys, const T* values, const int64_t* tables, const int64_t* lengths,
-            const int64_t* rows, T* out, int64_t num_rows, const Shape& s, float scale) {
-  const int64_t group = s.heads / s.kv_heads;
-  at::parallel_for(0, num_rows * s.kv_heads, s.grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * s.dim), scores, acc(group * s.dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / s.kv_heads, kv_head = item % s.kv_heads;
-      const int64_t offset = (rows[seq] * s.heads + kv_head * group) * s.dim;
-      const T* row_q = q + rows[seq] * s.q_row_stride + kv_head * group * s.dim;
-      for (int64_t i = 0; i < group * s.dim; ++i) query[i] = static_cast<float>(row_q[i]) * scale;
-      attend_one<DIM>(query.data(), keys, values, tables + seq * s.max_blocks, lengths[seq], kv_head, s, scores,
-                      acc.data());
-      for (int64_t i = 0; i < group * s.dim; ++i) out[offset + i] = static_cast<T>(acc[i]);
+            const int64_t* rows, T* out, int64_t num_rows, int64_t grain, const Shape& s, float scale) {
+  const int64_t width = s.heads * s.dim, group = s.heads / s.kv_heads;
+  at::parallel_for(0, num_rows * s.parts, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(width), scores, acc(width);
+    for (int64_t i = begin; i < end; ++i) {
+      const Item it(i, tables, lengths, s);
+      const int64_t lo = it.kv0 * group * s.dim, hi = it.kv1 * group * s.dim;
+      const T* row_q = q + rows[it.seq] * s.q_row_stride;
+      for (int64_t j = lo; j < hi; ++j) query[j] = static_cast<float>(row_q[j]) * scale;
+      Ahead<T> next;
+      if (i + 1 < end) {
+        const Item after(i + 1, tables, lengths, s);
+        next = Ahead<T>(keys, after, after.first_block(s), s);
+      }
+      attend_one<DIM>(query.data(), keys, values, it, s, scores, acc.data(), next);
+      T* row_out = out + rows[it.seq] * width;
+      for (int64_t j = lo; j < hi; ++j) row_out[j] = static_cast<T>(acc[j]);
     }
   });
 }
@@ -158,14 +216,16 @@ void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
     for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b)
       TORCH_CHECK(table[i * width + b] >= 0 && table[i * width + b] < blocks, "decode_attention: block out of range");
   }
-  // A few thousand keys are less work than waking the other threads: run those on this one.
-  const int64_t items = lengths.size(0) * kv_heads, grain = tokens * kv_heads < 4096 ? std::max<int64_t>(items, 1) : 1;
-  const Shape shape{heads, kv_heads, dim, width, block_size, q.stride(0), grain, window};
+  // Whole sequences as items, or, with too few to keep every thread busy, a share of the kv heads each.
+  const int64_t n = lengths.size(0), threads = at::get_num_threads();
+  const int64_t parts = std::min(kv_heads, std::max<int64_t>(1, (2 * threads + n - 1) / std::max<int64_t>(n, 1)));
+  const int64_t grain = tokens * kv_heads < kAlone ? std::max<int64_t>(n * parts, 1) : 1;
+  const Shape shape{heads, kv_heads, dim, width, block_size, q.stride(0), window, parts};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
              tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), rows.data_ptr<int64_t>(),
-             out.data_ptr<scalar_t>(), lengths.size(0), shape, static_cast<float>(scale));
+             out.data_ptr<scalar_t>(), lengths.size(0), grain, shape, static_cast<float>(scale));
     };
     if (dim == 64) run(attend<64, scalar_t>);
     else if (dim == 128) run(attend<128, scalar_t>);

@@ -38,7 +38,7 @@
 
 namespace {
 
-using vec::kLanes, vec::vf, vec::hold;
+using vec::kLanes, vec::vf, vec::hold, vec::splat;
 
 #if defined(__AVX512F__)
 constexpr int kRows = 12;  // 24 accumulators, 2 weights, 1 input: of 32 registers
@@ -65,18 +65,6 @@ inline void load_weights(const at::BFloat16* p, vf w[kVecs]) {
   std::memcpy(&w[1], &hi, sizeof hi);
   w[0] = hold(w[0]);
   w[1] = hold(w[1]);
-}
-
-// One value in every lane: a broadcast load (`vf{} + s` adds 0 to s first, an addition GCC
-// must keep for -0.0, and a lane-by-lane build is compiled as ~8 inserts).
-inline vf splat(const float* s) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_set1_ps(*s);
-#elif defined(__AVX__)
-  return (vf)_mm256_set1_ps(*s);
-#else
-  return vf{} + *s;
-#endif
 }
 
 struct Operands {

@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace vec {
 
 #if defined(__AVX512F__)
@@ -19,9 +23,9 @@ typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 
 // Kept in a register once loaded: without this GCC folds the load into every FMA that uses the
 // value, and a loop of register blocks waits on loads (x86 issues fewer wide loads than FMAs
-// per cycle).
+// per cycle). (Without AVX a vector of 8 floats spans two registers, which no constraint names.)
 inline vf hold(vf v) {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__AVX__)
   asm("" : "+v"(v));
 #endif
   return v;
@@ -32,7 +36,50 @@ inline vf load(const float* p) {
   return v;
 }
 inline vf load_held(const float* p) { return hold(load(p)); }
+// kLanes elements of a tensor's dtype as floats: bfloat16 widened in registers (exact), other
+// types one by one.
+inline vf widen(const float* p) { return load(p); }
+inline vf widen(const c10::BFloat16* p) {
+  typedef uint16_t hv __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t uv __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  hv h;
+  std::memcpy(&h, p, sizeof h);
+  const uv u = __builtin_convertvector(h, uv) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+template <typename T>
+inline vf widen(const T* p) {
+  vf v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+// The lanes' sum: halves added, then halves of those, down to one.
+inline float lane_sum(vf v) {
+  typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+#if defined(__AVX512F__)
+  typedef float v8h __attribute__((vector_size(8 * sizeof(float))));
+  const v8h h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const vf h = v;
+#endif
+  const v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// One value in every lane: a broadcast load (`vf{} + s` adds 0 to s first, an addition GCC
+// must keep for -0.0, and a lane-by-lane build is compiled as ~8 inserts).
+inline vf splat(const float* s) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(*s);
+#elif defined(__AVX__)
+  return (vf)_mm256_set1_ps(*s);
+#else
+  return vf{} + *s;
+#endif
+}
 
 // Eight lanes whatever the machine's width, and bfloat16 (its 16 bits, uint16_t) to and from
 // float32 eight at a time.

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #pragma GCC optimize("fp-contract=fast")  // a * b + c as one FMA: every row's chains alike
@@ -28,12 +29,40 @@ using vec::kLanes, vec::vf;
 // Under this many (key, kv head) pairs in a call, waking the other threads costs more than it saves.
 constexpr int64_t kAlone = 256;
 
+// bf16 rows are read as 32-bit words, two values each (vec::widen_pairs): a chunk of 2 * kLanes
+// gives its even elements in one vector and its odd ones in the other, a load, a shift and a mask
+// (not two widening loads and two shifts). Queries are laid out and sums kept in that order,
+// and put back in order on the way out: element d of a head sits at paired(d).
+template <int DIM, typename T>
+constexpr bool kPaired = DIM > 0 && std::is_same_v<T, c10::BFloat16>;
+inline int64_t paired(int64_t d) {
+  const int64_t j = d % (2 * kLanes);
+  return d - j + j % 2 * kLanes + j / 2;
+}
+template <int DIM, typename T>
+inline void widen2(const T* p, vf& a, vf& b) {
+  if constexpr (kPaired<DIM, T>) {
+    vec::widen_pairs(p, a, b);
+  } else {
+    a = vec::widen(p);
+    b = vec::widen(p + kLanes);
+  }
+}
+
 // One row of DIM values and its query: sum over the DIM / kLanes vectors of their lane products
 // (one FMA chain), then the lanes (lane_sum's tree).
 template <int DIM, typename T>
 inline float dot(const float* q, const T* k) {
-  vf p = vec::load(q) * vec::widen(k);
-  for (int c = 1; c < DIM / kLanes; ++c) p += vec::load(q + c * kLanes) * vec::widen(k + c * kLanes);
+  static_assert(DIM % (2 * kLanes) == 0, "whole pairs of vectors");
+  vf a, b;
+  widen2<DIM>(k, a, b);
+  vf p = vec::load(q) * a;
+  p += vec::load(q + kLanes) * b;
+  for (int c = 2; c < DIM / kLanes; c += 2) {
+    widen2<DIM>(k + c * kLanes, a, b);
+    p += vec::load(q + c * kLanes) * a;
+    p += vec::load(q + (c + 1) * kLanes) * b;
+  }
   return vec::lane_sum(p);
 }
 // A head size that is not a multiple of kLanes: lane by lane.
@@ -55,7 +84,12 @@ inline void weigh(const float* p, const T* v, int64_t stride, int64_t tokens, fl
     const T* row = v + c0;
     for (int64_t t = 0; t < tokens; ++t, row += stride) {
       const vf w = vec::splat(p + t);
-      for (int c = 0; c < kDimVecs; ++c) a[c] += w * vec::widen(row + c * kLanes);
+      for (int c = 0; c < kDimVecs; c += 2) {
+        vf x, y;
+        widen2<DIM>(row + c * kLanes, x, y);
+        a[c] += w * x;
+        a[c + 1] += w * y;
+      }
     }
     for (int c = 0; c < kDimVecs; ++c) vec::store(acc + c0 + c * kLanes, a[c]);
   }
@@ -168,7 +202,7 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* tables, c
       const Item it(i, tables, lengths, s);
       const int64_t lo = it.kv0 * group * s.dim, hi = it.kv1 * group * s.dim;
       const T* row_q = q + rows[it.seq] * s.q_row_stride;
-      for (int64_t j = lo; j < hi; ++j) query[j] = static_cast<float>(row_q[j]) * scale;
+      for (int64_t j = lo; j < hi; ++j) query[kPaired<DIM, T> ? paired(j) : j] = static_cast<float>(row_q[j]) * scale;
       Ahead<T> next;
       if (i + 1 < end) {
         const Item after(i + 1, tables, lengths, s);
@@ -176,7 +210,7 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* tables, c
       }
       attend_one<DIM>(query.data(), keys, values, it, s, scores, acc.data(), next);
       T* row_out = out + rows[it.seq] * width;
-      for (int64_t j = lo; j < hi; ++j) row_out[j] = static_cast<T>(acc[j]);
+      for (int64_t j = lo; j < hi; ++j) row_out[j] = static_cast<T>(acc[kPaired<DIM, T> ? paired(j) : j]);
     }
   });
 }

@@ -47,8 +47,6 @@ constexpr int kRows = 6;  // AVX2 and narrower: 12 + 2 + 1 of 16 registers
 #endif
 constexpr int kVecs = 2, kPanel = kVecs * kLanes;
 
-typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
 // A panel's kPanel weights at one k, as kVecs = 2 float vectors. bf16 panels are packed in
 // interleaved halves (pack_rows(halves=True)): position 2j holds output j, 2j + 1 output
 // j + kLanes, so one load of kLanes 32-bit words gives both vectors, the low halves shifted up and
@@ -58,11 +56,7 @@ inline void load_weights(const float* p, vf w[kVecs]) {
 }
 inline void load_weights(const at::BFloat16* p, vf w[kVecs]) {
   static_assert(kVecs == 2, "bf16 panels hold two vectors in interleaved halves");
-  vu u;
-  std::memcpy(&u, p, sizeof u);  // little-endian: position 2j is word j's low half
-  const vu lo = u << 16, hi = u & 0xFFFF0000u;
-  std::memcpy(&w[0], &lo, sizeof lo);
-  std::memcpy(&w[1], &hi, sizeof hi);
+  vec::widen_pairs(p, w[0], w[1]);
   w[0] = hold(w[0]);
   w[1] = hold(w[1]);
 }

@@ -49,6 +49,16 @@ inline vf widen(const c10::BFloat16* p) {
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
+// 2 * kLanes bfloat16 read as kLanes 32-bit words: the words' low halves shifted up (the even
+// elements) and their high halves masked (the odd ones), two exact float vectors from one load.
+inline void widen_pairs(const void* p, vf& even, vf& odd) {
+  typedef uint32_t uv __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  uv u;
+  std::memcpy(&u, p, sizeof u);  // little-endian: element 2j is word j's low half
+  const uv lo = u << 16, hi = u & 0xFFFF0000u;
+  std::memcpy(&even, &lo, sizeof lo);
+  std::memcpy(&odd, &hi, sizeof hi);
+}
 template <typename T>
 inline vf widen(const T* p) {
   vf v;

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from shared.engine import kernels as cpu_kernels
 from shared.engine import paged_attention
 from shared.engine.model_runner import ModelRunner, SeqSpan
+from tests.unit.block_tables import scattered_tables
 
 BLOCK = 4
 
@@ -41,17 +42,6 @@ def test_matches_sdpa_over_scattered_blocks(kernel, dtype):
     assert out[1].isnan().all() and out[3].isnan().all()  # rows not planned are not touched
 
 
-def scattered_tables(lengths, blocks, g):
-    """Each context's blocks, drawn without repeats from `blocks` in a random order."""
-    order = torch.randperm(blocks, generator=g).tolist()
-    tables = []
-    for length in lengths:
-        count = -(-length // BLOCK)
-        tables.append(order[:count])
-        order = order[count:]
-    return tables
-
-
 # 64 and 128: the vector paths (a multiple of 8 and 16 lanes); contexts long enough, together,
 # for the call to be split over threads, and a sliding window.
 @pytest.mark.parametrize("dim", [64, 128])
@@ -63,7 +53,7 @@ def test_matches_sdpa_at_the_vector_head_sizes(kernel, dim, dtype, window):
     keys, values = (
         torch.randn(256 * BLOCK, kv_heads, dim, generator=g).to(dtype) for _ in range(2)
     )
-    tables = scattered_tables(lengths, 256, g)
+    tables = scattered_tables(g, lengths, 256, BLOCK)
     q = torch.randn(len(lengths), heads, dim, generator=g).to(dtype)
     out = torch.zeros_like(q)
     attention = paged_attention.PagedAttention(kernel, BLOCK, dim**-0.5)
@@ -113,7 +103,7 @@ def test_the_same_bits_alone_and_in_a_call_split_over_threads(kernel, dtype):
     g = torch.Generator().manual_seed(4)
     lengths = [40 + (i * 37) % 200 for i in range(24)]
     keys, values = (torch.randn(1600 * BLOCK, 3, 64, generator=g).to(dtype) for _ in range(2))
-    tables = scattered_tables(lengths, 1600, g)
+    tables = scattered_tables(g, lengths, 1600, BLOCK)
     q = torch.randn(len(lengths), 9, 64, generator=g).to(dtype)
     attention = paged_attention.PagedAttention(kernel, BLOCK, 0.125)
     together = torch.zeros_like(q)

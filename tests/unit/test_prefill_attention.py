@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.prefill_attention import PrefillAttention
+from tests.unit.block_tables import scattered_tables
 
 BLOCK = 16
 
@@ -28,17 +29,6 @@ def reference(q, keys, values, table, first, window=0):
     return out[0].transpose(0, 1)
 
 
-def tables_for(g, lengths, blocks):
-    """Scattered, disjoint block tables."""
-    order = torch.randperm(blocks, generator=g).tolist()
-    tables = []
-    for length in lengths:
-        need = -(-length // BLOCK)
-        tables.append(order[:need])
-        order = order[need:]
-    return tables
-
-
 @pytest.mark.parametrize(
     "dtype, heads, kv_heads, dim, window",
     [
@@ -55,7 +45,7 @@ def test_matches_sdpa_for_several_spans_in_one_call(kernel, dtype, heads, kv_hea
     # (first position, rows): a whole prompt, a chunk deep in a long one, one prompt row, a
     # span across query and key tile boundaries
     spans = [(0, 37), (384, 128), (200, 1), (100, 190)]
-    tables = tables_for(g, [f + n for f, n in spans], 80)
+    tables = scattered_tables(g, [f + n for f, n in spans], 80, BLOCK)
     total = sum(n for _, n in spans) + 3
     q = torch.randn(total, heads, dim, generator=g).to(dtype)
     out = torch.full_like(q, float("nan"))
@@ -81,7 +71,7 @@ def test_a_rows_bits_do_not_depend_on_the_cut_or_the_company(kernel, dtype):
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, length = 9, 3, 64, 700
     keys, values = pool(g, 120, kv_heads, dim, dtype)
-    table, other = tables_for(g, [length, 500], 120)
+    table, other = scattered_tables(g, [length, 500], 120, BLOCK)
     q = torch.randn(length, heads, dim, generator=g).to(dtype)
     attention = PrefillAttention(kernel, BLOCK, dim**-0.5)
     whole = torch.empty_like(q)

@@ -36,17 +36,13 @@ inline vf load(const float* p) {
   return v;
 }
 inline vf load_held(const float* p) { return hold(load(p)); }
-// kLanes elements of a tensor's dtype as floats: bfloat16 widened in registers (exact), other
-// types one by one.
+// kLanes elements of a tensor's dtype as floats: float32 loaded, other types one by one (bfloat16
+// goes through widen_pairs).
 inline vf widen(const float* p) { return load(p); }
-inline vf widen(const c10::BFloat16* p) {
-  typedef uint16_t hv __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  typedef uint32_t uv __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-  hv h;
-  std::memcpy(&h, p, sizeof h);
-  const uv u = __builtin_convertvector(h, uv) << 16;
+template <typename T>
+inline vf widen(const T* p) {
   vf v;
-  std::memcpy(&v, &u, sizeof v);
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
 // 2 * kLanes bfloat16 read as kLanes 32-bit words: the words' low halves shifted up (the even
@@ -58,12 +54,6 @@ inline void widen_pairs(const void* p, vf& even, vf& odd) {
   const uv lo = u << 16, hi = u & 0xFFFF0000u;
   std::memcpy(&even, &lo, sizeof lo);
   std::memcpy(&odd, &hi, sizeof hi);
-}
-template <typename T>
-inline vf widen(const T* p) {
-  vf v;
-  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
 }
 // The lanes' sum: halves added, then halves of those, down to one.
 inline float lane_sum(vf v) {

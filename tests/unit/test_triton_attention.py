@@ -14,7 +14,8 @@ from shared.engine.triton_attention import (  # noqa: E402
     TritonPagedAttention,
     TritonPrefillAttention,
 )
-from tests.unit.test_prefill_attention import BLOCK, pool, reference, tables_for  # noqa: E402
+from tests.unit.block_tables import scattered_tables  # noqa: E402
+from tests.unit.test_prefill_attention import BLOCK, pool, reference  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -30,7 +31,7 @@ def test_prompt_spans_match_sdpa(dtype, heads, kv_heads, dim, window):
     g = torch.Generator().manual_seed(0)
     keys, values = pool(g, 24, kv_heads, dim, dtype)
     spans = [(0, 37), (64, 30), (50, 1)]  # a whole prompt, a later chunk, one prompt row
-    tables = tables_for(g, [f + n for f, n in spans], 24)
+    tables = scattered_tables(g, [f + n for f, n in spans], 24, BLOCK)
     total = sum(n for _, n in spans) + 2
     q = torch.randn(total, heads, dim, generator=g).to(dtype)
     out = torch.full_like(q, float("nan"))
@@ -57,7 +58,7 @@ def test_decode_rows_match_the_cpp_kernel():
     heads, kv_heads, dim = 9, 3, 64
     keys, values = pool(g, 30, kv_heads, dim, torch.float32)
     lengths = [1, 45, 130]
-    tables = tables_for(g, lengths, 30)
+    tables = scattered_tables(g, lengths, 30, BLOCK)
     q = torch.randn(4, heads, dim, generator=g)
     rows = [3, 0, 2]
     triton_out, cpp_out = torch.zeros_like(q), torch.zeros_like(q)

@@ -87,7 +87,14 @@ class Stack:
         """Until every worker reports nothing running, nothing queued, no KV blocks held and none leaked."""
         deadline = time.monotonic() + timeout
         while True:
-            status = self.status()
+            try:
+                status = self.status()
+            except grpc.RpcError as err:
+                # Just after a NATS outage the schedulers may not have reconnected yet.
+                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+                continue
             if all(
                 w.running == 0
                 and w.queued == 0

@@ -93,10 +93,10 @@ def parity(path: Path, args, report: dict) -> None:
         want = [hf_greedy(model, p, new) for p in asks]
         got = engine_greedy(model, asks, new, device)
         out[dtype] = {"identical": sum(a == b for a, b in zip(want, got)), "of": len(asks)}
+        report["parity"] = out  # kept should the stack below fail
         if dtype == "float32":
             out["float32"]["disaggregated"] = served_greedy(path, asks, new, device, want)
         del model
-    report["parity"] = out
 
 
 def served_greedy(path: Path, asks, new: int, device: str, want) -> dict:
@@ -123,39 +123,65 @@ def served_greedy(path: Path, asks, new: int, device: str, want) -> dict:
 
 
 def kv(args, report: dict) -> None:
-    from bench.kv import BS, ours
+    """Each prompt length sent in segments of several sizes (the decode worker's
+    kv_segment_tokens; a piece is one layer's keys or values of a segment), and the largest as
+    one bare message: what UCX moves with no cutting at all. Then the largest again with UCX
+    progressed by ucxx's thread and by polling instead of our event-loop progress."""
+    from bench.kv import BS
     from shared.control.messages import KVLayout
-    from shared.engine.kv_cache import bytes_per_token
-    from tests.fakes.kv_peer import KVPeer
 
-    device = device_of(args.dry_run)
     layout = KVLayout("synthetic-llama-3-8b", "bfloat16", 32, 8, 128, BS)
     lengths = [256, 1024] if args.dry_run else [1024, 4096, 16384]
-    blocks = max(lengths) // BS + 64
-    rng, rows = random.Random(0), []
-    with (
-        KVPeer(layout, blocks, seed=1, device=device) as src,
-        KVPeer(layout, blocks, device=device) as dst,
-    ):
-        for tokens in lengths:
-            nbytes = tokens * bytes_per_token(layout)
-            ours(src, dst, tokens, 512, rng, 1)  # warm: endpoints, first touch
-            took = statistics.median(ours(src, dst, tokens, 512, rng, 1) for _ in range(3))
-            copy = copy_seconds(nbytes, device)
-            rows.append(
-                {
-                    "tokens": tokens,
-                    "bytes": nbytes,
-                    "gbps": nbytes / took / 1e9,
-                    "copy_gbps": nbytes / copy / 1e9,
-                    "vs_copy": copy / took,
-                }
-            )
-        transports = src.call("counters")["transports"]
+    segments = [256, 1 << 20] if args.dry_run else [512, 1024, 4096, 1 << 20]  # 1 << 20: whole
+    rows, transports = transfers(args, layout, lengths, segments, "blocking", bare_too=True)
+    for mode in ("thread", "polling"):
+        rows += transfers(args, layout, lengths[-1:], [1024, 1 << 20], mode)[0]
     report["kv"] = {
         "layout": "Llama-3-8B (32 layers, 8 KV heads, 128, bf16)",
         "rows": rows,
         "transports": transports,
+    }
+
+
+def transfers(args, layout, lengths, segments, mode: str, bare_too: bool = False):
+    from bench.kv import BS, bare, ours
+    from shared.engine.kv_cache import bytes_per_token
+    from tests.fakes.kv_peer import KVPeer
+
+    device = device_of(args.dry_run)
+    blocks = max(lengths) // BS + 64
+    rng, rows = random.Random(0), []
+    with (
+        KVPeer(layout, blocks, seed=int(bare_too), device=device, progress_mode=mode) as src,
+        KVPeer(layout, blocks, device=device, progress_mode=mode) as dst,
+    ):
+        for tokens in lengths:
+            nbytes = tokens * bytes_per_token(layout)
+            copy = copy_seconds(nbytes, device)
+            for cut in sorted({min(segment, tokens) for segment in segments}):
+                ours(
+                    src, dst, tokens, cut, rng, 1, (blocks, blocks)
+                )  # warm: endpoints, first touch
+                took = statistics.median(
+                    ours(src, dst, tokens, cut, rng, 1, (blocks, blocks)) for _ in range(3)
+                )
+                rows.append(transfer_row(tokens, cut, nbytes, took, copy, mode))
+        if bare_too:
+            bare(src, dst, nbytes, rng)
+            took = statistics.median(bare(src, dst, nbytes, rng) for _ in range(3))
+            rows.append(transfer_row(tokens, "one message", nbytes, took, copy, mode))
+        return rows, src.call("counters")["transports"]
+
+
+def transfer_row(tokens: int, segment, nbytes: int, took: float, copy: float, mode: str) -> dict:
+    return {
+        "progress": mode,
+        "tokens": tokens,
+        "segment_tokens": segment,
+        "bytes": nbytes,
+        "gbps": nbytes / took / 1e9,
+        "copy_gbps": nbytes / copy / 1e9,
+        "vs_copy": copy / took,
     }
 
 
@@ -191,7 +217,7 @@ def environment(report: dict) -> None:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "",
         "triton": _version("triton"),
         "ucxx": _version("ucxx"),
-        "carried_wheels": {p.name: p.stat().st_size for p in sorted((ROOT / ".whl").glob("*.whl"))},
+        "carried": {p.name: p.stat().st_size for p in sorted((ROOT / ".whl").glob("*"))},
     }
 
 
@@ -206,6 +232,12 @@ def _version(name: str) -> str:
 def markdown(report: dict) -> str:
     lines = ["# GPU check", "", "```json", json.dumps(report, indent=1)[:20000], "```", ""]
     return "\n".join(lines)
+
+
+def write(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-check.json").write_text(json.dumps(report, indent=2))
+    (out / "gpu-check.md").write_text(markdown(report))
 
 
 def main() -> int:
@@ -223,6 +255,7 @@ def main() -> int:
     report: dict = {"dry_run": args.dry_run, "errors": {}}
     environment(report)
     path = checkpoint(args, report)
+    write(report, Path(args.out))
     steps = {
         "parity": lambda: parity(path, args, report),
         "kv": lambda: kv(args, report),
@@ -237,10 +270,7 @@ def main() -> int:
             report["errors"][name] = traceback.format_exc()[-3000:]
             print(report["errors"][name], flush=True)
         report.setdefault("step_s", {})[name] = time.perf_counter() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu-check.json").write_text(json.dumps(report, indent=2))
-    (out / "gpu-check.md").write_text(markdown(report))
+        write(report, Path(args.out))  # after each step: a run cut short keeps what it measured
     print(json.dumps({k: v for k, v in report.items() if k != "errors"}, indent=1))
     return 1 if report["errors"] else 0
 

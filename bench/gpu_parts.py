@@ -39,10 +39,18 @@ class EngineRun:
     """One engine over `model` on `device`, sized for `tokens` of KV (bench/prefill.py's too)."""
 
     def __init__(
-        self, model, device: str, tokens: int, max_batch_tokens: int = 2048, chunk: int = 128
+        self,
+        model,
+        device: str,
+        tokens: int,
+        max_batch_tokens: int = 2048,
+        chunk: int = 128,
+        cuda_graphs: bool = True,
     ):
         blocks = tokens // BLOCK + 256
-        self.runner = ModelRunner(model, "bench", device, blocks, BLOCK, chunk=chunk)
+        self.runner = ModelRunner(
+            model, "bench", device, blocks, BLOCK, chunk=chunk, cuda_graphs=cuda_graphs
+        )
         self.engine = Engine(
             self.runner, BlockManager(blocks, BLOCK, cache_granularity=chunk), 256, max_batch_tokens
         )
@@ -86,18 +94,27 @@ def engine_greedy(model, prompts: list[list[int]], new: int, device: str) -> lis
 
 
 def decode_rates(model, streams: list[int], new: int, device: str) -> dict:
-    """Decode tokens/s (after every first token) at each stream count: engine and HF."""
+    """Decode tokens/s (after every first token) at each stream count: HF's, and the engine's with
+    its decode steps replayed from CUDA graphs and without (on CUDA; on CPU there are none)."""
     out = {}
     rng = random.Random(0)
-    run = EngineRun(model, device, max(streams) * (64 + new))
+    variants = {"engine": True, "engine_eager": False} if device.startswith("cuda") else {}
+    runs = {
+        name: EngineRun(model, device, max(streams) * (64 + new), cuda_graphs=graphs)
+        for name, graphs in (variants or {"engine": False}).items()
+    }
     for n in streams:
         prompts = [[rng.randrange(3, 49152) for _ in range(64)] for _ in range(n)]
-        run.run(prompts[:1], 4)  # warm-up
-        _, first, total = run.run(prompts, new)
-        engine = n * (new - 1) / (total - first)
-        hf = _hf_decode(model, prompts, new, device)
-        out[str(n)] = {"engine_tokens_per_s": engine, "hf_tokens_per_s": hf, "ratio": engine / hf}
-        print(f"  decode {n} streams: engine {engine:.0f} tok/s, HF {hf:.0f} tok/s", flush=True)
+        row = {}
+        for name, run in runs.items():
+            run.run(prompts[:1], 4)  # warm-up
+            _, first, total = run.run(prompts, new)
+            row[f"{name}_tokens_per_s"] = n * (new - 1) / (total - first)
+        row["graphs"] = runs["engine"].runner.graphs is not None
+        row["hf_tokens_per_s"] = _hf_decode(model, prompts, new, device)
+        row["ratio"] = row["engine_tokens_per_s"] / row["hf_tokens_per_s"]
+        out[str(n)] = row
+        print(f"  decode {n} streams: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()))
     return out
 
 
@@ -128,7 +145,7 @@ def _hf_decode(model, prompts: list[list[int]], new: int, device: str) -> float:
 
 def ttft(model, length: int, device: str) -> dict:
     """Time to the first token of one `length`-token prompt (prefill only), after a warm-up."""
-    run = EngineRun(model, device, length + 1024, max_batch_tokens=8192)
+    run = EngineRun(model, device, length + 1024, max_batch_tokens=8192, cuda_graphs=False)
     rng = random.Random(length)
     run.run([[rng.randrange(3, 49152) for _ in range(256)]], 1, prefill_only=True)
     prompt = [rng.randrange(3, 49152) for _ in range(length)]

@@ -50,11 +50,18 @@ def median(values: list[float]) -> float:
 
 
 def ours(
-    prefill: KVPeer, decode: KVPeer, tokens: int, segment: int, rng: random.Random, runs: int
+    prefill: KVPeer,
+    decode: KVPeer,
+    tokens: int,
+    segment: int,
+    rng: random.Random,
+    runs: int,
+    pools: tuple[int, int] | None = None,  # the peers' pool blocks, if not this bench's
 ) -> float:
     n = -(-tokens // BS)
-    src = fragmented(n, prefill_blocks(tokens), rng, runs)
-    dst = fragmented(n, decode_blocks(tokens), rng, runs)
+    src_blocks, dst_blocks = pools or (prefill_blocks(tokens), decode_blocks(tokens))
+    src = fragmented(n, src_blocks, rng, runs)
+    dst = fragmented(n, dst_blocks, rng, runs)
     dest = dict(
         ucx_address=decode.call("address")["address"],
         base_tag=new_base_tag(rng.getrandbits(39)),

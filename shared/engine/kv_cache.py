@@ -38,18 +38,27 @@ def bytes_per_token(layout: KVLayout) -> int:
 
 class KVPool:
     def __init__(
-        self, layout: KVLayout, num_blocks: int, block_size: int, device: str, shared: bool = False
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        block_size: int,
+        device: str,
+        shared: bool = False,
+        scratch: bool = False,
     ):
+        """`scratch`: one block more, past the `num_blocks` handed out, whose first slot
+        (`scratch_slot`) takes the KV of rows that only pad a step (see cuda_graphs.py)."""
         if layout.block_size != block_size:
             raise ValueError("the layout's block size and the pool's differ")
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
+        self.scratch_slot = num_blocks * block_size if scratch else None
         shape = (
             layout.num_layers,
             2,
-            num_blocks * block_size,
+            (num_blocks + scratch) * block_size,
             layout.num_kv_heads,
             layout.head_dim,
         )

@@ -26,6 +26,7 @@ from shared.control.messages import KVLayout
 from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
 from shared.engine.architecture import check, parts_of
+from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.decode_stack import decode_stack
 from shared.engine.file_pages import FilePages, convert
 from shared.engine.forward_batch import ForwardBatch, SeqSpan, arrange
@@ -58,6 +59,7 @@ class ModelRunner:
         release_weights: bool = False,  # free each linear weight once packed (see below)
         dtype: torch.dtype | None = None,  # to compute in, if not the model's (converted here)
         triton: bool | None = None,  # Triton attention; None: on CUDA where Triton is installed
+        cuda_graphs: bool = True,  # decode steps replayed from CUDA graphs (with Triton on CUDA)
     ):
         self.model = model
         self.device = device
@@ -65,7 +67,10 @@ class ModelRunner:
         self.dtype = dtype or model.dtype
         self.family = check(model.config, type(model).__name__)
         self.layout: KVLayout = kv_cache.layout_of(model.config, model_name, self.dtype, block_size)
-        self.pool = KVPool(self.layout, pool_blocks, block_size, device, shared=shared_pool)
+        graphs = cuda_graphs and device.startswith("cuda")
+        self.pool = KVPool(
+            self.layout, pool_blocks, block_size, device, shared=shared_pool, scratch=graphs
+        )
         self.chunk = chunk
         inner = model.model
         self.embed, self.norm = inner.embed_tokens, inner.norm
@@ -85,6 +90,12 @@ class ModelRunner:
         if triton is None:
             triton = use_kernels and device.startswith("cuda") and find_spec("triton") is not None
         self._use_kernels(kernels, triton)
+        self.graphs = None
+        if graphs and triton and not self.rotary.length_dependent:
+            try:
+                self.graphs = DecodeGraphs(self, model.config.max_position_embeddings)
+            except RuntimeError as error:  # a capture CUDA refuses: the steps still run, eagerly
+                log.warning("decode steps run eagerly: CUDA graph capture failed: %s", error)
 
     def _use_kernels(self, kernels, triton: bool) -> None:
         """Tandem's C++ kernels where they are built and apply to this family (None: torch);
@@ -181,7 +192,15 @@ class ModelRunner:
         """Computes the segments; returns logits [len(segments), vocab] at each segment's last row.
         `abandon`, asked between layers, may stop a long step early (None returned): every
         sequence in it was cancelled, and the KV it wrote so far is of no use to anyone."""
+        if self.graphs is not None and self.graphs.fits(segments):
+            return self.graphs.run(segments)
         batch = arrange(segments, self.pool, self.paged, self.chunk, self.device, self.prefill)
+        return self.compute(batch, abandon)
+
+    def compute(
+        self, batch: ForwardBatch, abandon: Callable[[], bool] | None = None
+    ) -> torch.Tensor | None:
+        """`forward` of an arranged batch (a decode graph captures this)."""
         rows = batch.ids.numel()
         hidden = self._embed(batch.ids)
         total = self.padded_rows(rows)

@@ -100,7 +100,7 @@ def _paged_attention(
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_P], tl.float32)
     last = first + tl.minimum(count, (tile + 1) * per_tile)  # one past the tile's last position
-    start = 0
+    start = first * 0  # of the positions' integer type, as the window branch's is
     if window > 0:
         start = tl.maximum(0, first + tile * per_tile - window + 1) // BLOCK_N * BLOCK_N
     table = tables_ptr + span * table_width

@@ -128,6 +128,7 @@ class _Peer:
         self, address: bytes, tag: int, nbytes: int, timeout_s: float = 30.0
     ) -> dict:
         buffer = torch.ones(nbytes, dtype=torch.uint8, device=self.pool.device)
+        _settled(buffer)
         started = time.time()
         await self.plane.send(address, tag, buffer, timeout_s)
         return {"started": started, "finished": time.time()}
@@ -135,6 +136,7 @@ class _Peer:
     async def op_receive_bare(self, tag: int, nbytes: int) -> dict:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.pool.device)
         buffer.fill_(0)  # touch every page, as the pool's are
+        _settled(buffer)
         self.bare[tag] = asyncio.ensure_future(self._bare(tag, buffer))
         await asyncio.sleep(0)
         return {}
@@ -209,6 +211,12 @@ async def _serve(
 def _main(conn, *args) -> None:
     torch.set_num_threads(1)
     asyncio.run(_serve(conn, *args))
+
+
+def _settled(buffer: torch.Tensor) -> None:
+    """UCX reads and writes a CUDA buffer on streams of its own: the fill must have landed."""
+    if buffer.is_cuda:
+        torch.cuda.current_stream().synchronize()
 
 
 class KVPeer:

@@ -110,7 +110,10 @@ def served_greedy(path: Path, asks, new: int, device: str, want) -> dict:
     env = {"TANDEM_MODEL": str(path), "TANDEM_DEVICE": device, "TANDEM_DTYPE": "float32"}
     workers = [Worker("prefill", env=env), Worker("decode", env=env)]
     scheduler = {"TANDEM_LOCAL_PREFILL_TOKENS": "64"}  # prompts longer than 64 go to prefill
-    with BenchStack("gpu-check", "disaggregated", workers, scheduler_env=scheduler) as stack:
+    gateway = {"TANDEM_MODEL": str(path)}  # its tokenizer: not the default model's
+    with BenchStack(
+        "gpu-check", "disaggregated", workers, scheduler_env=scheduler, gateway_env=gateway
+    ) as stack:
         stub = pb_grpc.TandemStub(grpc.insecure_channel(stack.address))
         got, paths = [], []
         for prompt in asks:

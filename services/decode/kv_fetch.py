@@ -28,7 +28,7 @@ from shared.control.messages import (
     TransferAbort,
 )
 from shared.control.subjects import Subjects
-from shared.dataplane.plan import PlanError, TransferPlan, new_base_tag
+from shared.dataplane.plan import PlanError, TransferPlan, new_base_tag, segment_tokens
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.receiver import KVReceiver
 from shared.engine.sequence import Sequence, StepOutput
@@ -109,7 +109,9 @@ class KVFetcher:
             base_tag=new_base_tag(secrets.randbits(39)),
             block_ids=seq.block_table[seq.num_cached_tokens // bs :],
             skip_tokens=seq.num_cached_tokens,
-            segment_tokens=self.settings.kv_segment_tokens,
+            segment_tokens=segment_tokens(
+                self.settings.kv_segment_tokens, self.rt.runner.pool.device
+            ),
             lease_s=self.settings.kv_lease_s,
         )
         return TransferPlan(self.rt.runner.layout, seq.prompt_len, destination)

@@ -47,6 +47,16 @@ class Segment:
     pieces: tuple[Piece, ...]
 
 
+def segment_tokens(configured: int, pool_device: str) -> int:
+    """The segment size a decode worker asks for: `configured`, or (0) its pool's default. Each
+    piece costs tens of microseconds of Python and UCX however small it is: on a CPU that is
+    a fraction of copying a 1024-token piece, on a GPU (measured on an H200, cuda_ipc) 30 times
+    the copy, so there a piece should be as large as a prompt is long."""
+    if configured:
+        return configured
+    return 16384 if pool_device.startswith("cuda") else 1024
+
+
 def new_base_tag(random_bits: int) -> int:
     """A transfer's base tag from 39 random bits: the piece index fills the low TAG_BITS."""
     return ((random_bits & ((1 << 39) - 1)) | 1 << 38) << TAG_BITS

@@ -39,12 +39,32 @@ def _ucx_view(tensor: torch.Tensor | numpy.ndarray):
         if not tensor.flags.c_contiguous:
             raise ValueError("KV buffers must be contiguous")
         return tensor.reshape(-1).view(numpy.uint8)
-    import torch  # a torch tensor: torch is loaded
-
     if not tensor.is_contiguous():
         raise ValueError("KV buffers must be contiguous")
-    # Bytes, not elements: numpy has no bfloat16.
-    return tensor if tensor.is_cuda else tensor.reshape(-1).view(torch.uint8).numpy()
+    if tensor.is_cuda:
+        return _CudaBytes(tensor)
+    import torch  # a torch tensor: torch is loaded
+
+    # Bytes, not elements: numpy has no bfloat16 (a contiguous tensor's last dim is, a view of
+    # it as bytes too: no reshape needed, except of a 0-d one).
+    return (tensor if tensor.dim() else tensor.reshape(1)).view(torch.uint8).numpy()
+
+
+class _CudaBytes:
+    """A CUDA tensor's bytes as ucxx reads them. The interface is made here: torch's own
+    property checks and converts enough to cost a few microseconds a piece."""
+
+    __slots__ = ("__cuda_array_interface__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor  # its memory stays alive with the view
+        self.__cuda_array_interface__ = {
+            "shape": (tensor.nbytes,),
+            "typestr": "|u1",
+            "data": (tensor.data_ptr(), False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 class UcxDataPlane:
@@ -204,10 +224,9 @@ class UcxDataPlane:
         try:
             ep = await self._endpoint(peer_address)
             # The views stay alive until every send completes.
-            views = [ucxx_compat.buffer(_ucx_view(buf)) for _, buf in pieces]
-            requests = [
-                ucxx_compat.tag_send(ep, view, tag) for view, (tag, _) in zip(views, pieces)
-            ]
+            views, requests = ucxx_compat.tag_sends(
+                ep, [_ucx_view(buf) for _, buf in pieces], [tag for tag, _ in pieces]
+            )
             await asyncio.wait_for(asyncio.gather(*(self._done(r) for r in requests)), timeout)
         except Exception as err:
             self.counters.transfers_failed += 1

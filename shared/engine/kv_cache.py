@@ -55,6 +55,7 @@ class KVPool:
         self.block_size = block_size
         self.device = device
         self.scratch_slot = num_blocks * block_size if scratch else None
+        self._halves: list[list[torch.Tensor]] | None = None  # span()'s views
         shape = (
             layout.num_layers,
             2,
@@ -109,8 +110,11 @@ class KVPool:
         return self.kv[layer, 0].index_select(0, slots), self.kv[layer, 1].index_select(0, slots)
 
     def span(self, layer: int, kv: int, first_slot: int, num_slots: int) -> torch.Tensor:
-        """Keys (kv=0) or values (kv=1) of one layer over consecutive slots: a contiguous view."""
-        return self.kv[layer, kv, first_slot : first_slot + num_slots]
+        """Keys (kv=0) or values (kv=1) of one layer over consecutive slots: a contiguous view
+        (a slice of a view made once: a KV transfer takes hundreds of them)."""
+        if self._halves is None:
+            self._halves = [[self.kv[i, 0], self.kv[i, 1]] for i in range(self.kv.shape[0])]
+        return self._halves[layer][kv][first_slot : first_slot + num_slots]
 
     def export(self, slots: torch.Tensor) -> torch.Tensor:
         """A sequence's KV as one contiguous transfer buffer [layers, 2, tokens, heads, dim]."""

@@ -164,9 +164,9 @@ class WorkerSettings(CommonSettings):
         },
     )
     kv_segment_tokens: int = field(
-        default=1024,
+        default=0,
         metadata={
-            "help": "a prompt's KV is sent in segments of this many tokens, each as soon as it is computed (a multiple of block_size)"
+            "help": "a prompt's KV is sent in segments of this many tokens, each as soon as it is computed (a multiple of block_size); 0: 1024 for a KV pool in host memory, 16384 for one on a GPU, where each message's fixed cost outweighs its bytes"
         },
     )
     kv_lease_s: float = field(
@@ -233,8 +233,8 @@ class WorkerSettings(CommonSettings):
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.kv_segment_tokens <= 0 or self.kv_segment_tokens % self.block_size:
-            raise ValueError("kv_segment_tokens must be a positive multiple of block_size")
+        if self.kv_segment_tokens < 0 or self.kv_segment_tokens % self.block_size:
+            raise ValueError("kv_segment_tokens must be 0 (automatic) or a multiple of block_size")
         if self.prefill_chunk_tokens % self.block_size:
             raise ValueError("prefill_chunk_tokens must be a multiple of block_size")
         if self.max_batch_tokens < self.prefill_chunk_tokens:

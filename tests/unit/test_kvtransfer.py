@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from shared.control.messages import KVDestination, KVLayout
-from shared.dataplane.plan import MAX_PIECES, PlanError, TransferPlan, new_base_tag
+from shared.dataplane.plan import (
+    MAX_PIECES,
+    PlanError,
+    TransferPlan,
+    new_base_tag,
+    segment_tokens,
+)
 from shared.dataplane.plane import KVTransferError
 from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.sender import KVSender
@@ -58,6 +64,12 @@ def test_plan_skips_a_cached_prefix_and_splits_broken_runs():
 def test_plan_rejects_bad_destinations(kwargs):
     with pytest.raises(PlanError):
         TransferPlan(LAYOUT, 16, destination([0, 1, 2, 3], **kwargs))
+
+
+def test_segments_default_to_the_pools_memory_and_a_setting_wins():
+    assert segment_tokens(0, "cpu") == 1024
+    assert segment_tokens(0, "cuda:1") == 16384  # few large pieces: see segment_tokens
+    assert segment_tokens(256, "cuda") == segment_tokens(256, "cpu") == 256
 
 
 def test_plan_rejects_a_wrong_block_count_and_a_bad_tag():

@@ -207,7 +207,9 @@ def speed(path: Path, args, report: dict) -> None:
     device = device_of(args.dry_run)
     model = model_store.load_model(path, device, "bfloat16" if not args.dry_run else "float32")
     streams = [1, 4] if args.dry_run else [1, 32, 128]
-    report["decode"] = decode_rates(model, streams, 16 if args.dry_run else 64, device)
+    report["decode"], report["kernels"] = decode_rates(
+        model, streams, 16 if args.dry_run else 64, device
+    )
     lengths = [256, 1024] if args.dry_run else [4096, 32768]
     report["ttft"] = {str(n): ttft(model, n, device) for n in lengths}
 
@@ -261,6 +263,7 @@ def markdown(report: dict) -> str:
         lines.append("")
     decode = report.get("decode", {})
     if decode:
+        lines += [f"Engine kernels: {report.get('kernels')}.", ""]
         lines += [
             "| streams | engine tok/s | engine, no CUDA graphs | HF generate | engine / HF |",
             "| --- | --- | --- | --- | --- |",

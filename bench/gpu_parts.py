@@ -93,9 +93,10 @@ def engine_greedy(model, prompts: list[list[int]], new: int, device: str) -> lis
     return run.run(prompts, new)[0]
 
 
-def decode_rates(model, streams: list[int], new: int, device: str) -> dict:
+def decode_rates(model, streams: list[int], new: int, device: str) -> tuple[dict, str]:
     """Decode tokens/s (after every first token) at each stream count: HF's, and the engine's with
-    its decode steps replayed from CUDA graphs and without (on CUDA; on CPU there are none)."""
+    its decode steps replayed from CUDA graphs and without (on CUDA; on CPU there are none);
+    and the engine's kernel report."""
     out = {}
     rng = random.Random(0)
     variants = {"engine": True, "engine_eager": False} if device.startswith("cuda") else {}
@@ -115,7 +116,7 @@ def decode_rates(model, streams: list[int], new: int, device: str) -> dict:
         row["ratio"] = row["engine_tokens_per_s"] / row["hf_tokens_per_s"]
         out[str(n)] = row
         print(f"  decode {n} streams: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()))
-    return out
+    return out, runs["engine"].runner.kernel_report().line()
 
 
 def _hf_decode(model, prompts: list[list[int]], new: int, device: str) -> float:

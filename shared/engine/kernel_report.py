@@ -28,7 +28,8 @@ class KernelReport:
     weights: str  # "native", or "int8-<torch's quantized engine>" (dynamically quantized)
     projections: str  # "rows-c++" (Tandem's row kernel), "onednn-packed", "torch", or "mixed"
     attention: str  # "paged-c++" (Tandem's kernels, decode and prompt rows), "paged-triton", "sdpa"
-    decode_stack: str  # all-decode steps: "c++" (one call for every layer) or "per-layer"
+    decode_stack: str  # all-decode steps: "c++" (one call for every layer), "cuda-graphs"
+    # (replayed, one graph per batch size) or "per-layer"
     layer_ops: str  # norms, rotary, KV write: "c++" (fused) or "torch"
     row_counts: tuple[int, ...] | None  # batch-invariant row counts found; None = not probed
     row_kernel: bool = False  # every projection computes each row alone: any count invariant
@@ -84,11 +85,17 @@ def report_of(runner) -> KernelReport:
         weights=_weights(runner.projections),
         projections=paths.pop() if len(paths) == 1 else "mixed",
         attention=runner.paged.name if runner.paged else "sdpa",
-        decode_stack="c++" if runner.stack is not None else "per-layer",
+        decode_stack=_decode_stack(runner),
         layer_ops="c++" if isinstance(runner.ops, KernelOps) else "torch",
         row_counts=tuple(runner.row_counts) if runner.batch_invariant else None,
         row_kernel=runner.row_kernel,
     )
+
+
+def _decode_stack(runner) -> str:
+    if runner.stack is not None:
+        return "c++"
+    return "cuda-graphs" if getattr(runner, "graphs", None) is not None else "per-layer"
 
 
 def _row_pairs(runner) -> bool | None:

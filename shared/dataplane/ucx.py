@@ -24,6 +24,7 @@ from shared.dataplane.plane import (
     discard,
     nbytes,
 )
+from shared.dataplane.ucx_views import ucx_view
 
 if TYPE_CHECKING:  # the data-plane helper process runs this without torch
     import torch
@@ -31,40 +32,6 @@ if TYPE_CHECKING:  # the data-plane helper process runs this without torch
 log = logging.getLogger(__name__)
 
 _EMPTY = numpy.zeros(0, dtype=numpy.uint8)  # what release() sends to end a posted receive
-
-
-def _ucx_view(tensor: torch.Tensor | numpy.ndarray):
-    """What ucxx accepts: host memory through the array interface, CUDA memory through its own."""
-    if isinstance(tensor, numpy.ndarray):
-        if not tensor.flags.c_contiguous:
-            raise ValueError("KV buffers must be contiguous")
-        return tensor.reshape(-1).view(numpy.uint8)
-    if not tensor.is_contiguous():
-        raise ValueError("KV buffers must be contiguous")
-    if tensor.is_cuda:
-        return _CudaBytes(tensor)
-    import torch  # a torch tensor: torch is loaded
-
-    # Bytes, not elements: numpy has no bfloat16 (a contiguous tensor's last dim is, a view of
-    # it as bytes too: no reshape needed, except of a 0-d one).
-    return (tensor if tensor.dim() else tensor.reshape(1)).view(torch.uint8).numpy()
-
-
-class _CudaBytes:
-    """A CUDA tensor's bytes as ucxx reads them. The interface is made here: torch's own
-    property checks and converts enough to cost a few microseconds a piece."""
-
-    __slots__ = ("__cuda_array_interface__", "tensor")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor  # its memory stays alive with the view
-        self.__cuda_array_interface__ = {
-            "shape": (tensor.nbytes,),
-            "typestr": "|u1",
-            "data": (tensor.data_ptr(), False),
-            "strides": None,
-            "version": 3,
-        }
 
 
 class UcxDataPlane:
@@ -225,7 +192,7 @@ class UcxDataPlane:
             ep = await self._endpoint(peer_address)
             # The views stay alive until every send completes.
             views, requests = ucxx_compat.tag_sends(
-                ep, [_ucx_view(buf) for _, buf in pieces], [tag for tag, _ in pieces]
+                ep, [ucx_view(buf) for _, buf in pieces], [tag for tag, _ in pieces]
             )
             await asyncio.wait_for(asyncio.gather(*(self._done(r) for r in requests)), timeout)
         except Exception as err:
@@ -246,7 +213,7 @@ class UcxDataPlane:
         loop = asyncio.get_running_loop()
         entries = []
         for tag, buf in pieces:
-            view = ucxx_compat.buffer(_ucx_view(buf))
+            view = ucxx_compat.buffer(ucx_view(buf))
             request = ucxx_compat.tag_recv(view, tag)
             self._posted[tag] = request
             entries.append(

@@ -14,9 +14,13 @@ the graphs' or more rows than the largest graph) runs eagerly. `capture=False` c
 static-buffer step without a graph (how the CPU tests check the padding and the buffers).
 """
 
+import logging
+
 import torch
 
 from shared.engine.forward_batch import ForwardBatch, SeqSpan
+
+log = logging.getLogger(__name__)
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -119,3 +123,15 @@ class DecodeGraphs:
                 self.graphs[size] = (graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+
+
+def decode_graphs(runner) -> DecodeGraphs | None:
+    """The runner's decode graphs, captured now; None where its rotary embedding depends on the
+    sequence length (recomputed per step) or CUDA refuses the capture (the steps run eagerly)."""
+    if runner.rotary.length_dependent:
+        return None
+    try:
+        return DecodeGraphs(runner, runner.config.max_position_embeddings)
+    except RuntimeError as error:
+        log.warning("decode steps run eagerly: CUDA graph capture failed: %s", error)
+        return None

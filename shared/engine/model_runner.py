@@ -26,7 +26,7 @@ from shared.control.messages import KVLayout
 from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
 from shared.engine.architecture import check, parts_of
-from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.cuda_graphs import decode_graphs
 from shared.engine.decode_stack import decode_stack
 from shared.engine.file_pages import FilePages, convert
 from shared.engine.forward_batch import ForwardBatch, SeqSpan, arrange
@@ -76,8 +76,7 @@ class ModelRunner:
         self.embed, self.norm = inner.embed_tokens, inner.norm
         self.rotary = Rotary(inner.rotary_emb, model.config)
         self.parts = parts_of(model)
-        self.num_heads = model.config.num_attention_heads
-        self.head_dim = self.layout.head_dim
+        self.num_heads, self.head_dim = model.config.num_attention_heads, self.layout.head_dim
         kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
         self._fuse_projections(model, release_weights, kernels)
         self.batch_invariant = batch_invariant and device == "cpu"
@@ -87,19 +86,16 @@ class ModelRunner:
         self.min_rows = cached_fastest_row_count(
             self.projections, [c for c in self.row_counts if c <= 4], row_timing
         )
-        if triton is None:
-            triton = use_kernels and device.startswith("cuda") and find_spec("triton") is not None
-        self._use_kernels(kernels, triton)
-        self.graphs = None
-        if graphs and triton and not self.rotary.length_dependent:
-            try:
-                self.graphs = DecodeGraphs(self, model.config.max_position_embeddings)
-            except RuntimeError as error:  # a capture CUDA refuses: the steps still run, eagerly
-                log.warning("decode steps run eagerly: CUDA graph capture failed: %s", error)
+        triton = self._use_kernels(kernels, triton, use_kernels)
+        self.graphs = decode_graphs(self) if graphs and triton else None
 
-    def _use_kernels(self, kernels, triton: bool) -> None:
+    def _use_kernels(self, kernels, triton: bool | None, use_kernels: bool) -> bool:
         """Tandem's C++ kernels where they are built and apply to this family (None: torch);
-        `triton`: Triton's attention instead of the C++ one (the elementwise ops stay as they are)."""
+        `triton`: Triton's attention instead of the C++ one (the elementwise ops stay as they
+        are); None: on CUDA where Triton is installed. Returns whether it is Triton's."""
+        if triton is None:
+            cuda = self.device.startswith("cuda")
+            triton = use_kernels and cuda and find_spec("triton") is not None
         self.paged, self.prefill = self._attention(kernels, triton)
         self.ops = layer_ops(kernels, self.model, self.parts)
         per_layer = [
@@ -114,6 +110,7 @@ class ModelRunner:
                 self.family,
                 self.kernel_report().line(),
             )
+        return triton
 
     def _attention(self, kernels, triton: bool) -> tuple:
         """(decode, prefill) attention: Triton's, the C++ kernels', or none (SDPA per range)."""

@@ -203,12 +203,24 @@ async def test_a_message_larger_than_its_receive_fails_both_ends():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_ucx_sees_every_kv_dtype_as_its_bytes(dtype):
-    from shared.dataplane.ucx import _ucx_view
+    from shared.dataplane.ucx_views import ucx_view
 
     tensor = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype)
-    view = _ucx_view(tensor)
+    view = ucx_view(tensor)
     assert view.nbytes == tensor.numel() * tensor.element_size()
     assert bytes(view.tobytes()) == bytes(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    assert ucx_view(torch.tensor(7.0, dtype=dtype)).nbytes == tensor.element_size()  # 0-d
+
+
+def test_a_cuda_buffer_is_described_to_ucx_as_its_bytes():
+    from types import SimpleNamespace
+
+    from shared.dataplane.ucx_views import CudaBytes
+
+    tensor = SimpleNamespace(nbytes=4096, data_ptr=lambda: 0x7F0000001000)  # as a CUDA tensor
+    interface = CudaBytes(tensor).__cuda_array_interface__
+    assert interface["shape"] == (4096,) and interface["typestr"] == "|u1"
+    assert interface["data"] == (0x7F0000001000, False) and interface["strides"] is None
 
 
 async def test_discard_takes_late_pieces_off_the_wire_and_releases_the_rest():

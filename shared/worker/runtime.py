@@ -82,7 +82,7 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     dtype = compute_dtype(settings.dtype, config, device, _row_kernel(settings, device))
     with allocations_given_back():
         model = load_model(model_dir, device, dtype, settings.weights, config)
-        runner = _runner(settings, model, device, dtype)
+        runner = _runner(settings, model, device, dtype, decodes=role != "prefill")
     tokenizer = model_store.load_tokenizer(model_dir)
     model_limit = model_store.context_limit(model.config)
     max_len = min(settings.max_model_len or model_limit, model_limit)
@@ -123,9 +123,12 @@ def _row_kernel(settings: WorkerSettings, device: str) -> bool:
     )
 
 
-def _runner(settings: WorkerSettings, model, device: str, dtype: torch.dtype) -> ModelRunner:
+def _runner(
+    settings: WorkerSettings, model, device: str, dtype: torch.dtype, decodes: bool
+) -> ModelRunner:
     """The model runner over a KV pool of --kv-cache-mb, computing in `dtype`; the model's own
-    linear weights freed as they are packed."""
+    linear weights freed as they are packed. `decodes`: it computes decode steps (a prefill
+    worker's does not: no CUDA graphs captured for it)."""
     layout = layout_of(
         model.config, model_store.model_name(settings.model), dtype, settings.block_size
     )
@@ -145,6 +148,7 @@ def _runner(settings: WorkerSettings, model, device: str, dtype: torch.dtype) ->
         shared_pool=settings.kv_plane == "helper" and device == "cpu",
         release_weights=True,
         dtype=dtype,
+        cuda_graphs=settings.cuda_graphs and decodes,
     )
     return runner
 

@@ -111,6 +111,12 @@ class WorkerSettings(CommonSettings):
             "help": "same bits alone or in a batch (pads tiny GEMMs; off = faster batch-1 decode)"
         },
     )
+    cuda_graphs: bool = field(
+        default=True,
+        metadata={
+            "help": "on a GPU, decode steps replayed from CUDA graphs (one per batch size up to 128, captured at start-up; a decode worker's or a colocated one's); off: every kernel launched from Python"
+        },
+    )
     max_model_len: int = field(
         default=0, metadata={"help": "longest prompt + output; 0 = the model's own limit"}
     )

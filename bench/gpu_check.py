@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_parts import decode_rates, engine_greedy, hf_greedy, ttft  # noqa: E402
+from bench.gpu_report import markdown  # noqa: E402
 from shared import model_store  # noqa: E402
 
 
@@ -232,74 +233,6 @@ def _version(name: str) -> str:
         return str(getattr(__import__(name), "__version__", "?"))
     except ImportError:
         return ""
-
-
-def markdown(report: dict) -> str:
-    """The report as tables, its JSON after them."""
-    env = report.get("environment", {})
-    lines = ["# GPU check", ""]
-    lines.append(
-        f"{env.get('gpu') or 'CPU (dry run)'}; torch {env.get('torch')}, CUDA "
-        f"{env.get('cuda')}, Triton {env.get('triton')}, ucxx {env.get('ucxx')}, "
-        f"Python {env.get('python')}. Checkpoint: {report.get('checkpoint', {})}."
-    )
-    lines.append("")
-    parity = report.get("parity", {})
-    if parity:
-        lines += [
-            "| greedy tokens equal to HF `generate` | float32 | bfloat16 |",
-            "| --- | --- | --- |",
-        ]
-        f32, b16 = parity.get("float32", {}), parity.get("bfloat16", {})
-        served = f32.get("disaggregated", {})
-        lines.append(
-            f"| engine in-process | {f32.get('identical')}/{f32.get('of')} | "
-            f"{b16.get('identical')}/{b16.get('of')} |"
-        )
-        lines.append(
-            f"| disaggregated (prefill + decode worker, KV over UCX) | "
-            f"{served.get('identical')}/{served.get('of')} | |"
-        )
-        lines.append("")
-    decode = report.get("decode", {})
-    if decode:
-        lines += [f"Engine kernels: {report.get('kernels')}.", ""]
-        lines += [
-            "| streams | engine tok/s | engine, no CUDA graphs | HF generate | engine / HF |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for n, row in decode.items():
-            eager = row.get("engine_eager_tokens_per_s")
-            lines.append(
-                f"| {n} | {row['engine_tokens_per_s']:.0f} | "
-                f"{'' if eager is None else f'{eager:.0f}'} | "
-                f"{row['hf_tokens_per_s']:.0f} | {row['ratio']:.1f} |"
-            )
-        lines.append("")
-    ttft = report.get("ttft", {})
-    if ttft:
-        lines += ["| prompt tokens | TTFT | prompt tokens/s |", "| --- | --- | --- |"]
-        for n, row in ttft.items():
-            lines.append(f"| {n} | {row['ttft_s'] * 1e3:.1f} ms | {row['tokens_per_s']:.0f} |")
-        lines.append("")
-    kv = report.get("kv", {})
-    if kv:
-        lines.append(f"KV transfer, {kv.get('layout')}; UCX transports: {kv.get('transports')}.")
-        lines += [
-            "",
-            "| progress | prompt tokens | segment tokens | GB/s | device copy GB/s | of the copy |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in kv.get("rows", []):
-            lines.append(
-                f"| {r['progress']} | {r['tokens']} | {r['segment_tokens']} | "
-                f"{r['gbps']:.0f} | {r['copy_gbps']:.0f} | {r['vs_copy']:.0%} |"
-            )
-        lines.append("")
-    for name, error in report.get("errors", {}).items():
-        lines += [f"**{name} failed:**", "```", error.strip()[-1500:], "```", ""]
-    lines += ["```json", json.dumps(report, indent=1)[:20000], "```", ""]
-    return "\n".join(lines)
 
 
 def write(report: dict, out: Path) -> None:

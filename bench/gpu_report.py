@@ -1,0 +1,94 @@
+"""The GPU check's report (bench/gpu_check.py) as Markdown: a table per step, its JSON after."""
+
+import json
+
+
+def markdown(report: dict) -> str:
+    env = report.get("environment", {})
+    lines = ["# GPU check", ""]
+    lines.append(
+        f"{env.get('gpu') or 'CPU (dry run)'}; torch {env.get('torch')}, CUDA "
+        f"{env.get('cuda')}, Triton {env.get('triton')}, ucxx {env.get('ucxx')}, "
+        f"Python {env.get('python')}. Checkpoint: {report.get('checkpoint', {})}."
+    )
+    lines.append("")
+    for section in (_parity, _decode, _ttft, _kv):
+        lines += section(report)
+    for name, error in report.get("errors", {}).items():
+        lines += [f"**{name} failed:**", "```", error.strip()[-1500:], "```", ""]
+    lines += ["```json", json.dumps(report, indent=1)[:20000], "```", ""]
+    return "\n".join(lines)
+
+
+def _table(head: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _parity(report: dict) -> list[str]:
+    parity = report.get("parity")
+    if not parity:
+        return []
+    f32, b16 = parity.get("float32", {}), parity.get("bfloat16", {})
+    served = f32.get("disaggregated", {})
+
+    def share(d: dict) -> str:
+        return f"{d.get('identical')}/{d.get('of')}" if d else ""
+
+    rows = [
+        ["engine in-process", share(f32), share(b16)],
+        ["disaggregated (prefill + decode worker, KV over UCX)", share(served), ""],
+    ]
+    return _table(["greedy tokens equal to HF `generate`", "float32", "bfloat16"], rows)
+
+
+def _decode(report: dict) -> list[str]:
+    decode = report.get("decode")
+    if not decode:
+        return []
+    head = ["streams", "engine tok/s", "engine, no CUDA graphs", "HF generate", "engine / HF"]
+    rows = [
+        [
+            n,
+            f"{row['engine_tokens_per_s']:.0f}",
+            _count(row.get("engine_eager_tokens_per_s")),
+            f"{row['hf_tokens_per_s']:.0f}",
+            f"{row['ratio']:.1f}",
+        ]
+        for n, row in decode.items()
+    ]
+    return [f"Engine kernels: {report.get('kernels')}.", ""] + _table(head, rows)
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"  # none on CPU: no graphs there
+
+
+def _ttft(report: dict) -> list[str]:
+    rows = [
+        [n, f"{row['ttft_s'] * 1e3:.1f} ms", f"{row['tokens_per_s']:.0f}"]
+        for n, row in report.get("ttft", {}).items()
+    ]
+    return _table(["prompt tokens", "TTFT", "prompt tokens/s"], rows) if rows else []
+
+
+def _kv(report: dict) -> list[str]:
+    kv = report.get("kv")
+    if not kv:
+        return []
+    head = [
+        "progress",
+        "prompt tokens",
+        "segment tokens",
+        "GB/s",
+        "device copy GB/s",
+        "of the copy",
+    ]
+    rows = [
+        [r["progress"], r["tokens"], r["segment_tokens"], f"{r['gbps']:.0f}"]
+        + [f"{r['copy_gbps']:.0f}", f"{r['vs_copy']:.0%}"]
+        for r in kv.get("rows", [])
+    ]
+    title = f"KV transfer, {kv.get('layout')}; UCX transports: {kv.get('transports')}."
+    return [title, ""] + _table(head, rows)

@@ -29,7 +29,6 @@ class DecodeGraphs:
     def __init__(self, runner, max_tokens: int, sizes=SIZES, capture: bool = True):
         self.runner = runner
         self.sizes = sorted(sizes)
-        self.capture = capture
         pool, n, device = runner.pool, self.sizes[-1], runner.device
         self.block_size = pool.block_size
         self.width = -(-max_tokens // self.block_size)  # block table entries per row
@@ -44,7 +43,9 @@ class DecodeGraphs:
         pinned = device != "cpu"
         self.host = torch.zeros(3, n, dtype=torch.long, pin_memory=pinned)  # ids, positions, slots
         self.host_tables = torch.zeros(n, self.width, dtype=torch.int32, pin_memory=pinned)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.graphs: dict[
+            int, tuple[torch.cuda.CUDAGraph, torch.Tensor]
+        ] = {}  # size: graph, logits
         if capture:
             self._capture_all()
 
@@ -111,18 +112,20 @@ class DecodeGraphs:
 
     def _capture_all(self) -> None:
         """Largest first, all in one memory pool: each graph's activations reuse the last's."""
-        memory = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
+        device = torch.device(self.runner.device)  # cuda:N: its streams, not the current device's
+        with torch.cuda.device(device):
+            memory = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.device(device), torch.cuda.stream(stream), torch.inference_mode():
             for size in reversed(self.sizes):
                 self._step(size)  # compiles the Triton kernels, settles cuBLAS's workspace
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=memory, stream=stream):
                     logits = self._step(size)
                 self.graphs[size] = (graph, logits)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
 
 
 def decode_graphs(runner) -> DecodeGraphs | None:

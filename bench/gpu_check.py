@@ -1,7 +1,7 @@
 """The GPU check: what a lent GPU machine should show of Tandem, in one run and one report.
 
-    make gpu-check                     (on the GPU machine: bench/gpu_check.sh installs the
-                                        carried wheels, then runs this)
+    make gpu-check                     (on the GPU machine: bench/gpu_check.sh unpacks the
+                                        carried packages, then runs this)
     python bench/gpu_check.py --dry-run --out DIR     (every step on CPU, tiny: what CI runs)
 
 Steps (each recorded with its figures, or its error; one failing does not stop the others):
@@ -163,9 +163,8 @@ def transfers(args, layout, lengths, segments, mode: str, bare_too: bool = False
             nbytes = tokens * bytes_per_token(layout)
             copy = copy_seconds(nbytes, device)
             for cut in sorted({min(segment, tokens) for segment in segments}):
-                ours(
-                    src, dst, tokens, cut, rng, 1, (blocks, blocks)
-                )  # warm: endpoints, first touch
+                # warm: the endpoints, first touch
+                ours(src, dst, tokens, cut, rng, 1, (blocks, blocks))
                 took = statistics.median(
                     ours(src, dst, tokens, cut, rng, 1, (blocks, blocks)) for _ in range(3)
                 )

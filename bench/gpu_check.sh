@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine: the carried packages (bench/gpu_wheels.sh) unpacked into /tmp/site, the CPU-free
-# parts of the project importable, then the check; its report lands in $OUT (or bench/results).
+# On the GPU machine: the carried packages (bench/gpu_wheels.sh) unpacked into /tmp/site, the
+# project importable, then the check; its report lands in $OUT (or bench/results).
 #   device run: bash bench/gpu_check.sh          (carry: [".whl"], timeout_s 540)
 set -euo pipefail
 cd "$(dirname "$0")/.."

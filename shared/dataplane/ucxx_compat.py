@@ -130,13 +130,6 @@ def buffer(view):
     return Array(view)
 
 
-def tag_send(endpoint, data, tag: int):
-    """A UCX send request on the endpoint's own worker (no task per message)."""
-    from ucxx.types import Tag
-
-    return endpoint._ep.tag_send(data, Tag(tag))
-
-
 def tag_sends(endpoint, views: list, tags: list[int]) -> tuple[list, list]:
     """(buffers, requests): a send request per (view, tag), the lookups done once for all (a
     piece costs microseconds of Python, and a prompt's KV is hundreds of pieces)."""

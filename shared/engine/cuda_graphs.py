@@ -9,9 +9,10 @@ rows. Its padding rows compute a token at position 0 of an empty table, write th
 values into the pool's scratch block (which no sequence is given), and are dropped.
 
 Only steps where every row is a decode row (one token, attention through the paged kernel) are
-replayed; anything else (prompt chunks, a length-dependent rotary embedding, a table wider than
-the graphs' or more rows than the largest graph) runs eagerly. `capture=False` computes the same
-static-buffer step without a graph (how the CPU tests check the padding and the buffers).
+replayed; anything else (prompt chunks, a table wider than the graphs' or more rows than the
+largest graph) runs eagerly, and a model whose rotary embedding depends on the sequence length
+gets no graphs at all (`decode_graphs`). `capture=False` computes the same static-buffer step
+without a graph (how the CPU tests check the padding and the buffers).
 """
 
 import logging
@@ -50,13 +51,9 @@ class DecodeGraphs:
             self._capture_all()
 
     def fits(self, segments: list[SeqSpan]) -> bool:
-        return (
-            0 < len(segments) <= self.sizes[-1]
-            and not self.runner.rotary.length_dependent
-            and all(
-                s.end - s.start == 1 and not s.prompt and s.end <= self.width * self.block_size
-                for s in segments
-            )
+        return 0 < len(segments) <= self.sizes[-1] and all(
+            s.end - s.start == 1 and not s.prompt and s.end <= self.width * self.block_size
+            for s in segments
         )
 
     @torch.inference_mode()
@@ -81,8 +78,8 @@ class DecodeGraphs:
         positions = [s.start for s in segments] + [0] * pad
         slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in segments]
         self.host[:, :size] = torch.tensor([ids, positions, slots + [scratch] * pad])
-        widest = max(-(-s.end // bs) for s in segments)
         tables = [s.block_table[: -(-s.end // bs)] for s in segments]
+        widest = max(len(t) for t in tables)
         tables = [t + [0] * (widest - len(t)) for t in tables] + [[0] * widest] * pad
         self.host_tables[:size, :widest] = torch.tensor(tables, dtype=torch.int32)
         # Pinned, these copies are asynchronous: the host buffers are not written again before

@@ -55,7 +55,6 @@ class KVPool:
         self.block_size = block_size
         self.device = device
         self.scratch_slot = num_blocks * block_size if scratch else None
-        self._halves: list[list[torch.Tensor]] | None = None  # span()'s views
         shape = (
             layout.num_layers,
             2,
@@ -72,6 +71,7 @@ class KVPool:
             self.kv = self.region.tensor().view(dtype).view(shape)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self._halves = [[layer[0], layer[1]] for layer in self.kv]  # span() slices these
 
     def slot_list(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Slot indices of token positions [start, end) of a sequence with this block table, as
@@ -112,8 +112,6 @@ class KVPool:
     def span(self, layer: int, kv: int, first_slot: int, num_slots: int) -> torch.Tensor:
         """Keys (kv=0) or values (kv=1) of one layer over consecutive slots: a contiguous view
         (a slice of a view made once: a KV transfer takes hundreds of them)."""
-        if self._halves is None:
-            self._halves = [[self.kv[i, 0], self.kv[i, 1]] for i in range(self.kv.shape[0])]
         return self._halves[layer][kv][first_slot : first_slot + num_slots]
 
     def export(self, slots: torch.Tensor) -> torch.Tensor:

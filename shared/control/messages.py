@@ -96,6 +96,7 @@ class KVLayout:
     block_size: int = 16
     architecture: str = ""  # the model class, e.g. Qwen3ForCausalLM
     windows: list[int] = field(default_factory=list)  # each layer's sliding window; 0 = none
+    pool_order: str = ""  # "blocks" (shared.engine.kv_cache); "": a worker from before, not paired
 
 
 @dataclass

@@ -3,12 +3,15 @@
 Both workers derive the same plan from the PrefillTask's KVDestination, so no per-message
 control traffic is needed: piece i travels with tag `base_tag + i` and has a known size.
 
-The decode pool is [layers, 2, slots, kv_heads, head_dim]. The keys (or values) of one layer
-over a run of consecutive decode blocks are one contiguous range of it, so each piece is
-(segment, layer, keys|values, run) and lands in the pool directly: no copy on the decode side.
-The prefill side sends a piece straight from its own pool when its slots there are consecutive
-too, and gathers it once otherwise (see KVSender). Segments are fixed ranges of token positions;
-a segment is sent as soon as the prefill has computed all its tokens (chunk-wise pipelining).
+The pools are block-major (shared.engine.kv_cache): a run of consecutive decode blocks holds
+every layer's keys and values of its positions as one contiguous range. Each piece is
+(segment, run): whole blocks, every layer, landing in the decode pool directly, with no copy on
+the decode side. The prefill side sends a piece straight from its own pool when its blocks
+there are consecutive too, and gathers it once otherwise (see KVSender). Segments are fixed
+ranges of token positions, whole blocks each; a segment is sent as soon as the prefill has
+computed all its tokens (chunk-wise pipelining). The last block of a prompt travels whole:
+its positions past the prompt hold whatever the prefill pool had there, which the decode
+worker overwrites as it generates and never reads before.
 """
 
 from dataclasses import dataclass
@@ -28,15 +31,10 @@ class PlanError(ValueError):
 class Piece:
     index: int  # tag = base_tag + index
     segment: int
-    layer: int
-    kv: int  # 0 = keys, 1 = values
-    start: int  # token positions [start, end) of the prompt
+    start: int  # token positions [start, end) of the prompt; start is a block's first
     end: int
-    dst_slot: int  # first slot of the destination run in the decode pool
-
-    @property
-    def tokens(self) -> int:
-        return self.end - self.start
+    dst_block: int  # the first block of the destination run in the decode pool
+    blocks: int  # how many (consecutive) blocks the piece fills
 
 
 @dataclass(frozen=True)
@@ -50,8 +48,9 @@ class Segment:
 def segment_tokens(configured: int, pool_device: str) -> int:
     """The segment size a decode worker asks for: `configured`, or (0) its pool's default. Each
     piece costs tens of microseconds of Python and UCX however small it is: on a CPU that is
-    a fraction of copying a 1024-token piece, on a GPU (measured on an H200, cuda_ipc) 30 times
-    the copy, so there a piece should be as large as a prompt is long."""
+    a fraction of copying a 1024-token segment, on a GPU (measured on an H200, cuda_ipc, with a
+    piece per layer and keys|values) many times the copy, so there a segment should be as long
+    as a prompt."""
     if configured:
         return configured
     return 16384 if pool_device.startswith("cuda") else 1024
@@ -80,9 +79,7 @@ class TransferPlan:
         self.layout = layout
         self.prompt_len = prompt_len
         self.destination = destination
-        self.token_bytes = bytes_per_token(layout) // (
-            2 * layout.num_layers
-        )  # one layer, keys or values
+        self.block_bytes = bytes_per_token(layout) * bs  # every layer's keys and values
         self.segments = self._segments()
         self.pieces = [p for seg in self.segments for p in seg.pieces]
         if len(self.pieces) > MAX_PIECES:
@@ -94,32 +91,30 @@ class TransferPlan:
 
     @property
     def nbytes(self) -> int:
-        return self.num_tokens * self.token_bytes * 2 * self.layout.num_layers
+        return sum(self.piece_bytes(p) for p in self.pieces)
 
     def tag(self, piece: Piece) -> int:
         return self.destination.base_tag + piece.index
 
     def piece_bytes(self, piece: Piece) -> int:
-        return piece.tokens * self.token_bytes
+        return piece.blocks * self.block_bytes
 
-    def _runs(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """(start, end, first decode slot) of token ranges whose decode blocks are consecutive."""
+    def _runs(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """(start, end, first decode block, blocks) of the block-aligned token ranges of
+        [start, end) whose decode blocks are consecutive."""
         bs, skip, ids = (
             self.layout.block_size,
             self.destination.skip_tokens,
             self.destination.block_ids,
         )
-        runs: list[tuple[int, int, int]] = []
-        pos = start
-        while pos < end:
-            block = ids[(pos - skip) // bs]
-            slot = block * bs + pos % bs
-            stop = min(end, (pos // bs + 1) * bs)
-            if runs and runs[-1][1] == pos and runs[-1][2] + (pos - runs[-1][0]) == slot:
-                runs[-1] = (runs[-1][0], stop, runs[-1][2])
+        runs: list[tuple[int, int, int, int]] = []
+        for pos in range(start, end, bs):
+            block, stop = ids[(pos - skip) // bs], min(end, pos + bs)
+            if runs and runs[-1][2] + runs[-1][3] == block:
+                first, _, dst, count = runs[-1]
+                runs[-1] = (first, stop, dst, count + 1)
             else:
-                runs.append((pos, stop, slot))
-            pos = stop
+                runs.append((pos, stop, block, 1))
         return runs
 
     def _segments(self) -> list[Segment]:
@@ -128,13 +123,10 @@ class TransferPlan:
         start = skip
         while start < self.prompt_len:
             end = min(self.prompt_len, (start // size + 1) * size)
-            runs = self._runs(start, end)
             pieces = []
-            for layer in range(self.layout.num_layers):
-                for kv in (0, 1):
-                    for a, b, slot in runs:
-                        pieces.append(Piece(index, len(segments), layer, kv, a, b, slot))
-                        index += 1
+            for a, b, block, count in self._runs(start, end):
+                pieces.append(Piece(index, len(segments), a, b, block, count))
+                index += 1
             segments.append(Segment(len(segments), start, end, tuple(pieces)))
             start = end
         return segments

@@ -1,7 +1,7 @@
 """KVReceiver: one prompt's KV, received by the decode worker straight into its pool blocks.
 
-Every piece's receive is posted before the prefill worker is asked for the KV, into the pool
-range the piece belongs to: the bytes land where attention will read them, with no copy. The
+Every piece's receive is posted before the prefill worker is asked for the KV, into the run of
+pool blocks the piece belongs to: the bytes land where attention will read them, with no copy. The
 blocks must not be freed while a receive is posted into them, so an abort first ends every
 receive still open (`DataPlane.release`) and only then lets the blocks go.
 """
@@ -42,8 +42,7 @@ class KVReceiver:
         `listener` is called each time one ends (landed, failed or released)."""
         self._listener = listener or self._listener
         pieces = [
-            (self.plan.tag(p), self.pool.span(p.layer, p.kv, p.dst_slot, p.tokens))
-            for p in self.plan.pieces
+            (self.plan.tag(p), self.pool.blocks(p.dst_block, p.blocks)) for p in self.plan.pieces
         ]
         for (tag, _), future in zip(pieces, self.plane.post_receives(pieces)):
             future.add_done_callback(self._on_landed)

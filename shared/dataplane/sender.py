@@ -1,10 +1,11 @@
 """KVSender: one prompt's KV, sent by the prefill worker a segment at a time as it is computed.
 
-A piece whose tokens sit in consecutive slots of this pool (the block allocator hands out
-consecutive runs when it can) is sent straight from the pool: no copy on either side. Any other
-piece is gathered once into a buffer of its own (the one copy on this side), in the engine
-thread between steps. The pieces of a segment go out concurrently, each straight into the
-decode pool range the plan names. The prompt's blocks must stay held until `finish` returns.
+A piece (a run of whole blocks, every layer; see plan.py) whose blocks are consecutive in this
+pool too (the block allocator hands out consecutive runs when it can) is sent straight from the
+pool: no copy on either side. Any other piece is gathered once into a buffer of its own (the one
+copy on this side), in the engine thread between steps. The pieces of a segment go out
+concurrently, each straight into the decode pool range the plan names. The prompt's blocks
+must stay held until `finish` returns.
 """
 
 import asyncio
@@ -19,11 +20,11 @@ from shared.engine.kv_cache import KVPool
 
 @dataclass
 class Staged:
-    """A segment ready to go: views of the pool, and the slots of pieces still to be gathered."""
+    """A segment ready to go: views of the pool, and the blocks of pieces still to be gathered."""
 
     segment: Segment
     direct: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    scattered: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
+    scattered: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 class KVSender:
@@ -53,35 +54,28 @@ class KVSender:
         return out
 
     def stage(self, segment: Segment, block_table: list[int]) -> Staged:
-        """Engine thread, no copy: views of the pool for the pieces that are one run of slots here,
-        and the slots of the others, to be gathered (`gather`) while the first ones travel."""
-        sources: dict[
-            tuple[int, int], int | torch.Tensor
-        ] = {}  # token range -> first slot, or slots
+        """Engine thread, no copy: views of the pool for the pieces that are one run of blocks
+        here, and the blocks of the others, to be gathered (`gather`) while the first travel."""
         staged = Staged(segment)
+        bs = self.pool.block_size
         for p in segment.pieces:
-            where = sources.get((p.start, p.end))
-            if where is None:
-                where = sources[(p.start, p.end)] = self._first_slot(block_table, p.start, p.end)
-            if isinstance(where, int):
-                staged.direct.append(
-                    (self.plan.tag(p), self.pool.span(p.layer, p.kv, where, p.tokens))
-                )
+            blocks = block_table[p.start // bs : p.start // bs + p.blocks]
+            if blocks == list(range(blocks[0], blocks[0] + p.blocks)):
+                staged.direct.append((self.plan.tag(p), self.pool.blocks(blocks[0], p.blocks)))
             else:
-                staged.scattered.append((self.plan.tag(p), p.layer, p.kv, where))
+                staged.scattered.append((self.plan.tag(p), blocks))
         self.next_segment = segment.index + 1
         return staged
 
     def gather(self, staged: Staged) -> list[tuple[int, torch.Tensor | list[torch.Tensor]]]:
-        """Engine thread: the one copy on this side, of the pieces whose slots are not consecutive;
-        for a plane that gathers (`gathers`, in its helper process), the spans of each instead."""
+        """Engine thread: the one copy on this side, of the pieces whose blocks are not
+        consecutive; for a plane that gathers (`gathers`, in its helper process), the views of
+        each run of them instead."""
         if getattr(self.plane, "gathers", False):
-            return [
-                (tag, self._spans(layer, kv, slots)) for tag, layer, kv, slots in staged.scattered
-            ]
+            return [(tag, self._runs(blocks)) for tag, blocks in staged.scattered]
         out = [
-            (tag, self.pool.kv[layer, kv].index_select(0, slots))
-            for tag, layer, kv, slots in staged.scattered
+            (tag, self.pool.kv.index_select(0, torch.tensor(blocks, device=self.pool.device)))
+            for tag, blocks in staged.scattered
         ]
         if (
             out and self.pool.kv.is_cuda
@@ -89,22 +83,14 @@ class KVSender:
             torch.cuda.current_stream().synchronize()
         return out
 
-    def _spans(self, layer: int, kv: int, slots: torch.Tensor) -> list[torch.Tensor]:
-        """The pool spans of runs of consecutive slots, in order."""
-        spans, values, start = [], slots.tolist(), 0
-        for i in range(1, len(values) + 1):
-            if i == len(values) or values[i] != values[i - 1] + 1:
-                spans.append(self.pool.span(layer, kv, values[start], i - start))
+    def _runs(self, blocks: list[int]) -> list[torch.Tensor]:
+        """The pool views of runs of consecutive blocks, in order."""
+        runs, start = [], 0
+        for i in range(1, len(blocks) + 1):
+            if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+                runs.append(self.pool.blocks(blocks[start], i - start))
                 start = i
-        return spans
-
-    def _first_slot(self, block_table: list[int], start: int, end: int) -> int | torch.Tensor:
-        """The first slot of positions [start, end) when they are consecutive slots, else all their slots."""
-        bs = self.pool.block_size
-        first, last = start // bs, (end - 1) // bs
-        if all(block_table[b] == block_table[first] + b - first for b in range(first, last + 1)):
-            return block_table[first] * bs + start % bs
-        return self.pool.slots(block_table, start, end)
+        return runs
 
     def send(self, sources: list[tuple[int, torch.Tensor]]) -> asyncio.Task | None:
         """Puts pieces on the wire; the task ends when all have left."""

@@ -28,15 +28,13 @@ class SeqSpan:
 
 @dataclass
 class QueryRange:
-    """Query rows [row_start, row_end) attend to keys [ctx_start, ctx_end) of the layer's gather,
-    or, `in_pool`, to pool slots [ctx_start, ctx_end) read in place (a contiguous block run)."""
+    """Query rows [row_start, row_end) attend to keys [ctx_start, ctx_end) of the layer's gather."""
 
     row_start: int
     row_end: int
     ctx_start: int
     ctx_end: int
     mask: torch.Tensor | None  # causal within the range; None for a single query row
-    in_pool: bool = False
 
     def mask_within(self, window: int | None, device) -> torch.Tensor | None:
         """The mask of a sliding-window layer: each row also sees only its last `window` keys."""
@@ -53,7 +51,7 @@ class ForwardBatch:
     ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor  # where each row's KV is written
-    context: torch.Tensor | None  # slots gathered once per layer for scattered ranges
+    context: torch.Tensor | None  # slots gathered once per layer for the SDPA ranges
     attention: list[QueryRange]  # ranges through scaled_dot_product_attention
     decode: tuple | None  # single-token rows through the paged decode kernel
     prompt: tuple | None  # spans of several rows through the paged prefill kernel
@@ -104,21 +102,18 @@ class _Builder:
         if self.prefill and (span.prompt or span.end - span.start > 1):
             self._prompt(span)
             return
-        run = self.pool.contiguous_run(span.block_table, span.end)
         gathered = False
         for start, stop in query_ranges(span, self.chunk):
             first = self.row + start - span.start
             if self.paged and stop - start == 1:
                 self._single_row(span, stop, first)
                 continue
-            if run is None and not gathered:  # scattered blocks: gather this context once per layer
+            if not gathered:  # this context, gathered once per layer
                 self.context.append(self.pool.slots(span.block_table, 0, span.end))
                 gathered = True
-            base = self.ctx if run is None else run
             n = stop - start
             mask = self._causal(n, stop)
-            query = QueryRange(first, first + n, base, base + stop, mask, run is not None)
-            self.attention.append(query)
+            self.attention.append(QueryRange(first, first + n, self.ctx, self.ctx + stop, mask))
         self.row += span.end - span.start
         self.ctx += span.end if gathered else 0
         self.last_rows.append(self.row - 1)

@@ -1,8 +1,12 @@
 """The paged KV pool, and the KV layout as it crosses the data plane.
 
-The pool is one tensor [layers, 2, slots, kv_heads, head_dim], slot = block * block_size + offset,
-so the keys (or values) of one layer over a run of consecutive blocks are one contiguous range:
-that is what a KV transfer writes into directly (see shared.dataplane).
+The pool is block-major: one tensor [blocks, layers, 2, block_size, kv_heads, head_dim], so a
+run of consecutive blocks holds every layer's keys and values for its positions as one
+contiguous range. A KV transfer moves such a run as one piece, straight from one pool into the
+other (see shared.dataplane): a piece costs tens of microseconds whatever its size, so one per
+run, not one per layer and keys|values, is what lets a transfer approach a plain copy. The
+attention kernels read a layer as [blocks, block_size, kv_heads, head_dim] views, whose block
+stride spans every layer.
 """
 
 import math
@@ -12,6 +16,8 @@ import torch
 from shared.control.messages import KVLayout
 from shared.engine.architecture import architecture_of, layer_windows
 from shared.engine.shared_region import SharedRegion
+
+POOL_ORDER = "blocks"  # KVLayout.pool_order of this pool
 
 
 def layout_of(config, model: str, dtype: torch.dtype, block_size: int = 16) -> KVLayout:
@@ -28,6 +34,7 @@ def layout_of(config, model: str, dtype: torch.dtype, block_size: int = 16) -> K
         block_size=block_size,
         architecture=architecture_of(config),
         windows=windows if any(windows) else [],
+        pool_order=POOL_ORDER,
     )
 
 
@@ -55,13 +62,8 @@ class KVPool:
         self.block_size = block_size
         self.device = device
         self.scratch_slot = num_blocks * block_size if scratch else None
-        shape = (
-            layout.num_layers,
-            2,
-            (num_blocks + scratch) * block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
+        layers, heads, dim = layout.num_layers, layout.num_kv_heads, layout.head_dim
+        shape = (num_blocks + scratch, layers, 2, block_size, heads, dim)
         dtype = getattr(torch, layout.dtype)
         self.region = None  # with `shared`: the memory a data-plane helper process maps too
         if shared:
@@ -71,11 +73,21 @@ class KVPool:
             self.kv = self.region.tensor().view(dtype).view(shape)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self._halves = [[layer[0], layer[1]] for layer in self.kv]  # span() slices these
+        # Each layer's keys and values as [blocks, block_size, heads, dim] views (what the
+        # attention kernels read), and the pool as rows of [heads, dim] (what a write indexes).
+        self.layers = [(self.kv[:, i, 0], self.kv[:, i, 1]) for i in range(layers)]
+        self._rows = self.kv.view(-1, heads, dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """One block's keys and values of every layer: what a KV transfer moves per block."""
+        return self.kv[0].nbytes
 
     def slot_list(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Slot indices of token positions [start, end) of a sequence with this block table, as
-        plain ints (a batch makes one tensor of all its sequences' slots)."""
+        plain ints (a batch makes one tensor of all its sequences' slots). A slot names a
+        position (block * block_size + offset), not an address: the kernels find it through
+        the block's stride."""
         size = self.block_size
         return [block_table[p // size] * size + p % size for p in range(start, end)]
 
@@ -84,36 +96,34 @@ class KVPool:
         slots = self.slot_list(block_table, start, end)
         return torch.tensor(slots, dtype=torch.long, device=self.device)
 
-    def contiguous_run(self, block_table: list[int], num_tokens: int) -> int | None:
-        """The first slot when positions [0, num_tokens) sit in consecutive blocks (read in place), else None."""
-        needed = -(-num_tokens // self.block_size)
-        first = block_table[0]
-        for offset in range(1, needed):
-            if block_table[offset] != first + offset:
-                return None
-        return first * self.block_size
+    def rows(self, layer: int, kv: int, slots: torch.Tensor) -> torch.Tensor:
+        """Indices into the pool's rows of one layer's keys (kv=0) or values (kv=1) at `slots`."""
+        size = self.block_size
+        per_block = 2 * self.layout.num_layers * size
+        return slots // size * per_block + slots % size + (2 * layer + kv) * size
 
     def copy_block(self, source: int, target: int) -> None:
         """Block `target` gets block `source`'s keys and values, every layer."""
-        size = self.block_size
-        self.kv[:, :, target * size : (target + 1) * size] = self.kv[
-            :, :, source * size : (source + 1) * size
-        ]
+        self.kv[target] = self.kv[source]
 
     def write(
         self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
-        self.kv[layer, 0].index_copy_(0, slots, keys)
-        self.kv[layer, 1].index_copy_(0, slots, values)
+        self._rows.index_copy_(0, self.rows(layer, 0, slots), keys)
+        self._rows.index_copy_(0, self.rows(layer, 1, slots), values)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[layer, 0].index_select(0, slots), self.kv[layer, 1].index_select(0, slots)
+        return (
+            self._rows.index_select(0, self.rows(layer, 0, slots)),
+            self._rows.index_select(0, self.rows(layer, 1, slots)),
+        )
 
-    def span(self, layer: int, kv: int, first_slot: int, num_slots: int) -> torch.Tensor:
-        """Keys (kv=0) or values (kv=1) of one layer over consecutive slots: a contiguous view
-        (a slice of a view made once: a KV transfer takes hundreds of them)."""
-        return self._halves[layer][kv][first_slot : first_slot + num_slots]
+    def blocks(self, first: int, count: int) -> torch.Tensor:
+        """Consecutive blocks, every layer's keys and values: one contiguous view, what a KV
+        transfer reads or writes as one piece."""
+        return self.kv[first : first + count]
 
     def export(self, slots: torch.Tensor) -> torch.Tensor:
-        """A sequence's KV as one contiguous transfer buffer [layers, 2, tokens, heads, dim]."""
-        return self.kv.index_select(2, slots)
+        """A sequence's KV as one tensor [layers, 2, tokens, heads, dim] (tests compare these)."""
+        size = self.block_size
+        return self.kv[slots // size, :, :, slots % size].permute(1, 2, 0, 3, 4).contiguous()

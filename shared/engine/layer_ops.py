@@ -52,7 +52,7 @@ class KernelOps(TorchOps):
         return q, k
 
     def store(self, pool, layer: int, slots, k, v) -> None:
-        self.kernels.store_kv(pool.kv[layer], slots, k, v)
+        self.kernels.store_kv(*pool.layers[layer], slots, k, v)
 
 
 def llama_norm(module) -> bool:

@@ -23,7 +23,7 @@ import torch
 
 from shared.control.messages import KVLayout
 from shared.engine.forward_batch import SeqSpan
-from shared.engine.kv_cache import KVPool
+from shared.engine.kv_cache import POOL_ORDER, KVPool
 from shared.engine.timing_model import TimingModel
 
 PICKED = 30.0  # the chosen token's logit; every other is 0 (a sampled draw picks it too)
@@ -52,6 +52,7 @@ def mock_layout(model: str, num_layers: int, kv_bytes_per_token: int, block_size
         head_dim=max(per_half_layer, 1),
         block_size=block_size,
         architecture="mock",
+        pool_order=POOL_ORDER,
     )
 
 

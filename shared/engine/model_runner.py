@@ -259,11 +259,10 @@ class ModelRunner:
             if total > rows
             else torch.empty_like(q)
         )
+        keys, values = self.pool.layers[index]
         if batch.decode is not None:
-            keys, values = self.pool.kv[index]
             self.paged(q, keys, values, batch.decode, out, parts.window)
         if batch.prompt is not None:
-            keys, values = self.pool.kv[index]
             self.prefill(q, keys, values, batch.prompt, out, parts.window)
         if batch.attention:
             self._attend_ranges(index, q, batch, out, parts.window)
@@ -273,17 +272,14 @@ class ModelRunner:
         self, index: int, q: torch.Tensor, batch: ForwardBatch, out: torch.Tensor, window
     ) -> None:
         """Prompt chunks (and, without the kernel, decode rows): one SDPA call per range."""
-        # [1, heads, slots, dim]
-        pool_keys, pool_values = (t.transpose(0, 1)[None] for t in self.pool.kv[index])
-        if batch.context is not None:
-            keys, values = (t.transpose(0, 1)[None] for t in self.pool.read(index, batch.context))
+        # [1, heads, context slots, dim]
+        keys, values = (t.transpose(0, 1)[None] for t in self.pool.read(index, batch.context))
         q = q.transpose(0, 1)[None]
         for a in batch.attention:
-            k, v = (pool_keys, pool_values) if a.in_pool else (keys, values)
             attended = F.scaled_dot_product_attention(
                 q[:, :, a.row_start : a.row_end],
-                k[:, :, a.ctx_start : a.ctx_end],
-                v[:, :, a.ctx_start : a.ctx_end],
+                keys[:, :, a.ctx_start : a.ctx_end],
+                values[:, :, a.ctx_start : a.ctx_end],
                 attn_mask=a.mask_within(window, q.device),
                 enable_gqa=True,
             )

@@ -27,16 +27,17 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _key_tile(
-    k_ptr, v_ptr, table, k0, last, kv_head, d, dim_ok,
+    k_ptr, v_ptr, table, k0, last, kv_head, d, dim_ok, block_stride,
     KV_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Positions k0.. (BLOCK_N of them, those < last) of one kv head, read through the table."""
+    """Positions k0.. (BLOCK_N of them, those < last) of one kv head, read through the table
+    (blocks `block_stride` elements apart: every layer's KV lies between them)."""
     p = k0 + tl.arange(0, BLOCK_N)
     in_range = p < last
-    block = tl.load(table + p // BLOCK_SIZE, mask=in_range, other=0)
-    slot = block * BLOCK_SIZE + p % BLOCK_SIZE
-    rows = slot[:, None] * (KV_HEADS * DIM) + kv_head * DIM + d[None, :]
+    block = tl.load(table + p // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    row = block * block_stride + (p % BLOCK_SIZE) * (KV_HEADS * DIM)
+    rows = row[:, None] + kv_head * DIM + d[None, :]
     mask = in_range[:, None] & dim_ok[None, :]
     k = tl.load(k_ptr + rows, mask=mask, other=0.0)
     v = tl.load(v_ptr + rows, mask=mask, other=0.0)
@@ -76,7 +77,7 @@ def _queries(q_ptr, rows, mask, scale, UPCAST: tl.constexpr):
 @triton.jit
 def _paged_attention(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ranges_ptr,
-    q_row_stride, out_row_stride, table_width, scale, window,
+    q_row_stride, out_row_stride, table_width, scale, window, block_stride,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -106,7 +107,7 @@ def _paged_attention(
     table = tables_ptr + span * table_width
     for k0 in range(start, last, BLOCK_N):
         p, in_range, k, v = _key_tile(
-            k_ptr, v_ptr, table, k0, last, kv_head, d, dim_ok,
+            k_ptr, v_ptr, table, k0, last, kv_head, d, dim_ok, block_stride,
             KV_HEADS, DIM, BLOCK_SIZE, BLOCK_N, UPCAST,
         )  # fmt: skip
         m, total, acc = _softmax_step(
@@ -126,17 +127,20 @@ def paged_attention(
 ) -> None:
     """Rows ranges[i] = (first row, first position, count) of q attend causally to sequence i's
     keys through tables[i]; results into the same rows of out. plan = (tables, ranges, the
-    longest count) (no device sync for the grid). `rows`: query rows per program."""
+    longest count) (no device sync for the grid). `rows`: query rows per program. keys, values:
+    one layer of the pool, [blocks, block_size, kv_heads, dim] views (see kv_cache.py)."""
     tables, ranges, longest = plan
     heads, dim = q.shape[1], q.shape[2]
-    kv_heads = keys.shape[1]
+    kv_heads = keys.shape[2]
+    if keys.stride() != values.stride() or keys.stride()[1:] != (kv_heads * dim, dim, 1):
+        raise ValueError("keys and values: one layer of the pool, contiguous within a block")
     group = heads // kv_heads
     block_m = max(16, triton.next_power_of_2(max(rows, group)))
     per_tile = block_m // group
     grid = (ranges.shape[0], kv_heads, triton.cdiv(longest, per_tile))
     _paged_attention[grid](
         q, keys, values, out, tables, ranges,
-        q.stride(0), out.stride(0), tables.shape[1], scale, window,
+        q.stride(0), out.stride(0), tables.shape[1], scale, window, keys.stride(0),
         HEADS=heads, KV_HEADS=kv_heads, DIM=dim, DIM_P=max(16, triton.next_power_of_2(dim)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact fp32

@@ -25,7 +25,8 @@ def test_kv_bytes_never_cross_nats(disagg, nats, hf_model):
         config.num_key_value_heads,
         config.hidden_size // config.num_attention_heads,
     )
-    kv_bytes = chunks[-1].usage.prompt_tokens * bytes_per_token(layout)
+    blocks = -(-chunks[-1].usage.prompt_tokens // 16)  # whole blocks travel (16 tokens each)
+    kv_bytes = blocks * 16 * bytes_per_token(layout)
     decode_id, prefill_id = chunks[-1].timing.decode_worker, chunks[-1].timing.prefill_worker
     deadline = time.monotonic() + 5
     while True:  # the counters travel in heartbeats, every 0.5 s

@@ -76,7 +76,8 @@ def test_kv_arrives_bit_identical_in_the_decode_pool(prefill, decode):
     )
     landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=30)
     assert sent["ok"] and landed["complete"], (sent, landed)
-    assert sent["bytes"] == landed["bytes"] == posted["bytes"] == prompt * 2 * 30 * 3 * 64 * 4
+    # whole blocks travel: the last one's 8 positions past the prompt too
+    assert sent["bytes"] == landed["bytes"] == posted["bytes"] == 1008 * 2 * 30 * 3 * 64 * 4
     assert decode.call("digest", table=dst, start=0, end=prompt) == prefill.call(
         "digest", table=src, start=0, end=prompt
     )
@@ -94,7 +95,7 @@ def test_only_the_missing_suffix_is_sent(prefill, decode):
     sent = prefill.call("send", prompt_len=prompt, src_table=src, destination=dest)
     landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=30)
     assert sent["ok"] and landed["complete"]
-    assert landed["bytes"] == posted["bytes"] == (prompt - skip) * 2 * 30 * 3 * 64 * 4
+    assert landed["bytes"] == posted["bytes"] == (704 - skip) * 2 * 30 * 3 * 64 * 4
     assert decode.call("digest", table=dst, start=skip, end=prompt) == prefill.call(
         "digest", table=src, start=skip, end=prompt
     )

@@ -36,10 +36,11 @@ def test_a_padded_static_step_matches_the_eager_one(tiny_model, rand_tokens):
     torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
     assert int(eager[0].argmax()) == int(padded[0].argmax())
     scratch = runner.pool.scratch_slot
-    changed = (runner.pool.kv != after_eager).flatten(3).any(-1).any(0).any(0).nonzero().flatten()
-    assert set(changed.tolist()) <= {scratch}, "only the padding's KV, into the scratch slot"
-    assert runner.pool.kv[:, :, scratch].abs().sum() > 0
-    torch.testing.assert_close(runner.pool.kv[:, :, :scratch], after_eager[:, :, :scratch])
+    # [blocks, layers, 2, block_size, heads, dim] -> the slots (block, offset) any write changed
+    changed = (runner.pool.kv != after_eager).flatten(4).any(-1).any(1).any(1).flatten()
+    assert set(changed.nonzero().flatten().tolist()) <= {scratch}, "the padding's KV: scratch only"
+    assert runner.pool.kv[scratch // BLOCK, :, :, scratch % BLOCK].abs().sum() > 0
+    torch.testing.assert_close(runner.pool.kv[: scratch // BLOCK], after_eager[: scratch // BLOCK])
 
 
 def test_only_steps_of_decode_rows_that_fit_are_replayed(tiny_model, rand_tokens):

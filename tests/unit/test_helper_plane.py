@@ -41,7 +41,7 @@ def test_a_region_is_one_memory_in_two_mappings_and_names_only_what_it_holds():
 def test_a_shared_pool_lives_in_its_region():
     pool = KVPool(LAYOUT, 3, 4, "cpu", shared=True)
     assert pool.kv.data_ptr() == pool.region.base and pool.kv.nbytes == pool.region.nbytes
-    pool.kv[1, 0, 5].fill_(1.5)
+    pool.kv[1, 0, 1].fill_(1.5)
     assert (
         pool.region.array.any() and not KVPool(LAYOUT, 3, 4, "cpu", shared=True).region.array.any()
     )
@@ -111,22 +111,18 @@ async def test_the_helper_gathers_spans_into_one_message_and_reports_it_landed()
 async def test_the_worker_side_refuses_buffers_outside_its_regions_and_a_helper_that_is_down():
     pool = KVPool(LAYOUT, 4, 4, "cpu", shared=True)
     plane = HelperDataPlane([pool.region])
-    assert plane._ref(pool.span(1, 1, 4, 8)) == [
-        0,
-        pool.span(1, 1, 4, 8).data_ptr() - pool.region.base,
-        8 * 32,
-    ]
+    assert plane._ref(pool.blocks(1, 2)) == [0, pool.block_bytes, 2 * pool.block_bytes]
     with pytest.raises(ValueError):
         plane._ref(torch.zeros(8))  # not in the region: the helper could not reach it
-    (future,) = plane.post_receives([(5, pool.span(0, 0, 0, 4))])
+    (future,) = plane.post_receives([(5, pool.blocks(0, 1))])
     with pytest.raises(KVTransferError, match="restarting"):
         await future  # no helper up: fails at once, never hangs
     with pytest.raises(KVTransferError):
-        await plane.send_many(b"peer", [(5, pool.span(0, 0, 0, 4))], timeout=1)
+        await plane.send_many(b"peer", [(5, pool.blocks(0, 1))], timeout=1)
     assert plane.counters.transfers_failed == 1
 
 
-def test_the_sender_hands_a_gathering_plane_the_spans_of_scattered_slots():
+def test_the_sender_hands_a_gathering_plane_the_runs_of_scattered_blocks():
     pool = KVPool(LAYOUT, 8, 4, "cpu", shared=True)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(0)))
     destination = KVDestination(b"d", new_base_tag(9), [0, 1, 2], 0, 16, 1.0)
@@ -135,10 +131,13 @@ def test_the_sender_hands_a_gathering_plane_the_spans_of_scattered_slots():
     sender = KVSender(plane, pool, plan, 1.0)
     staged = sender.stage(plan.segments[0], [5, 1, 2])  # block 5, then the run 1, 2
     gathered = sender.gather(staged)
-    assert gathered and all(isinstance(spans, list) for _, spans in gathered)
-    for (_, spans), (_, layer, kv, slots) in zip(gathered, staged.scattered):
-        assert [s.shape[0] for s in spans] == [4, 8]  # two runs of slots, in order
-        assert torch.equal(torch.cat(spans), pool.kv[layer, kv].index_select(0, slots))
+    assert len(gathered) == 1 and staged.scattered == [(gathered[0][0], [5, 1, 2])]
+    runs = gathered[0][1]
+    assert [run.shape[0] for run in runs] == [1, 2]  # two runs of blocks, in order
+    assert (
+        runs[0].data_ptr() == pool.kv[5].data_ptr() and runs[1].data_ptr() == pool.kv[1].data_ptr()
+    )
+    assert torch.equal(torch.cat(runs), pool.kv[[5, 1, 2]])
 
 
 async def test_a_receive_outside_its_region_fails_alone_and_the_helper_goes_on():

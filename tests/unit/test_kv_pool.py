@@ -1,4 +1,4 @@
-"""KVPool: slots through a block table, write/read, export/load between pools; the KV layout."""
+"""KVPool: slots through a block table, write/read, export, runs of blocks; the KV layout."""
 
 import pytest
 import torch
@@ -10,7 +10,13 @@ from shared.engine.kv_cache import KVPool
 
 BLOCK = 4
 LAYOUT = KVLayout(
-    model="tiny", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=BLOCK
+    model="tiny",
+    dtype="float32",
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+    block_size=BLOCK,
+    pool_order="blocks",
 )
 
 
@@ -47,8 +53,13 @@ def test_bytes_per_token_by_dtype():
 
 def test_pool_shape():
     pool = KVPool(LAYOUT, num_blocks=6, block_size=BLOCK, device="cpu")
-    assert pool.kv.shape == (2, 2, 6 * BLOCK, 2, 16)
+    assert pool.kv.shape == (6, 2, 2, BLOCK, 2, 16)  # block-major
     assert not pool.kv.any()
+    keys, values = pool.layers[1]  # what the kernels read: blocks a whole block's KV apart
+    assert keys.shape == (6, BLOCK, 2, 16) and keys.stride(0) == pool.kv[0].numel()
+    assert keys.data_ptr() == pool.kv[0, 1, 0].data_ptr()
+    assert values.data_ptr() == pool.kv[0, 1, 1].data_ptr()
+    assert pool.block_bytes == BLOCK * kv_cache.bytes_per_token(LAYOUT)
 
 
 def test_slots_map_positions_through_the_block_table():
@@ -78,15 +89,15 @@ def test_write_read_round_trip():
     pool.write(1, slots, keys, values)
     got_k, got_v = pool.read(1, slots)
     assert torch.equal(got_k, keys) and torch.equal(got_v, values)
-    assert not pool.kv[0].any()  # other layer untouched
-    untouched = torch.ones(pool.kv.shape[2], dtype=torch.bool)
-    untouched[slots] = False
-    assert not pool.kv[1][:, untouched].any()  # other slots untouched
+    assert not pool.kv[:, 0].any()  # other layer untouched
+    written = pool.kv[:, 1].flatten(3).any(-1).any(1).flatten()  # by slot
+    assert written.nonzero().flatten().tolist() == sorted(slots.tolist())  # no other slot
+    assert torch.equal(pool.layers[1][0][4, 1], keys[1])  # slot 17: block 4, offset 1
     k2, _ = pool.read(1, pool.slots([4, 1], 2, 5))  # a partial read
     assert torch.equal(k2, keys[2:5])
 
 
-def test_export_packs_a_sequence_and_spans_are_contiguous_pool_ranges():
+def test_export_packs_a_sequence_and_a_run_of_blocks_is_one_contiguous_range():
     n = 11
     pool = KVPool(LAYOUT, num_blocks=6, block_size=BLOCK, device="cpu")
     table = [5, 2, 0]
@@ -97,9 +108,13 @@ def test_export_packs_a_sequence_and_spans_are_contiguous_pool_ranges():
     assert buffer.shape == (LAYOUT.num_layers, 2, n, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     assert buffer.is_contiguous()
     assert buffer.numel() * buffer.element_size() == n * kv_cache.bytes_per_token(LAYOUT)
-    span = pool.span(1, 0, 2 * BLOCK, BLOCK)  # layer 1, keys, block 2 = positions 4..7
-    assert span.is_contiguous() and span.data_ptr() == pool.kv[1, 0, 8].data_ptr()
-    assert torch.equal(span, buffer[1, 0, 4:8])
+    run = pool.blocks(2, 1)  # block 2 = positions 4..7, every layer
+    assert run.is_contiguous() and run.data_ptr() == pool.kv[2].data_ptr()
+    assert run.nbytes == pool.block_bytes
+    assert torch.equal(run[0, 1, 0], buffer[1, 0, 4:8]) and torch.equal(
+        run[0, 0, 1], buffer[0, 1, 4:8]
+    )
+    assert pool.blocks(0, 3).nbytes == 3 * pool.block_bytes
 
 
 def test_pool_refuses_a_layout_of_another_block_size():

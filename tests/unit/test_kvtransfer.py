@@ -46,18 +46,18 @@ def filled_pool(num_blocks: int, seed: int) -> KVPool:
 def test_plan_runs_follow_consecutive_decode_blocks_within_segments():
     plan = TransferPlan(LAYOUT, 18, destination([3, 4, 9, 10, 11], segment=8))
     assert [(s.start, s.end) for s in plan.segments] == [(0, 8), (8, 16), (16, 18)]
-    seg0 = {(p.start, p.end, p.dst_slot) for p in plan.segments[0].pieces}
-    assert seg0 == {(0, 8, 12)}  # blocks 3, 4: one run
-    seg1 = {(p.start, p.end, p.dst_slot) for p in plan.segments[1].pieces}
-    assert seg1 == {(8, 16, 36)}  # blocks 9, 10
-    assert len(plan.pieces) == 3 * 2 * 3 and [p.index for p in plan.pieces] == list(range(18))
-    assert plan.nbytes == 18 * 2 * 3 * 2 * 8 * 4
+    # (positions, first decode block, blocks): a piece is a run of whole blocks, every layer
+    pieces = [(p.segment, p.start, p.end, p.dst_block, p.blocks) for p in plan.pieces]
+    assert pieces == [(0, 0, 8, 3, 2), (1, 8, 16, 9, 2), (2, 16, 18, 11, 1)]
+    assert [p.index for p in plan.pieces] == [0, 1, 2]
+    assert plan.nbytes == 5 * BS * 3 * 2 * 2 * 8 * 4  # the last block travels whole
 
 
 def test_plan_skips_a_cached_prefix_and_splits_broken_runs():
     plan = TransferPlan(LAYOUT, 13, destination([7, 2], skip=8, segment=8))
     assert plan.num_tokens == 5
-    assert {(p.start, p.end, p.dst_slot) for p in plan.pieces} == {(8, 12, 28), (12, 13, 8)}
+    pieces = [(p.start, p.end, p.dst_block, p.blocks) for p in plan.pieces]
+    assert pieces == [(8, 12, 7, 1), (12, 13, 2, 1)]
 
 
 @pytest.mark.parametrize("kwargs", [dict(skip=3), dict(skip=16), dict(segment=6), dict(segment=0)])
@@ -114,8 +114,9 @@ async def test_every_block_arrives_bit_identical():
     assert torch.equal(
         dst.export(dst.slots(dst_table, 0, 19)), src.export(src.slots(src_table, 0, 19))
     )
+    assert sender.bytes_sent == 5 * dst.block_bytes
     untouched = [b for b in range(12) if b not in dst_table]
-    assert not dst.kv.view(3, 2, 12, BS, 2, 8)[:, :, untouched].any()
+    assert not dst.kv[untouched].any()
 
 
 async def test_only_the_missing_suffix_moves():
@@ -124,21 +125,21 @@ async def test_only_the_missing_suffix_moves():
     assert torch.equal(
         dst.export(dst.slots(dst_table, 8, 19)), src.export(src.slots(src_table, 8, 19))
     )
-    assert not dst.kv[:, :, 8:16].any()  # blocks 2 and 3 (the prefix) were not written
-    assert receiver.landed_bytes == 11 * 2 * 3 * 2 * 8 * 4
+    assert not dst.kv[[2, 3]].any()  # blocks 2 and 3 (the prefix) were not written
+    assert receiver.landed_bytes == 3 * dst.block_bytes
 
 
 async def test_abort_releases_every_open_receive_and_reports_what_was_unfilled():
     net = LoopbackNetwork()
     plane = InProcessDataPlane(net, "decode")
     pool = KVPool(LAYOUT, 4, BS, "cpu")
-    plan = TransferPlan(LAYOUT, 16, destination([0, 1, 2, 3]))
+    plan = TransferPlan(LAYOUT, 16, destination([0, 1, 2, 3], segment=4))
     receiver = KVReceiver(plane, pool, plan)
     receiver.start()
     await asyncio.sleep(0)
     assert await receiver.abort(1.0)
-    assert not receiver.complete and plane.counters.receives_released == len(plan.pieces)
-    assert len(receiver.unfilled(pieces_sent=4)) == 4
+    assert not receiver.complete and plane.counters.receives_released == len(plan.pieces) == 4
+    assert len(receiver.unfilled(pieces_sent=3)) == 3
     with pytest.raises(KVTransferError):
         receiver.check(lease_s=10.0)
 

@@ -114,6 +114,8 @@ def test_store_kv_writes_the_rows_into_their_slots(ops):
     slots = torch.tensor([7, 2, 13])
     fused.store(pools[0], 1, slots, k, v)
     plain.store(pools[1], 1, slots, k, v)
-    assert torch.equal(pools[0].kv, pools[1].kv) and torch.equal(pools[0].kv[1, 0, 13], k[2])
+    assert torch.equal(pools[0].kv, pools[1].kv)
+    assert torch.equal(pools[0].kv[3, 1, 0, 1], k[2]) and torch.equal(pools[0].kv[3, 1, 1, 1], v[2])
+    assert pools[0].kv.count_nonzero() == 3 * 2 * 16  # 3 rows of keys and values, 1 layer
     with pytest.raises(RuntimeError, match="slot out of range"):
         fused.store(pools[0], 0, torch.tensor([16]), k, v)

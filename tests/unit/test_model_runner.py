@@ -252,9 +252,7 @@ def test_layer0_kv_is_the_projection_of_the_embeddings(tiny_model, runner, rand_
 def test_kv_does_not_leak_into_other_blocks(tiny_model, rand_tokens):
     runner = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=8, block_size=BLOCK, chunk=32)
     runner.forward([SeqSpan([5, 2], rand_tokens(20), 0, 20)])
-    touched = (
-        runner.pool.kv.reshape(2, 2, 8, BLOCK, -1).abs().sum(dim=(0, 1, 4)) != 0
-    )  # [blocks, offsets]
+    touched = runner.pool.kv.abs().sum(dim=(1, 2, 4, 5)) != 0  # [blocks, offsets]
     assert touched[5].all() and touched[2, :4].all() and not touched[2, 4:].any()
     assert not touched[[0, 1, 3, 4, 6, 7]].any()
 
@@ -285,13 +283,11 @@ def test_decoded_tokens_write_the_kv_a_prefill_of_them_writes(runner, rand_token
 # -- reading the pool in place --------------------------------------------------------------------
 
 
-def test_a_contiguous_block_run_is_read_in_place_with_the_same_bits(runner, rand_tokens):
-    """Consecutive blocks are attended in place (no gather); scattered ones are gathered: same bits."""
+def test_consecutive_and_scattered_blocks_give_the_same_bits(runner, rand_tokens):
+    """Where a sequence's blocks lie in the pool changes nothing of what it computes."""
     prompt = rand_tokens(70)
     consecutive = [100, 101, 102, 103, 104]
     scattered = [200, 150, 230, 170, 210]
-    assert runner.pool.contiguous_run(consecutive, 70) == 100 * BLOCK
-    assert runner.pool.contiguous_run(scattered, 70) is None
     outputs = []
     for blocks in (consecutive, scattered):
         tokens = list(prompt)

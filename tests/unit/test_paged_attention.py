@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from shared.engine import kernels as cpu_kernels
 from shared.engine import paged_attention
 from shared.engine.model_runner import ModelRunner, SeqSpan
-from tests.unit.block_tables import scattered_tables
+from tests.unit.block_tables import in_pool, scattered_tables
 
 BLOCK = 4
 
@@ -31,7 +31,7 @@ def test_matches_sdpa_over_scattered_blocks(kernel, dtype):
     q = torch.randn(5, heads, dim, generator=g).to(dtype)
     out = torch.full_like(q, float("nan"))
     attention = paged_attention.PagedAttention(kernel, BLOCK, dim**-0.5)
-    attention(q, keys, values, attention.plan(tables, lengths, [4, 0, 2]), out)
+    attention(q, *in_pool(keys, values, BLOCK), attention.plan(tables, lengths, [4, 0, 2]), out)
     tolerance = (
         dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
     )
@@ -58,7 +58,9 @@ def test_matches_sdpa_at_the_vector_head_sizes(kernel, dim, dtype, window):
     out = torch.zeros_like(q)
     attention = paged_attention.PagedAttention(kernel, BLOCK, dim**-0.5)
     rows = list(range(len(lengths)))[::-1]
-    attention(q, keys, values, attention.plan(tables, lengths, rows), out, window=window)
+    attention(
+        q, *in_pool(keys, values, BLOCK), attention.plan(tables, lengths, rows), out, window=window
+    )
     tolerance = (
         dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     )
@@ -75,8 +77,8 @@ def test_q_may_be_a_view_of_the_fused_qkv_rows(kernel):
     attention = paged_attention.PagedAttention(kernel, BLOCK, 0.25)
     plan = attention.plan([[3, 5], [1], [9, 2]], [6, 2, 8], [0, 1, 2])
     strided, contiguous = torch.zeros(3, 4, 16), torch.zeros(3, 4, 16)
-    attention(q, keys, values, plan, strided)
-    attention(q.contiguous(), keys, values, plan, contiguous)
+    attention(q, *in_pool(keys, values, BLOCK), plan, strided)
+    attention(q.contiguous(), *in_pool(keys, values, BLOCK), plan, contiguous)
     assert torch.equal(strided, contiguous)
 
 
@@ -88,11 +90,16 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_call(kernel):
     tables = [[i, 31 - i, 10 + i, 20 + i] for i in range(8)]
     together = torch.zeros_like(q)
     attention(
-        q, keys, values, attention.plan(tables, [9 + i for i in range(8)], list(range(8))), together
+        q,
+        *in_pool(keys, values, BLOCK),
+        attention.plan(tables, [9 + i for i in range(8)], list(range(8))),
+        together,
     )
     for i in range(8):
         alone = torch.zeros_like(q)
-        attention(q, keys, values, attention.plan([tables[i]], [9 + i], [i]), alone)
+        attention(
+            q, *in_pool(keys, values, BLOCK), attention.plan([tables[i]], [9 + i], [i]), alone
+        )
         assert torch.equal(alone[i], together[i])
 
 
@@ -107,10 +114,17 @@ def test_the_same_bits_alone_and_in_a_call_split_over_threads(kernel, dtype):
     q = torch.randn(len(lengths), 9, 64, generator=g).to(dtype)
     attention = paged_attention.PagedAttention(kernel, BLOCK, 0.125)
     together = torch.zeros_like(q)
-    attention(q, keys, values, attention.plan(tables, lengths, list(range(len(lengths)))), together)
+    attention(
+        q,
+        *in_pool(keys, values, BLOCK),
+        attention.plan(tables, lengths, list(range(len(lengths)))),
+        together,
+    )
     for i in (0, 7, 23):
         alone = torch.zeros_like(q)
-        attention(q, keys, values, attention.plan([tables[i]], [lengths[i]], [i]), alone)
+        attention(
+            q, *in_pool(keys, values, BLOCK), attention.plan([tables[i]], [lengths[i]], [i]), alone
+        )
         assert torch.equal(alone[i], together[i])
 
 
@@ -162,10 +176,18 @@ def test_a_table_too_short_for_its_context_is_refused(kernel):
     attention = paged_attention.PagedAttention(kernel, BLOCK, 0.25)
     with pytest.raises(RuntimeError, match="longer than its table"):
         attention(
-            q, keys, values, attention.plan([[0, 1]], [BLOCK * 2 + 1], [0]), torch.zeros_like(q)
+            q,
+            *in_pool(keys, values, BLOCK),
+            attention.plan([[0, 1]], [BLOCK * 2 + 1], [0]),
+            torch.zeros_like(q),
         )
     with pytest.raises(RuntimeError, match="block out of range"):
-        attention(q, keys, values, attention.plan([[0, 8]], [BLOCK * 2], [0]), torch.zeros_like(q))
+        attention(
+            q,
+            *in_pool(keys, values, BLOCK),
+            attention.plan([[0, 8]], [BLOCK * 2], [0]),
+            torch.zeros_like(q),
+        )
 
 
 # kernel: built first

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.prefill_attention import PrefillAttention
-from tests.unit.block_tables import scattered_tables
+from tests.unit.block_tables import in_pool, scattered_tables
 
 BLOCK = 16
 
@@ -54,7 +54,7 @@ def test_matches_sdpa_for_several_spans_in_one_call(kernel, dtype, heads, kv_hea
     for first, n in spans:
         ranges.append((row, first, n))
         row += n
-    attention(q, keys, values, attention.plan(tables, ranges), out, window or None)
+    attention(q, *in_pool(keys, values, BLOCK), attention.plan(tables, ranges), out, window or None)
     tolerance = (
         dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=2e-6)
     )
@@ -75,15 +75,17 @@ def test_a_rows_bits_do_not_depend_on_the_cut_or_the_company(kernel, dtype):
     q = torch.randn(length, heads, dim, generator=g).to(dtype)
     attention = PrefillAttention(kernel, BLOCK, dim**-0.5)
     whole = torch.empty_like(q)
-    attention(q, keys, values, attention.plan([table], [(0, 0, length)]), whole)
+    attention(q, *in_pool(keys, values, BLOCK), attention.plan([table], [(0, 0, length)]), whole)
     pieces = torch.empty_like(q)
     for a, b in [(0, 1), (1, 130), (130, 131), (131, 600), (600, 700)]:
-        attention(q, keys, values, attention.plan([table], [(a, a, b - a)]), pieces)
+        attention(
+            q, *in_pool(keys, values, BLOCK), attention.plan([table], [(a, a, b - a)]), pieces
+        )
     assert torch.equal(whole, pieces)
     crowd_q = torch.cat([torch.randn(500, heads, dim, generator=g).to(dtype), q[250:]])
     crowd = torch.empty_like(crowd_q)
     plan = attention.plan([other, table], [(0, 0, 500), (500, 250, length - 250)])
-    attention(crowd_q, keys, values, plan, crowd)
+    attention(crowd_q, *in_pool(keys, values, BLOCK), plan, crowd)
     assert torch.equal(crowd[500:], whole[250:])
 
 
@@ -95,8 +97,8 @@ def test_q_may_be_a_view_of_the_fused_qkv_rows(kernel):
     attention = PrefillAttention(kernel, BLOCK, 0.25)
     plan = attention.plan([[5, 1, 7]], [(0, 0, 40)])
     strided, contiguous = torch.empty(40, 4, 16), torch.empty(40, 4, 16)
-    attention(q, keys, values, plan, strided)
-    attention(q.contiguous(), keys, values, plan, contiguous)
+    attention(q, *in_pool(keys, values, BLOCK), plan, strided)
+    attention(q.contiguous(), *in_pool(keys, values, BLOCK), plan, contiguous)
     assert torch.equal(strided, contiguous)
 
 
@@ -113,4 +115,6 @@ def test_bad_plans_are_refused(kernel, tables, ranges, message):
     q = torch.randn(40, 2, 16)
     attention = PrefillAttention(kernel, BLOCK, 0.25)
     with pytest.raises(RuntimeError, match=message):
-        attention(q, keys, values, attention.plan(tables, ranges), torch.empty_like(q))
+        attention(
+            q, *in_pool(keys, values, BLOCK), attention.plan(tables, ranges), torch.empty_like(q)
+        )

@@ -14,7 +14,7 @@ from shared.engine.triton_attention import (  # noqa: E402
     TritonPagedAttention,
     TritonPrefillAttention,
 )
-from tests.unit.block_tables import scattered_tables  # noqa: E402
+from tests.unit.block_tables import in_pool, scattered_tables  # noqa: E402
 from tests.unit.test_prefill_attention import BLOCK, pool, reference  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def test_prompt_spans_match_sdpa(dtype, heads, kv_heads, dim, window):
     for first, n in spans:
         ranges.append((row, first, n))
         row += n
-    attention(q, keys, values, attention.plan(tables, ranges), out, window or None)
+    attention(q, *in_pool(keys, values, BLOCK), attention.plan(tables, ranges), out, window or None)
     tolerance = (
         dict(rtol=3e-2, atol=3e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=2e-6)
     )
@@ -63,9 +63,9 @@ def test_decode_rows_match_the_cpp_kernel():
     rows = [3, 0, 2]
     triton_out, cpp_out = torch.zeros_like(q), torch.zeros_like(q)
     triton = TritonPagedAttention(BLOCK, dim**-0.5, device="cpu")
-    triton(q, keys, values, triton.plan(tables, lengths, rows), triton_out)
+    triton(q, *in_pool(keys, values, BLOCK), triton.plan(tables, lengths, rows), triton_out)
     cpp = PagedAttention(kernels.load(), BLOCK, dim**-0.5)
-    cpp(q, keys, values, cpp.plan(tables, lengths, rows), cpp_out)
+    cpp(q, *in_pool(keys, values, BLOCK), cpp.plan(tables, lengths, rows), cpp_out)
     torch.testing.assert_close(triton_out, cpp_out, rtol=1e-5, atol=2e-6)
     assert triton_out[1].abs().sum() == 0  # row 1 was not planned
 

@@ -44,7 +44,7 @@ def compile_one(dtype: str, constants: dict):
     signature = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), pointer)
     signature.update(tables_ptr="*i32", ranges_ptr="*i64")
     signature.update(q_row_stride="i32", out_row_stride="i32", table_width="i32")
-    signature.update(scale="fp32", window="i32")
+    signature.update(scale="fp32", window="i32", block_stride="i32")
     signature.update(dict.fromkeys(constants, "constexpr"))
     where = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     return triton.compile(

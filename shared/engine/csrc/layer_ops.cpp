@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "vec.h"
+#include "pool_layer.h"
 
 namespace {
 
@@ -112,24 +113,27 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor si
 }
 
 // Writes rows k[i], v[i] ([n, kv_heads, dim] views, contiguous heads) into slot slots[i] of one
-// layer of the pool, kv_layer [2, slots, kv_heads, dim].
-void store_kv(torch::Tensor kv_layer, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
-  TORCH_CHECK(kv_layer.is_contiguous() && kv_layer.dim() == 4 && kv_layer.size(0) == 2, "store_kv: pool layer");
+// layer of the pool: keys, values [blocks, block_size, kv_heads, dim] (see pool_layer.h).
+void store_kv(torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(keys.dim() == 4, "store_kv: keys and values [blocks, block_size, kv_heads, dim]");
+  const int64_t block_size = keys.size(1);
+  const PoolLayer pool = pool_layer(keys, values, block_size, "store_kv");
   TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kInt64, "store_kv: int64 slots");
-  const int64_t n = slots.size(0), width = kv_layer.size(2) * kv_layer.size(3), capacity = kv_layer.size(1);
+  const int64_t n = slots.size(0), width = pool.row, capacity = pool.blocks * block_size;
   for (auto* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->size(0) >= n && x->size(1) * x->size(2) == width && x->stride(2) == 1 &&
-                x->stride(1) == x->size(2) && x->scalar_type() == kv_layer.scalar_type(), "store_kv: k/v shapes");
+                x->stride(1) == x->size(2) && x->scalar_type() == keys.scalar_type(), "store_kv: k/v shapes");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "store_kv: slot out of range");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_layer.scalar_type(), "store_kv", [&] {
-    scalar_t* keys = kv_layer.data_ptr<scalar_t>();
-    scalar_t* values = keys + capacity * width;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "store_kv", [&] {
+    scalar_t* kd = keys.data_ptr<scalar_t>();
+    scalar_t* vd = values.data_ptr<scalar_t>();
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
     for (int64_t i = 0; i < n; ++i) {
-      std::copy(kp + i * k.stride(0), kp + i * k.stride(0) + width, keys + slot[i] * width);
-      std::copy(vp + i * v.stride(0), vp + i * v.stride(0) + width, values + slot[i] * width);
+      const int64_t at = pool.at_slot(slot[i], block_size);
+      std::copy(kp + i * k.stride(0), kp + i * k.stride(0) + width, kd + at);
+      std::copy(vp + i * v.stride(0), vp + i * v.stride(0) + width, vd + at);
     }
   });
 }

@@ -9,7 +9,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
-void store_kv(torch::Tensor kv_layer, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
+void store_kv(torch::Tensor keys, torch::Tensor values, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
 at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std::vector<int64_t> outs,
                         std::vector<at::Tensor> norms,
                         double eps, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor slots,

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include "fast_math.h"
+#include "pool_layer.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -112,6 +113,7 @@ inline void softmax(float* sc, int64_t n) {
 
 struct Shape {
   int64_t heads, kv_heads, dim, max_blocks, block_size, q_row_stride, window, parts;
+  PoolLayer pool;
 };
 
 // A work item: one sequence's kv heads [kv0, kv1) over its context positions [first, length).
@@ -124,9 +126,9 @@ struct Item {
         table(tables + seq * s.max_blocks) {}
   int64_t first_block(const Shape& s) const { return first / s.block_size; }
   int64_t last_block(const Shape& s) const { return (length - 1) / s.block_size; }
-  // Block b's first position this item reads, and the pool row (slot) that holds it.
+  // Block b's first position this item reads, and where in a layer of the pool its row is.
   int64_t start(int64_t b, const Shape& s) const { return std::max(b * s.block_size, first); }
-  int64_t slot(int64_t b, const Shape& s) const { return table[b] * s.block_size + start(b, s) - b * s.block_size; }
+  int64_t row(int64_t b, const Shape& s) const { return s.pool.at(table[b], start(b, s) - b * s.block_size); }
 };
 
 // The block to be read next, pulled into L2 a few pool rows at a time (this item's kv heads of
@@ -138,7 +140,7 @@ struct Ahead {
   int64_t stride = 0, bytes = 0;
   Ahead() = default;
   Ahead(const T* pool, const Item& it, int64_t b, const Shape& s)
-      : base(reinterpret_cast<const char*>(pool + (it.slot(b, s) * s.kv_heads + it.kv0) * s.dim)),
+      : base(reinterpret_cast<const char*>(pool + it.row(b, s) + it.kv0 * s.dim)),
         stride(s.kv_heads * s.dim * sizeof(T)), bytes((it.kv1 - it.kv0) * s.dim * sizeof(T)) {}
   void rows(int64_t begin, int64_t end) const {
     if (base == nullptr) return;
@@ -162,7 +164,7 @@ void attend_one(const float* query, const T* keys, const T* values, const Item& 
   for (int64_t b = b0; b <= last; ++b) {
     const int64_t start = it.start(b, s), stop = std::min((b + 1) * s.block_size, it.length);
     const Ahead<T> ahead = b < last ? Ahead<T>(keys, it, b + 1, s) : Ahead<T>(values, it, b0, s);
-    const T* key = keys + it.slot(b, s) * stride;
+    const T* key = keys + it.row(b, s);
     for (int64_t t = start; t < stop; ++t, key += stride) {
       ahead.rows(t - start, t - start + 1);
       for (int64_t h = h0; h < h1; ++h) {
@@ -179,7 +181,7 @@ void attend_one(const float* query, const T* keys, const T* values, const Item& 
   for (int64_t b = b0; b <= last; ++b) {
     const int64_t start = it.start(b, s), stop = std::min((b + 1) * s.block_size, it.length);
     const Ahead<T> ahead = b < last ? Ahead<T>(values, it, b + 1, s) : next;
-    const T* value = values + it.slot(b, s) * stride;
+    const T* value = values + it.row(b, s);
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t share = h - h0, heads = h1 - h0;  // this head's share of the next block's rows
       ahead.rows(share * s.block_size / heads, (share + 1) * s.block_size / heads);
@@ -218,28 +220,26 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* tables, c
 }  // namespace
 
 // q, out: [total_rows, heads, dim] (q may be a view with a row stride: q of the fused q|k|v);
-// keys, values: [slots, kv_heads, dim] (one layer of the pool);
+// keys, values: [blocks, block_size, kv_heads, dim] (one layer of the pool, see pool_layer.h);
 // tables: int64 [n, max_blocks]; lengths, rows: int64 [n]. Writes out[rows[i]] for each i.
 // window > 0: each row attends to its last `window` positions only (a sliding-window layer).
 void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
                       torch::Tensor lengths, torch::Tensor rows, torch::Tensor out, int64_t block_size,
                       double scale, int64_t window) {
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && out.is_contiguous() && q.dim() == 3 &&
-              q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes(),
-              "decode_attention: contiguous tensors (q: contiguous heads) only");
+  TORCH_CHECK(out.is_contiguous() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+              out.sizes() == q.sizes(), "decode_attention: contiguous tensors (q: contiguous heads) only");
+  const PoolLayer pool = pool_layer(keys, values, block_size, "decode_attention");
   TORCH_CHECK(tables.is_contiguous() && tables.scalar_type() == torch::kInt64 &&
               lengths.scalar_type() == torch::kInt64 && rows.scalar_type() == torch::kInt64,
               "decode_attention: int64 tables, lengths and rows");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == out.scalar_type() &&
               values.scalar_type() == keys.scalar_type(), "decode_attention: q, the pool and out must share a dtype");
-  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && block_size > 0 && keys.size(1) > 0,
-              "decode_attention: keys and values [slots, kv_heads, dim], block_size > 0");
   TORCH_CHECK(lengths.is_contiguous() && rows.is_contiguous() && lengths.dim() == 1 && rows.dim() == 1,
               "decode_attention: lengths and rows are 1-d");
-  const int64_t heads = q.size(1), kv_heads = keys.size(1), dim = q.size(2);
-  TORCH_CHECK(heads % kv_heads == 0 && keys.size(2) == dim, "decode_attention: head shapes");
+  const int64_t heads = q.size(1), kv_heads = keys.size(2), dim = q.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && keys.size(3) == dim, "decode_attention: head shapes");
   TORCH_CHECK(tables.size(0) == lengths.size(0) && rows.size(0) == lengths.size(0), "decode_attention: one table per row");
-  const int64_t blocks = keys.size(0) / block_size, width = tables.size(1);
+  const int64_t blocks = keys.size(0), width = tables.size(1);
   const int64_t* table = tables.data_ptr<int64_t>();
   int64_t tokens = 0;
   for (int64_t i = 0; i < lengths.size(0); ++i) {
@@ -254,7 +254,7 @@ void decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
   const int64_t n = lengths.size(0), threads = at::get_num_threads();
   const int64_t parts = std::min(kv_heads, std::max<int64_t>(1, (2 * threads + n - 1) / std::max<int64_t>(n, 1)));
   const int64_t grain = tokens * kv_heads < kAlone ? std::max<int64_t>(n * parts, 1) : 1;
-  const Shape shape{heads, kv_heads, dim, width, block_size, q.stride(0), window, parts};
+  const Shape shape{heads, kv_heads, dim, width, block_size, q.stride(0), window, parts, pool};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),

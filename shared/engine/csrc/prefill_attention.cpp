@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include "fast_math.h"
+#include "pool_layer.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -41,6 +42,7 @@ inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 struct Shape {
   int64_t heads, kv_heads, dim, padded_dim, block_size, width, q_row_stride, window;
+  PoolLayer pool;
   int64_t group() const { return heads / kv_heads; }
 };
 
@@ -150,12 +152,11 @@ struct Spans {
 
   // The keys and values of positions [k0, k0 + n) for one kv head, as float: keys transposed.
   void pack(Workspace& w, const int64_t* table, int64_t kv_head, int64_t k0, int64_t n) const {
-    const int64_t stride = s.kv_heads * s.dim;
     std::fill(w.kt.begin(), w.kt.end(), 0.f);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t p = k0 + j, slot = table[p / s.block_size] * s.block_size + p % s.block_size;
-      const T* key = keys + slot * stride + kv_head * s.dim;
-      const T* value = values + slot * stride + kv_head * s.dim;
+      const int64_t p = k0 + j, at = s.pool.at(table[p / s.block_size], p % s.block_size) + kv_head * s.dim;
+      const T* key = keys + at;
+      const T* value = values + at;
       for (int64_t d = 0; d < s.dim; ++d) {
         w.kt[d * kKeyTile + j] = static_cast<float>(key[d]);
         w.v[j * s.padded_dim + d] = static_cast<float>(value[d]);
@@ -237,26 +238,25 @@ void attend(const Spans<T>& spans, const std::vector<Item>& items, int64_t work)
 }  // namespace
 
 // q, out: [total_rows, heads, dim] (q may be a view with a row stride: q of the fused q|k|v);
-// keys, values: [slots, kv_heads, dim] (one layer of the pool); tables: int64 [n, max_blocks];
+// keys, values: [blocks, block_size, kv_heads, dim] (one layer of the pool, see pool_layer.h);
+// tables: int64 [n, max_blocks];
 // ranges: int64 [n, 3] = (first row, first position, rows): rows first.. attend, causally, to
 // positions up to their own (the last `window` of them when window > 0) of sequence i, whose
 // keys and values for every such position are in the pool already. Writes those rows of out.
 void prefill_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
                        torch::Tensor ranges, torch::Tensor out, int64_t block_size, double scale, int64_t window) {
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && out.is_contiguous() && q.dim() == 3 &&
-              q.stride(2) == 1 && q.stride(1) == q.size(2) && out.sizes() == q.sizes(),
-              "prefill_attention: contiguous tensors (q: contiguous heads) only");
+  TORCH_CHECK(out.is_contiguous() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+              out.sizes() == q.sizes(), "prefill_attention: contiguous tensors (q: contiguous heads) only");
+  const PoolLayer pool = pool_layer(keys, values, block_size, "prefill_attention");
   TORCH_CHECK(tables.is_contiguous() && ranges.is_contiguous() && tables.scalar_type() == torch::kInt64 &&
               ranges.scalar_type() == torch::kInt64 && tables.dim() == 2 && ranges.dim() == 2 &&
               ranges.size(1) == 3 && tables.size(0) == ranges.size(0),
               "prefill_attention: int64 tables [n, blocks] and ranges [n, 3]");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == out.scalar_type() &&
               values.scalar_type() == keys.scalar_type(), "prefill_attention: q, the pool and out share a dtype");
-  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && block_size > 0 && keys.size(1) > 0,
-              "prefill_attention: keys and values [slots, kv_heads, dim], block_size > 0");
-  const int64_t heads = q.size(1), kv_heads = keys.size(1), dim = q.size(2), width = tables.size(1);
-  TORCH_CHECK(heads % kv_heads == 0 && keys.size(2) == dim, "prefill_attention: head shapes");
-  const int64_t blocks = keys.size(0) / block_size, n = ranges.size(0);
+  const int64_t heads = q.size(1), kv_heads = keys.size(2), dim = q.size(2), width = tables.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && keys.size(3) == dim, "prefill_attention: head shapes");
+  const int64_t blocks = keys.size(0), n = ranges.size(0);
   const int64_t *table = tables.data_ptr<int64_t>(), *range = ranges.data_ptr<int64_t>();
   int64_t work = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -267,7 +267,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values
       TORCH_CHECK(table[i * width + b] >= 0 && table[i * width + b] < blocks, "prefill_attention: block out of range");
     work += count * (first + count) * heads * dim;
   }
-  const Shape shape{heads, kv_heads, dim, round_up(dim, kLanes * kDimVecs), block_size, width, q.stride(0), window};
+  const Shape shape{heads, kv_heads, dim, round_up(dim, kLanes * kDimVecs), block_size, width, q.stride(0), window, pool};
   const auto items = items_of(range, n, shape);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     const Spans<scalar_t> spans{q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),

@@ -128,7 +128,7 @@ def served_greedy(path: Path, asks, new: int, device: str, want) -> dict:
 
 def kv(args, report: dict) -> None:
     """Each prompt length sent in segments of several sizes (the decode worker's
-    kv_segment_tokens; a piece is one layer's keys or values of a segment), and the largest as
+    kv_segment_tokens; a piece is a run of whole blocks of a segment, every layer), and the largest as
     one bare message: what UCX moves with no cutting at all. Then the largest again with UCX
     progressed by ucxx's thread and by polling instead of our event-loop progress."""
     from bench.kv import BS

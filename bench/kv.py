@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import torch
@@ -226,6 +225,7 @@ def ttft_runs(prompt_tokens: int, repeats: int) -> list[dict]:
     from shared.api import tandem_pb2 as pb
     from shared.api import tandem_pb2_grpc as pb_grpc
     from shared.cli.launcher import start_stack, wait_until_serving
+    from shared.cli.main import parser as cli_parser
     from shared.cli.processes import ProcessGroup, free_port
 
     rows = []
@@ -236,15 +236,10 @@ def ttft_runs(prompt_tokens: int, repeats: int) -> list[dict]:
     ):
         os.environ["TANDEM_KV_SEGMENT_TOKENS"] = str(segment)
         os.environ["TANDEM_MAX_MODEL_LEN"] = "8192"
-        args = Namespace(
-            nats_url="",
-            mode="disaggregated",
-            prefill=1,
-            decode=1,
-            cluster=f"bench-kv-{segment}",
-            model="",
-            model_cache="~/.cache/tandem/models",
-            grpc_port=free_port(),
+        # `tandem up`'s own arguments, so every flag it has gets its default
+        args = cli_parser().parse_args(
+            ["up", "--mode", "disaggregated", "--cluster", f"bench-kv-{segment}"]
+            + ["--grpc-port", str(free_port()), "--http-port", "-1", "--no-demo"]
         )
         with ProcessGroup(Path(tempfile.mkdtemp(prefix="tandem-bench-kv-"))) as group:
             address = start_stack(args, group).address

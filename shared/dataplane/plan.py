@@ -46,11 +46,11 @@ class Segment:
 
 
 def segment_tokens(configured: int, pool_device: str) -> int:
-    """The segment size a decode worker asks for: `configured`, or (0) its pool's default. Each
-    piece costs tens of microseconds of Python and UCX however small it is: on a CPU that is
-    a fraction of copying a 1024-token segment, on a GPU (measured on an H200, cuda_ipc, with a
-    piece per layer and keys|values) many times the copy, so there a segment should be as long
-    as a prompt."""
+    """The segment size a decode worker asks for: `configured`, or (0) its pool's default. A
+    segment is at least one piece, and a piece costs tens of microseconds of Python and UCX
+    however small it is: on a CPU a fraction of copying a 1024-token segment, on a GPU (an H200,
+    cuda_ipc) many times the copy of one. There a segment stays as long as a prompt until the
+    block-major pieces are measured there (see docs/data-plane.md)."""
     if configured:
         return configured
     return 16384 if pool_device.startswith("cuda") else 1024

@@ -347,3 +347,18 @@ def test_values_at_the_edges_are_accepted():
     assert decode(_with(SAMPLES[10], "kernels", "·" * 256)).kernels == "·" * 256
     # a difference of two hosts' clocks may be negative: a timing is finite, not necessarily >= 0
     assert decode(_with(SAMPLES[8], "timing.queue_ms", -3.5)).timing.queue_ms == -3.5
+
+
+def test_a_layout_from_before_block_major_pools_never_equals_one_of_today():
+    """A heartbeat from a worker that predates KVLayout.pool_order decodes with it empty: the
+    router pairs no such worker with one whose pool is block-major (the KV would land scrambled)."""
+    from dataclasses import replace
+
+    from shared.engine.kv_cache import POOL_ORDER
+
+    today = replace(SAMPLES[10], layout=replace(LAYOUT, pool_order=POOL_ORDER))
+    body = msgpack.unpackb(encode(today), raw=False)
+    del body["layout"]["pool_order"]
+    before = decode(msgpack.packb(body, use_bin_type=True), WorkerHeartbeat)
+    assert before.layout.pool_order == "" and before.layout != today.layout
+    assert decode(encode(today), WorkerHeartbeat).layout == today.layout

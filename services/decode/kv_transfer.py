@@ -167,8 +167,10 @@ class InboundTransfer:
 
     @property
     def kv_transfer_ms(self) -> float:
-        """First piece landed -> last piece landed."""
-        return (self.receiver.last_landed - self.receiver.first_landed) * 1000
+        """The first piece put on the wire (the prefill worker's clock) -> the last one landed; a
+        transfer may be one piece, so the first landing cannot be its start."""
+        start = self.result.sent_at or self.receiver.first_landed
+        return max(0.0, self.receiver.last_landed - start) * 1000
 
     @property
     def kv_exposed_ms(self) -> float:

@@ -179,6 +179,7 @@ class OutboundTransfer:
             prefill_worker=worker_id,
             transport=transport,
             computed_at=self.computed_at,
+            sent_at=self.sender.first_sent_at,
             cached_tokens=self.seq.cached_tokens,
         )
 

@@ -143,6 +143,7 @@ class PrefillResult(_Outcome):
     pieces_sent: int = 0  # on an abort: pieces handed to UCX before it stopped
     transport: str = ""  # the UCX transports that carry the bytes, e.g. "sysv+posix+cma"
     computed_at: float = 0.0  # unix time the prompt's last chunk was computed
+    sent_at: float = 0.0  # unix time the first KV piece went on the wire
     cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache served
     queue_ms: float = 0.0
     prefill_ms: float = 0.0

@@ -9,6 +9,7 @@ must stay held until `finish` returns.
 """
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ class KVSender:
             0  # pieces [0, pieces_sent) may be on the wire (the decode side drains them on abort)
         )
         self.bytes_sent = 0
+        self.first_sent_at = 0.0  # unix time the first piece was handed to the plane
         self.sends: list[asyncio.Task] = []
 
     @property
@@ -96,6 +98,7 @@ class KVSender:
         """Puts pieces on the wire; the task ends when all have left."""
         if not sources:
             return None
+        self.first_sent_at = self.first_sent_at or time.time()
         self.pieces_sent = max(
             self.pieces_sent, max(tag for tag, _ in sources) - self.plan.destination.base_tag + 1
         )

@@ -59,7 +59,7 @@ class Sequence:
         self.abandoned = False  # nobody wants its output any more: a step of only such stops early
         self.queue_ms = 0.0
         self.prefill_ms = 0.0
-        self.kv_transfer_ms = 0.0  # first KV piece landed -> last one landed
+        self.kv_transfer_ms = 0.0  # first KV piece sent -> last one landed
         self.kv_exposed_ms = 0.0  # prefill finished -> last KV piece landed
         self.cached_tokens = 0  # prompt tokens a prefix cache served, for Timing
         self.prefill_started = 0.0

@@ -72,7 +72,14 @@ def test_every_worker_serves_and_a_scheduler_replica_can_die(processes, nats):
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             in_flight = [pool.submit(collect, stack.stub(), r, 300) for r in waiting]
-            while not any(w.running for w in stack.status().workers if w.role == "decode"):
+            # Until the requests flow: a worker shows one running (heartbeats sample that every
+            # 0.5 s, and a decode holds an 8-token request for less, so a decode worker alone
+            # could be seen idle throughout: this loop once spun until the test's timeout) or
+            # one has finished; the others still wait in the queues.
+            while not any(w.running for w in stack.status().workers) and not any(
+                f.done() for f in in_flight
+            ):
+                assert time.monotonic() - started < 120, "no request got to a worker"
                 time.sleep(0.05)
             os.kill(victim.pid, signal.SIGKILL)
             killed = time.monotonic()

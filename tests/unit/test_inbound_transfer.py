@@ -26,14 +26,18 @@ async def test_the_normal_path_lands_every_piece_and_hands_the_kv_to_the_engine(
     await side.prefill.got_task.wait()
     sender = side.prefill.send()
     await sender.finish()
-    await side.prefill.result(queue_ms=1.5, prefill_ms=2.5, cached_tokens=0)
+    assert 0 < sender.first_sent_at <= time.time()
+    sent_at = sender.first_sent_at - 0.25  # as if the first piece had left 250 ms earlier
+    await side.prefill.result(queue_ms=1.5, prefill_ms=2.5, cached_tokens=0, sent_at=sent_at)
     await asyncio.wait_for(fetch, 5)
     t, req = side.req.transfer, side.req
     assert t.state is S.COMPLETE and req.may_free and req.failure is None
     assert side.arrived == [req.seq] and req.seq.first_tokens == [7]
     assert req.prefill_worker == PREFILL and side.fetcher.transports == {"inprocess"}
     assert (req.seq.queue_ms, req.seq.prefill_ms) == (1.5, 2.5)
-    assert req.seq.kv_transfer_ms >= 0 and req.seq.kv_exposed_ms >= 0
+    # the first piece sent (the prefill's clock) -> the last landed: one piece may be all
+    assert req.seq.kv_transfer_ms == (t.receiver.last_landed - sent_at) * 1000 >= 250
+    assert req.seq.kv_exposed_ms >= 0
     slots = side.pool.slots(req.seq.block_table, 0, 16)
     assert torch.equal(
         side.pool.export(slots), side.prefill.pool.export(side.prefill.pool.slots(range(8), 0, 16))

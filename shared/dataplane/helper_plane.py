@@ -4,8 +4,8 @@ transfers in flight, never the worker.
 
 The worker's KV pool lives in a SharedRegion both processes map; the worker names buffers by
 region and offset (shared.dataplane.helper_wire) and the helper's UCX reads and writes them in
-place: no copy is added. Pieces whose slots are scattered are handed over as the list of their
-pool spans (`gathers`), and the helper gathers them, off the worker's threads.
+place: no copy is added. Pieces whose blocks are scattered are handed over as the list of their
+runs of pool blocks (`gathers`), and the helper gathers them, off the worker's threads.
 
 When the helper dies, every transfer it carried fails with KVTransferError; the receives it had
 posted cannot write any more, so their blocks are free at once. A new helper starts (with a new

@@ -51,7 +51,7 @@ class ForwardBatch:
     ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor  # where each row's KV is written
-    context: torch.Tensor | None  # slots gathered once per layer for the SDPA ranges
+    context: torch.Tensor | None  # pool rows (KVPool.rows) gathered per layer for the SDPA ranges
     attention: list[QueryRange]  # ranges through scaled_dot_product_attention
     decode: tuple | None  # single-token rows through the paged decode kernel
     prompt: tuple | None  # spans of several rows through the paged prefill kernel
@@ -109,7 +109,7 @@ class _Builder:
                 self._single_row(span, stop, first)
                 continue
             if not gathered:  # this context, gathered once per layer
-                self.context.append(self.pool.slots(span.block_table, 0, span.end))
+                self.context.append(self.pool.rows(self.pool.slots(span.block_table, 0, span.end)))
                 gathered = True
             n = stop - start
             mask = self._causal(n, stop)
@@ -165,7 +165,7 @@ def arrange(
     one; prompt spans, and any of several rows, to the prefill kernel when there is one (a
     prompt row is then computed the same way however the prompt was cut). All the keys the other
     ranges read are gathered once per layer (`context`
-    slots): a sequence's context appears once, and its ranges read prefixes of it.
+    rows): a sequence's context appears once, and its ranges read prefixes of it.
     """
     builder = _Builder(pool, paged, prefill, chunk, device)
     for span in spans:

@@ -74,14 +74,11 @@ class KVPool:
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
         # Each layer's keys and values as [blocks, block_size, heads, dim] views (what the
-        # attention kernels read), and the pool as rows of [heads, dim] (what a write indexes).
+        # attention kernels read), and as rows of [heads, dim] from its first one on (what a
+        # write indexes: `rows(slots)` are the same indices in every one of them).
         self.layers = [(self.kv[:, i, 0], self.kv[:, i, 1]) for i in range(layers)]
-        self._rows = self.kv.view(-1, heads, dim)
-
-    @property
-    def block_bytes(self) -> int:
-        """One block's keys and values of every layer: what a KV transfer moves per block."""
-        return self.kv[0].nbytes
+        flat = self.kv.view(-1, heads, dim)
+        self._halves = [flat[i * block_size :] for i in range(2 * layers)]
 
     def slot_list(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Slot indices of token positions [start, end) of a sequence with this block table, as
@@ -96,26 +93,28 @@ class KVPool:
         slots = self.slot_list(block_table, start, end)
         return torch.tensor(slots, dtype=torch.long, device=self.device)
 
-    def rows(self, layer: int, kv: int, slots: torch.Tensor) -> torch.Tensor:
-        """Indices into the pool's rows of one layer's keys (kv=0) or values (kv=1) at `slots`."""
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The row indices `write` and `read` take for `slots`: alike for every layer's keys
+        and values, so a pass computes them once, not per layer."""
         size = self.block_size
-        per_block = 2 * self.layout.num_layers * size
-        return slots // size * per_block + slots % size + (2 * layer + kv) * size
+        return slots // size * (2 * self.layout.num_layers * size) + slots % size
 
     def copy_block(self, source: int, target: int) -> None:
         """Block `target` gets block `source`'s keys and values, every layer."""
         self.kv[target] = self.kv[source]
 
     def write(
-        self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
-        self._rows.index_copy_(0, self.rows(layer, 0, slots), keys)
-        self._rows.index_copy_(0, self.rows(layer, 1, slots), values)
+        """`rows`: `rows(slots)`."""
+        self._halves[2 * layer].index_copy_(0, rows, keys)
+        self._halves[2 * layer + 1].index_copy_(0, rows, values)
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rows`: `rows(slots)`."""
         return (
-            self._rows.index_select(0, self.rows(layer, 0, slots)),
-            self._rows.index_select(0, self.rows(layer, 1, slots)),
+            self._halves[2 * layer].index_select(0, rows),
+            self._halves[2 * layer + 1].index_select(0, rows),
         )
 
     def blocks(self, first: int, count: int) -> torch.Tensor:

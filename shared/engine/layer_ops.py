@@ -31,9 +31,13 @@ class TorchOps:
     def act_mul(self, act, gate, up):
         return act(gate) * up
 
-    def store(self, pool, layer: int, slots, k, v) -> None:
-        """k, v may carry padding rows past the len(slots) real ones."""
-        pool.write(layer, slots, k[: slots.numel()], v[: slots.numel()])
+    def kv_index(self, pool, slots):
+        """What `store` takes for a pass's KV slots, computed once for all its layers."""
+        return pool.rows(slots)
+
+    def store(self, pool, layer: int, index, k, v) -> None:
+        """`index`: `kv_index(pool, slots)`; k, v may carry padding rows past the real ones."""
+        pool.write(layer, index, k[: index.numel()], v[: index.numel()])
 
 
 class KernelOps(TorchOps):
@@ -51,8 +55,11 @@ class KernelOps(TorchOps):
         self.kernels.rope_(q, k, cos, sin)
         return q, k
 
-    def store(self, pool, layer: int, slots, k, v) -> None:
-        self.kernels.store_kv(*pool.layers[layer], slots, k, v)
+    def kv_index(self, pool, slots):
+        return slots  # the kernel finds a slot through the block stride itself
+
+    def store(self, pool, layer: int, index, k, v) -> None:
+        self.kernels.store_kv(*pool.layers[layer], index, k, v)
 
 
 def llama_norm(module) -> bool:

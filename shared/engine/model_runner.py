@@ -216,10 +216,11 @@ class ModelRunner:
             )  # all rows decode
             return self._logits(x.index_select(0, batch.last_rows))
         residual, x = self.ops.norm(hidden, None, self.parts[0].input_norm)
+        kv_index = self.ops.kv_index(self.pool, batch.slots)  # once, not per layer
         for index, parts in enumerate(self.parts):
             if abandon is not None and abandon():
                 return None
-            attended = self._attend(index, x, cos, sin, batch, rows)
+            attended = self._attend(index, x, cos, sin, batch, rows, kv_index)
             residual, x = self.ops.norm(residual, attended, parts.post_norm)
             gate, up = self.gate_up[index](x)
             out = self.down[index].one(self.ops.act_mul(parts.act, gate, up))
@@ -243,7 +244,7 @@ class ModelRunner:
             normed = torch.cat([normed, normed.new_zeros(total - rows, normed.shape[1])])
         return self.head(normed, rows)
 
-    def _attend(self, index: int, x, cos, sin, batch: ForwardBatch, rows: int):
+    def _attend(self, index: int, x, cos, sin, batch: ForwardBatch, rows: int, kv_index):
         total = x.shape[0]
         q, k, v = self.qkv[index](x)
         q = q.view(total, self.num_heads, self.head_dim)
@@ -253,7 +254,7 @@ class ModelRunner:
         if parts.q_norm is not None:  # Qwen3: each head normalized before the rotary embedding
             q, k = parts.q_norm(q), parts.k_norm(k)
         q, k = self.ops.rope(q, k, cos, sin)
-        self.ops.store(self.pool, index, batch.slots, k, v)
+        self.ops.store(self.pool, index, kv_index, k, v)
         out = (
             q.new_zeros(total, self.num_heads, self.head_dim)
             if total > rows
@@ -272,7 +273,7 @@ class ModelRunner:
         self, index: int, q: torch.Tensor, batch: ForwardBatch, out: torch.Tensor, window
     ) -> None:
         """Prompt chunks (and, without the kernel, decode rows): one SDPA call per range."""
-        # [1, heads, context slots, dim]
+        # [1, heads, context positions, dim]
         keys, values = (t.transpose(0, 1)[None] for t in self.pool.read(index, batch.context))
         q = q.transpose(0, 1)[None]
         for a in batch.attention:

@@ -410,9 +410,9 @@ def land(engine, seq, buffer: torch.Tensor) -> None:
     """What the KV transfer does: the prompt's KV past the cached prefix, written into seq's blocks."""
     pool = engine.runner.pool
     start = seq.num_cached_tokens
-    slots = pool.slots(seq.block_table, start, seq.prompt_len)
+    rows = pool.rows(pool.slots(seq.block_table, start, seq.prompt_len))
     for layer, (keys, values) in enumerate(buffer[:, :, start : seq.prompt_len]):
-        pool.write(layer, slots, keys, values)
+        pool.write(layer, rows, keys, values)
 
 
 def test_remote_kv_decodes_like_the_colocated_run(model, rand_tokens):

@@ -111,7 +111,8 @@ async def test_the_helper_gathers_spans_into_one_message_and_reports_it_landed()
 async def test_the_worker_side_refuses_buffers_outside_its_regions_and_a_helper_that_is_down():
     pool = KVPool(LAYOUT, 4, 4, "cpu", shared=True)
     plane = HelperDataPlane([pool.region])
-    assert plane._ref(pool.blocks(1, 2)) == [0, pool.block_bytes, 2 * pool.block_bytes]
+    block = pool.blocks(0, 1).nbytes
+    assert plane._ref(pool.blocks(1, 2)) == [0, block, 2 * block]
     with pytest.raises(ValueError):
         plane._ref(torch.zeros(8))  # not in the region: the helper could not reach it
     (future,) = plane.post_receives([(5, pool.blocks(0, 1))])

@@ -59,7 +59,6 @@ def test_pool_shape():
     assert keys.shape == (6, BLOCK, 2, 16) and keys.stride(0) == pool.kv[0].numel()
     assert keys.data_ptr() == pool.kv[0, 1, 0].data_ptr()
     assert values.data_ptr() == pool.kv[0, 1, 1].data_ptr()
-    assert pool.block_bytes == BLOCK * kv_cache.bytes_per_token(LAYOUT)
 
 
 def test_slots_map_positions_through_the_block_table():
@@ -86,14 +85,14 @@ def test_write_read_round_trip():
     pool = KVPool(LAYOUT, num_blocks=6, block_size=BLOCK, device="cpu")
     slots = pool.slots([4, 1], 0, 6)
     keys, values = random_kv(6, seed=0)
-    pool.write(1, slots, keys, values)
-    got_k, got_v = pool.read(1, slots)
+    pool.write(1, pool.rows(slots), keys, values)
+    got_k, got_v = pool.read(1, pool.rows(slots))
     assert torch.equal(got_k, keys) and torch.equal(got_v, values)
     assert not pool.kv[:, 0].any()  # other layer untouched
     written = pool.kv[:, 1].flatten(3).any(-1).any(1).flatten()  # by slot
     assert written.nonzero().flatten().tolist() == sorted(slots.tolist())  # no other slot
     assert torch.equal(pool.layers[1][0][4, 1], keys[1])  # slot 17: block 4, offset 1
-    k2, _ = pool.read(1, pool.slots([4, 1], 2, 5))  # a partial read
+    k2, _ = pool.read(1, pool.rows(pool.slots([4, 1], 2, 5)))  # a partial read
     assert torch.equal(k2, keys[2:5])
 
 
@@ -103,18 +102,19 @@ def test_export_packs_a_sequence_and_a_run_of_blocks_is_one_contiguous_range():
     table = [5, 2, 0]
     slots = pool.slots(table, 0, n)
     for layer in range(LAYOUT.num_layers):
-        pool.write(layer, slots, *random_kv(n, seed=10 + layer))
+        pool.write(layer, pool.rows(slots), *random_kv(n, seed=10 + layer))
     buffer = pool.export(slots)
     assert buffer.shape == (LAYOUT.num_layers, 2, n, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     assert buffer.is_contiguous()
     assert buffer.numel() * buffer.element_size() == n * kv_cache.bytes_per_token(LAYOUT)
     run = pool.blocks(2, 1)  # block 2 = positions 4..7, every layer
     assert run.is_contiguous() and run.data_ptr() == pool.kv[2].data_ptr()
-    assert run.nbytes == pool.block_bytes
+    block_bytes = BLOCK * kv_cache.bytes_per_token(LAYOUT)  # every layer's keys and values
+    assert run.nbytes == block_bytes
     assert torch.equal(run[0, 1, 0], buffer[1, 0, 4:8]) and torch.equal(
         run[0, 0, 1], buffer[0, 1, 4:8]
     )
-    assert pool.blocks(0, 3).nbytes == 3 * pool.block_bytes
+    assert pool.blocks(0, 3).nbytes == 3 * block_bytes
 
 
 def test_pool_refuses_a_layout_of_another_block_size():

@@ -17,7 +17,7 @@ from shared.dataplane.plan import (
 from shared.dataplane.plane import KVTransferError
 from shared.dataplane.receiver import KVReceiver
 from shared.dataplane.sender import KVSender
-from shared.engine.kv_cache import KVPool
+from shared.engine.kv_cache import KVPool, bytes_per_token
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 
 BS = 4
@@ -114,7 +114,7 @@ async def test_every_block_arrives_bit_identical():
     assert torch.equal(
         dst.export(dst.slots(dst_table, 0, 19)), src.export(src.slots(src_table, 0, 19))
     )
-    assert sender.bytes_sent == 5 * dst.block_bytes
+    assert sender.bytes_sent == 5 * BS * bytes_per_token(LAYOUT)
     untouched = [b for b in range(12) if b not in dst_table]
     assert not dst.kv[untouched].any()
 
@@ -126,7 +126,7 @@ async def test_only_the_missing_suffix_moves():
         dst.export(dst.slots(dst_table, 8, 19)), src.export(src.slots(src_table, 8, 19))
     )
     assert not dst.kv[[2, 3]].any()  # blocks 2 and 3 (the prefix) were not written
-    assert receiver.landed_bytes == 3 * dst.block_bytes
+    assert receiver.landed_bytes == 3 * BS * bytes_per_token(LAYOUT)
 
 
 async def test_abort_releases_every_open_receive_and_reports_what_was_unfilled():

@@ -112,8 +112,8 @@ def test_store_kv_writes_the_rows_into_their_slots(ops):
     qkv = torch.randn(5, 8 * 6)  # 3 real rows, 2 padding
     k, v = (t.view(5, 2, 8) for t in qkv.split([16, 16, 16], dim=-1)[1:])
     slots = torch.tensor([7, 2, 13])
-    fused.store(pools[0], 1, slots, k, v)
-    plain.store(pools[1], 1, slots, k, v)
+    fused.store(pools[0], 1, fused.kv_index(pools[0], slots), k, v)
+    plain.store(pools[1], 1, plain.kv_index(pools[1], slots), k, v)
     assert torch.equal(pools[0].kv, pools[1].kv)
     assert torch.equal(pools[0].kv[3, 1, 0, 1], k[2]) and torch.equal(pools[0].kv[3, 1, 1, 1], v[2])
     assert pools[0].kv.count_nonzero() == 3 * 2 * 16  # 3 rows of keys and values, 1 layer

@@ -240,7 +240,7 @@ def test_layer0_kv_is_the_projection_of_the_embeddings(tiny_model, runner, rand_
     prompt = rand_tokens(9)
     blocks = table(360, 9)
     runner.forward([SeqSpan(blocks, prompt, 0, 9)])
-    keys, values = runner.pool.read(0, runner.pool.slots(blocks, 0, 9))
+    keys, values = runner.pool.read(0, runner.pool.rows(runner.pool.slots(blocks, 0, 9)))
     with torch.no_grad():
         out = tiny_model(torch.tensor([prompt]), use_cache=True)
     hf_keys = out.past_key_values.layers[0].keys[0].transpose(0, 1)  # [tokens, heads, dim]

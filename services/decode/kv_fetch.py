@@ -169,18 +169,11 @@ class KVFetcher:
         t.on_ack(ack)
 
     def _task(self, req: DecodeRequest, t: InboundTransfer) -> PrefillTask:
-        task = req.seq.task
         return PrefillTask(
-            attempt_id=task.attempt_id,
-            prompt_token_ids=task.prompt_token_ids,
-            sampling=task.sampling,
+            task=req.seq.task,
             layout=self.rt.runner.layout,
             destination=t.receiver.plan.destination,
             decode_worker=self.rt.worker_id,
-            arrival_time=task.arrival_time,
-            deadline=task.deadline,
-            priority=task.priority,
-            resume_tokens=task.resume_tokens,
         )
 
     async def _follow(self, t: InboundTransfer) -> None:

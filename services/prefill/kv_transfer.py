@@ -191,7 +191,7 @@ class OutboundTransfer:
             self.trace,
             started,
             self.computed_at,
-            prompt_tokens=len(self.task.prompt_token_ids),
+            prompt_tokens=len(self.task.task.prompt_token_ids),
             cached_tokens=self.seq.cached_tokens,
         )
         tracing.record(

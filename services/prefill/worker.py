@@ -19,7 +19,6 @@ from shared.control.bus import MessageBus
 from shared.control.failure import Code, Failure, failed, worker_failed, worker_full
 from shared.control.messages import (
     CancelRequest,
-    GenerateTask,
     PrefillResult,
     PrefillTask,
     TaskAck,
@@ -133,21 +132,11 @@ class PrefillWorker:
         refusal = self._refusal(task)
         if refusal is None:
             try:
-                plan = TransferPlan(task.layout, len(task.prompt_token_ids), task.destination)
+                plan = TransferPlan(task.layout, len(task.task.prompt_token_ids), task.destination)
             except PlanError as err:
                 refusal = failed(Code.INVALID_ARGUMENT, f"bad KV destination: {err}")
         if refusal is None:
-            request = GenerateTask(
-                attempt_id=task.attempt_id,
-                prompt_token_ids=task.prompt_token_ids,
-                sampling=task.sampling,
-                reply_subject="",
-                arrival_time=task.arrival_time,
-                deadline=task.deadline,
-                priority=task.priority,
-                resume_tokens=task.resume_tokens,
-            )
-            seq = Sequence(request, None, set(), self.rt.max_model_len, prefill_only=True)
+            seq = Sequence(task.task, None, set(), self.rt.max_model_len, prefill_only=True)
             sender = KVSender(self.plane, self.rt.runner.pool, plan, task.destination.lease_s)
             self.held[task.attempt_id] = OutboundTransfer(task, seq, sender, self.engine.release)
             self.engine.add(seq)
@@ -174,7 +163,7 @@ class PrefillWorker:
             return failed(Code.INTERNAL, f"attempt {task.attempt_id} is already here", me)
         if len(self.held) >= self.settings.max_queue:
             return worker_full(me, f"prefill worker {me} queue is full")
-        if self.rt.blocks.blocks_for(len(task.prompt_token_ids)) > self.rt.blocks.num_blocks:
+        if self.rt.blocks.blocks_for(len(task.task.prompt_token_ids)) > self.rt.blocks.num_blocks:
             return worker_full(me, "prompt is larger than the prefill worker's KV budget")
         return None
 

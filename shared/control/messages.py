@@ -115,18 +115,16 @@ class KVDestination:
 
 @dataclass
 class PrefillTask:
-    """Decode worker -> prefill worker: compute this prompt and send its KV to me."""
+    """Decode worker -> prefill worker: compute `task`'s prompt and send its KV to me."""
 
-    attempt_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
+    task: GenerateTask  # the request it serves, as the decode worker holds it
     layout: KVLayout
     destination: KVDestination
     decode_worker: str
-    arrival_time: float
-    deadline: float = 0.0
-    priority: int = 0
-    resume_tokens: int = 0  # the prompt's last tokens are output the client has (a moved request)
+
+    @property
+    def attempt_id(self) -> str:
+        return self.task.attempt_id
 
 
 @dataclass

@@ -29,7 +29,6 @@ MAX_LABEL = 256  # characters of a worker's descriptive strings (its kernel repo
 # int fields that may be negative, and how far
 SIGNED = {
     ("GenerateTask", "priority"): INT32,
-    ("PrefillTask", "priority"): INT32,
 }
 TOKEN_LISTS = {"prompt_token_ids", "token_ids", "top_ids", "first_tokens"}
 
@@ -73,10 +72,6 @@ def _task(m) -> str | None:
     return None
 
 
-def _prefill_task(m) -> str | None:
-    return None if m.attempt_id and m.prompt_token_ids else "empty attempt id or prompt"
-
-
 def _layout(m) -> str | None:
     dims = (m.num_layers, m.num_kv_heads, m.head_dim, m.block_size)
     windows = len(m.windows) <= 65536 and all(0 <= w <= 1 << 30 for w in m.windows)
@@ -101,7 +96,6 @@ EXTRA: dict[str, Callable[[Any], str | None]] = {
     "TokenLogprob": _logprob,
     "PrefillResult": _prefill_result,
     "GenerateTask": _task,
-    "PrefillTask": _prefill_task,
     "KVLayout": _layout,
     "KVDestination": _destination,
     "WorkerHeartbeat": _heartbeat,

@@ -13,7 +13,14 @@ import pytest
 
 from shared.control.bus import NatsBus
 from shared.control.failure import Code
-from shared.control.messages import KVDestination, KVLayout, PrefillTask, SamplingParams, TaskAck
+from shared.control.messages import (
+    GenerateTask,
+    KVDestination,
+    KVLayout,
+    PrefillTask,
+    SamplingParams,
+    TaskAck,
+)
 from shared.control.subjects import Subjects
 from tests.integration.helpers import chat_request, long_document
 from tests.integration.stack import start_stack
@@ -84,13 +91,16 @@ def test_layout_mismatch_is_refused_before_any_transfer(disagg, nats):
         block_size=32,
     )
     task = PrefillTask(
-        attempt_id="mismatch",
-        prompt_token_ids=list(range(100, 164)),
-        sampling=SamplingParams(),
+        task=GenerateTask(
+            attempt_id="mismatch",
+            prompt_token_ids=list(range(100, 164)),
+            sampling=SamplingParams(),
+            reply_subject="",
+            arrival_time=time.time(),
+        ),
         layout=layout,
         destination=KVDestination(ucx_address=b"x", base_tag=1 << 40, block_ids=[0, 1]),
         decode_worker="nobody",
-        arrival_time=time.time(),
     )
 
     async def ask() -> TaskAck:

@@ -42,13 +42,10 @@ def test_a_128k_token_prompt_crosses_the_wire_packed():
     assert len(data) < 4 * 128 * 1024 + 4096  # 4 bytes a token, not a msgpack int each
     assert decode(data, GenerateTask) == big
     prefill = PrefillTask(
-        attempt_id="r.1",
-        prompt_token_ids=big.prompt_token_ids,
-        sampling=big.sampling,
+        task=big,
         layout=LAYOUT,
         destination=KVDestination(b"u" * 300, 1 << 40, list(range(8192))),
         decode_worker="d1",
-        arrival_time=big.arrival_time,
     )
     assert decode(encode(prefill), PrefillTask) == prefill
 

@@ -72,9 +72,7 @@ SAMPLES = [
     DecodeAssignment(task=TASK, prefill_worker="prefill-1"),
     TaskAck(),
     PrefillTask(
-        attempt_id="r1",
-        prompt_token_ids=[5, 6],
-        sampling=SAMPLING,
+        task=TASK,
         layout=LAYOUT,
         destination=KVDestination(
             ucx_address=bytes(range(256)),
@@ -85,7 +83,6 @@ SAMPLES = [
             lease_s=5.0,
         ),
         decode_worker="d",
-        arrival_time=2.0,
     ),
     PrefillResult(attempt_id="r1", base_tag=3, first_tokens=[42], kv_bytes=1024, queue_ms=0.5),
     PrefillResult(

@@ -40,16 +40,7 @@ class Transfer:
         self.seq = Sequence(task, None, set(), 512, prefill_only=True)
         self.seq.block_table = [0, 1, 2, 3]
         self.freed: list[Sequence] = []
-        prefill_task = PrefillTask(
-            "r",
-            task.prompt_token_ids,
-            task.sampling,
-            LAYOUT,
-            destination,
-            "d",
-            time.time(),
-            deadline=deadline,
-        )
+        prefill_task = PrefillTask(task, LAYOUT, destination, "d")
         self.t = OutboundTransfer(prefill_task, self.seq, sender, self.freed.append)
 
     def compute(self, tokens: int) -> None:

@@ -141,7 +141,7 @@ class ScriptedPrefill:
 
     def sender(self) -> KVSender:
         task = self.tasks[-1]
-        plan = TransferPlan(task.layout, len(task.prompt_token_ids), task.destination)
+        plan = TransferPlan(task.layout, len(task.task.prompt_token_ids), task.destination)
         return KVSender(self.plane, self.pool, plan, timeout_s=5.0)
 
     def send(self, segments: int | None = None) -> KVSender:

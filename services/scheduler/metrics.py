@@ -1,7 +1,9 @@
 """The scheduler's Prometheus metrics: its queue by priority, the workers it knows by pool,
-where it placed requests and why it refused others, and how long routing took."""
+where it placed requests and why it refused others, how long routing took, and each time a
+disaggregated request fell back to its decode worker's prefill (logged too)."""
 
 import collections
+import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -12,6 +14,8 @@ from shared.control.failure import Code
 from shared.control.messages import WorkerHeartbeat
 from shared.telemetry import tracing
 from shared.telemetry.metrics import ID_LABELS, LATENCY_BUCKETS
+
+log = logging.getLogger(__name__)
 
 
 class SchedulerMetrics:
@@ -43,6 +47,12 @@ class SchedulerMetrics:
             ids + ["reason"],
             registry=registry,
         )
+        self.prefill_fallbacks = Counter(
+            "tandem_scheduler_prefill_fallbacks",
+            "Disaggregated requests prefilled on their decode worker: no prefill worker was live",
+            ids,
+            registry=registry,
+        )
         self.routing_seconds = Histogram(
             "tandem_scheduler_routing_seconds",
             "Time to choose the workers for one request",
@@ -50,11 +60,16 @@ class SchedulerMetrics:
             buckets=(1e-5, 3e-5, 1e-4, 3e-4) + LATENCY_BUCKETS,
             registry=registry,
         )
-        for path in ("local", "disaggregated"):  # series that read 0, not absent, until used
+        self._read_zero_until_used()
+        self._priorities = {"0"}  # the default priority reads 0 while nothing waits
+
+    def _read_zero_until_used(self) -> None:
+        """The series that read 0, not absent, before their first event."""
+        for path in ("local", "disaggregated"):
             self.placements.labels(*self.ids, path)
         for code in Code:
             self.refusals.labels(*self.ids, code.value.lower())
-        self._priorities = {"0"}  # the default priority reads 0 while nothing waits
+        self.prefill_fallbacks.labels(*self.ids)
 
     def tick(self, priorities: list[int], workers: list[WorkerHeartbeat]) -> None:
         """The queue's and the registry's state now (the scheduler's tick, on its event loop)."""
@@ -67,8 +82,9 @@ class SchedulerMetrics:
             self.live_workers.labels(*self.ids, pool).set(pools[pool])
 
     def routed(self, entry: Pending, started: float, chosen: Route) -> None:
-        """Routing that began at `started` (perf_counter) placed `entry`: its time, and the
-        request's queue and route spans (the route's is where its trace goes on from)."""
+        """Routing that began at `started` (perf_counter) placed `entry`: its time, the request's
+        queue and route spans (the route's is where its trace goes on from), and a prefill
+        fallback, counted and logged."""
         route_s = time.perf_counter() - started
         self.routing_seconds.labels(*self.ids).observe(route_s)
         routed = tracing.now()
@@ -82,6 +98,15 @@ class SchedulerMetrics:
             decode_worker=chosen.decode.worker_id,
             prefill_worker=chosen.prefill.worker_id if chosen.prefill else "",
         )
+        if chosen.fallback:
+            self.prefill_fallbacks.labels(*self.ids).inc()
+            log.warning(
+                "no live prefill worker: %s (%d prompt tokens to compute) is prefilled on decode "
+                "worker %s (prefill_fallback=local)",
+                entry.task.attempt_id,
+                chosen.compute_tokens,
+                chosen.decode.worker_id,
+            )
 
     def placed(self, disaggregated: bool) -> None:
         self.placements.labels(*self.ids, "disaggregated" if disaggregated else "local").inc()

@@ -10,19 +10,21 @@
    (services.scheduler.cost): queued prompt work plus this prompt's uncached part, at the
    worker's measured speed, plus moving the KV at the pair's topology bandwidth. A prefill
    worker whose queue is full, or whose KV budget cannot hold the prompt, is not a candidate.
-3. Mode: `disaggregated` always prefills on a prefill worker; `colocated` always on the decode
-   worker; `auto` prefills locally when what is left after the decode worker's prefix cache is
-   at most `local_prefill_tokens`, when no prefill worker is live, or when the prefill pool's
-   best wait exceeds `prefill_busy_s` and the local path costs less, counting the stall a local
-   prefill imposes on every sequence decoding there (cost.local_prefill_cost_s).
+3. Mode: `disaggregated` prefills on a prefill worker; when none is live at all (the lost last
+   one excluded), `prefill_fallback` decides: prefill on the decode worker (local, the default),
+   wait in the scheduler's queue for one (wait), or fail (fail). `colocated` always prefills on
+   the decode worker; `auto` prefills locally when what is left after the decode worker's prefix
+   cache is at most `local_prefill_tokens`, when no prefill worker is live, or when the prefill
+   pool's best wait exceeds `prefill_busy_s` and the local path costs less, counting the stall a
+   local prefill imposes on every sequence decoding there (cost.local_prefill_cost_s).
 A path whose prefill worker has more than `max_prefill_wait_s` of prompt work queued ahead has no
 room: the request waits in the scheduler's queue (or is refused) instead of queueing without end
 on a worker. (Its own compute does not count: an idle worker always has room.)
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from services.scheduler import cost
+from services.scheduler import capacity, cost
 from services.scheduler.cost import PromptView
 from services.scheduler.registry import WorkerRegistry
 from shared.control.failure import Code, Failure, failed
@@ -64,6 +66,7 @@ class Policy:
     max_prefill_wait_s: float = 60.0
     decode_slack: float = 0.05
     max_itl_ms: float = 0.0  # 0 = no latency bound, only memory and batch slots
+    prefill_fallback: str = "local"  # disaggregated, no live prefill worker: local, wait or fail
 
 
 @dataclass
@@ -75,25 +78,7 @@ class Route:
     compute_tokens: int = 0  # prompt tokens the chosen prefill computes
     cost_s: float = 0.0  # the cost model's estimate (see cost.py)
     queued_s: float = 0.0  # of which: waiting behind prompt work already queued there
-
-
-def _needed_blocks(worker: WorkerHeartbeat, task: GenerateTask, cached: int) -> int:
-    """The prompt's blocks, and each choice's output's (n > 1: forked, the prompt shared)."""
-    tokens = len(task.prompt_token_ids) + task.sampling.n * task.sampling.max_tokens
-    bs = max(1, worker.block_size)
-    return -(-tokens // bs) - cached // bs
-
-
-def _could_ever_fit(worker: WorkerHeartbeat, task: GenerateTask) -> bool:
-    tokens = len(task.prompt_token_ids) + task.sampling.max_tokens
-    return tokens <= worker.max_model_len and _holds(worker, tokens)
-
-
-def _fill_after(worker: WorkerHeartbeat, blocks: int) -> float:
-    """How full the worker would be with this sequence: the fuller of its batch and its KV pool."""
-    seqs = worker.running + worker.queued + 1
-    batch = seqs / worker.max_num_seqs if worker.max_num_seqs else 0.0
-    return max(batch, (worker.kv_blocks_used + blocks) / max(1, worker.kv_blocks_total))
+    fallback: bool = False  # disaggregated, but prefilled here: no prefill worker was live
 
 
 class Router:
@@ -109,9 +94,7 @@ class Router:
             return self._local_best(near, prompt)
         remote = self._remote_best(near, prompt, exclude)
         if self.policy.mode == "disaggregated":
-            if remote is None:
-                self._no_prefill(prompt, exclude)
-            return self._checked(remote)
+            return self._checked(remote or self._no_prefill(near, prompt, exclude))
         local = self._local_best(near, prompt)
         return self._auto(local, remote)
 
@@ -126,7 +109,7 @@ class Router:
         ]
         if not decoders:
             raise NoWorker(f"no live {' or '.join(roles)} worker")
-        if not any(_could_ever_fit(w, task) for w in decoders):
+        if not any(capacity.could_ever_fit(w, task) for w in decoders):
             raise TooLarge(
                 f"{len(task.prompt_token_ids)} prompt + {task.sampling.max_tokens} new tokens "
                 f"do not fit any worker's context or KV cache"
@@ -140,18 +123,18 @@ class Router:
         room = []
         for w in decoders:
             cached = prompt.cached_tokens(w, self.registry.summary(w.worker_id))
-            blocks = _needed_blocks(w, task, cached)
+            blocks = capacity.needed_blocks(w, task, cached)
             held = w.running + w.queued
             slots = (not w.max_num_seqs or held < w.max_num_seqs) and (
                 not w.max_queue or held < w.max_queue
             )
             if (
-                _could_ever_fit(w, task)
+                capacity.could_ever_fit(w, task)
                 and slots
                 and not self._too_slow(w)
                 and blocks <= w.kv_blocks_total - w.kv_blocks_used
             ):
-                room.append((_fill_after(w, blocks), w.worker_id, w, cached, blocks))
+                room.append((capacity.fill_after(w, blocks), w.worker_id, w, cached, blocks))
         if not room:
             raise NoRoom(
                 "every decode worker's batch or KV cache is full"
@@ -206,7 +189,7 @@ class Router:
         prefills = [
             p
             for p in self.registry.live("prefill")
-            if p.worker_id not in exclude and _takes(p, prompt)
+            if p.worker_id not in exclude and capacity.takes(p, len(prompt.token_ids))
         ]
         best, best_key = None, None
         for rank, (w, cached, blocks) in enumerate(near):
@@ -246,23 +229,34 @@ class Router:
             return self._checked(local)
         return self._checked(remote)
 
-    def _no_prefill(self, prompt: PromptView, exclude: set[str]) -> None:
-        """Raises why no prefill worker can take the prompt: none live, none with the decode pool's
-        KV layout (NoWorker), none whose KV budget holds it (TooLarge), or every queue full (NoRoom)."""
+    def _no_prefill(self, near, prompt: PromptView, exclude: set[str]) -> Route:
+        """Disaggregated, and no prefill worker takes the prompt. None live: `_fallback`. Else
+        raises why: none with the decode pool's KV layout (NoWorker), none whose KV budget holds
+        it (TooLarge), or every queue full (NoRoom)."""
         prefills = [p for p in self.registry.live("prefill") if p.worker_id not in exclude]
         if not prefills:
-            raise NoWorker("no live prefill worker")
+            return self._fallback(near, prompt)
         decodes = self.registry.live("decode")
         if not any(p.layout == w.layout for p in prefills for w in decodes):
             raise NoWorker(
                 "no live prefill worker with a matching KV layout: decode serves "
                 f"{_served(decodes)}, prefill serves {_served(prefills)}"
             )
-        if not any(_holds(p, len(prompt.token_ids)) for p in prefills):
+        if not any(capacity.holds(p, len(prompt.token_ids)) for p in prefills):
             raise TooLarge(
                 f"a {len(prompt.token_ids)}-token prompt does not fit any prefill worker's KV cache"
             )
         raise NoRoom("every prefill worker's queue is full")
+
+    def _fallback(self, near, prompt: PromptView) -> Route:
+        """No prefill worker is live: the decode worker prefills the prompt (local), it waits for
+        one in the scheduler's queue (wait), or fails (fail). Just after a start or an outage it
+        waits either way: the prefill workers' heartbeats may be on their way."""
+        if self.policy.prefill_fallback == "fail":
+            raise NoWorker("no live prefill worker")
+        if self.policy.prefill_fallback == "wait" or self.registry.settling():
+            raise NoRoom("no live prefill worker: the request waits for one")
+        return replace(self._local_best(near, prompt), fallback=True)
 
 
 def _served(workers: list[WorkerHeartbeat]) -> str:
@@ -278,14 +272,3 @@ def _served(workers: list[WorkerHeartbeat]) -> str:
             }
         )
     )
-
-
-def _holds(worker: WorkerHeartbeat, tokens: int) -> bool:
-    """The worker's whole KV cache holds `tokens`."""
-    return -(-tokens // max(1, worker.block_size)) <= worker.kv_blocks_total
-
-
-def _takes(prefill: WorkerHeartbeat, prompt: PromptView) -> bool:
-    """The prefill worker would accept the prompt now: its KV budget holds it and its queue has a place."""
-    full = prefill.max_queue and prefill.running + prefill.queued >= prefill.max_queue
-    return _holds(prefill, len(prompt.token_ids)) and not full

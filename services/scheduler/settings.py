@@ -6,6 +6,7 @@ from services.scheduler.router import Policy
 from shared.settings import CommonSettings
 
 MODES = ("auto", "disaggregated", "colocated")
+PREFILL_FALLBACKS = ("local", "wait", "fail")
 
 
 @dataclass
@@ -48,6 +49,12 @@ class SchedulerSettings(CommonSettings):
             "help": "a decode worker whose measured step time (the gap between its sequences' tokens) is over this takes no new sequences until it falls, so admission bounds latency, not only memory; 0 = off"
         },
     )
+    prefill_fallback: str = field(
+        default=Policy.prefill_fallback,
+        metadata={
+            "help": "disaggregated mode, when no prefill worker is live (the last one lost mid-prompt, say): local (prefill on the decode worker), wait (in the scheduler's queue, up to queue_timeout_s and the request's deadline) or fail (UNAVAILABLE)"
+        },
+    )
     max_pending: int = field(
         default=256,
         metadata={
@@ -76,6 +83,10 @@ class SchedulerSettings(CommonSettings):
         super().__post_init__()
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.prefill_fallback not in PREFILL_FALLBACKS:
+            raise ValueError(
+                f"prefill_fallback must be one of {PREFILL_FALLBACKS}, got {self.prefill_fallback!r}"
+            )
         for name in (
             "worker_timeout_s",
             "dispatch_timeout_s",
@@ -102,4 +113,5 @@ class SchedulerSettings(CommonSettings):
             max_prefill_wait_s=self.max_prefill_wait_s,
             decode_slack=self.decode_slack,
             max_itl_ms=self.max_itl_ms,
+            prefill_fallback=self.prefill_fallback,
         )

@@ -44,7 +44,9 @@ def task(
 
 
 def router(*beats: WorkerHeartbeat, **policy) -> Router:
-    registry = WorkerRegistry(timeout_s=3.0, clock=lambda: 0.0)
+    now = [0.0]
+    registry = WorkerRegistry(timeout_s=3.0, clock=lambda: now[0])
+    now[0] = 10.0  # past its start's settling time: no heartbeat is still on its way
     for b in beats:
         registry.update(b)
     return Router(registry, Policy(**{"mode": "disaggregated", **policy}))
@@ -257,8 +259,6 @@ def test_auto_without_prefill_workers_prefills_locally_and_uses_colocated_worker
 def test_disaggregated_always_uses_a_prefill_worker_and_colocated_never():
     r = router(beat("d"), beat("c", role="colocated", running=1), beat("p", role="prefill"))
     assert r.route(task(1)).prefill.worker_id == "p" and r.route(task(1)).decode.worker_id == "d"
-    with pytest.raises(NoWorker, match="prefill"):
-        router(beat("d")).route(task())
     r = router(
         beat("d"),
         beat("p", role="prefill"),
@@ -267,6 +267,56 @@ def test_disaggregated_always_uses_a_prefill_worker_and_colocated_never():
     )
     chosen = r.route(task(5000, 6))
     assert chosen.decode.worker_id == "c" and chosen.prefill is None
+
+
+# --- disaggregated with no live prefill worker: prefill_fallback --------------------------------
+
+
+def test_with_its_last_prefill_worker_lost_a_prompt_is_prefilled_on_its_decode_worker():
+    r = router(beat("d1"), beat("d2", running=3), beat("p", role="prefill"))
+    assert r.route(task(1000)).prefill.worker_id == "p" and not r.route(task(1000)).fallback
+    chosen = r.route(task(1000), exclude={"p"})  # p failed it mid-prompt
+    assert (chosen.decode.worker_id, chosen.prefill, chosen.fallback) == ("d1", None, True)
+    assert chosen.compute_tokens == 1000 and chosen.blocks > 0
+    assert router(beat("d")).route(task()).fallback  # none ever came: the default serves too
+    # still subject to the limit on prompt work queued ahead, there on the decode worker
+    busy = router(beat("d", prefill_tokens_queued=100_000), max_prefill_wait_s=60)
+    with pytest.raises(NoRoom, match="queued ahead"):
+        busy.route(task(1000))
+
+
+def test_the_local_fallback_is_only_for_a_pool_with_no_live_prefill_worker():
+    full = router(beat("d"), beat("p", role="prefill", queued=4, max_queue=4))
+    with pytest.raises(NoRoom, match="queue is full"):
+        full.route(task(100))
+    other = KVLayout(model="other", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
+    with pytest.raises(NoWorker, match="layout"):
+        router(beat("d"), beat("p", role="prefill", layout=other)).route(task())
+    with pytest.raises(TooLarge, match="prefill worker's KV cache"):
+        router(beat("d"), beat("p", role="prefill", kv_blocks_total=10)).route(task(500))
+
+
+def test_just_after_a_start_or_an_outage_the_local_fallback_waits_for_heartbeats():
+    r = router(beat("d"))
+    r.registry.excuse()  # it hears again: the prefill workers' heartbeats may be on their way
+    with pytest.raises(NoRoom, match="no live prefill worker"):
+        r.route(task())
+
+
+def test_prefill_fallback_wait_keeps_the_request_waiting_for_a_prefill_worker():
+    r = router(beat("d"), beat("p", role="prefill"), prefill_fallback="wait")
+    with pytest.raises(NoRoom, match="no live prefill worker") as err:
+        r.route(task(1000), exclude={"p"})
+    assert type(err.value) is NoRoom and err.value.code is Code.RESOURCE_EXHAUSTED
+    r.registry.update(beat("p2", role="prefill"))  # the replacement came
+    assert r.route(task(1000), exclude={"p"}).prefill.worker_id == "p2"
+
+
+def test_prefill_fallback_fail_is_unavailable():
+    r = router(beat("d"), beat("p", role="prefill"), prefill_fallback="fail")
+    with pytest.raises(NoWorker, match="no live prefill worker") as err:
+        r.route(task(1000), exclude={"p"})
+    assert type(err.value) is NoWorker and err.value.code is Code.UNAVAILABLE
 
 
 def test_a_prefill_wait_over_the_limit_is_no_room():

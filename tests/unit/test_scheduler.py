@@ -23,6 +23,7 @@ from shared.control.messages import (
     WorkerHeartbeat,
 )
 from shared.control.subjects import Subjects
+from shared.settings import load_settings
 from tests.fakes.bus import InMemoryBus
 
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
@@ -541,3 +542,47 @@ async def test_a_head_that_fits_nowhere_lets_smaller_requests_by_a_bounded_numbe
     placed = [a.task.attempt_id for _, a in log]
     assert placed == ["small0", "small1"]  # passed the big one twice: then it holds the head
     assert big.skipped == 2 and svc.queue.head() is big and len(svc.queue) == 2
+
+
+# --- disaggregated with no live prefill worker: prefill_fallback -------------------------------
+
+
+def test_prefill_fallback_is_a_setting_local_by_default():
+    assert load_settings(SchedulerSettings, [], env={}).policy().prefill_fallback == "local"
+    flag = load_settings(SchedulerSettings, ["--prefill-fallback", "wait"], env={})
+    env = load_settings(SchedulerSettings, [], env={"TANDEM_PREFILL_FALLBACK": "fail"})
+    assert (flag.policy().prefill_fallback, env.policy().prefill_fallback) == ("wait", "fail")
+    with pytest.raises(ValueError, match="prefill_fallback"):
+        SchedulerSettings(prefill_fallback="later")
+
+
+async def test_a_local_prefill_fallback_is_placed_counted_and_logged(caplog):
+    svc, bus = service(worker_timeout_s=0.2)
+    await asyncio.sleep(0.25)  # past the start's settling time
+    log = []
+    await fake_worker(bus, "d1", TaskAck(), log)
+    svc.registry.update(beat("d1"))
+    svc.registry.update(beat("p1", role="prefill"))
+    moved = task(600, attempt_id="moved")
+    moved.avoid_workers = ["p1"]  # the only prefill worker died under it
+    with caplog.at_level("WARNING", logger="services.scheduler.metrics"):
+        assert await submit(svc, moved) == SubmitReply(decode_worker="d1")
+    assert log[0][1].prefill_worker == ""
+    fallbacks = svc.metrics.registry.get_sample_value(
+        "tandem_scheduler_prefill_fallbacks_total", {"role": "scheduler", "worker": "s1"}
+    )
+    assert fallbacks == 1 and "no live prefill worker: moved" in caplog.text
+
+
+async def test_with_prefill_fallback_wait_a_request_is_placed_when_a_prefill_worker_comes():
+    svc, bus = service(worker_timeout_s=0.2, prefill_fallback="wait")
+    await asyncio.sleep(0.25)
+    log = []
+    await fake_worker(bus, "d1", TaskAck(), log)
+    svc.registry.update(beat("d1"))
+    pending = asyncio.ensure_future(submit(svc, task(600)))
+    await asyncio.sleep(0.05)
+    assert not pending.done() and len(svc.queue) == 1
+    await svc.on_heartbeat(beat("d1"), None)
+    await svc.on_heartbeat(beat("p1", role="prefill"), None)  # the replacement
+    assert await pending == SubmitReply(prefill_worker="p1", decode_worker="d1")

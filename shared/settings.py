@@ -6,6 +6,7 @@ Each field's help text lives in its metadata: `field(default=..., metadata={"hel
 
 import argparse
 import logging
+import math
 import os
 import re
 import ssl
@@ -67,6 +68,28 @@ class CommonSettings:
         default="", metadata=_help("client certificate for NATS TLS (with --nats-tls-key)")
     )
     nats_tls_key: str = field(default="", metadata=_help("client key for NATS TLS"))
+    nats_connect_timeout_s: float = field(
+        default=2.0,
+        metadata=_help("how long connecting to one NATS server may take before the next is tried"),
+    )
+    nats_ping_interval_s: float = field(
+        default=1.0,
+        metadata=_help(
+            "seconds between pings of the NATS server; one silent for 3 of them is given up for "
+            "another (with the defaults a client is on another server within about 5 s)"
+        ),
+    )
+    nats_reconnect_wait_s: float = field(
+        default=0.5,
+        metadata=_help("how long before a NATS server that could not be reached is tried again"),
+    )
+    nats_drain_timeout_s: float = field(
+        default=5.0,
+        metadata=_help(
+            "on shutdown, how long sending what is queued for NATS may take before the connection "
+            "is closed anyway"
+        ),
+    )
     metrics_host: str = field(
         default="127.0.0.1", metadata=_help("address the Prometheus metrics endpoint listens on")
     )
@@ -107,6 +130,14 @@ class CommonSettings:
             raise ValueError(f"unknown log level {self.log_level!r}")
         if not 0.05 <= self.gil_switch_ms <= 100:
             raise ValueError("gil_switch_ms must be 0.05..100")
+        for name in (
+            "nats_connect_timeout_s",
+            "nats_ping_interval_s",
+            "nats_reconnect_wait_s",
+            "nats_drain_timeout_s",
+        ):
+            if not 0 < getattr(self, name) < math.inf:  # NaN too
+                raise ValueError(f"{name} must be a positive number of seconds")
 
 
 def _secret_file(path: str) -> str:

@@ -19,7 +19,7 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import Limits, max_prompt_chars
 from shared import model_store
-from shared.control.bus import NatsBus
+from shared.control.bus import BusTiming, NatsBus
 from shared.control.liveness import Liveness
 from shared.control.subjects import Subjects
 from shared.lifecycle import stop_on_signals
@@ -101,6 +101,12 @@ async def servicer_of(settings: GatewaySettings, tokenizer, stack: AsyncExitStac
             role="gateway",
             cluster=settings.cluster,
             tracing=tracing.enabled,
+            timing=BusTiming(
+                settings.nats_connect_timeout_s,
+                settings.nats_ping_interval_s,
+                settings.nats_reconnect_wait_s,
+                settings.nats_drain_timeout_s,
+            ),
         )
     )
     streams = await stack.enter_async_context(

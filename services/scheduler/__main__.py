@@ -5,7 +5,7 @@ import sys
 
 from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
-from shared.control.bus import NatsBus
+from shared.control.bus import BusTiming, NatsBus
 from shared.lifecycle import stop_on_signals
 from shared.settings import load_settings, nats_options, setup_interpreter, setup_logging
 from shared.telemetry.metrics import MetricsServer
@@ -24,6 +24,12 @@ async def run(settings: SchedulerSettings) -> None:
             role="scheduler",
             cluster=settings.cluster,
             tracing=tracing.enabled,
+            timing=BusTiming(
+                settings.nats_connect_timeout_s,
+                settings.nats_ping_interval_s,
+                settings.nats_reconnect_wait_s,
+                settings.nats_drain_timeout_s,
+            ),
         ) as bus:
             service = SchedulerService(settings, bus)
             registry = service.metrics.registry

@@ -1,10 +1,10 @@
 """Presence: a scheduler replica's side of staying known and keeping its view honest.
 
-It beats (SchedulerHeartbeat, every half second) so gateways submit to it by name and notice
-within about a second when it is gone; it answers pings; it touches the alive file for container
-health checks; and it watches its own hearing: while its NATS connection is down or the server is
-stalled, the workers' silence is excused (WorkerRegistry.excuse), and after a reconnect it asks
-every worker to announce itself (Discover).
+It beats (SchedulerHeartbeat, every `beat_s`: half a second) so gateways submit to it by name
+and notice within about a second when it is gone; it answers pings; it touches the alive file for
+container health checks; and it watches its own hearing: while its NATS connection is down or the
+server is stalled, the workers' silence is excused (WorkerRegistry.excuse), and after a reconnect
+it asks every worker to announce itself (Discover).
 """
 
 import asyncio
@@ -21,7 +21,9 @@ from shared.control.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
-BEAT_S = 0.5
+BEAT_S = 0.5  # the default interval of the replica's heartbeats (Presence's beat_s)
+# the alive file is touched this often; a container health check takes an older one for a hang
+TOUCH_S = 1.0
 
 
 class Presence:
@@ -32,8 +34,10 @@ class Presence:
         scheduler_id: str,
         registry: WorkerRegistry,
         queued: Callable[[], int],
+        beat_s: float = BEAT_S,
     ):
         self.bus = bus
+        self.beat_s = beat_s
         self.subjects = subjects
         self.scheduler_id = scheduler_id
         self.registry = registry
@@ -52,7 +56,7 @@ class Presence:
         await self.bus.publish(self.subjects.discover, Discover(scheduler_id=self.scheduler_id))
 
     async def tick(self) -> None:
-        if time.monotonic() - self._beaten >= BEAT_S:
+        if time.monotonic() - self._beaten >= self.beat_s:
             await self.beat()
         await self._keep_hearing()
 
@@ -73,7 +77,7 @@ class Presence:
         path = Path(alive_file)
         while True:
             path.touch()
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(TOUCH_S)
 
     async def _keep_hearing(self) -> None:
         """While this scheduler cannot hear the workers (its connection down, the server stalled)

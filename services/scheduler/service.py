@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_DISPATCH_ATTEMPTS = 3
 SKIP_AHEAD = 8  # requests behind a head that fits nowhere that may be placed before it
 MAX_SKIPS = 16  # times a head may be passed so; then it waits at the head until it fits
+TICK_S = 0.1  # how often waits run out, placing is retried and presence kept (Presence.tick)
 
 
 def final(failure: Failure) -> Failure:
@@ -102,7 +103,7 @@ class SchedulerService:
         """Ends the waits that ran out, places what the last heartbeats made room for, and keeps
         this replica known (Presence)."""
         while True:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(TICK_S)
             try:
                 await self.presence.tick()
                 self.metrics.tick(self.queue.priorities(), self.registry.live())

@@ -7,6 +7,7 @@ import grpc
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 
+STATUS_TIMEOUT_S = 5.0  # `tandem status`'s default --timeout, and each look of `scale --wait`
 FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
@@ -122,7 +123,7 @@ def status_command(args) -> int:
     try:
         with grpc.insecure_channel(args.address) as channel:
             response = pb_grpc.TandemStub(channel).ClusterStatus(
-                pb.ClusterStatusRequest(), timeout=5
+                pb.ClusterStatusRequest(), timeout=args.timeout
             )
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)

@@ -20,6 +20,8 @@ from shared.settings import CommonSettings
 
 MAX_LINE = 64 * 1024
 ANSWER_TIMEOUT_S = 2.0  # a client that connects and says nothing must not stall the launcher's loop
+CALL_TIMEOUT_S = 10.0  # for the launcher to answer `tandem scale` (it answers between two looks)
+PROBE_TIMEOUT_S = 1.0  # for a socket left behind to take a connection (a launcher still there)
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
 
 
@@ -198,7 +200,7 @@ def _remove_stale(path: Path) -> None:
     if not path.is_socket():
         raise ControlError(f"{path} exists and is not a socket; not replacing it")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
+        probe.settimeout(PROBE_TIMEOUT_S)
         try:
             probe.connect(str(path))
         except ConnectionRefusedError:
@@ -226,7 +228,7 @@ def _same_user(conn: socket.socket) -> bool:
 # -- the client's side --------------------------------------------------------------------------
 
 
-def call(path: Path, request: dict, timeout: float = 10.0) -> dict:
+def call(path: Path, request: dict, timeout: float = CALL_TIMEOUT_S) -> dict:
     """Sends one request to the launcher at `path`; returns its reply (`ok` says whether it was carried out)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)

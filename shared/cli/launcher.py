@@ -38,7 +38,10 @@ from shared.control.nats_auth import ROLES, write_credentials
 from shared.engine.architecture import UnsupportedModel, check
 
 DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM serving?"
-READY_TIMEOUT_S = 300
+READY_TIMEOUT_S = 300.0  # `tandem up`'s default --ready-timeout
+POLL_S = 0.3  # how often the launcher looks: at a gateway starting, at its children, its socket
+ASK_TIMEOUT_S = 2.0  # for each health or status question to a gateway starting
+NATS_START_TIMEOUT_S = 15.0
 SERVICES = ("nats", "scheduler", "gateway")  # one of each, restarted in place when it crashes
 
 
@@ -56,12 +59,14 @@ def wait_until_serving(
                 name, code = group.dead()[0]
                 raise RuntimeError(f"{name} exited with code {code}:\n{group.log_tail(name)}")
             try:
-                reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                reply = health.Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=ASK_TIMEOUT_S
+                )
                 if reply.status == health_pb2.HealthCheckResponse.SERVING and (
                     not workers
                     or len(
                         api.ClusterStatus(
-                            pb.ClusterStatusRequest(), timeout=2, metadata=metadata
+                            pb.ClusterStatusRequest(), timeout=ASK_TIMEOUT_S, metadata=metadata
                         ).workers
                     )
                     >= workers
@@ -69,7 +74,7 @@ def wait_until_serving(
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.3)
+            time.sleep(POLL_S)
     raise TimeoutError(f"the gateway did not report SERVING within {timeout:.0f}s")
 
 
@@ -120,7 +125,7 @@ def _start_nats(group: ProcessGroup, config: list[str]) -> str:
         [nats_server_binary(), *config, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)],
         child_env({}),
     )
-    if not wait_for_port("127.0.0.1", port, 15):
+    if not wait_for_port("127.0.0.1", port, NATS_START_TIMEOUT_S):
         raise RuntimeError("nats-server did not start:\n" + group.log_tail("nats"))
     return f"nats://127.0.0.1:{port}"
 
@@ -207,7 +212,7 @@ def _serve(
         pools = start_stack(args, group, secrets_dir)
         print(f"starting {args.mode} stack, logs in {log_dir} ...", flush=True)
         workers = args.decode + (args.prefill if args.mode != "colocated" else 0)
-        wait_until_serving(pools.address, group, READY_TIMEOUT_S, workers=workers)
+        wait_until_serving(pools.address, group, args.ready_timeout, workers=workers)
     except (RuntimeError, TimeoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -290,5 +295,5 @@ def _run_until_stopped(
         for name, code, killed in group.reap():
             how = "killed: it did not drain in time" if killed else f"exit code {code}"
             print(f"retired {name} is gone ({how})", flush=True)
-        control.poll(pools, timeout=0.3)
+        control.poll(pools, timeout=POLL_S)
     return True

@@ -1,12 +1,21 @@
 """`tandem`: up | generate | status | scale | bench | nats-config."""
 
 import argparse
+import math
 import os
 import secrets
 import sys
 
 from shared.cli import bench, client, launcher, scale
 from shared.control import nats_auth
+
+
+def seconds(text: str) -> float:
+    """A time limit given as a flag: a positive number of seconds."""
+    value = float(text)  # a ValueError: argparse says "invalid seconds value"
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -17,6 +26,12 @@ def parser() -> argparse.ArgumentParser:
     _generate_command(sub)
     status = sub.add_parser("status", help="the workers the scheduler knows")
     status.add_argument("--address", default="127.0.0.1:50051")
+    status.add_argument(
+        "--timeout",
+        type=seconds,
+        default=client.STATUS_TIMEOUT_S,
+        help=f"seconds the gateway has to answer (default {client.STATUS_TIMEOUT_S:.0f})",
+    )
     status.set_defaults(run=client.status_command)
     bench.add_arguments(
         sub.add_parser("bench", help="the serving benchmark: latency and throughput of a gateway")
@@ -59,13 +74,25 @@ def _up_command(sub) -> None:
         default=os.environ.get("TANDEM_MODEL_CACHE", "~/.cache/tandem/models"),
         help="where converted GGUF models are cached (env TANDEM_MODEL_CACHE)",
     )
+    _up_start_arguments(up)
+    _up_placement_arguments(up)
+    _up_access_arguments(up)
+    up.set_defaults(run=launcher.up_command)
+
+
+def _up_start_arguments(up) -> None:
+    """Where the stack's logs go, and how its start is waited for."""
     up.add_argument(
         "--log-dir", default="", help="service logs go here (default: a new temporary directory)"
     )
     up.add_argument("--no-demo", action="store_true", help="skip the demo request")
-    _up_placement_arguments(up)
-    _up_access_arguments(up)
-    up.set_defaults(run=launcher.up_command)
+    up.add_argument(
+        "--ready-timeout",
+        type=seconds,
+        default=launcher.READY_TIMEOUT_S,
+        help="seconds the stack has to start serving with every worker joined (their models "
+        f"loaded), else it stops (default {launcher.READY_TIMEOUT_S:.0f})",
+    )
 
 
 def _up_placement_arguments(up) -> None:
@@ -178,7 +205,7 @@ def _scale_command(sub) -> None:
         help="wait until new workers are in ClusterStatus and retired ones have exited",
     )
     scale_.add_argument(
-        "--timeout", type=float, default=180.0, help="seconds --wait waits at most (default 180)"
+        "--timeout", type=seconds, default=180.0, help="seconds --wait waits at most (default 180)"
     )
     scale_.set_defaults(run=scale.scale_command)
 

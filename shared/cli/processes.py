@@ -9,6 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+# SIGTERM'd services this long to drain before SIGKILL (`tandem up` stopping); retired workers
+# get their own drain timeout instead (shared.cli.pools.drain_grace_s)
+STOP_GRACE_S = 15.0
+CONNECT_TIMEOUT_S = 0.5  # wait_for_port: one connection attempt,
+RETRY_S = 0.1  # and the pause before the next
+
 # The child's first program: asks Linux for SIGTERM when the launcher dies, even by SIGKILL
 # (PR_SET_PDEATHSIG, 1), then becomes the service (exec keeps the pid). A fresh interpreter does
 # it, not a preexec_fn: a preexec_fn makes subprocess fork() instead of vfork(), and a fork() of a
@@ -65,10 +71,10 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((host, port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
                 return True
         except OSError:
-            time.sleep(0.1)
+            time.sleep(RETRY_S)
     return False
 
 
@@ -155,7 +161,7 @@ class ProcessGroup:
             else ""
         )
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the services (gateway first) and let them drain; NATS goes last (every server
         of a cluster: `nats-<node>`); SIGKILL what is left."""
         services = [p for name, p in reversed(self.children) if not _is_nats(name)]

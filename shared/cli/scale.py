@@ -14,8 +14,10 @@ import grpc
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.cli import control
+from shared.cli.client import STATUS_TIMEOUT_S
 
 _TARGET = re.compile(r"([a-z]+)=(-?\d+)")
+POLL_S = 0.5  # how often --wait looks
 
 
 def parse_targets(tokens: list[str]) -> dict[str, int]:
@@ -75,7 +77,7 @@ def scale_command(args) -> int:
     return 0
 
 
-def wait_settled(path, reply: dict, timeout: float, poll_s: float = 0.5) -> None:
+def wait_settled(path, reply: dict, timeout: float, poll_s: float = POLL_S) -> None:
     """Until every started pid is in ClusterStatus and every stopped one is out of it and has exited."""
     joining = {w["pid"] for w in reply["started"]}
     leaving = {w["pid"] for w in reply["stopping"]}
@@ -98,7 +100,9 @@ def cluster_pids(address: str) -> set[int]:
     """The pids of the workers the scheduler knows; none while the gateway does not answer."""
     try:
         with grpc.insecure_channel(address) as channel:
-            status = pb_grpc.TandemStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+            status = pb_grpc.TandemStub(channel).ClusterStatus(
+                pb.ClusterStatusRequest(), timeout=STATUS_TIMEOUT_S
+            )
     except grpc.RpcError:
         return set()
     return {w.pid for w in status.workers}

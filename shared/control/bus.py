@@ -4,6 +4,7 @@ for unit tests is tests/fakes/bus.py)."""
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import nats
@@ -21,14 +22,24 @@ log = logging.getLogger(__name__)
 # nats-py's buffer holds 2 MiB of unsent messages, then blocks (server stalled) or raises
 # (reconnecting); try_publish stops short of it
 BACKED_UP_BYTES = 1024 * 1024
-# A server that stops answering without closing the connection (its host cut off, or frozen) is
-# given up within PING_INTERVAL_S x (MAX_OUTSTANDING_PINGS + 1), and the cluster's servers tried
-# in random order, each for CONNECT_TIMEOUT_S at most (the lost one may come first): a client is
-# on another server within about 5 s. With nats-py's defaults (a ping every 2 minutes, 2 missed)
-# a client stayed deaf for minutes.
-PING_INTERVAL_S = 1
-MAX_OUTSTANDING_PINGS = 2
-CONNECT_TIMEOUT_S = 2
+MAX_OUTSTANDING_PINGS = 2  # pings unanswered before the server is given up (see BusTiming)
+
+
+@dataclass(frozen=True)
+class BusTiming:
+    """How the client keeps its connection (CommonSettings' nats_* settings give the values).
+
+    A server that stops answering without closing the connection (its host cut off, or frozen) is
+    given up within ping_interval_s x (MAX_OUTSTANDING_PINGS + 1), and the cluster's servers tried
+    in random order, each for connect_timeout_s at most (the lost one may come first): with these
+    defaults a client is on another server within about 5 s. With nats-py's own (a ping every 2
+    minutes, 2 missed) a client stayed deaf for minutes."""
+
+    connect_timeout_s: float = 2.0
+    ping_interval_s: float = 1.0
+    reconnect_wait_s: float = 0.5  # before a server that could not be reached is tried again
+    drain_timeout_s: float = 5.0  # on leaving: unsent messages and subscriptions, then closed
+
 
 Respond = Callable[[Any], Awaitable[None]]
 Handler = Callable[[Any, Respond | None], Awaitable[None]]
@@ -96,7 +107,9 @@ class NatsBus:
         role: str = "",
         cluster: str = "default",
         tracing: bool = False,
+        timing: BusTiming = BusTiming(),
     ):
+        self._timing = timing
         self._servers = server_urls(url)
         self._tracing = tracing  # the trace context travels in message headers
         self._shown_url = ",".join(redacted(u) for u in self._servers)
@@ -118,9 +131,9 @@ class NatsBus:
             servers=self._servers,
             name=self._name,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            connect_timeout=CONNECT_TIMEOUT_S,
-            ping_interval=PING_INTERVAL_S,
+            reconnect_time_wait=self._timing.reconnect_wait_s,
+            connect_timeout=self._timing.connect_timeout_s,
+            ping_interval=self._timing.ping_interval_s,
             max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnect,
@@ -134,7 +147,7 @@ class NatsBus:
         self._closing = True
         if self._nc is not None and not self._nc.is_closed:
             try:
-                await asyncio.wait_for(self._nc.drain(), timeout=5)
+                await asyncio.wait_for(self._nc.drain(), self._timing.drain_timeout_s)
             except (asyncio.TimeoutError, nats.errors.Error) as err:
                 log.warning("NATS drain did not finish cleanly: %s", err)
                 try:  # the server may be gone: closing then fails too, and that is fine

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared.dataplane.helper_wire import HelperGone, frame, read_frame
@@ -21,7 +22,19 @@ from shared.engine.shared_region import SharedRegion
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]  # where `shared` is importable from
-START_TIMEOUT_S = 120.0
+# A helper that failed to start is tried again after FIRST_RETRY_S, then twice as long each time
+# up to MAX_RETRY_S: a machine out of something (memory, ports) is not hammered.
+FIRST_RETRY_S = 0.5
+MAX_RETRY_S = 10.0
+
+
+@dataclass(frozen=True)
+class HelperTiming:
+    """How long the worker gives its helper (WorkerSettings' kv_helper_* settings)."""
+
+    start_s: float = 120.0  # to start and say it is ready (import UCX, map the pool)
+    hang_s: float = 10.0  # to answer a ping, or to exit when told; silent longer: replaced
+    ping_s: float = 1.0  # between two pings
 
 
 class HelperLink:
@@ -32,12 +45,11 @@ class HelperLink:
         counters: TransferCounters,
         on_event: Callable[[dict], None],
         on_lost: Callable[[KVTransferError], None],
-        hang_s: float = 10.0,
-        ping_s: float = 1.0,
+        timing: HelperTiming = HelperTiming(),
     ):
         self.regions, self.options, self.counters = regions, options, counters
         self.on_event, self.on_lost = on_event, on_lost
-        self.hang_s, self.ping_s = hang_s, ping_s
+        self.timing = timing
         self.address = b""
         self.up = asyncio.Event()
         self.process = None
@@ -60,7 +72,7 @@ class HelperLink:
         self.up.clear()
         if self._writer is not None:
             self._writer.close()  # the helper ends its receives and exits at the socket's end
-        await self._reap(self.process, timeout=5.0)
+        await self._reap(self.process, timeout=self.timing.hang_s)
 
     async def _start(self) -> None:
         parent, child = socket.socketpair()
@@ -77,7 +89,7 @@ class HelperLink:
             child.close()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         try:
-            ready = await asyncio.wait_for(read_frame(reader), START_TIMEOUT_S)
+            ready = await asyncio.wait_for(read_frame(reader), self.timing.start_s)
         except (HelperGone, asyncio.TimeoutError) as err:
             self.process.kill()
             raise KVTransferError(f"the KV data-plane helper did not start: {err!r}") from None
@@ -118,27 +130,27 @@ class HelperLink:
         self.on_lost(error)
 
     async def _supervise(self) -> None:
-        backoff = 0.5
+        backoff = FIRST_RETRY_S
         while True:
             if self.up.is_set():
-                backoff = 0.5
-                await asyncio.sleep(self.ping_s)
+                backoff = FIRST_RETRY_S
+                await asyncio.sleep(self.timing.ping_s)
                 await self._ping()
                 continue
-            await self._reap(self.process, timeout=self.hang_s)
+            await self._reap(self.process, timeout=self.timing.hang_s)
             try:
                 await self._start()
                 self.counters.plane_restarts += 1
             except (KVTransferError, OSError) as err:
                 log.error("KV data-plane helper restart failed (again in %.1fs): %s", backoff, err)
                 await asyncio.sleep(backoff)
-                backoff = min(10.0, backoff * 2)
+                backoff = min(MAX_RETRY_S, backoff * 2)
 
     async def _ping(self) -> None:
         try:
-            await self.request({"op": "ping"}, self.hang_s)
+            await self.request({"op": "ping"}, self.timing.hang_s)
         except asyncio.TimeoutError:
-            log.error("KV data-plane helper silent for %.0fs: replacing it", self.hang_s)
+            log.error("KV data-plane helper silent for %.0fs: replacing it", self.timing.hang_s)
             self.kill()
         except KVTransferError:
             pass  # it died meanwhile: the supervisor starts another

@@ -16,7 +16,7 @@ answering for `hang_s` is killed and replaced the same way.
 import asyncio
 import logging
 
-from shared.dataplane.helper_link import HelperLink
+from shared.dataplane.helper_link import HelperLink, HelperTiming
 from shared.dataplane.helper_wire import LANDED, RELEASED
 from shared.dataplane.plane import (
     KVTransferError,
@@ -28,8 +28,6 @@ from shared.dataplane.plane import (
 from shared.engine.shared_region import SharedRegion, locate
 
 log = logging.getLogger(__name__)
-
-GRACE_S = 5.0  # beyond an operation's own timeout, for the helper to answer
 
 
 class HelperDataPlane:
@@ -45,9 +43,9 @@ class HelperDataPlane:
         error_handling: bool = False,
         progress_mode: str = "blocking",
         rndv_scheme: str = "",
-        hang_s: float = 10.0,
-        ping_s: float = 1.0,
+        timing: HelperTiming | None = None,  # None: HelperTiming's defaults
     ):
+        timing = timing or HelperTiming()
         self.regions = regions
         options = ["--net-devices", net_devices, "--progress-mode", progress_mode]
         options += ["--tls", tls, "--rndv-scheme", rndv_scheme]
@@ -57,8 +55,11 @@ class HelperDataPlane:
         self._receives: dict[int, asyncio.Future] = {}  # tag -> its posted receive
         self._transports: dict[bytes, str] = {}
         self._link = HelperLink(
-            regions, options, self.counters, self._on_event, self._on_lost, hang_s, ping_s
+            regions, options, self.counters, self._on_event, self._on_lost, timing
         )
+        # beyond an operation's own timeout, for the helper to answer: as long as a ping may take
+        # (a helper silent longer is replaced, and the operation fails then anyway)
+        self._grace_s = timing.hang_s
 
     async def __aenter__(self) -> "HelperDataPlane":
         await self._link.__aenter__()
@@ -144,7 +145,7 @@ class HelperDataPlane:
         try:
             refs = [[tag, self._ref(buf)] for tag, buf in pieces]
             message = {"op": "send", "peer": peer_address, "pieces": refs, "timeout": timeout}
-            reply = await self._link.request(message, timeout + GRACE_S)
+            reply = await self._link.request(message, timeout + self._grace_s)
             if "error" in reply:
                 raise KVTransferError(reply["error"])
         except (KVTransferError, ValueError, asyncio.TimeoutError) as err:
@@ -181,7 +182,7 @@ class HelperDataPlane:
         deadline = asyncio.get_running_loop().time() + timeout
         try:
             message = {"op": "release", "tags": open_tags, "timeout": timeout}
-            await self._link.request(message, timeout + GRACE_S)
+            await self._link.request(message, timeout + self._grace_s)
         except (KVTransferError, asyncio.TimeoutError) as err:
             log.warning("%d KV receive(s) not released: %s", len(open_tags), err)
         stuck = [self._receives[tag] for tag in open_tags if tag in self._receives]
@@ -197,13 +198,13 @@ class HelperDataPlane:
                 len(stuck),
             )
             self._link.kill()
-            await asyncio.wait(stuck, timeout=self._link.hang_s)
+            await asyncio.wait(stuck, timeout=self._link.timing.hang_s)
 
     async def discard(self, pieces: list[tuple[int, int]], timeout: float) -> None:
         if not pieces:
             return
         try:
             message = {"op": "discard", "pieces": pieces, "timeout": timeout}
-            await self._link.request(message, timeout + GRACE_S)
+            await self._link.request(message, timeout + self._grace_s)
         except (KVTransferError, asyncio.TimeoutError) as err:
             log.warning("%d unwanted KV message(s) not discarded: %s", len(pieces), err)

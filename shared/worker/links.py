@@ -8,7 +8,7 @@ from collections.abc import Callable
 from contextlib import AsyncExitStack
 from typing import Protocol
 
-from shared.control.bus import MessageBus, NatsBus
+from shared.control.bus import BusTiming, MessageBus, NatsBus
 from shared.control.liveness import Liveness
 from shared.control.subjects import Subjects
 from shared.dataplane.helper_plane import HelperDataPlane
@@ -55,6 +55,12 @@ async def open_links(
             role=service,
             cluster=settings.cluster,
             tracing=tracing.enabled,
+            timing=BusTiming(
+                settings.nats_connect_timeout_s,
+                settings.nats_ping_interval_s,
+                settings.nats_reconnect_wait_s,
+                settings.nats_drain_timeout_s,
+            ),
         )
     )
     plane = await stack.enter_async_context(plane)
@@ -79,7 +85,7 @@ def data_plane(settings: WorkerSettings, runtime: WorkerRuntime | None) -> DataP
     )
     region = runtime.runner.pool.region if runtime is not None else None
     if region is not None:
-        return HelperDataPlane([region], *options)
+        return HelperDataPlane([region], *options, settings.helper_timing())
     if settings.kv_plane == "helper" and runtime is not None:
         log.warning("KV pool on %s: the data plane runs in this process", runtime.runner.device)
     return UcxDataPlane(*options)

@@ -5,7 +5,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from shared.settings import CommonSettings
+from shared.worker.helper_settings import HelperSettings
 from shared.worker.placement import parse_cpus
 
 ROLES = ("prefill", "decode", "colocated")
@@ -21,7 +21,7 @@ _WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass
-class WorkerSettings(CommonSettings):
+class WorkerSettings(HelperSettings):  # CommonSettings, and the data-plane helper's
     model: str = field(
         default="",
         metadata={"help": "HF model directory or .gguf file; empty = SmolLM2-135M-Instruct"},

@@ -1,6 +1,10 @@
-"""`tandem status`: the table of workers, and the line per worker saying which kernels it runs."""
+"""`tandem status`: the table of workers, and the line per worker saying which kernels it runs;
+the command line's time limits."""
+
+import pytest
 
 from shared.api import tandem_pb2 as pb
+from shared.cli import client
 from shared.cli.client import status_table
 
 KERNELS = "avx2 · bfloat16 emulated · matmul torch · attention paged-c++ · decode-stack per-layer"
@@ -31,3 +35,17 @@ def test_status_shows_each_workers_model_architecture_and_dtype():
     )
     text = status_table(response)
     assert f"\n\nmodels:\n  decode-1  {model}\n\nkernels:\n  decode-1  {KERNELS}" in text
+
+
+def test_the_cli_time_limits_are_flags_with_positive_seconds(capsys):
+    from shared.cli.main import parser
+
+    cli = parser()
+    assert cli.parse_args(["status"]).timeout == client.STATUS_TIMEOUT_S
+    assert cli.parse_args(["status", "--timeout", "0.5"]).timeout == 0.5
+    assert cli.parse_args(["up", "--ready-timeout", "900"]).ready_timeout == 900.0
+    for argv in (["status", "--timeout", "0"], ["up", "--ready-timeout", "nan"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.parse_args(argv)
+        assert exc.value.code == 2
+    assert "positive number of seconds" in capsys.readouterr().err

@@ -175,3 +175,53 @@ def test_the_gil_switch_interval_is_a_common_setting_with_bounds(capsys):
     with pytest.raises(SystemExit):
         load_settings(DecodeSettings, ["--gil-switch-ms", "0"], env={})
     assert "gil_switch_ms" in capsys.readouterr().err
+
+
+def test_the_nats_client_timing_is_a_common_setting_and_reaches_nats_connect(monkeypatch):
+    """Read once in main(), handed to the bus, which hands it to nats-py."""
+    import asyncio
+
+    import nats
+
+    from shared.control.bus import BusTiming, NatsBus
+
+    env = {"TANDEM_NATS_PING_INTERVAL_S": "3", "TANDEM_NATS_DRAIN_TIMEOUT_S": "9"}
+    s = load_settings(GatewaySettings, ["--nats-connect-timeout-s", "4"], env=env)
+    timing = BusTiming(
+        s.nats_connect_timeout_s,
+        s.nats_ping_interval_s,
+        s.nats_reconnect_wait_s,
+        s.nats_drain_timeout_s,
+    )
+    assert timing == BusTiming(connect_timeout_s=4.0, ping_interval_s=3.0, drain_timeout_s=9.0)
+    seen = {}
+
+    async def connect(**options):
+        seen.update(options)
+        raise OSError("no server here")
+
+    monkeypatch.setattr(nats, "connect", connect)
+    with pytest.raises(OSError):
+        asyncio.run(NatsBus(s.nats_url, "n", timing=timing).__aenter__())
+    assert (seen["connect_timeout"], seen["ping_interval"]) == (4.0, 3.0)
+    assert seen["reconnect_time_wait"] == 0.5
+
+
+def test_the_nats_timing_defaults_are_the_bus_defaults():
+    from shared.control.bus import BusTiming
+    from shared.settings import CommonSettings
+
+    s = CommonSettings()
+    assert BusTiming() == BusTiming(
+        s.nats_connect_timeout_s,
+        s.nats_ping_interval_s,
+        s.nats_reconnect_wait_s,
+        s.nats_drain_timeout_s,
+    )
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_nats_timing_must_be_a_positive_number_of_seconds(value):
+    with pytest.raises(SystemExit) as exc:
+        load_settings(SchedulerSettings, ["--nats-reconnect-wait-s", value], env={})
+    assert exc.value.code == 2

@@ -126,7 +126,7 @@ class OpenAIApi:
             message = f"the model {req.model!r} does not exist"
             return _error_response(http_error(grpc.StatusCode.NOT_FOUND, message, param="model"))
         req.request.request_id = self._request_id(request)
-        responses = self.servicer.Generate(req.request, context)
+        responses = self.servicer.Generate(req.request, context, api=context.api)
         formatter = Formatter(req, req.request.request_id, self.text_of)
         async with contextlib.aclosing(responses):
             if req.stream:

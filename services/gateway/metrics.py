@@ -120,14 +120,27 @@ class RequestObserver:
 
 
 class RecordingContext:
-    """A call context that remembers the status the request path ended the call with."""
+    """A call context that remembers the status the request path ended the call with; the rest
+    of what the request path asks of a context (HttpCallContext's methods) is the wrapped one's."""
 
     def __init__(self, context):
         self._context = context
         self.code: grpc.StatusCode | None = None
 
-    def __getattr__(self, name: str):
-        return getattr(self._context, name)
+    def invocation_metadata(self):
+        return self._context.invocation_metadata()
+
+    def auth_context(self) -> dict:
+        return self._context.auth_context()
+
+    def peer(self) -> str:
+        return self._context.peer()
+
+    def time_remaining(self) -> float | None:
+        return self._context.time_remaining()
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self._context.set_trailing_metadata(metadata)
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         self.code = code

@@ -138,11 +138,12 @@ class TandemServicer(pb_grpc.TandemServicer):
         self._tokenize = FairTokenizer()
         self.metrics = GatewayMetrics(settings.gateway_id)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, api: str = "grpc"
+    ):
         """The request's responses, counted in the metrics once it ends, however it ends, under
         its trace's root span (passed down, not made current: this generator's steps may each
-        run in a task of their own)."""
-        api = getattr(context, "api", "grpc")
+        run in a task of their own). `api`: which one it came by (the HTTP API's says its own)."""
         observer, span = self.metrics.request(api), tracing.tracer().start_span("gateway.request")
         span.set_attribute("api", api)
         context, finished = RecordingContext(context), False

@@ -103,10 +103,11 @@ def _kernel_lines(workers) -> str:
     """Per worker, the model it serves and the kernels its engine runs (too wide for columns)."""
     width = max((len(w.id) for w in workers), default=0)
     out = ""
-    for title, field in (("models", "model"), ("kernels", "kernels")):
-        if any(getattr(w, field) for w in workers):
+    models, kernels = [w.model for w in workers], [w.kernels for w in workers]
+    for title, values in (("models", models), ("kernels", kernels)):
+        if any(values):
             out += f"\n\n{title}:\n" + "\n".join(
-                f"  {w.id.ljust(width)}  {getattr(w, field) or '-'}" for w in workers
+                f"  {w.id.ljust(width)}  {value or '-'}" for w, value in zip(workers, values)
             )
     return out
 

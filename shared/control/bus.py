@@ -12,6 +12,7 @@ import nats.errors
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
+from shared.control.attempts import AboutAnAttempt
 from shared.control.nats_auth import inbox_prefix
 from shared.control.subjects import Subjects
 from shared.control.wire import MessageError, decode, encode
@@ -273,5 +274,4 @@ class NatsBus:
 
 def _request_of(message: Any) -> str:
     """The request a message is about (its attempt id), for the log lines of its handler."""
-    task = getattr(message, "task", None)
-    return getattr(message, "attempt_id", "") or getattr(task, "attempt_id", "")
+    return message.attempt_id if isinstance(message, AboutAnAttempt) else ""

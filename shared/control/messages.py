@@ -5,6 +5,7 @@ and back only in shared.control.wire (msgpack, every field's type and range chec
 
 from dataclasses import dataclass, field
 
+from shared.control.attempts import AboutAnAttempt, AboutATask
 from shared.control.failure import Failure
 
 
@@ -41,7 +42,7 @@ class TokenLogprob:
 
 
 @dataclass
-class GenerateTask:
+class GenerateTask(AboutAnAttempt):
     """One request as it travels gateway -> scheduler -> decode worker."""
 
     attempt_id: str
@@ -70,7 +71,7 @@ class SubmitReply(_Outcome):
 
 
 @dataclass
-class DecodeAssignment:
+class DecodeAssignment(AboutATask):
     """Scheduler -> decode worker. An empty prefill_worker means prefill locally."""
 
     task: GenerateTask
@@ -114,7 +115,7 @@ class KVDestination:
 
 
 @dataclass
-class PrefillTask:
+class PrefillTask(AboutATask):
     """Decode worker -> prefill worker: compute `task`'s prompt and send its KV to me."""
 
     task: GenerateTask  # the request it serves, as the decode worker holds it
@@ -122,13 +123,9 @@ class PrefillTask:
     destination: KVDestination
     decode_worker: str
 
-    @property
-    def attempt_id(self) -> str:
-        return self.task.attempt_id
-
 
 @dataclass
-class PrefillResult(_Outcome):
+class PrefillResult(_Outcome, AboutAnAttempt):
     """Prefill worker -> decode worker: every piece of the KV is on the wire (or, with a failure,
     the transfer is aborted and the decode worker frees the blocks it reserved)."""
 
@@ -149,7 +146,7 @@ class PrefillResult(_Outcome):
 
 
 @dataclass
-class TransferAbort:
+class TransferAbort(AboutAnAttempt):
     """Decode worker -> prefill worker: stop this transfer and free its blocks (cancelled, lease
     expired, or the decode worker stops)."""
 
@@ -171,7 +168,7 @@ class Timing:
 
 
 @dataclass
-class TokenChunk:
+class TokenChunk(AboutAnAttempt):
     """Worker -> gateway: new tokens of one request; the last one has finish_reason or a failure."""
 
     attempt_id: str
@@ -195,7 +192,7 @@ class TokenBatch:
 
 
 @dataclass
-class StreamReplay:
+class StreamReplay(AboutAnAttempt):
     """Gateway -> decode worker: send the stream again from chunk `from_index` (some were lost
     while NATS was away). Answered TaskAck(); a failure when the worker no longer has it."""
 
@@ -204,7 +201,7 @@ class StreamReplay:
 
 
 @dataclass
-class CancelRequest:  # gateway -> every worker
+class CancelRequest(AboutAnAttempt):  # gateway -> every worker
     attempt_id: str
     reason: str = "cancelled"
 

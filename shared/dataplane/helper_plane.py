@@ -16,6 +16,8 @@ answering for `hang_s` is killed and replaced the same way.
 import asyncio
 import logging
 
+import numpy
+
 from shared.dataplane.helper_link import HelperLink, HelperTiming
 from shared.dataplane.helper_wire import LANDED, RELEASED
 from shared.dataplane.plane import (
@@ -120,13 +122,12 @@ class HelperDataPlane:
     def _ref(self, buffer) -> list:
         if isinstance(buffer, list):  # spans the helper gathers into one message
             return [self._ref(part) for part in buffer]
-        if not (
-            buffer.is_contiguous()
-            if hasattr(buffer, "is_contiguous")
-            else buffer.flags.c_contiguous
-        ):
+        if isinstance(buffer, numpy.ndarray):
+            contiguous, address = buffer.flags.c_contiguous, buffer.ctypes.data
+        else:  # a torch.Tensor (torch is imported where the pool is made, not here)
+            contiguous, address = buffer.is_contiguous(), buffer.data_ptr()
+        if not contiguous:
             raise ValueError("KV buffers must be contiguous")
-        address = buffer.data_ptr() if hasattr(buffer, "data_ptr") else buffer.ctypes.data
         return [*locate(self.regions, address, buffer.nbytes), buffer.nbytes]
 
     # -- the DataPlane contract

@@ -95,8 +95,7 @@ def report_of(runner) -> KernelReport:
 def _decode_stack(runner) -> str:
     if runner.stack is not None:
         return "c++"
-    # getattr: the runner asks for its report while choosing kernels, before its graphs exist
-    return "cuda-graphs" if getattr(runner, "graphs", None) is not None else "per-layer"
+    return "cuda-graphs" if runner.graphs is not None else "per-layer"
 
 
 def _row_pairs(runner) -> bool | None:

@@ -86,6 +86,7 @@ class ModelRunner:
         self.min_rows = cached_fastest_row_count(
             self.projections, [c for c in self.row_counts if c <= 4], row_timing
         )
+        self.graphs = None  # captured below, once the kernels are chosen (they report it)
         triton = self._use_kernels(kernels, triton, use_kernels)
         self.graphs = decode_graphs(self) if graphs and triton else None
 

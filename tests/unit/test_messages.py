@@ -359,3 +359,21 @@ def test_a_layout_from_before_block_major_pools_never_equals_one_of_today():
     before = decode(msgpack.packb(body, use_bin_type=True), WorkerHeartbeat)
     assert before.layout.pool_order == "" and before.layout != today.layout
     assert decode(encode(today), WorkerHeartbeat).layout == today.layout
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES.values(), ids=lambda cls: cls.__name__)
+def test_a_message_about_an_attempt_declares_it(cls):
+    """The bus asks isinstance(message, AboutAnAttempt) for a handler's log lines: a message
+    with an attempt id, or with the request itself, must say so."""
+    from shared.control.attempts import AboutAnAttempt, AboutATask
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    assert issubclass(cls, AboutAnAttempt) == bool(names & {"attempt_id", "task"})
+    assert issubclass(cls, AboutATask) == ("task" in names)
+
+
+def test_a_message_that_carries_the_request_is_about_its_attempt():
+    task = GenerateTask("a.1", [1], SamplingParams(), "reply", 0.0)
+    assert DecodeAssignment(task=task).attempt_id == "a.1"
+    layout, destination = KVLayout("m", "float32", 1, 1, 4), KVDestination(b"u", 1, [0])
+    assert PrefillTask(task, layout, destination, "d1").attempt_id == "a.1"

@@ -7,7 +7,13 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from shared.control.bus import NatsBus
-from shared.control.messages import CancelRequest
+from shared.control.messages import (
+    CancelRequest,
+    DecodeAssignment,
+    GenerateTask,
+    Ping,
+    SamplingParams,
+)
 from shared.telemetry import tracing
 from shared.telemetry.request_log import RequestLogFilter, request_scope
 
@@ -55,5 +61,8 @@ def test_log_lines_of_a_request_name_it(caplog):
 def test_the_request_of_a_message():
     from shared.control.bus import _request_of
 
+    task = GenerateTask("a.2", [1], SamplingParams(), "reply", 0.0)
     assert _request_of(CancelRequest("a.1")) == "a.1"
+    assert _request_of(DecodeAssignment(task=task)) == "a.2"  # one that carries the request
+    assert _request_of(Ping()) == ""  # about no request
     assert _request_of(object()) == ""

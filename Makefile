@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-ab bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
 
 install: $(STAMP)
 
@@ -114,6 +114,12 @@ bench-blackbox: kernels
 bench-kv: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/kv.py
+
+# KV transfer and TTFT of revision OLD against NEW (default HEAD), each run from its own worktree,
+# alternating: make bench-kv-ab OLD=<rev>. bench/results/kv-ab.md.
+bench-kv-ab: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	$(PY) bench/kv_ab.py --old $(OLD) $(if $(NEW),--new $(NEW))
 
 # What running UCX in a data-plane helper process costs (bench/results/kv_helper.md), and what
 # a peer SIGKILLed mid-transfer does to the survivor (bench/results/ucx_crash.json).

@@ -3,8 +3,9 @@
 Part 1, transfer throughput: for prompts of 128 to 16,384 tokens of the default model's KV and
 of a synthetic Llama-3-8B-shaped KV (32 layers, 8 KV heads, head_dim 128, bf16: 128 KiB a
 token, as the real one), between two processes of this host:
-  - ours: TransferPlan + KVSender + KVReceiver, packed on the prefill side, received straight
-    into scattered blocks of the decode pool (tests.fakes.kv_peer runs each side);
+  - ours: TransferPlan + KVSender + KVReceiver, the push connector, from one run of prefill blocks
+    into one of decode blocks, and from 4 runs into 4 runs; the staged connector (a message per
+    segment) on the same 4-run pools (tests.fakes.kv_peer runs each side);
   - bare ucxx: one send of one buffer of the same size, same data plane settings;
   - memcpy: torch copy of the same bytes inside one process (the same-host physical limit);
   - NATS: the same bytes published in 1 MiB chunks through a local nats-server.
@@ -32,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.control.messages import KVLayout  # noqa: E402
-from shared.dataplane.plan import new_base_tag  # noqa: E402
 from shared.engine.kv_cache import bytes_per_token  # noqa: E402
+from shared.kvtransfer.plan import new_base_tag  # noqa: E402
 from tests.fakes.kv_peer import KVPeer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -56,6 +57,7 @@ def ours(
     rng: random.Random,
     runs: int,
     pools: tuple[int, int] | None = None,  # the peers' pool blocks, if not this bench's
+    how: str = "push",  # the connector (shared.kvtransfer.connector)
 ) -> float:
     n = -(-tokens // BS)
     src_blocks, dst_blocks = pools or (prefill_blocks(tokens), decode_blocks(tokens))
@@ -68,6 +70,7 @@ def ours(
         skip_tokens=0,
         segment_tokens=segment,
         lease_s=60.0,
+        connector=how,
     )
     decode.call("receive", prompt_len=tokens, destination=dest)
     sent = prefill.call(
@@ -185,6 +188,12 @@ def transfer_table(lengths: list[int], repeats: int, nats_url: str, segment: int
                 t_frag = median(
                     [ours(prefill, decode, tokens, segment, rng, 4) for _ in range(repeats)]
                 )
+                t_staged = median(
+                    [
+                        ours(prefill, decode, tokens, segment, rng, 4, how="staged")
+                        for _ in range(repeats)
+                    ]
+                )
                 t_bare = median([bare(prefill, decode, nbytes, rng) for _ in range(repeats)])
                 t_copy = median([memcpy(nbytes) for _ in range(repeats)])
                 t_nats = median(
@@ -198,11 +207,12 @@ def transfer_table(lengths: list[int], repeats: int, nats_url: str, segment: int
                     transport=transport,
                     ours_ms=t_ours * 1e3,
                     frag_ms=t_frag * 1e3,
+                    staged_ms=t_staged * 1e3,
                     bare_ms=t_bare * 1e3,
                     memcpy_ms=t_copy * 1e3,
                     nats_ms=t_nats * 1e3,
                 )
-                for key in ("ours", "frag", "bare", "memcpy", "nats"):
+                for key in ("ours", "frag", "staged", "bare", "memcpy", "nats"):
                     row[f"{key}_gbps"] = nbytes / row[f"{key}_ms"] / 1e6
                 row["ours_vs_bare"] = row["ours_gbps"] / row["bare_gbps"]
                 row["ours_vs_memcpy"] = row["ours_gbps"] / row["memcpy_gbps"]
@@ -210,7 +220,7 @@ def transfer_table(lengths: list[int], repeats: int, nats_url: str, segment: int
                 rows.append(row)
                 print(
                     f"{name:26s} {tokens:6d} tok {nbytes / 2**20:8.1f} MiB  ours {row['ours_gbps']:5.2f} GB/s  "
-                    f"(4 runs {row['frag_gbps']:5.2f})  "
+                    f"(4 runs {row['frag_gbps']:5.2f}, staged {row['staged_gbps']:5.2f})  "
                     f"bare {row['bare_gbps']:5.2f}  memcpy {row['memcpy_gbps']:5.2f}  nats {row['nats_gbps']:5.2f}  "
                     f"ours/bare {row['ours_vs_bare']:.2f}  ours/memcpy {row['ours_vs_memcpy']:.2f}  [{transport}]",
                     flush=True,
@@ -322,16 +332,19 @@ def write_markdown(transfers: list[dict], ttft: list[dict], path: Path, command:
         "",
         '"ours" receives into one run of consecutive decode blocks from one run of prefill blocks (the '
         'block allocator\'s normal case: no copy on either side); "ours, 4 runs" into 4 runs from 4 runs '
-        "(a pool with churn: more pieces, and pieces that cross a prefill run are gathered once).",
+        "(a pool with churn: more pieces, and pieces that cross a prefill run are gathered once), both "
+        'with the push connector; "staged, 4 runs" the same pools with the staged connector (a message '
+        "per segment: gathered on the prefill side, received into a staging buffer and scattered).",
         "",
-        "| KV | tokens | MiB | ours | ours, 4 runs | bare ucxx | memcpy | NATS 1 MiB chunks | ours / bare | "
-        "4 runs / bare | ours / memcpy | transport |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| KV | tokens | MiB | ours | ours, 4 runs | staged, 4 runs | bare ucxx | memcpy | NATS 1 MiB chunks | "
+        "ours / bare | 4 runs / bare | ours / memcpy | transport |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in transfers:
         lines.append(
             f"| {r['layout']} | {r['tokens']} | {r['bytes'] / 2**20:.1f} | {r['ours_gbps']:.2f} | "
-            f"{r['frag_gbps']:.2f} | {r['bare_gbps']:.2f} | {r['memcpy_gbps']:.2f} | {r['nats_gbps']:.2f} | "
+            f"{r['frag_gbps']:.2f} | {r['staged_gbps']:.2f} | {r['bare_gbps']:.2f} | "
+            f"{r['memcpy_gbps']:.2f} | {r['nats_gbps']:.2f} | "
             f"{r['ours_vs_bare']:.2f} | {r['frag_vs_bare']:.2f} | {r['ours_vs_memcpy']:.2f} | {r['transport']} |"
         )
     lines += [
@@ -362,6 +375,7 @@ def plot(transfers: list[dict], path: Path) -> None:
         for key, label in (
             ("ours", "ours (pool to pool)"),
             ("frag", "ours, 4 runs each side"),
+            ("staged", "staged connector, 4 runs"),
             ("bare", "bare ucxx, one buffer"),
             ("memcpy", "memcpy, one process"),
             ("nats", "NATS, 1 MiB chunks"),

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.control.messages import KVLayout  # noqa: E402
-from shared.dataplane.plan import new_base_tag  # noqa: E402
+from shared.kvtransfer.plan import new_base_tag  # noqa: E402
 from tests.fakes.kv_peer import KVPeer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

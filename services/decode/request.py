@@ -2,9 +2,9 @@
 service alone keeps about it (how it ended, its stream position, who prefilled it, its transfer).
 """
 
-from services.decode.kv_transfer import InboundTransfer
 from shared.control.failure import Failure
 from shared.engine.sequence import SeqStatus, Sequence
+from shared.kvtransfer.inbound import InboundTransfer
 from shared.telemetry import tracing
 
 

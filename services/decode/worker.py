@@ -1,12 +1,12 @@
-"""DecodeWorker: admits assignments, has each prompt's KV fetched from a prefill worker (KVFetcher)
-or prefills it here, and streams the tokens back to the gateway.
+"""DecodeWorker: admits assignments, has each prompt's KV fetched from a prefill worker
+(shared.kvtransfer's KVFetcher, by the configured connector) or prefills it here, and streams the
+tokens back to the gateway.
 """
 
 import asyncio
 import logging
 
 from services.decode.decode_loop import DecodeLoop
-from services.decode.kv_fetch import KVFetcher
 from services.decode.request import DecodeRequest
 from services.decode.token_streams import TokenStreams
 from shared.control.bus import MessageBus
@@ -23,7 +23,11 @@ from shared.control.subjects import Subjects
 from shared.dataplane.plane import DataPlane
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.executor import EngineExecutor
-from shared.engine.sequence import SeqStatus, Sequence
+from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.kvtransfer.connector import connector
+from shared.kvtransfer.fetch import KVFetcher
+from shared.kvtransfer.inbound import TransferState
+from shared.kvtransfer.plan import PlanError
 from shared.telemetry import tracing
 from shared.worker.announcer import Announcer
 from shared.worker.heartbeat import heartbeat, leaked_blocks
@@ -61,7 +65,7 @@ class DecodeWorker:
         self.loop = DecodeLoop(
             runtime.engine, self.executor, self.out.publish_step, self._finish, self._adopt
         )
-        self.kv = KVFetcher(settings, runtime, bus, plane, liveness)
+        self.kv = self._fetcher()
         self.fetches: dict[str, asyncio.Task] = {}  # attempt id -> its remote-prefill task
         # A cancel can overtake its assignment (the gateway gave up while the scheduler placed it).
         self.cancelled = RecentIds(ttl_s=120)
@@ -74,6 +78,21 @@ class DecodeWorker:
             self.snapshot,
             settings.heartbeat_interval_s,
             settings.alive_file,
+        )
+
+    def _fetcher(self) -> KVFetcher:
+        """This worker's side of KV transfers, by the connector its settings name."""
+        s, rt = self.settings, self.rt
+        return KVFetcher(
+            rt.worker_id,
+            rt.runner.layout,
+            connector(s.kv_connector, self.plane, rt.runner.pool),
+            s.kv_segment_tokens,
+            s.fetch_times(),
+            self.bus,
+            self.liveness,
+            self._free_blocks,
+            self.subjects,
         )
 
     def snapshot(self) -> WorkerHeartbeat:
@@ -195,19 +214,45 @@ class DecodeWorker:
         """The blocks are reserved: the transfer into them is opened now (so they stay held
         until it settles), and run in a task of its own."""
         req.seq.status = SeqStatus.WAITING_KV
-        opened = self.kv.open(req, prefill_worker)
+        try:
+            req.transfer = self.kv.open(req.seq, prefill_worker)
+        except PlanError as err:  # a bug, but never a hang
+            log.exception("%s: no transfer plan", req.attempt_id)
+            req.fail(failed(Code.INTERNAL, f"no KV transfer plan: {err}"))
         self.loop.add(req, local_prefill=False)
-        if opened:
+        if req.transfer is not None:
             self.fetches[req.attempt_id] = asyncio.create_task(self._fetch_kv(req))
 
     async def _fetch_kv(self, req: DecodeRequest) -> None:
+        """The transfer settles; its KV joins the batch (the first tokens go out at once, not a
+        step later), or the request fails with its cause."""
+        t = req.transfer
         try:
-            first = await self.kv.fetch(req)
-            if first and not req.cancel_reason and req.failure is None:
-                await self.out.publish_step([(req, out) for _, out in first])  # not a step later
+            await self.kv.fetch(t, req.seq)
+            if t.state is TransferState.COMPLETE:
+                first = self._land(req)
+                if first and not req.cancel_reason and req.failure is None:
+                    await self.out.publish_step([(req, out) for _, out in first])
+            elif not req.cancel_reason:
+                req.fail(t.cause.failure)
         finally:
             self.fetches.pop(req.attempt_id, None)
             self.loop.wakeup.set()
+
+    def _land(self, req: DecodeRequest) -> list[tuple[Sequence, StepOutput]]:
+        """COMPLETE (the fetch wrote the first tokens and timings into the sequence): it joins
+        the batch."""
+        t = req.transfer
+        req.prefill_worker = t.result.prefill_worker
+        self.rt.metrics.on_transfer(t.kv_transfer_ms, t.kv_exposed_ms)
+        landed = tracing.now()
+        tracing.record("decode.kv_receive", req.trace, landed - t.kv_transfer_ms / 1000, landed)
+        return self.rt.engine.kv_arrived(req.seq)
+
+    def _free_blocks(self, blocks: list[int]) -> None:
+        """Blocks no sequence holds any more (a quarantine whose peer is gone)."""
+        with self.rt.engine.lock:
+            self.rt.blocks.release_blocks(blocks)
 
     async def on_cancel(self, message: CancelRequest, respond) -> None:
         req = self.loop.requests.get(message.attempt_id)

@@ -104,7 +104,8 @@ class KVLayout:
 class KVDestination:
     """Where a prompt's KV goes: the KV of tokens [skip_tokens, prompt length) into `block_ids`,
     reserved in the decode worker's pool (it caches the prefix before skip_tokens), in segments
-    of `segment_tokens` sent as the prefill computes them; see shared.dataplane.plan."""
+    of `segment_tokens` sent as the prefill computes them, cut into pieces as `connector` does;
+    see shared.kvtransfer.plan and shared.kvtransfer.connector."""
 
     ucx_address: bytes  # the decode worker's UCX worker address
     base_tag: int  # piece i of the transfer travels with UCX tag base_tag + i
@@ -112,6 +113,7 @@ class KVDestination:
     skip_tokens: int = 0
     segment_tokens: int = 1024
     lease_s: float = 30.0  # a transfer that makes no progress this long is aborted by either side
+    connector: str = "push"  # how the KV moves (shared.kvtransfer.connector.CONNECTORS)
 
 
 @dataclass

@@ -44,6 +44,13 @@ class HelperServer:
     def pieces(self, refs: list) -> list[tuple[int, numpy.ndarray]]:
         return [(tag, self.buffer(ref)) for tag, ref in refs]
 
+    def spans(self, ref) -> numpy.ndarray | list[numpy.ndarray]:
+        """Where a receive lands: a view of a region, or the views it is scattered over."""
+        if ref and isinstance(ref[0], list):
+            return [self.regions[region].view(offset, n) for region, offset, n in ref]
+        region, offset, nbytes = ref
+        return self.regions[region].view(offset, nbytes)
+
     async def serve(self, reader) -> None:
         self.writer.write(frame({"ev": "ready", "address": self.plane.address}))
         while True:
@@ -85,7 +92,7 @@ class HelperServer:
 
     def post(self, pieces: list) -> None:
         try:
-            buffers = self.pieces(pieces)
+            buffers = [(tag, self.spans(ref)) for tag, ref in pieces]
         except (ValueError, TypeError) as err:  # a ref outside its region: those fail, not this
             self._landed += [[tag, 0, FAILED, f"KV receive not posted: {err}"] for tag, _ in pieces]
             asyncio.get_running_loop().call_soon(self._flush)

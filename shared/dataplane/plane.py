@@ -1,9 +1,12 @@
-"""DataPlane: the interface the KV transfer sees (the real one is UcxDataPlane in
-shared/dataplane/ucx.py, the fake tests/fakes/dataplane.py), its error and counters, and
-discard(), which takes unwanted messages off the wire whatever the plane.
+"""DataPlane: the interface a KV transport offers (UcxDataPlane in shared/dataplane/ucx.py, the
+same in a helper process in helper_plane.py, the fake tests/fakes/dataplane.py), its errors and
+counters, and what every transport does alike: discard() takes unwanted messages off the wire,
+scatter() lands one message in several spans.
 
 Tensors move worker-to-worker on it, never through NATS: the receiving side posts a tagged
-receive into its own buffer, the sending side sends with that tag to the receiver's address.
+receive into its own buffer, the sending side sends with that tag to the receiver's address. A
+buffer is a tensor (or an array), or a list of them: sent as one message (gathered), received
+as one message (scattered over them in order, through one staging buffer).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class TransferCounters:
 class DataPlane(Protocol):
     address: bytes
     counters: TransferCounters
+    gathers: bool  # a send's list of spans is gathered by the plane (off the worker's threads);
+    # False: the caller hands it one contiguous buffer per message
 
     async def send(
         self, peer_address: bytes, tag: int, buffer: torch.Tensor, timeout: float
@@ -97,3 +102,24 @@ async def discard(plane: DataPlane, pieces: list[tuple[int, int]], timeout: floa
 def nbytes(buffer: torch.Tensor | numpy.ndarray | list) -> int:
     """A buffer's size; of a list of spans (a piece a helper plane gathers), their sum."""
     return sum(nbytes(part) for part in buffer) if isinstance(buffer, list) else buffer.nbytes
+
+
+def staging(spans: list) -> torch.Tensor | numpy.ndarray:
+    """One contiguous byte buffer as large as `spans`, where they are (host or device)."""
+    if isinstance(spans[0], numpy.ndarray):
+        return numpy.empty(nbytes(spans), dtype=numpy.uint8)
+    import torch  # the helper process runs without torch: only its own buffers come here
+
+    return torch.empty(nbytes(spans), dtype=torch.uint8, device=spans[0].device)
+
+
+def scatter(staged, spans: list) -> None:
+    """Copies a landed staging buffer into its spans, in order."""
+    at = 0
+    for span in spans:
+        size = span.nbytes
+        if isinstance(span, numpy.ndarray):
+            span.reshape(-1).view(numpy.uint8)[:] = staged[at : at + size]
+        else:
+            span.reshape(-1).view(staged.dtype).copy_(staged[at : at + size])
+        at += size

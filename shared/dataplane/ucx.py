@@ -23,6 +23,8 @@ from shared.dataplane.plane import (
     TransferCounters,
     discard,
     nbytes,
+    scatter,
+    staging,
 )
 from shared.dataplane.ucx_views import ucx_view
 
@@ -50,6 +52,7 @@ class UcxDataPlane:
     few cores that thread competed with the model, and a many-piece transfer ran at half speed.
     """
 
+    gathers = False  # a piece is one contiguous buffer: KVSender gathers scattered blocks itself
     MAX_ENDPOINTS = 256
     MAX_RETIRED = 64  # endpoints of failed peers kept unclosed; older ones are let go
 
@@ -208,17 +211,17 @@ class UcxDataPlane:
         return await self.post_receives([(tag, buffer)])[0]
 
     def post_receives(self, pieces: list[tuple[int, torch.Tensor]]) -> list[asyncio.Future]:
-        """Posts a receive per (tag, buffer) now; each future gives the byte count, or raises
+        """Posts a receive per (tag, buffer) now (a list of spans: into one staging buffer,
+        scattered over them once it landed); each future gives the byte count, or raises
         KVTransferError when the receive failed or release() ended it before data came."""
         loop = asyncio.get_running_loop()
         entries = []
         for tag, buf in pieces:
-            view = ucxx_compat.buffer(ucx_view(buf))
+            into = staging(buf) if isinstance(buf, list) else buf  # spans: scattered on landing
+            view = ucxx_compat.buffer(ucx_view(into))
             request = ucxx_compat.tag_recv(view, tag)
             self._posted[tag] = request
-            entries.append(
-                (tag, request, loop.create_future(), view, buf)
-            )  # buffers alive until done
+            entries.append((tag, request, loop.create_future(), view, into, buf))  # kept alive
         task = asyncio.ensure_future(self._complete(entries))
         self._completing.add(task)
         task.add_done_callback(self._completing.discard)
@@ -226,7 +229,7 @@ class UcxDataPlane:
 
     async def _complete(self, entries: list) -> None:
         """Resolves the futures of posted receives as their requests complete (in posting order)."""
-        for tag, request, future, _, buf in entries:
+        for tag, request, future, _, into, buf in entries:
             size = nbytes(buf)
             try:
                 await self._done(request)
@@ -243,6 +246,8 @@ class UcxDataPlane:
                 future.set_exception(error)
                 future.exception()  # retrieved: a released receive is expected, not an error to log
             else:
+                if into is not buf:
+                    scatter(into, buf)
                 self.counters.bytes_received += size
                 future.set_result(size)
 

@@ -148,14 +148,19 @@ class BlockManager:
 
     def deallocate(self, seq: Paged) -> None:
         """Releases seq's blocks; freeing twice is harmless. Full blocks stay cached."""
-        for block in reversed(seq.block_table):
-            self.ref_count[block] -= 1
-            if self.ref_count[block] == 0:
-                self.free_blocks[block] = None
+        self.release_blocks(seq.block_table)
         seq.block_table = []
         seq.num_cached_tokens = 0
         seq.num_hashed_blocks = 0
         seq.last_block_hash = b""
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Drops one reference to each block (a table no sequence holds any more, such as a
+        quarantined transfer's); full blocks stay cached."""
+        for block in reversed(blocks):
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free_blocks[block] = None
 
     def fork(self, parent: Paged, child: Paged) -> tuple[int, int] | None:
         """Gives `child` the parent's KV: its full blocks shared, its last block (partly filled,

@@ -5,8 +5,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from shared.worker.helper_settings import HelperSettings
 from shared.worker.placement import parse_cpus
+from shared.worker.transfer_settings import TransferSettings
 
 ROLES = ("prefill", "decode", "colocated")
 CHOICES = {  # settings with a fixed set of values
@@ -21,7 +21,7 @@ _WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass
-class WorkerSettings(HelperSettings):  # CommonSettings, and the data-plane helper's
+class WorkerSettings(TransferSettings):  # CommonSettings, the data-plane helper's, KV transfers'
     model: str = field(
         default="",
         metadata={"help": "HF model directory or .gguf file; empty = SmolLM2-135M-Instruct"},
@@ -175,12 +175,6 @@ class WorkerSettings(HelperSettings):  # CommonSettings, and the data-plane help
             "help": "a prompt's KV is sent in segments of this many tokens, each as soon as it is computed (a multiple of block_size); 0: 1024 for a KV pool in host memory, 16384 for one on a GPU, where each message's fixed cost outweighs its bytes"
         },
     )
-    kv_lease_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "a KV transfer that makes no progress this long is aborted, and its blocks freed, on both sides"
-        },
-    )
     worker_timeout_s: float = field(
         default=3.0, metadata={"help": "a peer worker silent this long is taken for dead"}
     )
@@ -199,9 +193,6 @@ class WorkerSettings(HelperSettings):  # CommonSettings, and the data-plane help
     )
     heartbeat_interval_s: float = field(
         default=0.5, metadata={"help": "seconds between load reports"}
-    )
-    prefill_timeout_s: float = field(
-        default=300.0, metadata={"help": "how long a decode worker waits for a remote prefill"}
     )
     stream_retain_s: float = field(
         default=60.0,
@@ -247,10 +238,8 @@ class WorkerSettings(HelperSettings):  # CommonSettings, and the data-plane help
             raise ValueError("max_batch_tokens must be at least prefill_chunk_tokens")
         for name in (
             "heartbeat_interval_s",
-            "prefill_timeout_s",
             "drain_timeout_s",
             "worker_timeout_s",
-            "kv_lease_s",
             "stream_retain_s",
         ):
             if not getattr(self, name) > 0:  # NaN too

@@ -12,6 +12,8 @@ from shared.dataplane.plane import (
     TransferCounters,
     discard,
     nbytes,
+    scatter,
+    staging,
 )
 
 
@@ -28,6 +30,8 @@ class InProcessDataPlane:
     A send waits for the matching receive like UCX's rendezvous protocol does; `hold` makes
     sends to this plane stall (a peer that stopped reading).
     """
+
+    gathers = False  # as UcxDataPlane: one contiguous buffer per piece sent
 
     def __init__(self, network: LoopbackNetwork, name: str):
         self.address = name.encode()
@@ -79,9 +83,12 @@ class InProcessDataPlane:
         if nbytes(buffer) > nbytes(dst):
             done.set_exception(KVTransferError("message truncated"))
             raise KVTransferError("message truncated")
-        dst.reshape(-1).view(torch.uint8)[: nbytes(buffer)].copy_(
+        into = staging(dst) if isinstance(dst, list) else dst
+        into.reshape(-1).view(torch.uint8)[: nbytes(buffer)].copy_(
             buffer.reshape(-1).view(torch.uint8)
         )
+        if into is not dst:
+            scatter(into, dst)
         done.set_result(nbytes(buffer))
 
     async def receive(self, tag: int, buffer: torch.Tensor) -> int:

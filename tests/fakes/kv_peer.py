@@ -2,7 +2,8 @@
 
 The KV benchmark and the data-plane integration tests run two of these, one on each side of a
 transfer, so every byte crosses a real process boundary over real UCX, through the same
-TransferPlan, KVSender and KVReceiver the workers use. The controlling process sends commands
+TransferPlan (cut by the connector the destination names), KVSender and KVReceiver the workers
+use. The controlling process sends commands
 over a pipe as msgpack maps (never pickles) and gets a map back. Times are wall-clock
 (time.time()), comparable between processes of one host.
 """
@@ -19,11 +20,12 @@ import torch
 
 from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.helper_plane import HelperDataPlane
-from shared.dataplane.plan import TransferPlan
-from shared.dataplane.receiver import KVReceiver
-from shared.dataplane.sender import KVSender
 from shared.dataplane.ucx import UcxDataPlane
 from shared.engine.kv_cache import KVPool
+from shared.kvtransfer.connector import connector
+from shared.kvtransfer.plan import TransferPlan
+from shared.kvtransfer.receiver import KVReceiver
+from shared.kvtransfer.sender import KVSender
 
 
 class _Peer:
@@ -32,6 +34,12 @@ class _Peer:
         self.pool = pool
         self.receivers: dict[int, KVReceiver] = {}
         self.bare: dict[int, asyncio.Task] = {}
+
+    def _plan(self, prompt_len: int, destination: dict) -> TransferPlan:
+        """The plan of the connector the destination names (push unless it says)."""
+        where = KVDestination(**destination)
+        how = connector(where.connector, self.plane, self.pool)
+        return how.plan(self.pool.layout, prompt_len, where)
 
     async def op_address(self) -> dict:
         await self.plane.ready(timeout=60)  # a helper plane: the one up now, after any restart
@@ -48,7 +56,7 @@ class _Peer:
     ) -> dict:
         """Sends a prompt's KV as a prefill worker would; chunk_delay_s stands in for the compute
         of each chunk_tokens-token chunk (0 = all computed already)."""
-        plan = TransferPlan(self.pool.layout, prompt_len, KVDestination(**destination))
+        plan = self._plan(prompt_len, destination)
         sender = KVSender(self.plane, self.pool, plan, timeout_s)
         started = time.time()
         computed = (
@@ -60,9 +68,7 @@ class _Peer:
             for seg in sender.ready(computed):
                 staged = sender.stage(seg, src_table)
                 sender.send(staged.direct)
-                await asyncio.sleep(
-                    0
-                )  # the direct pieces start moving while the others are gathered
+                await asyncio.sleep(0)  # the direct pieces move while the others are gathered
                 sender.send(sender.gather(staged))
             if not sender.all_staged:
                 await asyncio.sleep(chunk_delay_s)
@@ -83,7 +89,7 @@ class _Peer:
         }
 
     async def op_receive(self, prompt_len: int, destination: dict) -> dict:
-        plan = TransferPlan(self.pool.layout, prompt_len, KVDestination(**destination))
+        plan = self._plan(prompt_len, destination)
         receiver = KVReceiver(self.plane, self.pool, plan)
         receiver.start()
         await asyncio.sleep(0)  # the receives are posted

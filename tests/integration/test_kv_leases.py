@@ -121,7 +121,11 @@ def test_aborts_travel_both_ways_and_free_both_pools(processes, nats):
         processes,
         nats,
         "it-abort",
-        extra_env={"TANDEM_KV_SEGMENT_TOKENS": "256", "TANDEM_DRAIN_TIMEOUT_S": "0.5"},
+        extra_env={
+            "TANDEM_KV_SEGMENT_TOKENS": "256",
+            "TANDEM_DRAIN_TIMEOUT_S": "0.5",
+            "TANDEM_PREFILL_FALLBACK": "fail",  # the request must fail, not be prefilled locally
+        },
     )
     pids = {name: proc.pid for name, proc in processes.children}
     prefill = pids["it-abort-prefill-0"]

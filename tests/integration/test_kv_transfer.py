@@ -1,7 +1,8 @@
 """The KV data plane between two real processes over real UCX, with UCX in a data-plane helper
-process of each (the workers' default) and in-process: the blocks arrive bit for bit, only the
-missing suffix moves, a stalled transfer is released, a restarted peer is reached, and a crash
-inside UCX costs only the transfers in flight."""
+process of each (the workers' default) and in-process: the blocks arrive bit for bit through
+either connector (push: a message per run of decode blocks; staged: a message per segment,
+gathered and scattered), only the missing suffix moves, a stalled transfer is released, a
+restarted peer is reached, and a crash inside UCX costs only the transfers in flight."""
 
 import os
 import random
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from shared.control.messages import KVLayout
-from shared.dataplane.plan import new_base_tag
+from shared.kvtransfer.plan import new_base_tag
 from tests.fakes.kv_peer import KVPeer
 
 pytestmark = pytest.mark.slow
@@ -40,7 +41,9 @@ def decode(helper):
         yield peer
 
 
-def destination(address: bytes, block_ids: list[int], skip: int = 0, segment: int = 256) -> dict:
+def destination(
+    address: bytes, block_ids: list[int], skip: int = 0, segment: int = 256, how: str = "push"
+) -> dict:
     return dict(
         ucx_address=address,
         base_tag=new_base_tag(random.getrandbits(39)),
@@ -48,6 +51,7 @@ def destination(address: bytes, block_ids: list[int], skip: int = 0, segment: in
         skip_tokens=skip,
         segment_tokens=segment,
         lease_s=5.0,
+        connector=how,
     )
 
 
@@ -65,11 +69,12 @@ def tables(prompt_len: int, rng: random.Random) -> tuple[list[int], list[int]]:
     return src, dst
 
 
-def test_kv_arrives_bit_identical_in_the_decode_pool(prefill, decode):
+@pytest.mark.parametrize("how", ["push", "staged"])
+def test_kv_arrives_bit_identical_in_the_decode_pool(prefill, decode, how):
     rng = random.Random(0)
     prompt = 1000
     src, dst = tables(prompt, rng)
-    dest = destination(decode.call("address")["address"], dst)
+    dest = destination(decode.call("address")["address"], dst, how=how)
     posted = decode.call("receive", prompt_len=prompt, destination=dest)
     sent = prefill.call(
         "send", prompt_len=prompt, src_table=src, destination=dest, chunk_tokens=128
@@ -78,6 +83,9 @@ def test_kv_arrives_bit_identical_in_the_decode_pool(prefill, decode):
     assert sent["ok"] and landed["complete"], (sent, landed)
     # whole blocks travel: the last one's 8 positions past the prompt too
     assert sent["bytes"] == landed["bytes"] == posted["bytes"] == 1008 * 2 * 30 * 3 * 64 * 4
+    # staged: one message per segment of 256 tokens; push: one per run, the scattered half many
+    assert sent["pieces"] == landed["landed"]
+    assert sent["pieces"] == 4 if how == "staged" else sent["pieces"] > 20
     assert decode.call("digest", table=dst, start=0, end=prompt) == prefill.call(
         "digest", table=src, start=0, end=prompt
     )
@@ -85,12 +93,13 @@ def test_kv_arrives_bit_identical_in_the_decode_pool(prefill, decode):
     assert "tcp" not in sent["transport"] and "sysv" in sent["transport"], sent["transport"]
 
 
-def test_only_the_missing_suffix_is_sent(prefill, decode):
+@pytest.mark.parametrize("how", ["push", "staged"])
+def test_only_the_missing_suffix_is_sent(prefill, decode, how):
     rng = random.Random(1)
     prompt, skip = 700, 256
     src, dst = tables(prompt, rng)
     zeros = decode.call("digest", table=dst, start=0, end=skip)
-    dest = destination(decode.call("address")["address"], dst[skip // BS :], skip=skip)
+    dest = destination(decode.call("address")["address"], dst[skip // BS :], skip=skip, how=how)
     posted = decode.call("receive", prompt_len=prompt, destination=dest)
     sent = prefill.call("send", prompt_len=prompt, src_table=src, destination=dest)
     landed = decode.call("wait", base_tag=dest["base_tag"], timeout_s=30)

@@ -59,7 +59,8 @@ def test_gateway_sigterm_refuses_new_requests_and_finishes_the_streams_in_flight
 
 
 def test_a_dead_worker_fails_its_requests_fast(processes, nats):
-    stack = start_stack(processes, nats, "it-crash")
+    # (no local fallback: the scheduler's default would prefill it on the decode worker)
+    stack = start_stack(processes, nats, "it-crash", extra_env={"TANDEM_PREFILL_FALLBACK": "fail"})
     workers = dict(processes.children)
     prefill = workers["it-crash-prefill-0"]
 

@@ -14,11 +14,11 @@ from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.helper import HelperServer
 from shared.dataplane.helper_plane import HelperDataPlane
 from shared.dataplane.helper_wire import FAILED, LANDED, HelperGone, frame, read_frame
-from shared.dataplane.plan import TransferPlan, new_base_tag
 from shared.dataplane.plane import KVTransferError
-from shared.dataplane.sender import KVSender
 from shared.engine.kv_cache import KVPool
 from shared.engine.shared_region import SharedRegion, locate
+from shared.kvtransfer.plan import TransferPlan, new_base_tag
+from shared.kvtransfer.sender import KVSender
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 
 LAYOUT = KVLayout(

@@ -8,12 +8,13 @@ import time
 import pytest
 import torch
 
-from services.decode.kv_transfer import ALLOWED, IllegalTransition, InboundTransfer, TransferState
 from shared.control.failure import Code, Retry, failed, worker_full
 from shared.control.messages import KVDestination, PrefillResult, TaskAck
-from shared.dataplane.plan import TransferPlan
-from shared.dataplane.receiver import KVReceiver
 from shared.engine.kv_cache import KVPool
+from shared.kvtransfer.inbound import ALLOWED, InboundTransfer, TransferState
+from shared.kvtransfer.machine import IllegalTransition
+from shared.kvtransfer.plan import TransferPlan
+from shared.kvtransfer.receiver import KVReceiver
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 from tests.unit.transfer_fakes import LAYOUT, PREFILL, DecodeSide, until
 
@@ -134,8 +135,8 @@ async def test_a_full_prefill_worker_refuses_and_the_request_is_placed_again():
 
 async def test_a_prefill_worker_nobody_listens_to_did_not_answer():
     side = DecodeSide()
-    assert side.fetcher.open(side.req, PREFILL)  # no ScriptedPrefill listening
-    await aborted(side, asyncio.create_task(side.fetcher.fetch(side.req)), Code.UNAVAILABLE)
+    side.req.transfer = side.fetcher.open(side.req.seq, PREFILL)  # no ScriptedPrefill listening
+    await aborted(side, asyncio.create_task(side.fetch()), Code.UNAVAILABLE)
     assert side.req.failure.message == f"prefill worker {PREFILL} did not answer"
     assert side.req.failure.avoid == PREFILL
 

@@ -7,17 +7,21 @@ import pytest
 import torch
 
 from shared.control.messages import KVDestination, KVLayout
-from shared.dataplane.plan import (
+from shared.dataplane.plane import KVTransferError
+from shared.engine.kv_cache import KVPool, bytes_per_token
+from shared.kvtransfer.connector import PushConnector, StagedConnector, connector
+from shared.kvtransfer.plan import (
     MAX_PIECES,
     PlanError,
+    Run,
     TransferPlan,
     new_base_tag,
+    piece_per_segment,
     segment_tokens,
 )
-from shared.dataplane.plane import KVTransferError
-from shared.dataplane.receiver import KVReceiver
-from shared.dataplane.sender import KVSender
-from shared.engine.kv_cache import KVPool, bytes_per_token
+from shared.kvtransfer.receiver import KVReceiver
+from shared.kvtransfer.sender import KVSender
+from shared.worker.settings import WorkerSettings
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 
 BS = 4
@@ -47,16 +51,18 @@ def test_plan_runs_follow_consecutive_decode_blocks_within_segments():
     plan = TransferPlan(LAYOUT, 18, destination([3, 4, 9, 10, 11], segment=8))
     assert [(s.start, s.end) for s in plan.segments] == [(0, 8), (8, 16), (16, 18)]
     # (positions, first decode block, blocks): a piece is a run of whole blocks, every layer
-    pieces = [(p.segment, p.start, p.end, p.dst_block, p.blocks) for p in plan.pieces]
+    pieces = [(p.segment, p.start, p.end, p.runs[0].first, p.blocks) for p in plan.pieces]
     assert pieces == [(0, 0, 8, 3, 2), (1, 8, 16, 9, 2), (2, 16, 18, 11, 1)]
     assert [p.index for p in plan.pieces] == [0, 1, 2]
+    # one rank, every KV head: what a tensor-parallel connector will cut further
+    assert {(p.rank, p.heads) for p in plan.pieces} == {(0, (0, LAYOUT.num_kv_heads))}
     assert plan.nbytes == 5 * BS * 3 * 2 * 2 * 8 * 4  # the last block travels whole
 
 
 def test_plan_skips_a_cached_prefix_and_splits_broken_runs():
     plan = TransferPlan(LAYOUT, 13, destination([7, 2], skip=8, segment=8))
     assert plan.num_tokens == 5
-    pieces = [(p.start, p.end, p.dst_block, p.blocks) for p in plan.pieces]
+    pieces = [(p.start, p.end, p.runs[0].first, p.blocks) for p in plan.pieces]
     assert pieces == [(8, 12, 7, 1), (12, 13, 2, 1)]
 
 
@@ -82,19 +88,35 @@ def test_plan_rejects_a_wrong_block_count_and_a_bad_tag():
     assert new_base_tag(2**64 - 1) % MAX_PIECES == 0 and 0 < new_base_tag(0) < 2**64
 
 
-async def transfer(prompt_len: int, src_table, dst_table, skip=0, segment=8):
+def test_a_staged_plan_sends_each_segment_as_one_piece_of_its_runs():
+    plan = TransferPlan(LAYOUT, 18, destination([3, 4, 9, 10, 11], segment=16), piece_per_segment)
+    pieces = [(p.segment, p.start, p.end, p.runs) for p in plan.pieces]
+    assert pieces == [(0, 0, 16, (Run(3, 2), Run(9, 2))), (1, 16, 18, (Run(11, 1),))]
+    assert plan.nbytes == 5 * BS * bytes_per_token(LAYOUT)
+
+
+def test_connectors_are_known_by_name_and_a_worker_offers_each():
+    plane, pool = InProcessDataPlane(LoopbackNetwork(), "x"), KVPool(LAYOUT, 4, BS, "cpu")
+    assert isinstance(connector("staged", plane, pool), StagedConnector)
+    assert isinstance(connector("push", plane, pool), PushConnector)
+    assert WorkerSettings(kv_connector="staged").kv_connector == "staged"
+    with pytest.raises(ValueError, match="kv_connector"):
+        WorkerSettings(kv_connector="pull")
+    with pytest.raises(PlanError, match="unknown KV connector"):
+        connector("pull", plane, pool)
+
+
+async def transfer(prompt_len: int, src_table, dst_table, skip=0, segment=8, how="push"):
     net = LoopbackNetwork()
     sender_plane, receiver_plane = (
         InProcessDataPlane(net, "prefill"),
         InProcessDataPlane(net, "decode"),
     )
     src, dst = filled_pool(8, seed=1), KVPool(LAYOUT, 12, BS, "cpu")
-    plan = TransferPlan(
-        LAYOUT, prompt_len, destination(dst_table[skip // BS :], skip=skip, segment=segment)
-    )
-    receiver = KVReceiver(receiver_plane, dst, plan)
+    where = destination(dst_table[skip // BS :], skip=skip, segment=segment)
+    receiver = connector(how, receiver_plane, dst).reserve(LAYOUT, prompt_len, where)
     receiver.start()
-    sender = KVSender(sender_plane, src, plan, timeout_s=1.0)
+    sender = connector(how, sender_plane, src).sender(LAYOUT, prompt_len, where)
     computed = 0
     while not sender.all_staged:  # as the prefill computes, one chunk of 4 tokens a step
         computed = min(prompt_len, computed + 4)
@@ -107,9 +129,10 @@ async def transfer(prompt_len: int, src_table, dst_table, skip=0, segment=8):
     return src, dst, receiver, sender
 
 
-async def test_every_block_arrives_bit_identical():
+@pytest.mark.parametrize("how", ["push", "staged"])
+async def test_every_block_arrives_bit_identical(how):
     src_table, dst_table = [5, 0, 3, 1, 7], [2, 3, 4, 9, 10]
-    src, dst, receiver, sender = await transfer(19, src_table, dst_table)
+    src, dst, receiver, sender = await transfer(19, src_table, dst_table, how=how)
     assert receiver.complete and sender.bytes_sent == receiver.landed_bytes == receiver.plan.nbytes
     assert torch.equal(
         dst.export(dst.slots(dst_table, 0, 19)), src.export(src.slots(src_table, 0, 19))
@@ -119,9 +142,26 @@ async def test_every_block_arrives_bit_identical():
     assert not dst.kv[untouched].any()
 
 
-async def test_only_the_missing_suffix_moves():
+async def test_a_staged_transfer_sends_a_message_per_segment_into_scattered_blocks():
+    """Fragmented on both sides: push sends a message per decode run, staged one per segment,
+    gathered from the prefill pool and scattered over the decode blocks, bit for bit."""
+    src_table, dst_table = [5, 0, 3, 1, 7], [8, 2, 6, 9, 4]
+    src, dst, receiver, _ = await transfer(19, src_table, dst_table, segment=12, how="staged")
+    assert len(receiver.plan.pieces) == len(receiver.plan.segments) == 2
+    assert [len(p.runs) for p in receiver.plan.pieces] == [3, 2]
+    assert torch.equal(
+        dst.export(dst.slots(dst_table, 0, 19)), src.export(src.slots(src_table, 0, 19))
+    )
+    untouched = [b for b in range(12) if b not in dst_table]
+    assert not dst.kv[untouched].any()
+    _, _, pushed, _ = await transfer(19, src_table, dst_table, segment=12, how="push")
+    assert len(pushed.plan.pieces) == 5
+
+
+@pytest.mark.parametrize("how", ["push", "staged"])
+async def test_only_the_missing_suffix_moves(how):
     src_table, dst_table = [5, 0, 3, 1, 7], [2, 3, 4, 9, 10]
-    src, dst, receiver, _ = await transfer(19, src_table, dst_table, skip=8)
+    src, dst, receiver, _ = await transfer(19, src_table, dst_table, skip=8, how=how)
     assert torch.equal(
         dst.export(dst.slots(dst_table, 8, 19)), src.export(src.slots(src_table, 8, 19))
     )

@@ -9,7 +9,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = {"shared.settings", "shared.lifecycle", "shared.model_store", "shared.telemetry"}  # leaves
-RUNTIME = {"shared.control", "shared.engine", "shared.dataplane", "shared.worker", "shared.api"}
+RUNTIME = {
+    "shared.control",
+    "shared.engine",
+    "shared.dataplane",
+    "shared.kvtransfer",
+    "shared.worker",
+    "shared.api",
+}
 # package -> the packages of ours it may import (itself always)
 ALLOWED = {
     "shared.control": {"shared.telemetry"},
@@ -19,8 +26,15 @@ ALLOWED = {
     "shared.model_store": set(),
     "shared.telemetry": set(),
     "shared.engine": {"shared.control"},
-    "shared.dataplane": {"shared.control", "shared.engine"},
-    "shared.worker": {"shared.control", "shared.engine", "shared.dataplane"} | COMMON,
+    "shared.dataplane": {"shared.engine"},  # transports only: no control message
+    "shared.kvtransfer": {
+        "shared.control",
+        "shared.engine",
+        "shared.dataplane",
+        "shared.telemetry",
+    },
+    "shared.worker": {"shared.control", "shared.engine", "shared.dataplane", "shared.kvtransfer"}
+    | COMMON,
     "shared.benchmark": {"shared.api"},
     "shared.cli": RUNTIME | COMMON | {"shared.benchmark"},
     "services.gateway": RUNTIME | COMMON,

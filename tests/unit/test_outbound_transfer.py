@@ -5,21 +5,21 @@ import time
 
 import pytest
 
-from services.prefill.kv_transfer import (
+from shared.control.failure import Code, Retry, failed
+from shared.control.messages import KVDestination, PrefillTask
+from shared.dataplane.plane import KVTransferError, PlaneRestarted
+from shared.engine.kv_cache import KVPool
+from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.kvtransfer.machine import IllegalTransition
+from shared.kvtransfer.outbound import (
     ALLOWED,
-    IllegalTransition,
     OutboundState,
     OutboundTransfer,
     send_failure,
 )
-from shared.control.failure import Code, Retry, failed
-from shared.control.messages import KVDestination, PrefillTask
-from shared.dataplane.plan import TransferPlan
-from shared.dataplane.plane import KVTransferError, PlaneRestarted
-from shared.dataplane.receiver import KVReceiver
-from shared.dataplane.sender import KVSender
-from shared.engine.kv_cache import KVPool
-from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.kvtransfer.plan import TransferPlan
+from shared.kvtransfer.receiver import KVReceiver
+from shared.kvtransfer.sender import KVSender
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 from tests.unit.transfer_fakes import BS, LAYOUT, make_task
 

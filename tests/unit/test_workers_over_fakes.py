@@ -15,12 +15,13 @@ from tests.unit.transfer_fakes import DECODE, PREFILL, Pair, make_task, until
 
 def in_flight(pair: Pair, attempt_id: str) -> bool:
     """Pieces of the request are on the wire (and held there: the decode plane holds them)."""
-    t = pair.prefill.held.get(attempt_id)
+    t = pair.prefill.ship.held.get(attempt_id)
     return t is not None and bool(t.sender.sends)
 
 
-async def test_a_remote_prefill_streams_the_same_tokens_as_a_local_one(tiny_model):
-    async with Pair(tiny_model) as pair:
+@pytest.mark.parametrize("how", ["push", "staged"])
+async def test_a_remote_prefill_streams_the_same_tokens_as_a_local_one(tiny_model, how):
+    async with Pair(tiny_model, kv_connector=how) as pair:
         assert (await pair.submit(make_task("local", 70, max_tokens=6), remote=False)).ok
         assert (await pair.submit(make_task("remote", 70, max_tokens=6))).ok
         local, remote = await pair.outcome("local"), await pair.outcome("remote")
@@ -33,7 +34,7 @@ async def test_a_remote_prefill_streams_the_same_tokens_as_a_local_one(tiny_mode
         await pair.idle()
         assert pair.prefill_freed == {"remote": 1}
         assert pair.decode_freed == {"local": 1, "remote": 1}
-        assert pair.prefill.served == 1 and pair.decode.served == 2
+        assert pair.prefill.ship.served == 1 and pair.decode.served == 2
 
 
 async def test_a_cancel_mid_transfer_frees_both_sides_once(tiny_model):

@@ -3,13 +3,10 @@ side (KVFetcher with a stand-in runtime), a scripted prefill worker, and tiny-mo
 whole workers."""
 
 import asyncio
-import threading
 import time
-from types import SimpleNamespace
 
 import torch
 
-from services.decode.kv_fetch import KVFetcher
 from services.decode.request import DecodeRequest
 from shared.control.failure import Failure
 from shared.control.messages import (
@@ -21,11 +18,13 @@ from shared.control.messages import (
     TaskAck,
 )
 from shared.control.subjects import Subjects
-from shared.dataplane.plan import TransferPlan
-from shared.dataplane.sender import KVSender
 from shared.engine.kv_cache import KVPool
 from shared.engine.sequence import Sequence
-from shared.worker.metrics import WorkerMetrics
+from shared.kvtransfer.connector import connector
+from shared.kvtransfer.fetch import KVFetcher
+from shared.kvtransfer.inbound import TransferState
+from shared.kvtransfer.plan import TransferPlan
+from shared.kvtransfer.sender import KVSender
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 from tests.fakes.bus import InMemoryBus
@@ -83,17 +82,9 @@ class DecodeSide:
         self.arrived: list[Sequence] = []
         self.freed: list[list[int]] = []  # block tables handed back to the block manager
         self.pool = KVPool(LAYOUT, 8, BS, "cpu")
-        runtime = SimpleNamespace(
-            worker_id=DECODE,
-            runner=SimpleNamespace(pool=self.pool, layout=LAYOUT),
-            blocks=SimpleNamespace(
-                block_size=BS, deallocate=lambda seq: self.freed.append(seq.block_table)
-            ),
-            engine=SimpleNamespace(kv_arrived=self.arrived.append, lock=threading.Lock()),
-            metrics=WorkerMetrics("decode", DECODE),
-        )
         self.settings = settings(**overrides)
-        self.fetcher = KVFetcher(self.settings, runtime, self.bus, self.plane, self.liveness)
+        self.fetcher = fetcher(self.settings, self.plane, self.pool, self.bus, self.liveness)
+        self.fetcher.free_blocks = self.freed.append
         seq = Sequence(make_task("r1", prompt_len, deadline), None, set(), 512)
         seq.block_table = [2, 3, 5, 6][: -(-prompt_len // BS)]
         self.req = DecodeRequest(seq)
@@ -103,8 +94,34 @@ class DecodeSide:
         results = Subjects("default").prefill_results(DECODE)
         await self.bus.subscribe(results, self.fetcher.on_prefill_result)
         await self.prefill.listen()
-        assert self.fetcher.open(self.req, PREFILL)
-        return asyncio.create_task(self.fetcher.fetch(self.req))
+        self.req.transfer = self.fetcher.open(self.req.seq, PREFILL)
+        return asyncio.create_task(self.fetch())
+
+    async def fetch(self) -> None:
+        """What the decode worker does with a transfer (DecodeWorker._fetch_kv): drive it until
+        settled, then hand the KV to the engine, or fail the request with its cause."""
+        t, req = self.req.transfer, self.req
+        await self.fetcher.fetch(t, req.seq)
+        if t.state is TransferState.COMPLETE:
+            req.prefill_worker = t.result.prefill_worker
+            self.arrived.append(req.seq)
+        elif not req.cancel_reason:
+            req.fail(t.cause.failure)
+
+
+def fetcher(settings: WorkerSettings, plane, pool: KVPool, bus, liveness) -> KVFetcher:
+    """A decode worker's KVFetcher over `plane` and `pool` (the push connector)."""
+    return KVFetcher(
+        DECODE,
+        LAYOUT,
+        connector(settings.kv_connector, plane, pool),
+        settings.kv_segment_tokens,
+        settings.fetch_times(),
+        bus,
+        liveness,
+        lambda blocks: None,
+        Subjects("default"),
+    )
 
 
 class ScriptedPrefill:
@@ -259,7 +276,7 @@ class Pair:
 
     async def idle(self) -> None:
         """Both workers hold nothing: every block back, nothing leaked."""
-        await until(lambda: not self.prefill.held and not self.decode.loop.requests)
+        await until(lambda: not self.prefill.ship.held and not self.decode.loop.requests)
         await until(lambda: not self.decode.kv.transfers)
         assert self.prefill_rt.blocks.used == 0 and self.decode_rt.blocks.used == 0
         assert self.prefill.snapshot().kv_blocks_leaked == 0

@@ -1,6 +1,6 @@
 """KVSender: one prompt's KV, sent by the prefill worker a segment at a time as it is computed.
 
-A piece (a run of whole blocks, every layer; see plan.py) whose blocks are consecutive in this
+A piece (whole blocks, every layer; see plan.py) whose blocks are consecutive in this
 pool too (the block allocator hands out consecutive runs when it can) is sent straight from the
 pool: no copy on either side. Any other piece is gathered once into a buffer of its own (the one
 copy on this side), in the engine thread between steps. The pieces of a segment go out
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.dataplane.plan import Segment, TransferPlan
 from shared.dataplane.plane import DataPlane, KVTransferError, nbytes
 from shared.engine.kv_cache import KVPool
+from shared.kvtransfer.plan import Segment, TransferPlan
 
 
 @dataclass
@@ -35,9 +35,7 @@ class KVSender:
         self.plan = plan
         self.timeout_s = timeout_s
         self.next_segment = 0  # the first segment not staged yet
-        self.pieces_sent = (
-            0  # pieces [0, pieces_sent) may be on the wire (the decode side drains them on abort)
-        )
+        self.pieces_sent = 0  # [0, pieces_sent) may be on the wire (drained on abort)
         self.bytes_sent = 0
         self.first_sent_at = 0.0  # unix time the first piece was handed to the plane
         self.sends: list[asyncio.Task] = []
@@ -71,17 +69,15 @@ class KVSender:
 
     def gather(self, staged: Staged) -> list[tuple[int, torch.Tensor | list[torch.Tensor]]]:
         """Engine thread: the one copy on this side, of the pieces whose blocks are not
-        consecutive; for a plane that gathers (`gathers`, in its helper process), the views of
-        each run of them instead."""
-        if getattr(self.plane, "gathers", False):
+        consecutive; for a plane that gathers (`DataPlane.gathers`, in its helper process), the
+        views of each run of them instead."""
+        if self.plane.gathers:
             return [(tag, self._runs(blocks)) for tag, blocks in staged.scattered]
         out = [
             (tag, self.pool.kv.index_select(0, torch.tensor(blocks, device=self.pool.device)))
             for tag, blocks in staged.scattered
         ]
-        if (
-            out and self.pool.kv.is_cuda
-        ):  # UCX reads them on its own streams: the copies must have landed
+        if out and self.pool.kv.is_cuda:  # UCX reads them on its own streams: copies must land
             torch.cuda.current_stream().synchronize()
         return out
 

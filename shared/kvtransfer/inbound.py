@@ -10,12 +10,13 @@ the blocks belong to the engine. ABORTING: the transfer was aborted (its `cause`
 receives are being ended. RELEASED: no receive can write into the blocks any more; they may be
 freed. QUARANTINED: a receive would not end; the blocks must never be reused.
 
-Each event is one method. While REQUESTED, an abort of this side's own (cancel, deadline, a
+Each event is one method (the table and its checks are TransferMachine's). While REQUESTED, an abort of this side's own (cancel, deadline, a
 clock, a failed receive) waits for the prefill worker's answer, so that its TransferAbort cannot
 overtake the task; a lost or silent prefill worker ends it at once. Events that may come late (a
 piece, a result, a cancel, a clock) are ignored once the transfer has ended; a transition the
 table does not allow is a bug and raises.
-The I/O of each step (asking, telling the prefill worker, ending receives) is KVFetcher's.
+The I/O of each step (asking, telling the prefill worker, ending receives) is KVFetcher's
+(fetch.py).
 """
 
 import asyncio
@@ -27,7 +28,8 @@ from dataclasses import dataclass, replace
 from shared.control.failure import Code, Failure, failed, retry_anywhere, worker_failed
 from shared.control.messages import PrefillResult, TaskAck
 from shared.dataplane.plane import KVTransferError, PlaneRestarted
-from shared.dataplane.receiver import KVReceiver
+from shared.kvtransfer.machine import TransferMachine
+from shared.kvtransfer.receiver import KVReceiver
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +59,6 @@ ALLOWED: dict[TransferState, frozenset[TransferState]] = {
 ACTIVE = frozenset({S.RESERVED, S.RECEIVES_POSTED, S.REQUESTED, S.LANDING})
 
 
-class IllegalTransition(RuntimeError):
-    """A transition the table does not allow: a bug in whoever drove the transfer."""
-
-
 @dataclass(frozen=True)
 class AbortCause:
     """Why a transfer was aborted: the request's failure (movable when the prefill worker failed
@@ -71,7 +69,9 @@ class AbortCause:
     pieces_sent: int | None = None  # how far the prefill worker got, when it said so
 
 
-class InboundTransfer:
+class InboundTransfer(TransferMachine[TransferState]):
+    ALLOWED = ALLOWED
+
     def __init__(
         self,
         attempt_id: str,
@@ -81,14 +81,13 @@ class InboundTransfer:
         timeout_s: float,
         deadline: float = 0.0,
     ):
-        self.attempt_id = attempt_id
+        super().__init__(attempt_id, S.RESERVED)
         self.prefill_worker = prefill_worker
         self.choices = 1  # the request's n: the first tokens a complete result brings
         self.receiver = receiver
         self.lease_s = lease_s
         self.timeout_s = timeout_s  # the prefill worker's time from accepting to the last piece
         self.deadline = deadline  # the request's, unix time; 0 = none
-        self.state = S.RESERVED
         self.result: PrefillResult | None = None
         self.cause: AbortCause | None = None
         self.announced = 0.0  # monotonic time the PrefillResult came
@@ -110,10 +109,7 @@ class InboundTransfer:
         QUARANTINED, has already taken them out of use)."""
         return self.state in (S.COMPLETE, S.RELEASED, S.QUARANTINED)
 
-    def _to(self, state: TransferState) -> None:
-        if state not in ALLOWED[self.state]:
-            raise IllegalTransition(f"{self.attempt_id}: {self.state.name} -> {state.name}")
-        self.state = state
+    def _moved(self, before: TransferState, after: TransferState) -> None:
         self.news.set()
 
     # -- the normal path ------------------------------------------------------------------------

@@ -1,19 +1,22 @@
-"""TransferPlan: how one prompt's KV is cut into UCX messages, computed alike on both ends.
+"""TransferPlan: how one prompt's KV is cut into messages, computed alike on both ends.
 
-Both workers derive the same plan from the PrefillTask's KVDestination, so no per-message
-control traffic is needed: piece i travels with tag `base_tag + i` and has a known size.
+Both workers derive the same plan from the PrefillTask's KVDestination (its connector names how
+pieces are cut), so no per-message control traffic is needed: piece i travels with tag
+`base_tag + i` and has a known size.
 
 The pools are block-major (shared.engine.kv_cache): a run of consecutive decode blocks holds
-every layer's keys and values of its positions as one contiguous range. Each piece is
-(segment, run): whole blocks, every layer, landing in the decode pool directly, with no copy on
-the decode side. The prefill side sends a piece straight from its own pool when its blocks
-there are consecutive too, and gathers it once otherwise (see KVSender). Segments are fixed
+every layer's keys and values of its positions as one contiguous range. Segments are fixed
 ranges of token positions, whole blocks each; a segment is sent as soon as the prefill has
-computed all its tokens (chunk-wise pipelining). The last block of a prompt travels whole:
-its positions past the prompt hold whatever the prefill pool had there, which the decode
-worker overwrites as it generates and never reads before.
+computed all its tokens (chunk-wise pipelining). Each piece names, for one segment, the sending
+rank, the KV heads it carries and the runs of decode blocks it fills: a piece of one run lands
+in the decode pool directly; a piece of several runs is scattered there on landing. Today a
+worker is one rank holding every head; a tensor-parallel connector cuts pieces per rank and head
+range. The last block of a prompt travels whole: its positions past the prompt hold whatever
+the prefill pool had there, which the decode worker overwrites as it generates and never reads
+before.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.control.messages import KVDestination, KVLayout
@@ -28,13 +31,26 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
+class Run:
+    """Consecutive blocks of the decode pool: the first and how many."""
+
+    first: int
+    blocks: int
+
+
+@dataclass(frozen=True)
 class Piece:
     index: int  # tag = base_tag + index
     segment: int
     start: int  # token positions [start, end) of the prompt; start is a block's first
     end: int
-    dst_block: int  # the first block of the destination run in the decode pool
-    blocks: int  # how many (consecutive) blocks the piece fills
+    runs: tuple[Run, ...]  # the decode blocks it fills, in token order
+    rank: int  # the sending worker's rank that holds these heads
+    heads: tuple[int, int]  # the KV heads [first, end) it carries
+
+    @property
+    def blocks(self) -> int:
+        return sum(run.blocks for run in self.runs)
 
 
 @dataclass(frozen=True)
@@ -61,8 +77,27 @@ def new_base_tag(random_bits: int) -> int:
     return ((random_bits & ((1 << 39) - 1)) | 1 << 38) << TAG_BITS
 
 
+Cut = Callable[[list[Run]], list[list[Run]]]  # a segment's runs -> the runs of each piece
+
+
+def piece_per_run(runs: list[Run]) -> list[list[Run]]:
+    """Each run of consecutive decode blocks a piece of its own: every byte lands in place."""
+    return [[run] for run in runs]
+
+
+def piece_per_segment(runs: list[Run]) -> list[list[Run]]:
+    """The whole segment one piece, however scattered its decode blocks: one message."""
+    return [runs]
+
+
 class TransferPlan:
-    def __init__(self, layout: KVLayout, prompt_len: int, destination: KVDestination):
+    def __init__(
+        self,
+        layout: KVLayout,
+        prompt_len: int,
+        destination: KVDestination,
+        cut: Cut = piece_per_run,
+    ):
         bs, skip = layout.block_size, destination.skip_tokens
         if skip < 0 or skip % bs or skip >= prompt_len:
             raise PlanError(
@@ -79,6 +114,7 @@ class TransferPlan:
         self.layout = layout
         self.prompt_len = prompt_len
         self.destination = destination
+        self.cut = cut
         self.block_bytes = bytes_per_token(layout) * bs  # every layer's keys and values
         self.segments = self._segments()
         self.pieces = [p for seg in self.segments for p in seg.pieces]
@@ -99,34 +135,37 @@ class TransferPlan:
     def piece_bytes(self, piece: Piece) -> int:
         return piece.blocks * self.block_bytes
 
-    def _runs(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
-        """(start, end, first decode block, blocks) of the block-aligned token ranges of
-        [start, end) whose decode blocks are consecutive."""
+    def _runs(self, start: int, end: int) -> list[tuple[int, int, Run]]:
+        """(start, end, run) of the block-aligned token ranges of [start, end) whose decode
+        blocks are consecutive."""
         bs, skip, ids = (
             self.layout.block_size,
             self.destination.skip_tokens,
             self.destination.block_ids,
         )
-        runs: list[tuple[int, int, int, int]] = []
+        runs: list[tuple[int, int, Run]] = []
         for pos in range(start, end, bs):
             block, stop = ids[(pos - skip) // bs], min(end, pos + bs)
-            if runs and runs[-1][2] + runs[-1][3] == block:
-                first, _, dst, count = runs[-1]
-                runs[-1] = (first, stop, dst, count + 1)
+            if runs and runs[-1][2].first + runs[-1][2].blocks == block:
+                first, _, run = runs[-1]
+                runs[-1] = (first, stop, Run(run.first, run.blocks + 1))
             else:
-                runs.append((pos, stop, block, 1))
+                runs.append((pos, stop, Run(block, 1)))
         return runs
 
     def _segments(self) -> list[Segment]:
         size, skip = self.destination.segment_tokens, self.destination.skip_tokens
-        segments, index = [], 0
+        segments, index, every_head = [], 0, (0, self.layout.num_kv_heads)
         start = skip
         while start < self.prompt_len:
             end = min(self.prompt_len, (start // size + 1) * size)
-            pieces = []
-            for a, b, block, count in self._runs(start, end):
-                pieces.append(Piece(index, len(segments), a, b, block, count))
-                index += 1
+            spans = self._runs(start, end)
+            pieces, at = [], 0
+            for runs in self.cut([run for _, _, run in spans]):
+                first, last = spans[at], spans[at + len(runs) - 1]
+                piece = Piece(index, len(segments), first[0], last[1], tuple(runs), 0, every_head)
+                pieces.append(piece)
+                index, at = index + 1, at + len(runs)
             segments.append(Segment(len(segments), start, end, tuple(pieces)))
             start = end
         return segments

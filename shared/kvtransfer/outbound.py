@@ -12,7 +12,8 @@ may still be leaving (the decode worker discards them). RELEASED: nothing of it 
 
 The blocks are freed exactly once: on entering ABORTING, or on SENT -> RELEASED. Cancels and
 aborts from the decode worker arrive between engine steps and are acted on at the next one
-(`pending_abort`). A transition the table does not allow is a bug and raises.
+(`pending_abort`). A transition the table does not allow is a bug and raises (TransferMachine).
+The I/O of each step (staging, sending, telling the decode worker) is KVShipper's (ship.py).
 """
 
 import enum
@@ -21,10 +22,11 @@ from collections.abc import Callable
 
 from shared.control.failure import Code, Failure, failed, retry_anywhere, worker_failed
 from shared.control.messages import PrefillResult, PrefillTask, TokenLogprob
-from shared.dataplane.plan import Segment
 from shared.dataplane.plane import KVTransferError, PlaneRestarted
-from shared.dataplane.sender import KVSender
 from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.kvtransfer.machine import TransferMachine
+from shared.kvtransfer.plan import Segment
+from shared.kvtransfer.sender import KVSender
 from shared.telemetry import tracing
 
 
@@ -50,11 +52,9 @@ COMPUTING = frozenset({S.QUEUED, S.PREFILLING})  # segments may still be staged
 HOLDING = frozenset({S.QUEUED, S.PREFILLING, S.SENDING, S.SENT})  # the blocks are held
 
 
-class IllegalTransition(RuntimeError):
-    """A transition the table does not allow: a bug in whoever drove the transfer."""
+class OutboundTransfer(TransferMachine[OutboundState]):
+    ALLOWED = ALLOWED
 
-
-class OutboundTransfer:
     def __init__(
         self,
         task: PrefillTask,
@@ -62,11 +62,11 @@ class OutboundTransfer:
         sender: KVSender,
         free_blocks: Callable[[Sequence], None],
     ):
+        super().__init__(task.attempt_id, S.QUEUED)
         self.task = task
         self.seq = seq
         self.sender = sender
         self._free_blocks = free_blocks  # the engine's release: between steps only
-        self.state = S.QUEUED
         self.first_tokens: list[int] = []
         self.first_logprobs: list[TokenLogprob] = []
         self.computed_at = 0.0  # unix time the prompt's last chunk was computed
@@ -76,10 +76,6 @@ class OutboundTransfer:
         self.abort_reason = ""  # the decode worker's TransferAbort came
 
     @property
-    def attempt_id(self) -> str:
-        return self.task.attempt_id
-
-    @property
     def computing(self) -> bool:
         return self.state in COMPUTING
 
@@ -87,12 +83,9 @@ class OutboundTransfer:
     def holds_blocks(self) -> bool:
         return self.state in HOLDING
 
-    def _to(self, state: OutboundState) -> None:
-        if state not in ALLOWED[self.state]:
-            raise IllegalTransition(f"{self.attempt_id}: {self.state.name} -> {state.name}")
-        if self.state in HOLDING and state not in HOLDING:
+    def _moved(self, before: OutboundState, after: OutboundState) -> None:
+        if before in HOLDING and after not in HOLDING:
             self._free_blocks(self.seq)
-        self.state = state
 
     # -- events from the control plane (acted on between engine steps) ---------------------------
 

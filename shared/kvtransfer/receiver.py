@@ -1,9 +1,11 @@
 """KVReceiver: one prompt's KV, received by the decode worker straight into its pool blocks.
 
-Every piece's receive is posted before the prefill worker is asked for the KV, into the run of
-pool blocks the piece belongs to: the bytes land where attention will read them, with no copy. The
-blocks must not be freed while a receive is posted into them, so an abort first ends every
-receive still open (`DataPlane.release`) and only then lets the blocks go.
+Every piece's receive is posted before the prefill worker is asked for the KV, into the pool
+blocks the piece belongs to: a piece of one run lands where attention will read it, with no copy;
+a piece of several runs (a connector that sends a segment as one message) is posted as the list
+of its runs, and the transport scatters it there on landing. The blocks must not be freed while
+a receive is posted into them, so an abort first ends every receive still open
+(`DataPlane.release`) and only then lets the blocks go.
 """
 
 import asyncio
@@ -11,9 +13,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from shared.dataplane.plan import TransferPlan
+import torch
+
 from shared.dataplane.plane import DataPlane, KVTransferError, PlaneRestarted
 from shared.engine.kv_cache import KVPool
+from shared.kvtransfer.plan import Piece, TransferPlan
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +45,15 @@ class KVReceiver:
         """Posts the receive of every piece (call before the prefill worker may send);
         `listener` is called each time one ends (landed, failed or released)."""
         self._listener = listener or self._listener
-        pieces = [
-            (self.plan.tag(p), self.pool.blocks(p.dst_block, p.blocks)) for p in self.plan.pieces
-        ]
+        pieces = [(self.plan.tag(p), self._buffer(p)) for p in self.plan.pieces]
         for (tag, _), future in zip(pieces, self.plane.post_receives(pieces)):
             future.add_done_callback(self._on_landed)
             self._tasks[tag] = future
+
+    def _buffer(self, piece: Piece) -> torch.Tensor | list[torch.Tensor]:
+        """Where a piece lands: its one run of pool blocks, or the list of its runs."""
+        views = [self.pool.blocks(run.first, run.blocks) for run in piece.runs]
+        return views[0] if len(views) == 1 else views
 
     def _on_landed(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is not None:

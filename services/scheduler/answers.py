@@ -7,6 +7,7 @@ one.
 """
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -19,6 +20,11 @@ log = logging.getLogger(__name__)
 
 # no worker is blamed: the gateway submits the request again, and another scheduler takes it
 SHUTTING_DOWN = Failure(Code.UNAVAILABLE, "the scheduler is shutting down", Retry.ELSEWHERE)
+
+
+def final(failure: Failure) -> Failure:
+    """The failure the request ends with: no worker is left to place it on."""
+    return dataclasses.replace(failure, retry=Retry.NEVER)
 
 
 class Answers:

@@ -9,12 +9,11 @@ excluded, and the request is placed again (at most MAX_DISPATCH_ATTEMPTS times).
 """
 
 import asyncio
-import dataclasses
 import logging
 import time
 
 from services.scheduler.admission import AdmissionQueue, Pending
-from services.scheduler.answers import SHUTTING_DOWN, Answers
+from services.scheduler.answers import SHUTTING_DOWN, Answers, final
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.presence import Presence
 from services.scheduler.registry import WorkerRegistry
@@ -44,11 +43,6 @@ MAX_SKIPS = 16  # times a head may be passed so; then it waits at the head until
 TICK_S = 0.1  # how often waits run out, placing is retried and presence kept (Presence.tick)
 
 
-def final(failure: Failure) -> Failure:
-    """The failure the request ends with: no worker is left to place it on."""
-    return dataclasses.replace(failure, retry=Retry.NEVER)
-
-
 class SchedulerService:
     def __init__(self, settings: SchedulerSettings, bus: MessageBus):
         self.settings = settings
@@ -62,7 +56,12 @@ class SchedulerService:
         self.answers = Answers(self.queue, self.metrics.refused)
         self._closing = False
         self.presence = Presence(
-            bus, self.subjects, self.scheduler_id, self.registry, lambda: len(self.queue)
+            bus,
+            self.subjects,
+            self.scheduler_id,
+            self.registry,
+            lambda: len(self.queue),
+            settings.heartbeat_interval_s,
         )
 
     async def serve(self, stop: asyncio.Event) -> None:

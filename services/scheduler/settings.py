@@ -2,6 +2,7 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
+from services.scheduler.presence import BEAT_S
 from services.scheduler.router import Policy
 from shared.settings import CommonSettings
 
@@ -67,6 +68,10 @@ class SchedulerSettings(CommonSettings):
             "help": "a request that found no room this long gets RESOURCE_EXHAUSTED with a retry-after hint"
         },
     )
+    heartbeat_interval_s: float = field(
+        default=BEAT_S,
+        metadata={"help": "seconds between this scheduler's heartbeats to gateways and peers"},
+    )
     worker_timeout_s: float = field(
         default=3.0, metadata={"help": "a worker silent this long is dropped"}
     )
@@ -88,6 +93,7 @@ class SchedulerSettings(CommonSettings):
                 f"prefill_fallback must be one of {PREFILL_FALLBACKS}, got {self.prefill_fallback!r}"
             )
         for name in (
+            "heartbeat_interval_s",
             "worker_timeout_s",
             "dispatch_timeout_s",
             "queue_timeout_s",

@@ -130,12 +130,16 @@ class CommonSettings:
             raise ValueError(f"unknown log level {self.log_level!r}")
         if not 0.05 <= self.gil_switch_ms <= 100:
             raise ValueError("gil_switch_ms must be 0.05..100")
-        for name in (
+        self.require_seconds(
             "nats_connect_timeout_s",
             "nats_ping_interval_s",
             "nats_reconnect_wait_s",
             "nats_drain_timeout_s",
-        ):
+        )
+
+    def require_seconds(self, *names: str) -> None:
+        """Each named field is a positive, finite number of seconds (ValueError naming it)."""
+        for name in names:
             if not 0 < getattr(self, name) < math.inf:  # NaN too
                 raise ValueError(f"{name} must be a positive number of seconds")
 

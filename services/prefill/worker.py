@@ -112,7 +112,8 @@ class PrefillWorker:
     async def _drain(self, timeout_s: float) -> None:
         """Computes and sends the prompts already accepted, for up to `timeout_s`."""
         log.info("draining %d prompt(s) for up to %.0fs", len(self.ship.held), timeout_s)
-        await steps.drain(self._iterate, self.wakeup, self.ship.computing, timeout_s, poll_s=0.1)
+        poll_s = self.settings.kv_poll_s  # deadlines and aborts no message announces
+        await steps.drain(self._iterate, self.wakeup, self.ship.computing, timeout_s, poll_s)
 
     async def _abort_rest(self) -> None:
         await self.ship.abort_computing(self._shut_down())  # not computed in time

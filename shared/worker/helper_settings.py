@@ -1,7 +1,6 @@
 """How long a worker gives its KV data-plane helper process (shared.dataplane.helper_link): the
 settings every model worker has beyond CommonSettings' (WorkerSettings builds on these)."""
 
-import math
 from dataclasses import dataclass, field
 
 from shared.dataplane.helper_link import HelperTiming
@@ -31,9 +30,7 @@ class HelperSettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("kv_helper_start_timeout_s", "kv_helper_hang_s", "kv_helper_ping_s"):
-            if not 0 < getattr(self, name) < math.inf:  # NaN too
-                raise ValueError(f"{name} must be a positive number of seconds")
+        self.require_seconds("kv_helper_start_timeout_s", "kv_helper_hang_s", "kv_helper_ping_s")
         if self.kv_helper_ping_s >= self.kv_helper_hang_s:
             raise ValueError("kv_helper_ping_s must be shorter than kv_helper_hang_s")
 

@@ -1,7 +1,6 @@
 """How a worker moves KV (shared.kvtransfer): the settings of its transfers, beyond the
 helper's (WorkerSettings builds on these)."""
 
-import math
 from dataclasses import dataclass, field
 
 from shared.kvtransfer.connector import CONNECTORS
@@ -37,8 +36,8 @@ class TransferSettings(HelperSettings):
     kv_poll_s: float = field(
         default=0.25,
         metadata={
-            "help": "how often a decode worker looks at a KV transfer's clocks and its prefill "
-            "worker's liveness"
+            "help": "how often a worker looks at a KV transfer's clocks (a decode worker also at "
+            "its prefill worker's liveness; a prefill worker, draining, at deadlines and aborts)"
         },
     )
     kv_reclaim_poll_s: float = field(
@@ -53,15 +52,9 @@ class TransferSettings(HelperSettings):
         super().__post_init__()
         if self.kv_connector not in CONNECTORS:
             raise ValueError(f"kv_connector must be one of {sorted(CONNECTORS)}")
-        for name in (
-            "kv_lease_s",
-            "prefill_timeout_s",
-            "kv_ask_timeout_s",
-            "kv_poll_s",
-            "kv_reclaim_poll_s",
-        ):
-            if not 0 < getattr(self, name) < math.inf:  # NaN too
-                raise ValueError(f"{name} must be a positive number of seconds")
+        self.require_seconds(
+            "kv_lease_s", "prefill_timeout_s", "kv_ask_timeout_s", "kv_poll_s", "kv_reclaim_poll_s"
+        )
 
     def fetch_times(self) -> FetchTimes:
         """The decode side's clocks of a transfer."""

@@ -102,7 +102,9 @@ class InProcessDataPlane:
 
     def _post(self, tag: int, buffer: torch.Tensor) -> asyncio.Future:
         done = asyncio.get_running_loop().create_future()
-        if isinstance(buffer, numpy.ndarray):  # discard()'s scratch
+        if isinstance(buffer, list):  # spans to scatter over (a helper's: arrays of a region)
+            buffer = [torch.from_numpy(b) if isinstance(b, numpy.ndarray) else b for b in buffer]
+        elif isinstance(buffer, numpy.ndarray):  # discard()'s scratch, or a helper's region
             buffer = torch.from_numpy(buffer)
         self._posted[tag] = (buffer, done)
         waiter = self._unexpected.pop(tag, None)

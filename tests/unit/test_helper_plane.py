@@ -108,6 +108,24 @@ async def test_the_helper_gathers_spans_into_one_message_and_reports_it_landed()
     assert "error" in (await sending.writer.messages())[-1]  # a failure is a reply, not a crash
 
 
+async def test_the_helper_scatters_one_message_over_the_spans_a_receive_names():
+    """A staged piece: one message lands in several runs of the receiver's region, in order."""
+    network = LoopbackNetwork()
+    src, dst = SharedRegion(256), SharedRegion(256)
+    src.array[:] = numpy.arange(256, dtype=numpy.uint8)
+    receiving = HelperServer(InProcessDataPlane(network, "decode"), [dst], Collect())
+    sending = HelperServer(InProcessDataPlane(network, "prefill"), [src], Collect())
+    receiving.post([[42, [[0, 40, 8], [0, 120, 16]]]])  # two runs of slots, one piece
+    await sending.answer(
+        "send", {"id": 5, "peer": b"decode", "pieces": [[42, [0, 0, 24]]], "timeout": 1}
+    )
+    await asyncio.sleep(0.01)
+    assert dst.array[40:48].tolist() == list(range(0, 8))
+    assert dst.array[120:136].tolist() == list(range(8, 24))
+    assert not dst.array[48:120].any() and not dst.array[136:].any()
+    assert await receiving.writer.messages() == [{"ev": "landed", "items": [[42, 24, LANDED, ""]]}]
+
+
 async def test_the_worker_side_refuses_buffers_outside_its_regions_and_a_helper_that_is_down():
     pool = KVPool(LAYOUT, 4, 4, "cpu", shared=True)
     plane = HelperDataPlane([pool.region])

@@ -12,12 +12,13 @@ from grpc_health.v1 import health, health_pb2_grpc
 from services.gateway.clients import ClientKeys
 from services.gateway.health import ReadinessProbe
 from services.gateway.http_api import HttpServer, OpenAIApi, ssl_context
+from services.gateway.prompt_tokenizer import PromptTokenizer
 from services.gateway.sampling_defaults import SamplingDefaults
 from services.gateway.schedulers import SchedulerPool
 from services.gateway.servicer import TandemServicer, add_to_server, default_policy
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
-from services.gateway.validation import Limits, max_prompt_chars
+from services.gateway.validation import Limits, max_prompt_chars, message_tokens
 from shared import model_store
 from shared.control.bus import BusTiming, NatsBus
 from shared.control.liveness import Liveness
@@ -47,6 +48,7 @@ def limits_of(settings: GatewaySettings, tokenizer) -> Limits:
         max_stop_strings=settings.max_stop_strings,
         max_prompt_tokens=settings.max_prompt_tokens,
         max_prompt_chars=max_prompt_chars(tokenizer, settings.max_prompt_tokens or max_model_len),
+        message_tokens=message_tokens(PromptTokenizer(tokenizer)),
     )
 
 

@@ -3,11 +3,10 @@ not safe to call from several at once), taken from each client in turn.
 
 A client that sends 64 large prompts at once waits behind its own jobs, not in front of everyone
 else's: another client's job runs after at most the one in progress. Each job is bounded anyway
-(validation refuses a prompt too long for the context by its size, before tokenizing it).
-
-A small job (a short prompt: a fraction of a millisecond) finds the thread idle most of the time;
-it then runs on the event loop at once instead (the thread is idle, so the tokenizer is still
-used by one thread at a time): two thread hops cost more than the job itself.
+(validation refuses a prompt too long for the context by its size, and one of too many messages by
+their count, before rendering or tokenizing it). No job runs on the event loop, however small it
+looks: what it costs is only known once it ran (a request of 36,000 empty messages is a few
+characters), and every stream, health check and NATS callback waits while the loop is busy.
 """
 
 import asyncio
@@ -24,13 +23,9 @@ class FairTokenizer:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._waiting: OrderedDict[str, deque] = OrderedDict()  # client -> its jobs, in turn
         self._worker: asyncio.Task | None = None
-        self._busy = False  # a job is on the thread now
 
-    async def run(self, client: str, fn: Callable, *args, small: bool = False) -> Any:
-        """fn(*args) on the tokenizer thread, in `client`'s turn; a `small` job on the event loop
-        at once when no job runs or waits."""
-        if small and not self._busy and not self._waiting:
-            return fn(*args)
+    async def run(self, client: str, fn: Callable, *args) -> Any:
+        """fn(*args) on the tokenizer thread, in `client`'s turn."""
         done = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(client, deque()).append((fn, args, done))
         if self._worker is None or self._worker.done():
@@ -48,7 +43,6 @@ class FairTokenizer:
                 del self._waiting[client]
             if done.done():  # its caller went away
                 continue
-            self._busy = True
             try:
                 result = await loop.run_in_executor(self._executor, fn, *args)
             except Exception as err:
@@ -57,8 +51,6 @@ class FairTokenizer:
             else:
                 if not done.done():
                     done.set_result(result)
-            finally:
-                self._busy = False
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -115,6 +115,8 @@ class OpenAIApi:
             return _error_response(too_large)
         except ValueError as err:
             return _bad(f"the body is not JSON: {err}")
+        except RecursionError:  # json's decoder gives up on deep nesting: no OpenAI body is
+            return _bad("the body is nested too deeply")
         try:
             req = parse(kind, body, self.model, self.defaults)
             context = self._context(request)

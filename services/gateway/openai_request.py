@@ -138,8 +138,14 @@ def _stops(stop: Any) -> list[str]:
 
 
 def _messages_into(request: pb.GenerateRequest, messages: Any) -> None:
+    """The messages, counted before any is read (a 1 MiB body holds tens of thousands)."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
+    if len(messages) > rules.MAX_MESSAGES:
+        raise BadRequest(f"at most {rules.MAX_MESSAGES} messages", "messages")
+    parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and _parts(m))
+    if parts > rules.MAX_CONTENT_PARTS:
+        raise BadRequest(f"at most {rules.MAX_CONTENT_PARTS} content parts in all", "messages")
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -153,6 +159,10 @@ def _messages_into(request: pb.GenerateRequest, messages: Any) -> None:
         if m.get("tool_calls") or m.get("function_call"):
             raise BadRequest(f"{where}: tool calls are not supported", f"{where}.tool_calls")
         request.messages.add(role=role, content=_content(m.get("content"), where))
+
+
+def _parts(message: dict) -> bool:
+    return isinstance(message.get("content"), list)
 
 
 def _content(content: Any, where: str) -> str:

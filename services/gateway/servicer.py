@@ -27,7 +27,7 @@ from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
 from services.gateway.status_asks import ask_wait, status_pages
 from services.gateway.streams import StreamRouter
-from services.gateway.validation import InvalidRequest, Limits, ValidRequest, small_prompt, validate
+from services.gateway.validation import InvalidRequest, Limits, ValidRequest, validate
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.control.bus import BusError, MessageBus
@@ -256,12 +256,7 @@ class TandemServicer(pb_grpc.TandemServicer):
     ) -> ValidRequest:
         try:
             return await self._tokenize.run(
-                client.name,
-                validate,
-                request,
-                self.prompts,
-                self.limits,
-                small=small_prompt(request),
+                client.name, validate, request, self.prompts, self.limits
             )
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -1,4 +1,9 @@
-"""Turns a GenerateRequest into token ids and SamplingParams, or a clear INVALID_ARGUMENT message."""
+"""Turns a GenerateRequest into token ids and SamplingParams, or a clear INVALID_ARGUMENT message.
+
+What a request may cost is bounded before any tokenizer work (`bounded`, on the event loop, a
+count and a sum): its messages are counted, each chat message adds at least the frame its
+template wraps it in (`Limits.message_tokens`), and its characters cannot exceed what the context
+holds. Rendering and tokenizing (`validate`) run on the tokenizer thread only."""
 
 import math
 import re
@@ -17,9 +22,6 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOP_CHARS = 256
 
 
-SMALL_PROMPT = 2048  # characters (or token ids) of a prompt tokenized on the event loop when idle
-
-
 class InvalidRequest(ValueError):
     pass
 
@@ -34,6 +36,9 @@ class Limits:
     # a prompt this many characters long cannot fit (no token covers more than the longest in
     # the vocabulary): refused by its size, before any tokenizer work. 0: no such check
     max_prompt_chars: int = 0
+    # the fewest tokens one chat message adds (its template's frame around empty content): a
+    # request of many messages is refused by their count, before rendering. 0: no such check
+    message_tokens: int = 0
 
 
 @dataclass
@@ -49,6 +54,16 @@ def max_prompt_chars(tokenizer, max_tokens: int) -> int:
     token covers at most as many characters as its vocabulary entry is long."""
     longest = max((len(piece) for piece in tokenizer.get_vocab()), default=0)
     return (max_tokens + 1) * max(longest, 1)
+
+
+def message_tokens(tokens: PromptTokenizer) -> int:
+    """The fewest tokens a chat message adds: two empty turns rendered, less one (0 when the
+    template cannot render them: no such check then)."""
+    turn = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+    try:
+        return max(0, (len(tokens.chat_ids(turn * 2)) - len(tokens.chat_ids(turn))) // 2)
+    except Exception:  # a template with rules of its own (roles, lengths): not measured
+        return 0
 
 
 def request_id_of(request: pb.GenerateRequest) -> str:
@@ -123,21 +138,30 @@ def prompt_ids_of(request: pb.GenerateRequest, tokens: PromptTokenizer) -> list[
     return ids
 
 
-def small_prompt(request: pb.GenerateRequest) -> bool:
-    """A prompt whose tokenizing takes a fraction of a millisecond (FairTokenizer's `small`)."""
-    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
-    return chars + len(request.prompt_token_ids) <= SMALL_PROMPT
-
-
-def validate(request: pb.GenerateRequest, tokens: PromptTokenizer, limits: Limits) -> ValidRequest:
-    request_id = request_id_of(request)
-    sampling = sampling_of(request, limits)
+def bounded(request: pb.GenerateRequest, limits: Limits) -> None:
+    """Refuses, before any tokenizer work, a request whose prompt cannot fit: too many messages,
+    more messages than their frames leave room for, or more characters than the context holds."""
+    if len(request.messages) > rules.MAX_MESSAGES:
+        raise InvalidRequest(f"at most {rules.MAX_MESSAGES} messages")
+    budget = limits.max_prompt_tokens or limits.max_model_len
+    framed = len(request.messages) * limits.message_tokens
+    if framed > budget:
+        raise InvalidRequest(
+            f"{len(request.messages)} messages take at least {framed} tokens: more than the "
+            f"{budget} a prompt may have"
+        )
     chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
     if limits.max_prompt_chars and chars > limits.max_prompt_chars:
         raise InvalidRequest(
             f"the prompt is {chars} characters: more than the model's context of "
             f"{limits.max_model_len} tokens can hold"
         )
+
+
+def validate(request: pb.GenerateRequest, tokens: PromptTokenizer, limits: Limits) -> ValidRequest:
+    request_id = request_id_of(request)
+    sampling = sampling_of(request, limits)
+    bounded(request, limits)
     began = time.time()
     ids = prompt_ids_of(request, tokens)
     tokenized = (began, time.time())

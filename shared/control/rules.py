@@ -24,6 +24,8 @@ MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per position, as OpenAI's API allows
 MAX_N = 64  # choices of one request
+MAX_MESSAGES = 4096  # chat messages of one request (gateway: counted before any rendering)
+MAX_CONTENT_PARTS = 4096  # text parts of one request's messages, all messages together
 MAX_LABEL = 256  # characters of a worker's descriptive strings (its kernel report)
 
 # int fields that may be negative, and how far

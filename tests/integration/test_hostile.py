@@ -1,15 +1,19 @@
 """Hostile input against a real stack: a thousand random and adversarial requests at the gRPC API
 (hypothesis), raw garbage on the gRPC port, on every NATS subject the services listen to, and on
-the workers' UCX sockets. No service goes down, every reply is a proper status, nothing leaks, and
-the stack still answers correctly afterwards.
+the workers' UCX sockets, and bodies at the HTTP API that cost more than they look (nested deep,
+tens of thousands of empty messages). No service goes down, every reply is a proper status,
+nothing leaks, and the stack still answers correctly afterwards.
 """
 
 import asyncio
 import concurrent.futures
+import json
 import os
 import random
 import socket
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 
 import grpc
@@ -271,4 +275,41 @@ def test_garbage_on_the_ucx_sockets(hostile):
     long = chat_request(long_document(300), 4)  # over the local-prefill threshold: KV over UCX
     chunks, _, _ = collect(stack.stub(), long)
     assert chunks[-1].timing.path == "disaggregated"
+    _still_serving(stack, reference)
+
+
+# --- bodies at the HTTP API that cost more than they look ----------------------------------------
+
+
+def _post(stack, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"{stack.http_url}/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_a_body_nested_deep_is_a_400_not_a_500(hostile):
+    stack, reference = hostile
+    status, body = _post(stack, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert status == 400 and "nested too deeply" in body["error"]["message"], (status, body)
+    _still_serving(stack, reference)
+
+
+def test_floods_of_empty_messages_are_refused_by_their_count(hostile):
+    """Under 1 MiB each, and a few characters of content: 36,000 messages are refused at once by
+    their count (4,000 by their template frames, before any rendering)."""
+    stack, reference = hostile
+    for count, why in ((36_000, "at most 4096 messages"), (4_000, "4000 messages take at least")):
+        body = json.dumps({"messages": [{"role": "user"}] * count}).encode()
+        assert len(body) < 1 << 20
+        started = time.monotonic()
+        status, answer = _post(stack, body)
+        assert status == 400 and why in answer["error"]["message"], (status, answer)
+        print(f"{count} empty messages refused in {time.monotonic() - started:.3f}s")
     _still_serving(stack, reference)

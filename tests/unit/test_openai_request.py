@@ -87,6 +87,12 @@ def test_completion_prompts_and_logprobs():
         ("completion", {"prompt": "x", "best_of": 3}, "best_of"),
         ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("chat", chat(messages=[]), "messages"),
+        ("chat", chat(messages=[{"role": "user"}] * 4097), "messages"),  # counted before read
+        (
+            "chat",
+            chat(messages=[{"role": "user", "content": [{"type": "text", "text": ""}] * 2049}] * 2),
+            "messages",
+        ),
         ("chat", chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
         (
             "chat",

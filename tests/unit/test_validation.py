@@ -5,7 +5,7 @@ import math
 import pytest
 
 from services.gateway.prompt_tokenizer import PromptTokenizer
-from services.gateway.validation import InvalidRequest, Limits, validate
+from services.gateway.validation import InvalidRequest, Limits, bounded, message_tokens, validate
 from shared.api import tandem_pb2 as pb
 
 
@@ -204,3 +204,33 @@ def test_the_most_a_valid_request_may_ask_passes_the_wire_checks(prompts):
         priority=edge.priority,
     )
     assert decode(encode(task), GenerateTask) == task
+
+
+class CountingTokenizer(PromptTokenizer):
+    """The real one, counting how often it renders a chat."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.rendered = 0
+
+    def chat_ids(self, messages):
+        self.rendered += 1
+        return super().chat_ids(messages)
+
+
+def test_a_flood_of_empty_messages_is_refused_by_its_count_before_any_rendering(tokenizer):
+    """36,000 empty messages are 0 characters of content: their template frames alone are more
+    than the context, and that is known from their count, without rendering one."""
+    frame = message_tokens(PromptTokenizer(tokenizer))
+    assert frame >= 3  # SmolLM2's <|im_start|>user\n ... <|im_end|>\n
+    limits = Limits(8192, 256, 4096, 16, message_tokens=frame)
+    counting = CountingTokenizer(tokenizer)
+    flood = request(prompt="", messages=[("user", "")] * 4000)
+    with pytest.raises(InvalidRequest, match="4000 messages take at least"):
+        validate(flood, counting, limits)
+    too_many = request(prompt="", messages=[("user", "")] * 36_000)
+    with pytest.raises(InvalidRequest, match="at most 4096 messages"):
+        bounded(too_many, limits)
+    assert counting.rendered == 0
+    few = request(prompt="", messages=[("user", "hi")] * 8)
+    assert validate(few, counting, limits).prompt_token_ids and counting.rendered == 1

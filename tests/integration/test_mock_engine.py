@@ -4,6 +4,7 @@ mock promises (the same on either path); a fleet of workers in one process (--mo
 registered one by one, sharing the load, every block back afterwards."""
 
 import threading
+import time
 
 import pytest
 from transformers import AutoConfig
@@ -60,8 +61,18 @@ def test_a_disaggregated_request_moves_the_real_kv_bytes(mock_disagg, tokenizer,
     config = AutoConfig.from_pretrained(model_dir)
     per_token = bytes_per_token(layout_of(config, "m", compute_dtype("auto", config, "cpu")))
     assert decode.kv_bytes_received - before[decode.id] >= len(PROMPT) * per_token
-    prefill = next(w for w in status.workers if w.role == "prefill")
-    assert "mock engine" in decode.kernels and prefill.kv_transport  # UCX's, as the sender saw
+    assert "mock engine" in decode.kernels
+    # UCX's transport, as the sender saw it: in the prefill worker's first heartbeat after the
+    # send (a mock prefill can start and end between two beats, so the status read at idle may
+    # still hold the one from before)
+    deadline = time.monotonic() + 10
+    while not _prefill(mock_disagg.status()).kv_transport:
+        assert time.monotonic() < deadline, "the prefill worker never reported its transport"
+        time.sleep(0.1)
+
+
+def _prefill(status: pb.ClusterStatusResponse) -> pb.WorkerStatus:
+    return next(w for w in status.workers if w.role == "prefill")
 
 
 def test_a_fleet_of_mock_workers_in_one_process_shares_the_load(mock_fleet, tokenizer, model_dir):

@@ -57,13 +57,21 @@ def max_prompt_chars(tokenizer, max_tokens: int) -> int:
 
 
 def message_tokens(tokens: PromptTokenizer) -> int:
-    """The fewest tokens a chat message adds: two empty turns rendered, less one (0 when the
-    template cannot render them: no such check then)."""
+    """The fewest tokens one chat message adds, whatever its role: each role's empty message
+    appended to a user/assistant turn, the smallest growth (a role the template refuses there is
+    not counted; 0 when none renders: no such check then). An average over roles would refuse a
+    request of the cheapest role that fits."""
     turn = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
-    try:
-        return max(0, (len(tokens.chat_ids(turn * 2)) - len(tokens.chat_ids(turn))) // 2)
-    except Exception:  # a template with rules of its own (roles, lengths): not measured
-        return 0
+    grown = []
+    for role in ROLES:
+        try:
+            grown.append(
+                len(tokens.chat_ids([*turn, {"role": role, "content": ""}]))
+                - len(tokens.chat_ids(turn))
+            )
+        except Exception:  # a template with rules of its own (roles, order): not this role
+            continue
+    return max(0, min(grown, default=0))
 
 
 def request_id_of(request: pb.GenerateRequest) -> str:

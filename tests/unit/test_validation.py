@@ -234,3 +234,38 @@ def test_a_flood_of_empty_messages_is_refused_by_its_count_before_any_rendering(
     assert counting.rendered == 0
     few = request(prompt="", messages=[("user", "hi")] * 8)
     assert validate(few, counting, limits).prompt_token_ids and counting.rendered == 1
+
+
+@pytest.mark.parametrize("role", ["system", "user", "assistant"])
+def test_a_request_of_the_cheapest_messages_that_fits_is_never_refused_by_their_count(
+    tokenizer, role
+):
+    """The frame is a floor for every role: as many empty messages of one role as the template
+    renders within the budget pass the count check (an average over roles would refuse some)."""
+    prompts = PromptTokenizer(tokenizer)
+    frame = message_tokens(prompts)
+    for count in (8, 40, 200):
+        messages = [("user", "hi"), ("assistant", "")] + [(role, "")] * count
+        rendered = len(prompts.chat_ids([{"role": r, "content": c} for r, c in messages]))
+        limits = Limits(rendered + 1, 1, 1, 16, message_tokens=frame)
+        bounded(request(prompt="", messages=messages), limits)  # raises if refused
+
+
+class FramedChat:
+    """A template whose frames differ by role (user 6 tokens, assistant 2, system refused
+    after the first turn): the floor must be the cheapest role's, not an average."""
+
+    FRAME = {"user": 6, "assistant": 2}
+
+    def chat_ids(self, messages):
+        if any(m["role"] == "system" for m in messages[1:]):
+            raise ValueError("system comes first")
+        return [0] * sum(self.FRAME[m["role"]] + len(m["content"]) for m in messages)
+
+
+def test_the_message_floor_is_the_cheapest_roles_frame():
+    assert message_tokens(FramedChat()) == 2
+    limits = Limits(100, 1, 1, 16, message_tokens=message_tokens(FramedChat()))
+    bounded(request(prompt="", messages=[("assistant", "")] * 49), limits)  # 98 tokens: fits
+    with pytest.raises(InvalidRequest):
+        bounded(request(prompt="", messages=[("assistant", "")] * 51), limits)

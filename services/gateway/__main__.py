@@ -9,13 +9,15 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from services.gateway.clients import ClientKeys
+from services.gateway.clients import ClientKeys, TrustedProxies
+from services.gateway.grpc_methods import add_to_server
 from services.gateway.health import ReadinessProbe
+from services.gateway.holdings_exchange import HoldingsExchange
 from services.gateway.http_api import HttpServer, OpenAIApi, ssl_context
 from services.gateway.prompt_tokenizer import PromptTokenizer
 from services.gateway.sampling_defaults import SamplingDefaults
 from services.gateway.schedulers import SchedulerPool
-from services.gateway.servicer import TandemServicer, add_to_server, default_policy
+from services.gateway.servicer import TandemServicer, default_policy
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import Limits, max_prompt_chars, message_tokens
@@ -118,9 +120,16 @@ async def servicer_of(settings: GatewaySettings, tokenizer, stack: AsyncExitStac
     schedulers = await stack.enter_async_context(
         SchedulerPool(bus, subjects, settings.worker_timeout_s)
     )
-    keys = ClientKeys.load(settings.api_keys_file, default_policy(settings))
+    proxies = TrustedProxies.parse(settings.trusted_proxies)
+    keys = ClientKeys.load(settings.api_keys_file, default_policy(settings), proxies)
     limits = limits_of(settings, tokenizer)
-    return TandemServicer(settings, bus, streams, tokenizer, limits, liveness, schedulers, keys)
+    servicer = TandemServicer(settings, bus, streams, tokenizer, limits, liveness, schedulers, keys)
+    await stack.enter_async_context(
+        HoldingsExchange(
+            bus, subjects, settings.gateway_id, servicer.seats, settings.holdings_interval_s
+        )
+    )
+    return servicer
 
 
 def served_model_name(settings: GatewaySettings) -> str:

@@ -1,24 +1,26 @@
 """Clients: who sent a request, what they may ask for, and what they hold at this gateway.
 
 A client is known by its API key's name (gRPC metadata `authorization: Bearer <key>`, keys from
---api-keys-file), else by its TLS certificate's subject, else by its address. With keys
+--api-keys-file), else by its TLS certificate's subject, else by its address: the connection's
+peer, or, when the peer is a trusted proxy (--trusted-proxies), the client address that proxy
+forwarded (X-Forwarded-For: the last address in it that is not itself a trusted proxy). With keys
 configured, a request without a valid one gets UNAUTHENTICATED. Keys are compared by their
 SHA-256 digest and never logged.
 
-Each client has a policy: the highest priority it may ask for (more is lowered to it), and limits
-on what it holds here at once: open streams, streams still waiting for their first token, and KV
-tokens reserved (prompt + max_tokens of each open stream). Past a limit: RESOURCE_EXHAUSTED with
-a retry-after hint. The defaults are well below the cluster's own bounds, so no one client can
-take all of it.
+Each client has a policy: the highest priority it may ask for (more is lowered to it), and caps of
+its own on what it holds at once over every gateway replica: open streams, streams still waiting
+for their first token, and KV tokens reserved (prompt + max_tokens of each open stream); 0: no cap
+of its own, only its fair share (seats.py). Past a limit: RESOURCE_EXHAUSTED with a retry-after
+hint.
 
 The keys file is JSON: {"clients": [{"name": "team-a", "key": "...", "max_priority": 10,
 "max_streams": 128, "max_queued": 64, "max_kv_tokens": 1000000}, ...]}; any limit left out is
 the gateway's default.
 """
 
-import collections
 import dataclasses
 import hashlib
+import ipaddress
 import json
 from pathlib import Path
 
@@ -28,9 +30,9 @@ RETRY_AFTER_MS = 1000
 @dataclasses.dataclass(frozen=True)
 class ClientPolicy:
     max_priority: int = 0
-    max_streams: int = 64
-    max_queued: int = 32
-    max_kv_tokens: int = 262_144
+    max_streams: int = 0  # 0: no cap of its own
+    max_queued: int = 0
+    max_kv_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +48,23 @@ class Unauthenticated(Exception):
 class ClientKeys:
     """The API keys a gateway accepts, by digest, with each key's name and policy."""
 
-    def __init__(self, default: ClientPolicy, entries: dict[bytes, tuple[str, ClientPolicy]]):
+    def __init__(
+        self,
+        default: ClientPolicy,
+        entries: dict[bytes, tuple[str, ClientPolicy]],
+        proxies: "TrustedProxies | None" = None,
+    ):
         self.default = default
         self._by_digest = entries
+        self.proxies = proxies or TrustedProxies(())
 
     @classmethod
-    def load(cls, path: str, default: ClientPolicy) -> "ClientKeys":
+    def load(
+        cls, path: str, default: ClientPolicy, proxies: "TrustedProxies | None" = None
+    ) -> "ClientKeys":
         """Keys from the JSON file at `path`; none when `path` is empty."""
         if not path:
-            return cls(default, {})
+            return cls(default, {}, proxies)
         doc = json.loads(Path(path).read_text())
         entries = {}
         for n, item in enumerate(doc.get("clients", [])):
@@ -69,7 +79,7 @@ class ClientKeys:
                 if f.name in item
             }
             entries[_digest(key)] = (name, dataclasses.replace(default, **limits))
-        return cls(default, entries)
+        return cls(default, entries, proxies)
 
     @property
     def required(self) -> bool:
@@ -89,46 +99,53 @@ class ClientKeys:
             return Client(f"key:{name}", policy)
         if cert_subject:
             return Client(f"cert:{cert_subject}", self.default)
-        return Client(f"addr:{peer}", self.default)
+        return Client(f"addr:{self.proxies.client_of(peer, metadata)}", self.default)
 
 
-class ClientUsage:
-    """What each client holds at this gateway now (streams, streams waiting, KV tokens)."""
+class TrustedProxies:
+    """The proxies whose X-Forwarded-For names the client (by network); none: every client is
+    its connection's peer address."""
 
-    def __init__(self) -> None:
-        self.streams: collections.Counter[str] = collections.Counter()
-        self.queued: collections.Counter[str] = collections.Counter()
-        self.kv_tokens: collections.Counter[str] = collections.Counter()
+    HEADER = "x-forwarded-for"
 
-    def over_limit(self, client: Client, kv_tokens: int) -> str | None:
-        """Why one more stream of `kv_tokens` would take the client past its limits (None: it
-        would not)."""
-        p, name = client.policy, client.name
-        if self.streams[name] >= p.max_streams:
-            return f"this client already has {p.max_streams} streams open, its limit"
-        if self.queued[name] >= p.max_queued:
-            return f"this client already has {p.max_queued} requests waiting, its limit"
-        if self.kv_tokens[name] + kv_tokens > p.max_kv_tokens:
-            return (
-                f"this client's open streams would reserve more than {p.max_kv_tokens} KV "
-                f"tokens (prompt + max_tokens), its limit"
-            )
+    def __init__(self, networks):
+        self.networks = tuple(ipaddress.ip_network(n, strict=False) for n in networks)
+
+    @classmethod
+    def parse(cls, value: str) -> "TrustedProxies":
+        """From a comma-separated list of addresses or networks ("10.0.0.0/8,127.0.0.1")."""
+        return cls(n.strip() for n in value.split(",") if n.strip())
+
+    def client_of(self, peer: str, metadata) -> str:
+        """The client's address: `peer` ("ipv4:10.0.0.7"), or where that is a trusted proxy, the
+        last forwarded address that is not one (unchanged when the header has none)."""
+        if not self.networks or not self._trusted(_host(peer)):
+            return peer
+        forwarded = [v for k, v in metadata or () if k.lower() == self.HEADER]
+        hops = [h.strip() for v in forwarded for h in str(v).split(",")]
+        for hop in reversed(hops):
+            address = _ip(hop)
+            if address is None:
+                return peer  # a malformed header: the proxy's own address, not a made-up one
+            if not self._trusted(address):
+                return f"ipv4:{address}" if address.version == 4 else f"ipv6:[{address}]"
+        return peer
+
+    def _trusted(self, address) -> bool:
+        return address is not None and any(address in n for n in self.networks)
+
+
+def _host(peer: str):
+    """The address in a gRPC-style peer string ("ipv4:10.0.0.7", "ipv6:[::1]"), or None."""
+    kind, _, host = peer.partition(":")
+    return _ip(host) if kind in ("ipv4", "ipv6") else None
+
+
+def _ip(text: str):
+    try:
+        return ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
         return None
-
-    def open(self, client: Client, kv_tokens: int) -> None:
-        self.streams[client.name] += 1
-        self.queued[client.name] += 1
-        self.kv_tokens[client.name] += kv_tokens
-
-    def started(self, client: Client) -> None:
-        """Its first token came: no longer waiting."""
-        _decrement(self.queued, client.name)
-
-    def close(self, client: Client, kv_tokens: int, started: bool) -> None:
-        _decrement(self.streams, client.name)
-        _decrement(self.kv_tokens, client.name, kv_tokens)
-        if not started:
-            _decrement(self.queued, client.name)
 
 
 def cert_subject(auth_context: dict) -> str:
@@ -148,9 +165,3 @@ def _bearer(metadata) -> str:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
-
-
-def _decrement(counter: collections.Counter, name: str, by: int = 1) -> None:
-    counter[name] -= by
-    if counter[name] <= 0:
-        del counter[name]

@@ -22,6 +22,7 @@ import uuid
 import grpc
 from aiohttp import web
 
+from services.gateway.http_body import BodyTooLarge, read_body
 from services.gateway.http_context import (
     TIMEOUT_HEADER,
     CallAborted,
@@ -38,6 +39,7 @@ log = logging.getLogger("gateway.http")
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+FORWARDED_FOR = "X-Forwarded-For"
 INTERNAL = http_error(grpc.StatusCode.INTERNAL, "the gateway failed to serve the request")
 
 
@@ -107,10 +109,35 @@ class OpenAIApi:
     # -- generation ----------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """The request's seat is taken before its body is read (a client past its share is
+        refused without a byte of it read); the body is dropped once parsed."""
         try:
-            body = await request.json()
-        except web.HTTPRequestEntityTooLarge as err:
-            too_large = http_error(grpc.StatusCode.INVALID_ARGUMENT, err.text or "too large")
+            context = self._context(request)
+        except ValueError as err:
+            return _bad(str(err))
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                seat = await stack.enter_async_context(self.servicer.seated(context))
+            except CallAborted as err:  # 401, 429 or 503: counted as Generate counts its own
+                self.servicer.metrics.request(context.api).end(err.code, False)
+                return _error_response(http_error(err.code, err.details, err.retry_after_ms))
+            req = await self._parsed(request, kind)
+            if isinstance(req, web.Response):
+                return req
+            req.request.request_id = self._request_id(request)
+            responses = self.servicer.Generate(req.request, context, context.api, seat)
+            formatter = Formatter(req, req.request.request_id, self.text_of)
+            async with contextlib.aclosing(responses):
+                if req.stream:
+                    return await self._stream(request, req, responses, context, formatter)
+                return await self._whole(responses, context, formatter)
+
+    async def _parsed(self, request: web.Request, kind: str) -> OpenAIRequest | web.Response:
+        """The body as an OpenAI request, or the error response that refuses it."""
+        try:
+            body = json.loads(await read_body(request, self.max_request_bytes))
+        except BodyTooLarge as err:
+            too_large = http_error(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             too_large.status = 413
             return _error_response(too_large)
         except ValueError as err:
@@ -119,7 +146,6 @@ class OpenAIApi:
             return _bad("the body is nested too deeply")
         try:
             req = parse(kind, body, self.model, self.defaults)
-            context = self._context(request)
         except BadRequest as err:
             return _bad(str(err), err.param)
         except ValueError as err:
@@ -127,13 +153,7 @@ class OpenAIApi:
         if req.model != self.model:
             message = f"the model {req.model!r} does not exist"
             return _error_response(http_error(grpc.StatusCode.NOT_FOUND, message, param="model"))
-        req.request.request_id = self._request_id(request)
-        responses = self.servicer.Generate(req.request, context, api=context.api)
-        formatter = Formatter(req, req.request.request_id, self.text_of)
-        async with contextlib.aclosing(responses):
-            if req.stream:
-                return await self._stream(request, req, responses, context, formatter)
-            return await self._whole(responses, context, formatter)
+        return req
 
     def _context(self, request: web.Request) -> HttpCallContext:
         transport = request.transport
@@ -144,6 +164,7 @@ class OpenAIApi:
             tuple(peer[:2]) if peer else None,
             _common_name(cert),
             parse_timeout(request.headers.get(TIMEOUT_HEADER)),
+            request.headers.getall(FORWARDED_FOR, ()),
         )
 
     @staticmethod

@@ -79,8 +79,10 @@ class HttpCallContext:
         peer: tuple[str, int] | None,
         cert_subject: str = "",
         timeout_s: float | None = None,
+        forwarded_for: tuple[str, ...] = (),
     ):
         self._metadata = (("authorization", authorization),) if authorization else ()
+        self._metadata += tuple(("x-forwarded-for", hop) for hop in forwarded_for)
         self._peer = peer
         self._cert_subject = cert_subject
         self._deadline = time.monotonic() + timeout_s if timeout_s else None

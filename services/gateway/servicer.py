@@ -12,11 +12,11 @@ from services.gateway.clients import (
     Client,
     ClientKeys,
     ClientPolicy,
-    ClientUsage,
     Unauthenticated,
     cert_subject,
 )
 from services.gateway.fair_tokenizer import FairTokenizer
+from services.gateway.grpc_methods import Undecodable
 from services.gateway.merge import merged
 from services.gateway.metrics import GatewayMetrics, RecordingContext
 from services.gateway.migration import new_attempt_id
@@ -24,6 +24,7 @@ from services.gateway.prompt_tokenizer import PromptTokenizer
 from services.gateway.relay import RequestRelay
 from services.gateway.responses import cluster_status_response, generate_response
 from services.gateway.schedulers import SchedulerPool
+from services.gateway.seats import Refused, Seat, Seats, SeatState
 from services.gateway.settings import GatewaySettings
 from services.gateway.status_asks import ask_wait, status_pages
 from services.gateway.streams import StreamRouter
@@ -61,49 +62,11 @@ def client_address(peer: str) -> str:
     return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
-class Undecodable:
-    """A request body that is not the message it should be (garbage, invalid UTF-8 in a string)."""
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-
-def _lenient(message_type):
-    """A deserializer that never raises: grpc would answer INTERNAL; the method answers INVALID_ARGUMENT."""
-
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except Exception as err:  # DecodeError and friends, from protobuf's C core
-            return Undecodable(err)
-
-    return parse
-
-
-def add_to_server(servicer: "TandemServicer", server) -> None:
-    """Registers the Tandem API (as the generated add_TandemServicer_to_server, with lenient parsing)."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate,
-            request_deserializer=_lenient(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString,
-        ),
-        "ClusterStatus": grpc.unary_unary_rpc_method_handler(
-            servicer.ClusterStatus,
-            request_deserializer=_lenient(pb.ClusterStatusRequest),
-            response_serializer=pb.ClusterStatusResponse.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("tandem.v1.Tandem", handlers),)
-    )
-
-
 STATUS_PAGE = 128  # workers asked for per status request (the scheduler caps it too)
 
 
 def default_policy(settings: GatewaySettings) -> ClientPolicy:
-    """What a client without a key of its own may ask for and hold."""
+    """What a client without a key of its own may ask for and hold (0: no cap of its own)."""
     return ClientPolicy(
         max_priority=settings.default_max_priority,
         max_streams=settings.max_streams_per_client,
@@ -134,25 +97,33 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
         self.keys = keys or ClientKeys(default_policy(settings), {})
-        self.usage = ClientUsage()  # what each client holds here now
+        self.seats = Seats(settings.max_streams, settings.max_queued)  # what clients hold here
         self._tokenize = FairTokenizer()
         self.metrics = GatewayMetrics(settings.gateway_id)
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, api: str = "grpc"
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        api: str = "grpc",
+        seat: Seat | None = None,
     ):
         """The request's responses, counted in the metrics once it ends, however it ends, under
         its trace's root span (passed down, not made current: this generator's steps may each
-        run in a task of their own). `api`: which one it came by (the HTTP API's says its own)."""
+        run in a task of their own). `api`: which one it came by (the HTTP API's says its own);
+        `seat`: the one its caller took for it (seated), else it takes its own."""
         observer, span = self.metrics.request(api), tracing.tracer().start_span("gateway.request")
         span.set_attribute("api", api)
         context, finished = RecordingContext(context), False
         root = trace.set_span_in_context(span)
         try:
-            calling = self._generate_call(request, context, root)
-            async with contextlib.aclosing(calling) as responses:
-                async for response in responses:
-                    observer.on_response(response)
+            async with contextlib.AsyncExitStack() as stack:
+                if seat is None:
+                    seat = await stack.enter_async_context(self.seated(context))
+                observed = self._observed(request, context, root, seat, observer)
+                async for response in await stack.enter_async_context(
+                    contextlib.aclosing(observed)
+                ):
                     yield response
             finished = True
         except Exception:
@@ -166,33 +137,53 @@ class TandemServicer(pb_grpc.TandemServicer):
             span.set_attribute("status", code.name if code else "OK" if finished else "CANCELLED")
             span.end()
 
-    async def _generate_call(self, request: pb.GenerateRequest, context, root):
+    async def _observed(self, request, context, root, seat: Seat, observer):
+        calling = self._generate_call(request, context, root, seat)
+        async with contextlib.aclosing(calling) as responses:
+            async for response in responses:
+                observer.on_response(response)
+                yield response
+
+    @contextlib.asynccontextmanager
+    async def seated(self, context):
+        """A seat for the request of `context` (taken before anything costly is done for it),
+        released when the block ends; the call aborted (UNAUTHENTICATED, RESOURCE_EXHAUSTED,
+        UNAVAILABLE) when its client may not have one."""
+        client = await self._identify(context)
+        try:
+            seat = self.seats.take(client)
+        except Refused as err:
+            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
+            await context.abort(err.code, str(err))
+        try:
+            yield seat
+        finally:
+            self.seats.release(seat)
+
+    async def _generate_call(self, request: pb.GenerateRequest, context, root, seat: Seat):
         arrival = time.time()
         if isinstance(request, Undecodable):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.error}"
             )
-        client = await self._identify(context)
-        await self._within_limits(client, 0, context)  # before the tokenizer's work
+        client = seat.client
         with tracing.within(root), tracing.tracer().start_as_current_span("gateway.validate"):
             valid = await self._validated(request, context, client)
             tracing.record("gateway.tokenize", tracing.current(), *valid.tokenized)
         trace.get_current_span(root).set_attribute("request_id", valid.request_id)
         kv_tokens = len(valid.prompt_token_ids) + valid.sampling.n * valid.sampling.max_tokens
-        await self._within_limits(client, kv_tokens, context)
-        self.usage.open(client, kv_tokens)
-        started = False
         try:
-            priority = min(request.priority, client.policy.max_priority)
-            generating = self._generate(valid, priority, client, context, arrival, root)
-            async with contextlib.aclosing(generating) as responses:
-                async for response in responses:  # closed on every exit: its cancel always runs now
-                    if not started and response.token_ids:
-                        started = True
-                        self.usage.started(client)
-                    yield response
-        finally:
-            self.usage.close(client, kv_tokens, started)
+            self.seats.validated(seat, kv_tokens)
+        except Refused as err:
+            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
+            await context.abort(err.code, str(err))
+        priority = min(request.priority, client.policy.max_priority)
+        generating = self._generate(valid, priority, client, context, arrival, root)
+        async with contextlib.aclosing(generating) as responses:
+            async for response in responses:  # closed on every exit: its cancel always runs now
+                if seat.state is SeatState.WAITING and response.token_ids:
+                    self.seats.started(seat)
+                yield response
 
     async def _identify(self, context) -> Client:
         """Who sent the request; UNAUTHENTICATED without a valid key when keys are required."""
@@ -204,12 +195,6 @@ class TandemServicer(pb_grpc.TandemServicer):
             )
         except Unauthenticated as err:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
-
-    async def _within_limits(self, client: Client, kv_tokens: int, context) -> None:
-        why = self.usage.over_limit(client, kv_tokens)
-        if why:
-            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
 
     async def _generate(
         self, valid: ValidRequest, priority: int, client: Client, context, arrival: float, root

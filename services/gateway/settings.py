@@ -3,6 +3,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from services.gateway.clients import TrustedProxies
 from shared.control import rules
 from shared.settings import CommonSettings
 
@@ -97,17 +98,47 @@ class GatewaySettings(CommonSettings):
             "help": "the largest request message accepted; larger ones get RESOURCE_EXHAUSTED"
         },
     )
+    max_streams: int = field(
+        default=1024,
+        metadata={
+            "help": "requests this gateway serves at once, every client's together (each holds a connection or stream and its prompt); more: UNAVAILABLE (503)"
+        },
+    )
+    max_queued: int = field(
+        default=512,
+        metadata={
+            "help": "requests waiting (being validated, or for their first token) that clients share: a lone client may fill it, busy clients get equal shares over every gateway replica; past its share: RESOURCE_EXHAUSTED (429)"
+        },
+    )
     max_streams_per_client: int = field(
-        default=64,
-        metadata={"help": "streams one client may hold open at once; more: RESOURCE_EXHAUSTED"},
+        default=0,
+        metadata={
+            "help": "streams one client (without a key of its own) may hold open at once over every replica; 0 = no cap beyond its fair share"
+        },
     )
     max_queued_per_client: int = field(
-        default=32,
-        metadata={"help": "streams of one client waiting for their first token, at most"},
+        default=0,
+        metadata={
+            "help": "requests of one client waiting at once over every replica; 0 = no cap beyond its fair share of max_queued"
+        },
     )
     max_kv_tokens_per_client: int = field(
         default=262_144,
-        metadata={"help": "KV tokens (prompt + max_tokens) one client's open streams may reserve"},
+        metadata={
+            "help": "KV tokens (prompt + max_tokens) one client's open streams may reserve over every replica; 0 = no cap"
+        },
+    )
+    trusted_proxies: str = field(
+        default="",
+        metadata={
+            "help": "comma-separated addresses or networks of proxies (an ingress, a load balancer) whose X-Forwarded-For names the client; empty = a client is its connection's address"
+        },
+    )
+    holdings_interval_s: float = field(
+        default=0.25,
+        metadata={
+            "help": "how often the gateway tells the other replicas what its clients hold (limits and shares hold over all replicas)"
+        },
     )
     default_max_priority: int = field(
         default=0,
@@ -133,10 +164,9 @@ class GatewaySettings(CommonSettings):
             raise ValueError("grpc_port must be 0..65535, http_port -1..65535")
         if not 0 <= self.drain_timeout_s < float("inf"):
             raise ValueError("drain_timeout_s must be >= 0")
-        if self.max_request_bytes < 1024 or self.max_streams_per_client < 1:
-            raise ValueError("max_request_bytes must be >= 1024 and max_streams_per_client >= 1")
-        if self.max_queued_per_client < 1 or self.max_kv_tokens_per_client < 1:
-            raise ValueError("max_queued_per_client and max_kv_tokens_per_client must be >= 1")
+        if self.max_request_bytes < 1024 or self.max_streams < 1 or self.max_queued < 1:
+            raise ValueError("max_request_bytes must be >= 1024, max_streams and max_queued >= 1")
+        self._check_clients()
         if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key) or (
             self.grpc_tls_client_ca and not self.grpc_tls_cert
         ):
@@ -166,6 +196,17 @@ class GatewaySettings(CommonSettings):
             self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.gateway_id):  # one NATS subject token
             raise ValueError(f"gateway_id must be 1-64 of A-Z a-z 0-9 _ -, got {self.gateway_id!r}")
+
+    def _check_clients(self) -> None:
+        per_client = (
+            self.max_streams_per_client,
+            self.max_queued_per_client,
+            self.max_kv_tokens_per_client,
+        )
+        if min(per_client) < 0:
+            raise ValueError("the per-client caps must be >= 0 (0: none)")
+        self.require_seconds("holdings_interval_s")
+        TrustedProxies.parse(self.trusted_proxies)  # ValueError when one is not an address
 
 
 def _loopback(host: str) -> bool:

@@ -2,7 +2,10 @@
 in turn (start-time fair queueing: a client's next request is stamped one turn after its last
 one, or after the turn now served, whichever is later), so a client that floods the queue waits
 behind itself. Bounded in length and in waiting time, so overload is refused quickly (with a
-retry-after hint) instead of queueing without end.
+retry-after hint) instead of queueing without end. The length bound is shared max-min fairly
+(shared.control.fair_share): a lone client may fill the queue; when it is full, a client holding
+less than its share is still let in (the queue runs over its bound by at most the newcomers'
+shares), and one holding more is refused.
 
 A request placed again (its worker failed, or was full; its client may be mid-stream) was admitted
 already: it goes ahead of new requests of its priority, and a full queue does not turn it away.
@@ -11,12 +14,13 @@ already: it goes ahead of new requests of its priority, and a full queue does no
 import heapq
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.control.failure import Failure
+from shared.control.fair_share import within_share
 from shared.control.messages import GenerateTask
 
 RATE_WINDOW_S = 10.0
@@ -54,6 +58,7 @@ class AdmissionQueue:
         self._placed: deque[float] = deque()  # when requests were placed, the last RATE_WINDOW_S
         self._serving: dict[int, int] = {}  # priority -> the turn served last
         self._last_turn: dict[tuple[int, str], int] = {}  # (priority, client) -> its last turn
+        self._waiting: Counter[str] = Counter()  # by client: its requests in the queue
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -63,8 +68,8 @@ class AdmissionQueue:
         return [entry.priority for entry in self._heap]
 
     def offer(self, task: GenerateTask, respond) -> Pending | None:
-        """Queues the task; None when the queue is full (refuse it)."""
-        if len(self._heap) >= self.max_pending and not task.moves:
+        """Queues the task; None when the queue is full and its client holds its share (refuse it)."""
+        if len(self._heap) >= self.max_pending and not task.moves and not self._within_share(task):
             return None
         entry = Pending(
             task.priority,
@@ -75,8 +80,23 @@ class AdmissionQueue:
             set(task.avoid_workers),
             turn=self._next_turn(task),
         )
-        heapq.heappush(self._heap, entry)
+        self._push(entry)
         return entry
+
+    def _within_share(self, task: GenerateTask) -> bool:
+        mine = self._waiting[task.client]
+        others = [n for client, n in self._waiting.items() if client != task.client]
+        return within_share(mine, self.max_pending, others)
+
+    def _push(self, entry: Pending) -> None:
+        heapq.heappush(self._heap, entry)
+        self._waiting[entry.task.client] += 1
+
+    def _left(self, entries) -> None:
+        for entry in entries:
+            self._waiting[entry.task.client] -= 1
+            if self._waiting[entry.task.client] <= 0:
+                del self._waiting[entry.task.client]
 
     def _next_turn(self, task: GenerateTask) -> int:
         key = (task.priority, task.client)
@@ -91,7 +111,7 @@ class AdmissionQueue:
 
     def requeue(self, entry: Pending) -> None:
         """Back in its old place (a worker refused it after it was placed)."""
-        heapq.heappush(self._heap, entry)
+        self._push(entry)
 
     def head(self) -> Pending | None:
         return self._heap[0] if self._heap else None
@@ -112,6 +132,7 @@ class AdmissionQueue:
             self._heap.remove(entry)
             heapq.heapify(self._heap)
         self._serving[entry.priority] = max(self._serving.get(entry.priority, 0), entry.turn)
+        self._left([entry])
         return entry
 
     def placed(self) -> None:
@@ -127,6 +148,7 @@ class AdmissionQueue:
         if entry is not None:
             self._heap.remove(entry)
             heapq.heapify(self._heap)
+            self._left([entry])
         return entry
 
     def expired(self) -> list[Pending]:
@@ -136,6 +158,7 @@ class AdmissionQueue:
         if late:
             self._heap = [e for e in self._heap if now - e.enqueued_at <= self.timeout_s]
             heapq.heapify(self._heap)
+            self._left(late)
         return late
 
     def retry_after_ms(self) -> int:

@@ -63,7 +63,7 @@ class SchedulerSettings(CommonSettings):
         },
     )
     queue_timeout_s: float = field(
-        default=5.0,
+        default=30.0,
         metadata={
             "help": "a request that found no room this long gets RESOURCE_EXHAUSTED with a retry-after hint"
         },

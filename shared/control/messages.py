@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from shared.control.attempts import AboutAnAttempt, AboutATask
 from shared.control.failure import Failure
+from shared.control.holdings import GatewayHoldings
 
 
 class _Outcome:
@@ -292,6 +293,6 @@ class StatusReply:
 # fmt: off
 _WIRE = (GenerateTask, SubmitReply, DecodeAssignment, TaskAck, PrefillTask, PrefillResult,
          TransferAbort, TokenChunk, TokenBatch, StreamReplay, CancelRequest, WorkerHeartbeat,
-         SchedulerHeartbeat, Discover, StatusRequest, StatusReply, Ping)
+         SchedulerHeartbeat, Discover, StatusRequest, StatusReply, Ping, GatewayHoldings)
 # fmt: on
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in _WIRE}

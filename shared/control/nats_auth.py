@@ -40,8 +40,9 @@ def permissions(role: str, cluster: str) -> dict:
 
 def _gateway(s: Subjects) -> tuple[list[str], list[str]]:
     publish = [s.submit, s.status, s.cancel, s.ping("*"), s.stream_replay("*")]
-    publish += [s.submit_to("*"), s.scheduler_ping("*")]
-    return publish, [s.gateway_tokens("*"), s.heartbeat, s.scheduler_heartbeat, inbox("gateway")]
+    publish += [s.submit_to("*"), s.scheduler_ping("*"), s.gateway_holdings]
+    subscribe = [s.gateway_tokens("*"), s.heartbeat, s.scheduler_heartbeat, s.gateway_holdings]
+    return publish, subscribe + [inbox("gateway")]
 
 
 def _scheduler(s: Subjects) -> tuple[list[str], list[str]]:

@@ -83,3 +83,8 @@ class Subjects:
     def gateway_tokens(self, gateway_id: str) -> str:
         """Workers -> one gateway: the token stream chunks of the requests it holds."""
         return f"{self._root}.gateway.{gateway_id}.tokens"
+
+    @property
+    def gateway_holdings(self) -> str:
+        """Gateway -> every gateway: what its clients hold there (GatewayHoldings)."""
+        return f"{self._root}.gateway.holdings"

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from services.gateway.clients import Client, ClientKeys, ClientPolicy, ClientUsage, Unauthenticated
+from services.gateway.clients import Client, ClientKeys, ClientPolicy, Unauthenticated
 from services.gateway.fair_tokenizer import FairTokenizer
 from services.gateway.servicer import TandemServicer
 from services.gateway.settings import GatewaySettings
@@ -62,19 +62,6 @@ def test_a_keys_file_entry_without_a_name_or_key_is_a_clear_error(tmp_path):
         ClientKeys.load(str(path), DEFAULT)
 
 
-def test_usage_limits_streams_waiting_requests_and_kv_tokens():
-    usage, c = ClientUsage(), Client("addr:x", DEFAULT)
-    usage.open(c, 400)
-    assert usage.over_limit(c, 700) is not None and "KV tokens" in usage.over_limit(c, 700)
-    usage.open(c, 400)
-    assert "waiting" in usage.over_limit(c, 1) or "streams" in usage.over_limit(c, 1)
-    usage.started(c)
-    assert "streams" in usage.over_limit(c, 1)  # two open: the limit
-    usage.close(c, 400, started=True)
-    usage.close(c, 400, started=False)
-    assert usage.over_limit(c, 1000) is None and not usage.streams and not usage.kv_tokens
-
-
 async def test_the_tokenizer_takes_each_client_in_turn():
     fair, order, gate = FairTokenizer(), [], threading.Event()
 
@@ -116,6 +103,20 @@ def test_the_queue_takes_equal_priorities_from_each_client_in_turn():
     queue.offer(task("C", 0, priority=1), None)  # a higher priority still goes first
     order = [queue.pop().task.attempt_id for _ in range(len(queue))]
     assert order == ["C0", "A1", "B0", "A2", "B1", "A3", "A4", "A5"]
+
+
+def test_a_full_queue_still_takes_a_client_under_its_share():
+    """A lone client may fill the scheduler's queue; a newcomer then gets up to half of it, and
+    the first none more until it is back under its own half."""
+    queue = AdmissionQueue(max_pending=4, timeout_s=60)
+    assert all(queue.offer(task("A", n), None) for n in range(4))
+    assert queue.offer(task("A", 4), None) is None
+    assert queue.offer(task("B", 0), None) and queue.offer(task("B", 1), None)
+    assert queue.offer(task("B", 2), None) is None  # its half of 4
+    assert len(queue) == 6  # over its bound by B's share, no more
+    assert [queue.pop().task.attempt_id for _ in range(2)] == ["A0", "B0"]
+    assert queue.offer(task("A", 5), None) is None  # full, and A holds 3: over its half
+    assert queue.offer(task("B", 3), None)  # B holds 1: under its half
 
 
 async def generate(servicer, request, context) -> list:
@@ -180,7 +181,7 @@ async def test_the_gateway_authenticates_caps_priority_and_refuses_past_a_limit(
         await asyncio.gather(*held)
         await generate(servicer, request(max_tokens=1000), big)
         assert big.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV tokens" in big.message
-        assert not servicer.usage.streams  # everything held was given back
+        assert not servicer.seats.held() and servicer.seats.open == 0  # all given back
 
 
 async def test_no_job_runs_on_the_event_loop_however_short():

@@ -6,6 +6,7 @@ import msgpack
 import pytest
 
 from shared.control.failure import Code, Retry, failed, worker_failed, worker_full
+from shared.control.holdings import ClientHolding, GatewayHoldings
 from shared.control.messages import (
     MESSAGE_TYPES,
     CancelRequest,
@@ -117,6 +118,7 @@ SAMPLES = [
     TokenBatch([TokenChunk("r1", 5, [7, 8], "ab"), TokenChunk("r2", 0, finish_reason="stop")]),
     StreamReplay(attempt_id="r1", from_index=3),
     SchedulerHeartbeat(scheduler_id="s1", queued=2),
+    GatewayHoldings("gw-1", 512, [ClientHolding("key:a", streams=3, queued=1, kv_tokens=900)]),
     StatusReply(
         mode="disaggregated",
         ready=True,

@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-ab bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-ab bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane bench-front-door bench-aiperf clean
 
 install: $(STAMP)
 
@@ -163,6 +163,13 @@ bench-http: kernels
 bench-flood: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/flood.py
+
+# Issue 45's bars from outside, on `tandem up` defaults over the OpenAI HTTP API: a normal
+# client's TTFT and ITL while another address holds 1,000 half-open connections, sends 3 x 36,000
+# empty messages, then 40 x 1 MiB bodies; the gateway's RSS; deep JSON. bench/results/front-door.*
+bench-front-door: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	$(PY) bench/front_door.py
 
 # The mock engine's timing model, fitted from the real engine's profile on this machine:
 # shared/engine/timing/smollm2-135m-cpu.json and bench/results/timing-model.md.

@@ -171,6 +171,14 @@ bench-front-door: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/front_door.py
 
+# NVIDIA's aiperf (its own venv, .venv-aiperf, 1.2 GB: a peer tool, never a dependency; Python
+# 3.11-3.13) on `tandem up` defaults from one address: concurrency 64, 256 requests, 128 tokens
+# in, 32 out; alone, then beside a flood from another address. bench/results/aiperf-front-door.*
+bench-aiperf: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	test -x .venv-aiperf/bin/aiperf || ($(PYTHON) -m venv .venv-aiperf && .venv-aiperf/bin/pip install --quiet aiperf==0.13.0)
+	$(PY) bench/aiperf_front_door.py
+
 # The mock engine's timing model, fitted from the real engine's profile on this machine:
 # shared/engine/timing/smollm2-135m-cpu.json and bench/results/timing-model.md.
 bench-timing: kernels
@@ -197,4 +205,4 @@ proto: install
 	$(PY) proto/codegen.py
 
 clean:
-	rm -rf $(VENV) .venv-bench .venv-dynamo .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-bench .venv-dynamo .venv-aiperf .pytest_cache *.egg-info

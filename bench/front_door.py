@@ -87,7 +87,7 @@ def attacker_config(stack: TandemUp, model: str, args) -> dict:
         "deep_source": DEEP,
         "model": model,
         "count": args.half_open,
-        "connect_timeout_s": 10.0,
+        "connect_timeout_s": front_door_attacks.CONNECT_TIMEOUT_S,
         "flood_messages": args.flood_messages,
         "flood_workers": args.flood_workers,
         "tiny_messages": args.tiny_messages,

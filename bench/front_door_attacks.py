@@ -30,7 +30,6 @@ MIB = 1 << 20
 DEPTH = 100_000
 FLOOD_TIMEOUT_S = 300.0  # one attack request, answer included
 CONNECT_TIMEOUT_S = 10.0
-REOPEN_PAUSE_S = 1.0  # after a connection the gateway turned away at once (< 1 s): no hot loop
 SHORT_TEXT = "the quick brown fox jumps over the lazy dog "
 
 

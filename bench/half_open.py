@@ -16,6 +16,7 @@ PARTIAL_HEADERS = (
 PARTIAL_BODY = PARTIAL_HEADERS + b'Content-Length: 4096\r\n\r\n{"model":"m","messages":[{"role":'
 OPEN_CONCURRENCY = 64  # connections being opened at once (the listen backlog is finite)
 READ_BYTES = 65536
+REOPEN_PAUSE_S = 1.0  # after a connection the gateway ended within this: no hot loop of refusals
 
 
 class Stalled:
@@ -83,8 +84,8 @@ async def _slot(host, port, source, index, gate, records, stop, timeout) -> None
             record.how = record.how or "open"
             record.closed_after_s = None
         waiting.cancel()
-        if not record.stalled_at or (record.closed_after_s or 0) < 1.0:
-            await asyncio.sleep(0 if stop.is_set() else 1.0)  # turned away: no hot loop
+        if not record.stalled_at or (record.closed_after_s or 0) < REOPEN_PAUSE_S:
+            await asyncio.sleep(0 if stop.is_set() else REOPEN_PAUSE_S)
 
 
 async def half_open(config: dict, stop: asyncio.Event) -> dict:

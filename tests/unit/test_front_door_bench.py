@@ -2,6 +2,7 @@
 gateway must parse them), and its verdicts fail what they should."""
 
 import argparse
+import asyncio
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from bench.front_door_attacks import (
     tiny_messages_body,
 )
 from bench.front_door_report import half_open_summary, verdicts
+from bench.half_open import half_open
 
 
 def test_the_message_flood_is_36000_empty_messages_under_one_mib():
@@ -81,3 +83,29 @@ def test_verdicts_hold_the_attack_phases_to_twice_the_unloaded_p99():
     bars = verdicts(out, ARGS)
     assert not bars["gateway RSS growth under attack (MiB)"]["pass"]
     assert not bars["gateway restarts"]["pass"]
+
+
+async def test_half_open_records_when_and_how_a_server_closes_stalled_connections():
+    """A server that answers 408 and closes 0.3 s after the first bytes; the attacker's sockets
+    come from 127.0.0.2, each replaced once closed."""
+    peers = set()
+
+    async def timeout_after(reader, writer):
+        peers.add(writer.get_extra_info("peername")[0])
+        await reader.read(1024)
+        await asyncio.sleep(0.3)
+        writer.write(b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(timeout_after, "127.0.0.1", 0)
+    config = {"host": "127.0.0.1", "port": server.sockets[0].getsockname()[1]}
+    config |= {"source": "127.0.0.2", "count": 4, "connect_timeout_s": 5.0}
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(1.0, stop.set)
+    async with server:
+        conns = (await half_open(config, stop))["connections"]
+    closed = [c for c in conns if c["closed_after_s"] is not None]
+    assert peers == {"127.0.0.2"} and len(closed) >= 4
+    assert {c["answer"] for c in closed} == {"HTTP/1.1 408 Request Timeout"}
+    assert all(0.25 < c["closed_after_s"] < 0.9 for c in closed)
+    assert {c["kind"] for c in conns} == {"headers", "body"}

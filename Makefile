@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-ab bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-ab bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane bench-front-door bench-aiperf clean
 
 install: $(STAMP)
 
@@ -164,6 +164,21 @@ bench-flood: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/flood.py
 
+# Issue 45's bars from outside, on `tandem up` defaults over the OpenAI HTTP API: a normal
+# client's TTFT and ITL while another address holds 1,000 half-open connections, sends 3 x 36,000
+# empty messages, then 40 x 1 MiB bodies; the gateway's RSS; deep JSON. bench/results/front-door.*
+bench-front-door: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	$(PY) bench/front_door.py
+
+# NVIDIA's aiperf (its own venv, .venv-aiperf, 1.2 GB: a peer tool, never a dependency; Python
+# 3.11-3.13) on `tandem up` defaults from one address: concurrency 64, 256 requests, 128 tokens
+# in, 32 out; alone, then beside a flood from another address. bench/results/aiperf-front-door.*
+bench-aiperf: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	test -x .venv-aiperf/bin/aiperf || ($(PYTHON) -m venv .venv-aiperf && .venv-aiperf/bin/pip install --quiet aiperf==0.13.0)
+	$(PY) bench/aiperf_front_door.py
+
 # The mock engine's timing model, fitted from the real engine's profile on this machine:
 # shared/engine/timing/smollm2-135m-cpu.json and bench/results/timing-model.md.
 bench-timing: kernels
@@ -190,4 +205,4 @@ proto: install
 	$(PY) proto/codegen.py
 
 clean:
-	rm -rf $(VENV) .venv-bench .venv-dynamo .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-bench .venv-dynamo .venv-aiperf .pytest_cache *.egg-info

@@ -50,14 +50,18 @@ class Timed:
 
 
 class HttpClient:
-    """Streamed /v1/chat/completions; `fresh`: a new TCP connection per request."""
+    """Streamed /v1/chat/completions; `fresh`: a new TCP connection per request; `source`: the
+    address its connections come from (any of 127/8 on loopback: another client to the gateway)."""
 
-    def __init__(self, base_url: str, model: str, fresh: bool):
+    def __init__(self, base_url: str, model: str, fresh: bool, source: str = ""):
         self.url, self.model, self.fresh = f"{base_url}/v1/chat/completions", model, fresh
+        self.source = source
         self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "HttpClient":
-        connector = aiohttp.TCPConnector(limit=256, force_close=self.fresh)
+        connector = aiohttp.TCPConnector(
+            limit=256, force_close=self.fresh, local_addr=(self.source, 0) if self.source else None
+        )
         self.session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=300)
         )

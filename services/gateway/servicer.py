@@ -171,6 +171,8 @@ class TandemServicer(pb_grpc.TandemServicer):
             valid = await self._validated(request, context, client)
             tracing.record("gateway.tokenize", tracing.current(), *valid.tokenized)
         trace.get_current_span(root).set_attribute("request_id", valid.request_id)
+        for text in ("prompt", "messages", "prompt_token_ids"):  # it lives on as valid's ids
+            request.ClearField(text)
         kv_tokens = len(valid.prompt_token_ids) + valid.sampling.n * valid.sampling.max_tokens
         try:
             self.seats.validated(seat, kv_tokens)

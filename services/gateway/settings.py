@@ -34,6 +34,14 @@ class GatewaySettings(CommonSettings):
             "help": "listen without TLS on an address other than loopback (prompts and API keys cross the network in the clear)"
         },
     )
+    allow_anonymous: bool = field(
+        default=False,
+        metadata={
+            "help": "serve an address other than loopback without API keys: anyone who reaches "
+            "the port may use it, and every client behind one NAT, proxy or ingress is one client "
+            "(one quota)"
+        },
+    )
     grpc_tls_cert: str = field(
         default="",
         metadata={"help": "server certificate (PEM); set = the gRPC API speaks TLS only"},
@@ -151,6 +159,15 @@ class GatewaySettings(CommonSettings):
                     "and API keys would cross the network in the clear. Give grpc_tls_cert and "
                     "grpc_tls_key (both APIs use them), or allow_plaintext to accept that"
                 )
+        public = [host for host in hosts if not _loopback(host)]
+        if public and not (self.api_keys_file or self.allow_anonymous):
+            raise ValueError(
+                f"{public[0]} is not a loopback address and no API keys are set: anyone who "
+                "reaches the port could use it, and every client behind one NAT or proxy would "
+                "share one quota. Make a keys file (tandem api-keys --new FILE --name NAME) and "
+                "give it as --api-keys-file (TANDEM_API_KEYS_FILE), or --allow-anonymous "
+                "(TANDEM_ALLOW_ANONYMOUS=1) to accept that"
+            )
         if not 0 <= self.max_migrations <= 16:
             raise ValueError("max_migrations must be in 0..16")
         if not (

@@ -1,4 +1,4 @@
-"""`tandem`: up | generate | status | scale | bench | nats-config."""
+"""`tandem`: up | generate | status | scale | bench | nats-config | api-keys."""
 
 import argparse
 import math
@@ -6,7 +6,7 @@ import os
 import secrets
 import sys
 
-from shared.cli import bench, client, launcher, scale
+from shared.cli import api_keys, bench, client, launcher, scale
 from shared.control import nats_auth
 
 
@@ -23,6 +23,7 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     _up_command(sub)
     _nats_config_command(sub)
+    api_keys.add_arguments(sub)
     _generate_command(sub)
     status = sub.add_parser("status", help="the workers the scheduler knows")
     status.add_argument("--address", default="127.0.0.1:50051")

@@ -151,6 +151,25 @@ class GatewaySettings(CommonSettings):
             raise ValueError(
                 "grpc_tls_cert and grpc_tls_key go together; grpc_tls_client_ca needs them"
             )
+        self._check_published()
+        if not 0 <= self.max_migrations <= 16:
+            raise ValueError("max_migrations must be in 0..16")
+        if not (
+            self.max_tokens_limit <= rules.MAX_LIST
+            and self.max_stop_strings <= rules.MAX_STOP_STRINGS
+        ):
+            raise ValueError(
+                f"max_tokens_limit must be <= {rules.MAX_LIST}, max_stop_strings <= {rules.MAX_STOP_STRINGS}"
+            )
+        if not 0 < self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
+        if not self.gateway_id:
+            self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.gateway_id):  # one NATS subject token
+            raise ValueError(f"gateway_id must be 1-64 of A-Z a-z 0-9 _ -, got {self.gateway_id!r}")
+
+    def _check_published(self) -> None:
+        """An API beyond loopback needs TLS and API keys, or the settings that accept their lack."""
         hosts = [self.grpc_host] + ([self.http_host] if self.http_port >= 0 else [])
         for host in hosts:
             if not (self.grpc_tls_cert or self.allow_plaintext or _loopback(host)):
@@ -168,21 +187,6 @@ class GatewaySettings(CommonSettings):
                 "give it as --api-keys-file (TANDEM_API_KEYS_FILE), or --allow-anonymous "
                 "(TANDEM_ALLOW_ANONYMOUS=1) to accept that"
             )
-        if not 0 <= self.max_migrations <= 16:
-            raise ValueError("max_migrations must be in 0..16")
-        if not (
-            self.max_tokens_limit <= rules.MAX_LIST
-            and self.max_stop_strings <= rules.MAX_STOP_STRINGS
-        ):
-            raise ValueError(
-                f"max_tokens_limit must be <= {rules.MAX_LIST}, max_stop_strings <= {rules.MAX_STOP_STRINGS}"
-            )
-        if not 0 < self.default_max_tokens <= self.max_tokens_limit:
-            raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
-        if not self.gateway_id:
-            self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.gateway_id):  # one NATS subject token
-            raise ValueError(f"gateway_id must be 1-64 of A-Z a-z 0-9 _ -, got {self.gateway_id!r}")
 
 
 def _loopback(host: str) -> bool:

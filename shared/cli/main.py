@@ -122,7 +122,14 @@ def _up_placement_arguments(up) -> None:
 
 
 def _up_access_arguments(up) -> None:
-    """How `tandem scale` and the services reach what `tandem up` starts."""
+    """How `tandem scale`, the services and clients reach what `tandem up` starts."""
+    up.add_argument(
+        "--api-keys-file",
+        default="",
+        metavar="FILE",
+        help="the gateway's API keys (`tandem api-keys` makes them): every request needs one; "
+        "`tandem up` itself uses the first (default: none, the API on loopback only)",
+    )
     up.add_argument(
         "--control-socket",
         default="",

@@ -7,6 +7,7 @@ import pytest
 
 from services.gateway.clients import ClientKeys, ClientPolicy, Unauthenticated
 from shared.cli.api_keys import first_key
+from shared.cli.client import key_metadata
 from shared.cli.main import main
 
 
@@ -68,3 +69,26 @@ def test_first_key_of_an_empty_file_says_how_to_make_one(tmp_path):
     path.write_text('{"clients": []}')
     with pytest.raises(ValueError, match="tandem api-keys --new"):
         first_key(str(path))
+
+
+@pytest.mark.parametrize("content", [None, '{"clients": []}', "{"])
+def test_tandem_up_refuses_a_keys_file_it_cannot_use_before_starting_anything(
+    tmp_path, capsys, content
+):
+    path = tmp_path / "keys.json"
+    if content is not None:
+        path.write_text(content)
+    socket = tmp_path / "control.sock"
+    argv = ["up", "--api-keys-file", str(path), "--control-socket", str(socket)]
+    assert main(argv) == 2
+    assert "error: --api-keys-file:" in capsys.readouterr().err
+    assert not socket.exists()
+
+
+def test_the_command_line_clients_send_the_key_from_the_environment(monkeypatch):
+    """`tandem generate`, `status` and `scale --wait` read TANDEM_API_KEY (never a flag: ps)."""
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    assert key_metadata() == ()
+    monkeypatch.setenv("TANDEM_API_KEY", "k" * 43)
+    assert key_metadata() == (("authorization", "Bearer " + "k" * 43),)
+    assert key_metadata("") == ()  # the launcher's, without a keys file: none

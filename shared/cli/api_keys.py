@@ -107,7 +107,7 @@ def api_keys_command(args) -> int:
         return 1
     print(key)
     print(
-        f"added {args.name!r} to {path}; its key is above and is not shown again "
+        f"added {args.name!r} to {path}; its key (printed on stdout) is not shown again "
         f"(clients send it as `Authorization: Bearer <key>`)",
         file=sys.stderr,
     )

@@ -2,14 +2,11 @@
 answers the demo, starts again whatever crashes, and Ctrl-C leaves no process and no secret behind."""
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -18,7 +15,7 @@ import psutil
 import pytest
 
 from shared.cli.processes import free_port
-from tests.integration.helpers import chat_request, collect, openai_streams
+from tests.integration.helpers import chat_request, chat_status, collect, openai_streams
 from tests.integration.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -169,23 +166,6 @@ def test_ctrl_c_while_starting_stops_everything(tmp_path):
     assert not [pid for pid in children if _alive(pid)]
 
 
-def _post(base: str, key: str = "") -> int:
-    """The status of an OpenAI chat request (as curl or any SDK sends it), with `key` or without."""
-    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as reply:
-        model = json.load(reply)["data"][0]["id"]
-    url = f"{base}/v1/chat/completions"
-    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return reply.status
-    except urllib.error.HTTPError as err:
-        return err.code
-
-
 def test_tandem_up_with_api_keys_refuses_a_request_without_a_key(tmp_path):
     """Before, `tandem up` had no --api-keys-file: its gateway served anyone who reached it."""
     keys = tmp_path / "keys.json"
@@ -199,9 +179,9 @@ def test_tandem_up_with_api_keys_refuses_a_request_without_a_key(tmp_path):
         lines = _read_until(launcher, lambda ls: any("ready" in line for line in ls), 300)
         assert f"API keys from {keys}" in "".join(lines)
         url = f"http://127.0.0.1:{http_port}"
-        assert _post(url) == 401
-        assert _post(url, "not-" + key) == 401
-        assert _post(url, key) == 200
+        assert chat_status(url) == 401
+        assert chat_status(url, "not-" + key) == 401
+        assert chat_status(url, key) == 200
         with pytest.raises(grpc.RpcError) as refused:
             collect(
                 Stack("default", f"127.0.0.1:{port}", None, "colocated").stub(),

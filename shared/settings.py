@@ -91,7 +91,11 @@ class CommonSettings:
         ),
     )
     metrics_host: str = field(
-        default="127.0.0.1", metadata=_help("address the Prometheus metrics endpoint listens on")
+        default="127.0.0.1",
+        metadata=_help(
+            "address the Prometheus metrics endpoint listens on; @hostname = the address this "
+            "host's name resolves to (a container's or pod's own network address)"
+        ),
     )
     metrics_port: int = field(
         default=-1,

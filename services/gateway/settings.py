@@ -35,6 +35,14 @@ class GatewaySettings(CommonSettings):
             "help": "listen without TLS on an address other than loopback (prompts and API keys cross the network in the clear)"
         },
     )
+    allow_anonymous: bool = field(
+        default=False,
+        metadata={
+            "help": "serve an address other than loopback without API keys: anyone who reaches "
+            "the port may use it, and every client behind one NAT, proxy or ingress is one client "
+            "(one quota)"
+        },
+    )
     grpc_tls_cert: str = field(
         default="",
         metadata={"help": "server certificate (PEM); set = the gRPC API speaks TLS only"},
@@ -173,14 +181,7 @@ class GatewaySettings(CommonSettings):
             raise ValueError(
                 "grpc_tls_cert and grpc_tls_key go together; grpc_tls_client_ca needs them"
             )
-        hosts = [self.grpc_host] + ([self.http_host] if self.http_port >= 0 else [])
-        for host in hosts:
-            if not (self.grpc_tls_cert or self.allow_plaintext or _loopback(host)):
-                raise ValueError(
-                    f"{host} is not a loopback address and no TLS certificate is set: prompts "
-                    "and API keys would cross the network in the clear. Give grpc_tls_cert and "
-                    "grpc_tls_key (both APIs use them), or allow_plaintext to accept that"
-                )
+        self._check_published()
         if not 0 <= self.max_migrations <= 16:
             raise ValueError("max_migrations must be in 0..16")
         if not (
@@ -207,6 +208,26 @@ class GatewaySettings(CommonSettings):
             raise ValueError("the per-client caps must be >= 0 (0: none)")
         self.require_seconds("holdings_interval_s")
         TrustedProxies.parse(self.trusted_proxies)  # ValueError when one is not an address
+
+    def _check_published(self) -> None:
+        """An API beyond loopback needs TLS and API keys, or the settings that accept their lack."""
+        hosts = [self.grpc_host] + ([self.http_host] if self.http_port >= 0 else [])
+        for host in hosts:
+            if not (self.grpc_tls_cert or self.allow_plaintext or _loopback(host)):
+                raise ValueError(
+                    f"{host} is not a loopback address and no TLS certificate is set: prompts "
+                    "and API keys would cross the network in the clear. Give grpc_tls_cert and "
+                    "grpc_tls_key (both APIs use them), or allow_plaintext to accept that"
+                )
+        public = [host for host in hosts if not _loopback(host)]
+        if public and not (self.api_keys_file or self.allow_anonymous):
+            raise ValueError(
+                f"{public[0]} is not a loopback address and no API keys are set: anyone who "
+                "reaches the port could use it, and every client behind one NAT or proxy would "
+                "share one quota. Make a keys file (tandem api-keys --new FILE --name NAME) and "
+                "give it as --api-keys-file (TANDEM_API_KEYS_FILE), or --allow-anonymous "
+                "(TANDEM_ALLOW_ANONYMOUS=1) to accept that"
+            )
 
 
 def _loopback(host: str) -> bool:

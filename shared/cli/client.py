@@ -1,18 +1,32 @@
-"""`tandem generate` and `tandem status`: small gRPC clients of the gateway."""
+"""`tandem generate` and `tandem status`: small gRPC clients of the gateway; and the wait for one
+starting (`tandem up`, the benchmarks)."""
 
+import os
 import sys
+import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
+from shared.cli.processes import ProcessGroup
 
+ASK_TIMEOUT_S = 2.0  # for each health or status question to a gateway starting
+POLL_S = 0.3  # how often a gateway starting is asked
 STATUS_TIMEOUT_S = 5.0  # `tandem status`'s default --timeout, and each look of `scale --wait`
 FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_CANCELLED: "cancelled",
 }
+
+
+def key_metadata(key: str | None = None) -> tuple:
+    """gRPC metadata carrying an API key: `key`, else TANDEM_API_KEY's (none when neither is
+    set). The key comes from the environment, never a flag: flags show in `ps`."""
+    key = os.environ.get("TANDEM_API_KEY", "") if key is None else key
+    return (("authorization", f"Bearer {key}"),) if key else ()
 
 
 def stream_generate(
@@ -23,6 +37,7 @@ def stream_generate(
     chat: bool = True,
     out=sys.stdout,
     timeout: float | None = None,
+    metadata: tuple = (),
 ) -> pb.GenerateResponse:
     """Streams the answer to `out` as it arrives; returns the last chunk (usage and timing)."""
     request = pb.GenerateRequest(
@@ -34,7 +49,8 @@ def stream_generate(
         request.prompt = prompt
     last = None
     with grpc.insecure_channel(address) as channel:
-        for chunk in pb_grpc.TandemStub(channel).Generate(request, timeout=timeout):
+        stub = pb_grpc.TandemStub(channel)
+        for chunk in stub.Generate(request, timeout=timeout, metadata=metadata):
             out.write(chunk.text)
             out.flush()
             last = chunk
@@ -52,10 +68,48 @@ def summary(last: pb.GenerateResponse) -> str:
     )
 
 
+def wait_until_serving(
+    address: str, group: ProcessGroup, timeout: float, workers: int = 0, metadata=()
+) -> None:
+    """Until the gateway is SERVING and, when `workers` is given, that many workers have joined
+    (in auto mode the gateway serves once a decode worker is up; a prefill worker may still load).
+    `metadata`: an API key's, when the gateway requires one."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        health, api = health_pb2_grpc.HealthStub(channel), pb_grpc.TandemStub(channel)
+        while time.monotonic() < deadline:
+            if group.dead():
+                name, code = group.dead()[0]
+                raise RuntimeError(f"{name} exited with code {code}:\n{group.log_tail(name)}")
+            try:
+                reply = health.Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=ASK_TIMEOUT_S
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING and (
+                    not workers
+                    or len(
+                        api.ClusterStatus(
+                            pb.ClusterStatusRequest(), timeout=ASK_TIMEOUT_S, metadata=metadata
+                        ).workers
+                    )
+                    >= workers
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(POLL_S)
+    raise TimeoutError(f"the gateway did not report SERVING within {timeout:.0f}s")
+
+
 def generate_command(args) -> int:
     try:
         last = stream_generate(
-            args.address, args.prompt, args.max_tokens, args.temperature, chat=not args.raw
+            args.address,
+            args.prompt,
+            args.max_tokens,
+            args.temperature,
+            chat=not args.raw,
+            metadata=key_metadata(),
         )
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
@@ -124,7 +178,7 @@ def status_command(args) -> int:
     try:
         with grpc.insecure_channel(args.address) as channel:
             response = pb_grpc.TandemStub(channel).ClusterStatus(
-                pb.ClusterStatusRequest(), timeout=args.timeout
+                pb.ClusterStatusRequest(), timeout=args.timeout, metadata=key_metadata()
             )
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)

@@ -8,16 +8,13 @@ the gateway start again as they were (the others reconnect by themselves). A cra
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared import model_store
-from shared.api import tandem_pb2 as pb
-from shared.api import tandem_pb2_grpc as pb_grpc
-from shared.cli.client import stream_generate, summary
+from shared.cli.api_keys import KeysFileError, first_key
+from shared.cli.client import key_metadata, stream_generate, summary, wait_until_serving
 from shared.cli.control import ControlError, ControlServer, socket_path
 from shared.cli.pools import (
     Restarts,
@@ -39,43 +36,9 @@ from shared.engine.architecture import UnsupportedModel, check
 
 DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM serving?"
 READY_TIMEOUT_S = 300.0  # `tandem up`'s default --ready-timeout
-POLL_S = 0.3  # how often the launcher looks: at a gateway starting, at its children, its socket
-ASK_TIMEOUT_S = 2.0  # for each health or status question to a gateway starting
+POLL_S = 0.3  # how often the launcher looks: at its children, its socket
 NATS_START_TIMEOUT_S = 15.0
 SERVICES = ("nats", "scheduler", "gateway")  # one of each, restarted in place when it crashes
-
-
-def wait_until_serving(
-    address: str, group: ProcessGroup, timeout: float, workers: int = 0, metadata=()
-) -> None:
-    """Until the gateway is SERVING and, when `workers` is given, that many workers have joined
-    (in auto mode the gateway serves once a decode worker is up; a prefill worker may still load).
-    `metadata`: an API key's, when the gateway requires one."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        health, api = health_pb2_grpc.HealthStub(channel), pb_grpc.TandemStub(channel)
-        while time.monotonic() < deadline:
-            if group.dead():
-                name, code = group.dead()[0]
-                raise RuntimeError(f"{name} exited with code {code}:\n{group.log_tail(name)}")
-            try:
-                reply = health.Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=ASK_TIMEOUT_S
-                )
-                if reply.status == health_pb2.HealthCheckResponse.SERVING and (
-                    not workers
-                    or len(
-                        api.ClusterStatus(
-                            pb.ClusterStatusRequest(), timeout=ASK_TIMEOUT_S, metadata=metadata
-                        ).workers
-                    )
-                    >= workers
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(POLL_S)
-    raise TimeoutError(f"the gateway did not report SERVING within {timeout:.0f}s")
 
 
 def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> WorkerPools:
@@ -109,6 +72,8 @@ def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> W
         pools.resize("prefill", args.prefill)
     pools.resize("decode", args.decode)
     ports = {"TANDEM_GRPC_PORT": str(args.grpc_port), "TANDEM_HTTP_PORT": str(args.http_port)}
+    if args.api_keys_file:  # absolute: the gateway, restarted, reads it again from anywhere
+        ports["TANDEM_API_KEYS_FILE"] = str(Path(args.api_keys_file).resolve())
     group.spawn(
         "gateway",
         python + ["services.gateway"],
@@ -158,6 +123,11 @@ def _refusal(args) -> str:
         )
     if args.secure and args.insecure:
         return "--secure and --insecure contradict each other"
+    if args.api_keys_file:
+        try:
+            first_key(args.api_keys_file)
+        except KeysFileError as wrong:  # unreadable, not a keys file, or no key in it
+            return f"--api-keys-file: {wrong}"
     try:
         placement_of(args), devices_of(args)
     except ValueError as wrong:  # a --prefill-cpus/--decode-cpus/--*-devices list
@@ -212,13 +182,15 @@ def _serve(
         pools = start_stack(args, group, secrets_dir)
         print(f"starting {args.mode} stack, logs in {log_dir} ...", flush=True)
         workers = args.decode + (args.prefill if args.mode != "colocated" else 0)
-        wait_until_serving(pools.address, group, args.ready_timeout, workers=workers)
-    except (RuntimeError, TimeoutError) as err:
+        # the launcher's own calls: the first key's, when the gateway requires keys
+        metadata = key_metadata(first_key(args.api_keys_file) if args.api_keys_file else "")
+        wait_until_serving(pools.address, group, args.ready_timeout, workers, metadata)
+    except (RuntimeError, TimeoutError, KeysFileError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     _announce(args, pools.address, control, secure=secrets_dir is not None)
     if not args.no_demo:
-        _demo(pools.address)
+        _demo(pools.address, metadata)
     signals.serving = True
     if not _run_until_stopped(group, control, pools, signals.received):
         return 1
@@ -241,6 +213,7 @@ def _announce(args, address: str, control: ControlServer, secure: bool) -> None:
     print(
         f"tandem is ready: gRPC API on {address}{http} ({args.mode}; {sizes}{cores}"
         + ("; NATS: one user per role" if secure else "")
+        + (f"; API keys from {args.api_keys_file}" if args.api_keys_file else "")
         + "). Ctrl-C stops it.",
         flush=True,
     )
@@ -250,10 +223,11 @@ def _announce(args, address: str, control: ControlServer, secure: bool) -> None:
     )
 
 
-def _demo(address: str) -> None:
+def _demo(address: str, metadata: tuple) -> None:
     print(f"demo> {DEMO_PROMPT}", flush=True)
     try:
-        print(summary(stream_generate(address, DEMO_PROMPT, 64, 0.0)), flush=True)
+        last = stream_generate(address, DEMO_PROMPT, 64, 0.0, metadata=metadata)
+        print(summary(last), flush=True)
     except grpc.RpcError as err:
         print(f"demo request failed: {err.code().name}: {err.details()}", file=sys.stderr)
 

@@ -1,4 +1,4 @@
-"""`tandem`: up | generate | status | scale | bench | nats-config."""
+"""`tandem`: up | generate | status | scale | bench | nats-config | api-keys."""
 
 import argparse
 import math
@@ -6,7 +6,7 @@ import os
 import secrets
 import sys
 
-from shared.cli import bench, client, launcher, scale
+from shared.cli import api_keys, bench, client, launcher, scale
 from shared.control import nats_auth
 
 
@@ -23,6 +23,7 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     _up_command(sub)
     _nats_config_command(sub)
+    api_keys.add_arguments(sub)
     _generate_command(sub)
     status = sub.add_parser("status", help="the workers the scheduler knows")
     status.add_argument("--address", default="127.0.0.1:50051")
@@ -121,7 +122,14 @@ def _up_placement_arguments(up) -> None:
 
 
 def _up_access_arguments(up) -> None:
-    """How `tandem scale` and the services reach what `tandem up` starts."""
+    """How `tandem scale`, the services and clients reach what `tandem up` starts."""
+    up.add_argument(
+        "--api-keys-file",
+        default="",
+        metavar="FILE",
+        help="the gateway's API keys (`tandem api-keys` makes them): every request needs one; "
+        "`tandem up` itself uses the first (default: none, the API on loopback only)",
+    )
     up.add_argument(
         "--control-socket",
         default="",

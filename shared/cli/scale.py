@@ -14,7 +14,7 @@ import grpc
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.cli import control
-from shared.cli.client import STATUS_TIMEOUT_S
+from shared.cli.client import STATUS_TIMEOUT_S, key_metadata
 
 _TARGET = re.compile(r"([a-z]+)=(-?\d+)")
 POLL_S = 0.5  # how often --wait looks
@@ -101,7 +101,7 @@ def cluster_pids(address: str) -> set[int]:
     try:
         with grpc.insecure_channel(address) as channel:
             status = pb_grpc.TandemStub(channel).ClusterStatus(
-                pb.ClusterStatusRequest(), timeout=STATUS_TIMEOUT_S
+                pb.ClusterStatusRequest(), timeout=STATUS_TIMEOUT_S, metadata=key_metadata()
             )
     except grpc.RpcError:
         return set()

@@ -3,7 +3,9 @@ ops between a layer's GEMMs. Compiled on first use for this CPU (-march=native) 
 torch's extension cache (`TORCH_EXTENSIONS_DIR`); `make kernels` builds them ahead.
 
 Where they cannot be built (no C++ compiler) `load()` returns None, with a warning, and the
-model runner keeps the plain torch path; on CUDA they are not used.
+model runner keeps the plain torch path; on CUDA they are not used. Where the cache cannot be
+written (an image's, under a read-only root filesystem) and holds no build for this CPU, they are
+built in the temporary directory instead, again at every start, with a warning.
 
     python -m shared.engine.kernels     build (or find) them; fails loudly if they cannot be built
 """
@@ -14,6 +16,7 @@ import logging
 import os
 import platform
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -63,13 +66,30 @@ def module_name() -> str:
     return "tandem_kernels_" + digest.hexdigest()[:16]
 
 
-def _import_built(name: str):
-    """The module if this exact build is in the cache already: imported directly, without
-    torch's build check, which runs ninja in a subprocess (a fork in a worker that has gRPC's
-    threads running, which has crashed one at start-up)."""
+def build_directory(name: str) -> Path:
+    """torch's extension cache for `name`; where that cannot be made, a directory of the
+    temporary one (a read-only image: its cache holds the builds for the CPU it was built on)."""
     from torch.utils import cpp_extension
 
-    path = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+    try:
+        return Path(cpp_extension._get_build_directory(name, False))
+    except OSError as err:
+        scratch = Path(tempfile.gettempdir()) / "tandem-kernels" / name
+        log.warning(
+            "no CPU kernels for this CPU in torch's extension cache, which cannot be written "
+            "(%s): building them in %s, at every start",
+            err,
+            scratch,
+        )
+        scratch.mkdir(parents=True, exist_ok=True)
+        return scratch
+
+
+def _import_built(name: str, directory: Path):
+    """The module if this exact build is in `directory` already: imported directly, without
+    torch's build check, which runs ninja in a subprocess (a fork in a worker that has gRPC's
+    threads running, which has crashed one at start-up)."""
+    path = directory / f"{name}.so"
     if not path.exists():
         return None
     spec = importlib.util.spec_from_file_location(name, path)
@@ -85,7 +105,8 @@ def load():
         from torch.utils import cpp_extension
 
         try:
-            _loaded[name] = _import_built(name)
+            directory = build_directory(name)
+            _loaded[name] = _import_built(name, directory)
             if _loaded[name] is not None:
                 return _loaded[name]
             _ninja_on_path()
@@ -95,6 +116,7 @@ def load():
                 sources=[str(s) for s in SOURCES],
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
                 verbose=False,
             )
         except Exception as error:  # no compiler, no ninja, a broken toolchain: keep the torch path

@@ -7,6 +7,7 @@ answered even while the service's event loop is busy.
 """
 
 import logging
+import socket
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -21,6 +22,23 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ID_LABELS = ("role", "worker")
+# metrics_host: the address this machine's own name resolves to. In a container or a pod that is
+# its address on the container or pod network: scrapers there reach it, and nothing is bound on
+# every interface (where a host network or a second interface would expose it too).
+OWN_ADDRESS = "@hostname"
+
+
+def bind_address(host: str) -> str:
+    """Where to listen for `host`: itself, or for OWN_ADDRESS this host name's address."""
+    if host != OWN_ADDRESS:
+        return host
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError as err:
+        raise ValueError(
+            f"metrics_host {OWN_ADDRESS}: the host name {name!r} does not resolve ({err})"
+        ) from None
 
 
 class MetricsServer:
@@ -33,6 +51,7 @@ class MetricsServer:
 
     def __enter__(self) -> "MetricsServer":
         if self.port >= 0:
+            self.host = bind_address(self.host)
             self._server, self._thread = start_http_server(self.port, self.host, self.registry)
             self.port = self._server.server_port
             log.info("Prometheus metrics on http://%s:%d/metrics", self.host, self.port)

@@ -144,13 +144,19 @@ def _runner(
         settings.prefill_chunk_tokens,
         settings.batch_invariant,
         use_kernels=settings.kernels == "auto",
-        row_timing=Path(settings.model_cache).expanduser() / "row-timing.json",
+        row_timing=row_timing_path(settings),
         shared_pool=settings.kv_plane == "helper" and device == "cpu",
         release_weights=True,
         dtype=dtype,
         cuda_graphs=settings.cuda_graphs and decodes,
     )
     return runner
+
+
+def row_timing_path(settings: WorkerSettings) -> Path:
+    """Where the timed row count is kept: row_timing_file, or beside the converted models."""
+    default = Path(settings.model_cache) / "row-timing.json"
+    return Path(settings.row_timing_file or default).expanduser()
 
 
 def load_model(model_dir: Path, device: str, dtype: torch.dtype, weights: str, config):

@@ -58,6 +58,13 @@ class WorkerSettings(TransferSettings):  # CommonSettings, the data-plane helper
         default="~/.cache/tandem/models",
         metadata={"help": "where converted GGUF models are cached"},
     )
+    row_timing_file: str = field(
+        default="",
+        metadata={
+            "help": "where the fastest row count, timed at start, is kept for the next start; "
+            "empty = row-timing.json in model_cache (set it where model_cache is read-only)"
+        },
+    )
     device: str = field(
         default="auto", metadata={"help": "auto (cuda when present), cpu, cuda or cuda:N"}
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 import compose as compose_wheel
 
 from shared.cli import main as cli
+from shared.cli.api_keys import add_key
 from shared.cli.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +74,10 @@ class ComposeProject:
             check=True,
             capture_output=True,
         )
+        # as deploy/compose-up.sh makes them: a key, and the secrets readable through their group
+        self.api_key = add_key(deploy / "api-keys.json", "compose")
+        for secret in (deploy / "certs/server.key", deploy / "api-keys.json"):
+            secret.chmod(0o640)
         cores = str(min(4, os.cpu_count() or 1))
         settings = {
             **images,
@@ -81,11 +86,17 @@ class ComposeProject:
             "TANDEM_WORKER_MEMORY": "4g",
             "TANDEM_GRPC_PUBLISH": f"127.0.0.1:{self.grpc_port}",
             "TANDEM_HTTP_PUBLISH": f"127.0.0.1:{self.http_port}",
+            "TANDEM_SECRETS_GID": str(os.getgid()),
         }
         dotenv = self.dir / ".env"
         assert cli.main(["nats-config", "--new-env", str(dotenv)]) == 0  # as a user makes it
         with dotenv.open("a") as out:
             out.writelines(f"{key}={value}\n" for key, value in settings.items())
+
+    @property
+    def auth(self) -> tuple:
+        """gRPC metadata with the project's API key (the gateway requires one)."""
+        return (("authorization", f"Bearer {self.api_key}"),)
 
     def compose(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         argv = ["docker", "compose", "-p", self.name]

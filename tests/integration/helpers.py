@@ -1,5 +1,9 @@
 """Request helpers for the integration tests."""
 
+import json
+import urllib.error
+import urllib.request
+
 import torch
 
 from shared.api import tandem_pb2 as pb
@@ -12,9 +16,9 @@ def chat_request(text: str, max_tokens: int = 32, **sampling) -> pb.GenerateRequ
 
 
 def collect(
-    stub, request, timeout: float = 120
+    stub, request, timeout: float = 120, metadata=None
 ) -> tuple[list[pb.GenerateResponse], list[int], str]:
-    chunks = list(stub.Generate(request, timeout=timeout))
+    chunks = list(stub.Generate(request, timeout=timeout, metadata=metadata))
     ids = [t for c in chunks for t in c.token_ids]
     return chunks, ids, "".join(c.text for c in chunks)
 
@@ -87,12 +91,12 @@ def long_document(approx_tokens: int = 1500) -> str:
     )
 
 
-def openai_streams(base_url: str) -> tuple[str, str]:
+def openai_streams(base_url: str, api_key: str = "unused") -> tuple[str, str]:
     """What the official `openai` client, unmodified, streams from an OpenAI-compatible API at
     `base_url` (ending in /v1): a chat answer and a text completion, greedy."""
     import openai
 
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     model = client.models.list().data[0].id
     chat = client.chat.completions.create(
         model=model,
@@ -108,3 +112,20 @@ def openai_streams(base_url: str) -> tuple[str, str]:
         "".join(c.choices[0].delta.content or "" for c in chat),
         "".join(c.choices[0].text for c in completion),
     )
+
+
+def chat_status(base_url: str, key: str = "") -> int:
+    """The HTTP status of an OpenAI chat request to the API at `base_url` (no /v1), as curl or
+    any SDK sends it, with `key` (Authorization: Bearer) or without."""
+    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as reply:
+        model = json.load(reply)["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    headers = {"Content-Type": "application/json"}
+    headers |= {"Authorization": f"Bearer {key}"} if key else {}
+    url = f"{base_url}/v1/chat/completions"
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code

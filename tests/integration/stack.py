@@ -55,6 +55,11 @@ class Stack:
     metrics_ports: dict[str, int] = field(default_factory=dict)  # each service's Prometheus port
 
     @property
+    def auth(self) -> list | None:
+        """gRPC metadata with the stack's API key (None without one)."""
+        return [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
+
+    @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
@@ -80,8 +85,7 @@ class Stack:
                 proc.kill()
 
     def status(self) -> pb.ClusterStatusResponse:
-        metadata = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
-        return self.stub().ClusterStatus(pb.ClusterStatusRequest(), timeout=5, metadata=metadata)
+        return self.stub().ClusterStatus(pb.ClusterStatusRequest(), timeout=5, metadata=self.auth)
 
     def wait_idle(self, timeout: float = 30) -> pb.ClusterStatusResponse:
         """Until every worker reports nothing running, nothing queued, no KV blocks held and none leaked."""

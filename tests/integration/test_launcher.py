@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from shared.cli.processes import free_port
-from tests.integration.helpers import chat_request, collect, openai_streams
+from tests.integration.helpers import chat_request, chat_status, collect, openai_streams
 from tests.integration.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -164,3 +164,44 @@ def test_ctrl_c_while_starting_stops_everything(tmp_path):
     rest, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == 130, rest
     assert not [pid for pid in children if _alive(pid)]
+
+
+def test_tandem_up_with_api_keys_refuses_a_request_without_a_key(tmp_path):
+    """Before, `tandem up` had no --api-keys-file: its gateway served anyone who reached it."""
+    keys = tmp_path / "keys.json"
+    make = [sys.executable, "-m", "shared.cli.main", "api-keys", "--new", str(keys)]
+    key = subprocess.run(make + ["--name", "me"], check=True, capture_output=True, text=True)
+    key = key.stdout.strip()
+    port, http_port = free_port(), free_port()
+    flags = ("--api-keys-file", str(keys), "--mode", "colocated", "--no-demo")
+    launcher = _launch(tmp_path, port, *flags, http_port=http_port)
+    try:
+        lines = _read_until(launcher, lambda ls: any("ready" in line for line in ls), 300)
+        assert f"API keys from {keys}" in "".join(lines)
+        url = f"http://127.0.0.1:{http_port}"
+        assert chat_status(url) == 401
+        assert chat_status(url, "not-" + key) == 401
+        assert chat_status(url, key) == 200
+        with pytest.raises(grpc.RpcError) as refused:
+            collect(
+                Stack("default", f"127.0.0.1:{port}", None, "colocated").stub(),
+                chat_request("Hi", 2),
+            )
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        status = [
+            sys.executable,
+            "-m",
+            "shared.cli.main",
+            "status",
+            "--address",
+            f"127.0.0.1:{port}",
+        ]
+        anonymous = subprocess.run(status, capture_output=True, text=True, timeout=60)
+        assert anonymous.returncode == 1 and "UNAUTHENTICATED" in anonymous.stderr
+        env = {**os.environ, "TANDEM_API_KEY": key}
+        keyed = subprocess.run(status, capture_output=True, text=True, timeout=60, env=env)
+        assert keyed.returncode == 0 and "colocated" in keyed.stdout, keyed.stderr
+    finally:
+        os.killpg(launcher.pid, signal.SIGINT)
+        rest, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, rest

@@ -22,7 +22,7 @@ from services.gateway.settings import GatewaySettings
 from services.prefill.settings import PrefillSettings
 from services.scheduler.settings import SchedulerSettings
 from shared.control.nats_auth import ROLES, server_config
-from shared.settings import env_name
+from shared.settings import env_name, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -216,6 +216,15 @@ def test_the_gateway_is_a_service_ready_when_grpc_health_says_serving():
     assert spec["readinessProbe"]["grpc"]["port"] == int(env["TANDEM_GRPC_PORT"]) == 50051
     assert spec["livenessProbe"]["httpGet"]["path"] == "/health"
     assert env["TANDEM_GRPC_HOST"] == env["TANDEM_HTTP_HOST"] == "0.0.0.0"
+    # as published, the gateway's own start-up rule holds: API keys (from the Secret), and
+    # plaintext said so
+    literal = {k: v for k, v in env.items() if k.startswith("TANDEM_") and isinstance(v, str)}
+    settings = load_settings(GatewaySettings, [], env=literal)
+    keys = Path(settings.api_keys_file)
+    (mount,) = [m for m in spec["volumeMounts"] if keys.parent == Path(m["mountPath"])]
+    (volume,) = [v for v in pod(gateway)["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "tandem-api-keys" and mount["readOnly"]
+    assert volume["secret"]["items"] == [{"key": keys.name, "path": keys.name}]
     service = find(docs, "Service", "gateway")["spec"]
     assert service["type"] == "ClusterIP"
     assert {(p["name"], p["port"]) for p in service["ports"]} == {("grpc", 50051), ("http", 8000)}
@@ -228,7 +237,7 @@ def test_every_service_is_scraped_on_its_metrics_port_and_runs_as_a_user(build):
     for role in SETTINGS:
         workload = find(docs, "Deployment", role)
         env = env_of(workload, docs)
-        assert env["TANDEM_METRICS_HOST"] == "0.0.0.0"
+        assert env["TANDEM_METRICS_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         ports = {p["name"]: p["containerPort"] for p in container(workload)["ports"]}
         annotations = workload["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
@@ -271,3 +280,189 @@ def test_no_secret_is_written_in_the_manifests(build):
     files = [p for p in K8S.rglob("*") if p.is_file() and "certs" not in p.parts]  # make-certs.sh's
     text = "\n".join(p.read_text() for p in files)
     assert not re.search(r"PRIVATE KEY|\bt[0-9a-f]{48}\b", text)  # a key, or a made password
+
+
+def hardening_problems(docs: list[dict]) -> list[str]:
+    """What the audit found open in a pod: a writable root filesystem, privileges that may be
+    gained, capabilities kept, root, no seccomp profile; and a path the service writes that is
+    not on an emptyDir."""
+    problems = []
+    for workload in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
+        name, spec = workload["metadata"]["name"], pod(workload)
+        context = spec["securityContext"]
+        if not context.get("runAsNonRoot") or context.get("seccompProfile", {}) != {
+            "type": "RuntimeDefault"
+        }:
+            problems.append(f"{name}: may run as root, or without seccomp")
+        for box in spec["containers"] + spec.get("initContainers", []):
+            own = box.get("securityContext", {})
+            if own.get("readOnlyRootFilesystem") is not True:
+                problems.append(f"{name}: a writable root filesystem")
+            if own.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{name}: privileges may be gained")
+            if own.get("capabilities", {}).get("drop") != ["ALL"]:
+                problems.append(f"{name}: capabilities kept")
+        scratch = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+        mounts = container(workload)["volumeMounts"]
+        writable = [m["mountPath"] for m in mounts if m["name"] in scratch]
+        env = env_of(workload, docs) if workload["kind"] == "Deployment" else {}
+        for var in ("TANDEM_ALIVE_FILE", "TANDEM_ROW_TIMING_FILE"):
+            if var in env and not any(env[var].startswith(path + "/") for path in writable):
+                problems.append(f"{name}: {var} is not on an emptyDir")
+    return problems
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_pod_is_read_only_unprivileged_and_writes_only_to_empty_dirs(build):
+    docs = rendered(build)
+    assert hardening_problems(docs) == []
+    for pool in POOLS:  # the row timing, which the read-only /models cannot keep
+        assert env_of(find(docs, "Deployment", pool), docs)["TANDEM_ROW_TIMING_FILE"]
+
+
+def test_the_hardening_check_catches_what_the_audit_found():
+    docs = rendered("base")
+    decode, gateway = find(docs, "Deployment", "decode"), find(docs, "Deployment", "gateway")
+    container(decode)["securityContext"]["readOnlyRootFilesystem"] = False
+    container(decode)["volumeMounts"] = [
+        m for m in container(decode)["volumeMounts"] if m["mountPath"] != "/tmp"
+    ]
+    del container(gateway)["securityContext"]["capabilities"]
+    container(gateway)["securityContext"]["allowPrivilegeEscalation"] = True
+    del pod(gateway)["securityContext"]["runAsNonRoot"]
+    assert sorted(hardening_problems(docs)) == [
+        "decode: TANDEM_ALIVE_FILE is not on an emptyDir",
+        "decode: TANDEM_ROW_TIMING_FILE is not on an emptyDir",
+        "decode: a writable root filesystem",
+        "gateway: capabilities kept",
+        "gateway: may run as root, or without seccomp",
+        "gateway: privileges may be gained",
+    ]
+
+
+# -- NetworkPolicy: who reaches which port of which pod ------------------------------------------
+
+NAMESPACE = "tandem"
+MONITORING = {"namespace": "monitoring", "labels": {"app.kubernetes.io/name": "prometheus"}}
+STRANGER = {"namespace": NAMESPACE, "labels": {"app": "something-else"}}
+OUTSIDER = {"namespace": "default", "labels": {"app": "client"}}
+UCX_PORT = 41234  # any: UCX picks its own
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        has, value = e["key"] in labels, labels.get(e["key"])
+        ok = {
+            "In": has and value in e.get("values", []),
+            "NotIn": not has or value not in e.get("values", []),
+            "Exists": has,
+            "DoesNotExist": not has,
+        }[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def _peer_admits(peer: dict, source: dict) -> bool:
+    namespace_labels = {"kubernetes.io/metadata.name": source["namespace"]}
+    if "namespaceSelector" in peer:
+        in_namespace = _matches(peer["namespaceSelector"], namespace_labels)
+    else:  # a podSelector alone: the policy's own namespace
+        in_namespace = source["namespace"] == NAMESPACE
+    return in_namespace and _matches(peer.get("podSelector", {}), source["labels"])
+
+
+def _port_number(workload: dict, port) -> int:
+    named = {p["name"]: p["containerPort"] for p in container(workload).get("ports", [])}
+    return named[port] if isinstance(port, str) else port
+
+
+def reachable(docs: list[dict], target: str, port: int, source: dict) -> bool:
+    """Whether `source` ({namespace, labels}) may open `port` of the workload `target`, by the
+    NetworkPolicy rules (ingress; no policy selecting the pod: open)."""
+    (workload,) = [
+        d
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == target
+    ]
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    policies = [
+        d["spec"]
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+        and "Ingress" in d["spec"].get("policyTypes", ["Ingress"])
+        and _matches(d["spec"]["podSelector"], labels)
+    ]
+    if not policies:
+        return True
+    for rule in (r for p in policies for r in p.get("ingress", [])):
+        peers, ports = rule.get("from"), rule.get("ports")
+        if peers is not None and not any(_peer_admits(peer, source) for peer in peers):
+            continue
+        if ports is None or any(_port_number(workload, p["port"]) == port for p in ports):
+            return True
+    return False
+
+
+def tandem(component: str) -> dict:
+    labels = {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/component": component}
+    return {"namespace": NAMESPACE, "labels": labels}
+
+
+def reach_problems(docs: list[dict]) -> list[str]:
+    """Who reaches what, against what it should: UCX between workers only, NATS from Tandem's
+    pods only, the APIs from anywhere, metrics from monitoring only."""
+    roles = ("gateway", "scheduler", "prefill", "decode", "nats")
+    expected = []
+    for target in POOLS:
+        for source in roles:
+            expected.append((target, UCX_PORT, source, source in POOLS))
+    for source in roles:
+        expected += [("nats", 4222, source, True), ("nats", 6222, source, source == "nats")]
+    for port in (50051, 8000):
+        expected += [("gateway", port, "outsider", True), ("gateway", port, "stranger", True)]
+    for target in ("gateway", "scheduler", *POOLS):
+        expected += [(target, 9400, "monitoring", True), (target, 9400, "outsider", False)]
+        expected += [(target, 9400, "stranger", False)]
+    for target in ("nats", "scheduler", *POOLS):
+        expected += [(target, 4222 if target == "nats" else UCX_PORT, "stranger", False)]
+        expected += [(target, 4222 if target == "nats" else UCX_PORT, "outsider", False)]
+    sources = {"monitoring": MONITORING, "stranger": STRANGER, "outsider": OUTSIDER}
+    problems = []
+    for target, port, source, allowed in expected:
+        if reachable(docs, target, port, sources.get(source) or tandem(source)) != allowed:
+            problems.append(f"{source} -> {target}:{port} {'refused' if allowed else 'open'}")
+    return problems
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_network_policies_fence_ucx_nats_and_metrics(build):
+    docs = rendered(build)
+    assert reach_problems(docs) == []
+    scrape = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    assert set(scrape) == {"tandem-workers", "tandem-nats", "tandem-gateway", "tandem-scheduler"}
+
+
+def test_the_reach_check_catches_an_open_door():
+    """Without the workers' policy every pod of the namespace reaches the unauthenticated UCX."""
+    docs = [d for d in rendered("base") if d["metadata"]["name"] != "tandem-workers"]
+    assert sorted(reach_problems(docs)) == sorted(
+        [
+            f"gateway -> prefill:{UCX_PORT} open",
+            f"scheduler -> prefill:{UCX_PORT} open",
+            f"nats -> prefill:{UCX_PORT} open",
+            f"gateway -> decode:{UCX_PORT} open",
+            f"scheduler -> decode:{UCX_PORT} open",
+            f"nats -> decode:{UCX_PORT} open",
+            "outsider -> prefill:9400 open",
+            "stranger -> prefill:9400 open",
+            "outsider -> decode:9400 open",
+            "stranger -> decode:9400 open",
+            f"stranger -> prefill:{UCX_PORT} open",
+            f"outsider -> prefill:{UCX_PORT} open",
+            f"stranger -> decode:{UCX_PORT} open",
+            f"outsider -> decode:{UCX_PORT} open",
+        ]
+    )

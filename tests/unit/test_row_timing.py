@@ -2,6 +2,7 @@
 changed, timed again when something did or the file is unusable."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,3 +89,13 @@ def test_the_real_timing_answers_a_candidate(projections, tmp_path):
     assert rows in (1, 2, 4) and json.loads(path.read_text()) == {
         timing_key(projections, [1, 2, 4]): rows
     }
+
+
+def test_the_timing_file_is_a_setting_for_a_read_only_model_cache():
+    """A container's baked-in /models is read-only: the timing is kept in /tmp instead."""
+    from shared.worker.runtime import row_timing_path
+    from shared.worker.settings import WorkerSettings
+
+    assert row_timing_path(WorkerSettings(model_cache="/models")) == Path("/models/row-timing.json")
+    kept = WorkerSettings(model_cache="/models", row_timing_file="/tmp/row-timing.json")
+    assert row_timing_path(kept) == Path("/tmp/row-timing.json")

@@ -150,10 +150,33 @@ def test_a_gateway_off_loopback_needs_tls_or_allow_plaintext():
     from services.gateway.settings import GatewaySettings
 
     with pytest.raises(ValueError, match="loopback"):
-        GatewaySettings(grpc_host="0.0.0.0")
-    assert GatewaySettings(grpc_host="0.0.0.0", allow_plaintext=True).allow_plaintext
-    assert GatewaySettings(grpc_host="10.1.2.3", grpc_tls_cert="c.pem", grpc_tls_key="k.pem")
+        GatewaySettings(grpc_host="0.0.0.0", api_keys_file="keys.json")
+    assert GatewaySettings(grpc_host="0.0.0.0", allow_plaintext=True, api_keys_file="k.json")
+    tls = {"grpc_tls_cert": "c.pem", "grpc_tls_key": "k.pem", "api_keys_file": "keys.json"}
+    assert GatewaySettings(grpc_host="10.1.2.3", **tls)
     assert GatewaySettings(grpc_host="::1") and GatewaySettings(grpc_host="localhost")
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [{"grpc_host": "0.0.0.0"}, {"http_host": "10.1.2.3"}, {"grpc_host": "::", "http_port": -1}],
+)
+def test_a_gateway_off_loopback_needs_api_keys_or_allow_anonymous(hosts):
+    """Before, a gateway published beyond loopback started without keys: anyone reaching the
+    port could use it, and every client behind one NAT or proxy shared one quota."""
+    tls = {"grpc_tls_cert": "c.pem", "grpc_tls_key": "k.pem"}
+    with pytest.raises(ValueError, match=r"no API keys.*tandem api-keys --new.*--api-keys-file"):
+        GatewaySettings(**hosts, **tls)
+    with pytest.raises(ValueError, match="no API keys"):  # plaintext does not excuse it
+        GatewaySettings(**hosts, allow_plaintext=True)
+    assert GatewaySettings(**hosts, **tls, api_keys_file="keys.json").api_keys_file
+    assert GatewaySettings(**hosts, **tls, allow_anonymous=True).allow_anonymous
+    env = {"TANDEM_GRPC_HOST": "0.0.0.0", "TANDEM_ALLOW_PLAINTEXT": "1"}
+    with pytest.raises(SystemExit):
+        load_settings(GatewaySettings, [], env=env)
+    assert load_settings(GatewaySettings, ["--allow-anonymous"], env=env).allow_anonymous
+    # loopback needs neither, and an HTTP API that is off does not count
+    assert GatewaySettings(grpc_host="127.0.0.1", http_host="0.0.0.0", http_port=-1)
 
 
 def test_tandem_up_is_secure_unless_told_otherwise(capsys):

@@ -79,6 +79,8 @@ class ClientKeys:
                 if f.name in item
             }
             entries[_digest(key)] = (name, dataclasses.replace(default, **limits))
+        if not entries:  # a file that names no client would leave the API open to anyone
+            raise ValueError(f"{path}: no client keys (make one: tandem api-keys --new FILE)")
         return cls(default, entries, proxies)
 
     @property

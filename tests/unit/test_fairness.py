@@ -51,6 +51,13 @@ def test_a_client_is_its_key_name_else_its_certificate_else_its_address(tmp_path
     assert open_.identify([], "", "ipv4:1.2.3.4") == Client("addr:ipv4:1.2.3.4", DEFAULT)
 
 
+def test_a_keys_file_naming_no_client_is_refused_not_taken_for_no_keys(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text('{"clients": []}')
+    with pytest.raises(ValueError, match="no client keys"):
+        ClientKeys.load(str(path), DEFAULT)
+
+
 def test_a_keys_file_entry_without_a_name_or_key_is_a_clear_error(tmp_path):
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"clients": [{"name": "a", "key": KEY_A}, {"key": KEY_B}]}))

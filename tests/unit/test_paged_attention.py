@@ -157,7 +157,7 @@ def test_without_a_compiler_the_runner_falls_back_with_a_warning(tiny_model, mon
 
     monkeypatch.setattr(cpp_extension, "load", broken)
     # as if nothing were built yet
-    monkeypatch.setattr(cpu_kernels, "_import_built", lambda name: None)
+    monkeypatch.setattr(cpu_kernels, "_import_built", lambda name, directory: None)
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     with caplog.at_level(logging.WARNING):
         runner = ModelRunner(tiny_model, "tiny", "cpu", pool_blocks=16, block_size=16, chunk=32)

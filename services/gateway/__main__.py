@@ -162,10 +162,11 @@ def http_server(settings: GatewaySettings, servicer: TandemServicer, probe) -> H
         write_timeout_s=settings.write_timeout_s,
         max_connections=settings.http_max_connections,
         linger_s=settings.http_linger_s,
+        send_buffer_bytes=settings.http_send_buffer_bytes,
     )
     watch = ConnectionWatch(servicer.metrics.registry, servicer.metrics.ids)
     address = (settings.http_host, settings.http_port)
-    return HttpServer(api, *address, tls, settings.drain_timeout_s, bounds, watch)
+    return HttpServer(api.app(), *address, tls, settings.drain_timeout_s, bounds, watch)
 
 
 def raise_fd_limit(settings: GatewaySettings) -> None:

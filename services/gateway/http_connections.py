@@ -13,7 +13,9 @@ A connection is in one of three phases, and only BoundedConnection moves it:
            seat is taken, say), and the middleware answers 408; the connection closes.
 In any phase, a client that stops reading, so that the send buffer stays over its high-water
 mark for `write_timeout_s`, is cut off: aiohttp cancels the handler, which frees what the
-request holds, as when the client goes away.
+request holds, as when the client goes away. The kernel's send buffer is capped at
+`send_buffer_bytes`; left to itself it grows to MBs, minutes of a token stream, before a stall
+shows.
 
 A connection that comes while `max_connections` are open is answered 503 and closed (Refusal),
 rather than left unaccepted in the listen backlog, so that its client learns why.
@@ -23,6 +25,7 @@ import asyncio
 import enum
 import json
 import logging
+import socket
 from dataclasses import dataclass
 
 import grpc
@@ -42,6 +45,7 @@ class ConnectionBounds:
     write_timeout_s: float
     max_connections: int
     linger_s: float  # after a 503 or 408: the rest of the request is read and dropped this long
+    send_buffer_bytes: int = 0  # the kernel's send buffer per connection (0: the kernel's own)
 
 
 class ConnectionWatch:
@@ -107,6 +111,9 @@ class BoundedConnection(web.RequestHandler):
             transport.set_protocol(refusal)
             refusal.connection_made(transport)
             return
+        if self.bounds.send_buffer_bytes:  # else a stall is seen only after MBs go unread
+            sock = transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.bounds.send_buffer_bytes)
         super().connection_made(transport)
         self.watch.open.inc()
         self._enter(Phase.IDLE, self.bounds.idle_timeout_s)

@@ -1,12 +1,11 @@
-"""The HTTP API's listener: the OpenAI-compatible routes served over bounded connections
-(http_connections), in plaintext or TLS with the gRPC API's certificate."""
+"""The HTTP API's listener: an aiohttp app (the OpenAI-compatible routes) served over bounded
+connections (http_connections), in plaintext or TLS with the gRPC API's certificate."""
 
 import asyncio
 import ssl
 
 from aiohttp import web
 
-from services.gateway.http_api import OpenAIApi
 from services.gateway.http_connections import BoundedConnection, ConnectionBounds, ConnectionWatch
 
 
@@ -23,14 +22,14 @@ def ssl_context(cert: str, key: str, client_ca: str) -> ssl.SSLContext | None:
 
 
 class HttpServer:
-    """The API listening on host:port from start(); stop() stops listening, and gives requests
+    """`app` listening on host:port from start(); stop() stops listening, and gives requests
     in flight `drain_s` to finish before they are cancelled. Its own listener rather than
     aiohttp's TCPSite: each connection is a BoundedConnection, and a TLS handshake gets the
     read timeout (asyncio's default is a minute)."""
 
     def __init__(
         self,
-        api: OpenAIApi,
+        app: web.Application,
         host: str,
         port: int,
         tls: ssl.SSLContext | None,
@@ -38,10 +37,10 @@ class HttpServer:
         bounds: ConnectionBounds,
         watch: ConnectionWatch,
     ):
-        self.api, self.host, self.port, self.tls = api, host, port, tls
+        self.host, self.port, self.tls = host, port, tls
         self.bounds, self.watch = bounds, watch
         self.runner = web.AppRunner(
-            api.app(), handler_cancellation=True, shutdown_timeout=drain_s, access_log=None
+            app, handler_cancellation=True, shutdown_timeout=drain_s, access_log=None
         )
         self.listener: asyncio.Server | None = None
 

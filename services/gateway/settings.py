@@ -4,14 +4,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from services.gateway.clients import TrustedProxies
+from services.gateway.connection_settings import ConnectionSettings
 from shared.control import rules
-from shared.settings import CommonSettings
-
-MAX_TIMEOUT_S = 24 * 3600.0  # a day: the longest any connection bound may be
 
 
 @dataclass
-class GatewaySettings(CommonSettings):
+class GatewaySettings(ConnectionSettings):
     """Settings of the gateway (flags or TANDEM_* variables)."""
 
     grpc_host: str = field(
@@ -166,64 +164,6 @@ class GatewaySettings(CommonSettings):
             "help": "times a request may move to another worker after the one serving it failed; past it, UNAVAILABLE"
         },
     )
-    read_timeout_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "a request must arrive whole within this long (HTTP: headers and body, from its first byte: 408, or closed before its headers came; gRPC: the connection's handshake and each call's request: DEADLINE_EXCEEDED)"
-        },
-    )
-    write_timeout_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "a client that reads none of its answer for this long is cut off and its request cancelled (HTTP: the connection's send buffer stays full; gRPC: a response waits to be sent)"
-        },
-    )
-    http_idle_timeout_s: float = field(
-        default=15.0,
-        metadata={"help": "an HTTP connection that sends no byte of a request this long is closed"},
-    )
-    http_max_connections: int = field(
-        default=1024,
-        metadata={"help": "HTTP connections open at once; one more is answered 503 and closed"},
-    )
-    http_linger_s: float = field(
-        default=2.0,
-        metadata={
-            "help": "what a client still sends after a 503 or 408 is read and dropped this long before its connection closes (so it reads the answer, not a reset)"
-        },
-    )
-    grpc_max_connections: int = field(
-        default=1024,
-        metadata={"help": "gRPC connections open at once; more are closed as they come"},
-    )
-    grpc_max_concurrent_rpcs: int = field(
-        default=1024,
-        metadata={
-            "help": "gRPC calls open at once (streams, status and health checks); one more gets RESOURCE_EXHAUSTED"
-        },
-    )
-    grpc_idle_timeout_s: float = field(
-        default=300.0,
-        metadata={"help": "a gRPC connection with no call this long is closed (GOAWAY)"},
-    )
-    grpc_keepalive_s: float = field(
-        default=60.0,
-        metadata={
-            "help": "a quiet gRPC connection is pinged this often, and closed (its calls cancelled) when a ping goes this long unanswered"
-        },
-    )
-    grpc_max_connection_age_s: float = field(
-        default=3600.0,
-        metadata={
-            "help": "a gRPC connection this old is asked to reconnect (GOAWAY; clients do it unseen); 0 = never"
-        },
-    )
-    grpc_connection_age_grace_s: float = field(
-        default=600.0,
-        metadata={
-            "help": "calls still open on a connection asked to reconnect get this long; then it closes"
-        },
-    )
     gateway_id: str = field(default="", metadata={"help": "unique id; empty = random"})
 
     def __post_init__(self) -> None:
@@ -242,7 +182,6 @@ class GatewaySettings(CommonSettings):
                 "grpc_tls_cert and grpc_tls_key go together; grpc_tls_client_ca needs them"
             )
         self._check_published()
-        self._check_connection_bounds()
         if not 0 <= self.max_migrations <= 16:
             raise ValueError("max_migrations must be in 0..16")
         if not (
@@ -288,26 +227,6 @@ class GatewaySettings(CommonSettings):
                 "share one quota. Make a keys file (tandem api-keys --new FILE --name NAME) and "
                 "give it as --api-keys-file (TANDEM_API_KEYS_FILE), or --allow-anonymous "
                 "(TANDEM_ALLOW_ANONYMOUS=1) to accept that"
-            )
-
-    def _check_connection_bounds(self) -> None:
-        timeouts = (
-            "read_timeout_s",
-            "write_timeout_s",
-            "http_idle_timeout_s",
-            "http_linger_s",
-            "grpc_idle_timeout_s",
-            "grpc_keepalive_s",
-            "grpc_connection_age_grace_s",
-        )
-        self.require_seconds(*timeouts)
-        for name in (*timeouts, "grpc_max_connection_age_s"):
-            if not 0 <= getattr(self, name) <= MAX_TIMEOUT_S:  # gRPC takes int32 milliseconds
-                raise ValueError(f"{name} must be at most {MAX_TIMEOUT_S:.0f} seconds")
-        caps = (self.http_max_connections, self.grpc_max_connections, self.grpc_max_concurrent_rpcs)
-        if min(caps) < 1:
-            raise ValueError(
-                "http_max_connections, grpc_max_connections and grpc_max_concurrent_rpcs must be >= 1"
             )
 
 

@@ -7,15 +7,16 @@ import asyncio
 import socket
 import time
 
+import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from services.gateway.http_connections import (
-    BoundedConnection,
     ConnectionBounds,
     ConnectionWatch,
     read_within_deadline,
 )
+from services.gateway.http_server import HttpServer
 
 BOUNDS = ConnectionBounds(
     read_timeout_s=0.6, idle_timeout_s=0.4, write_timeout_s=0.5, max_connections=3, linger_s=0.3
@@ -24,30 +25,27 @@ GET = b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 class Served:
-    """An app behind BoundedConnections on a free port; `handlers_cancelled` counts the
+    """An app behind the gateway's HttpServer on a free port; `handlers_cancelled` counts the
     streaming handlers that were cancelled."""
 
-    def __init__(self):
+    def __init__(self, drain_s: float = 0):
         self.handlers_cancelled = 0
         self.registry = CollectorRegistry()
+        self.drain_s = drain_s
 
     async def __aenter__(self) -> "Served":
         app = web.Application(middlewares=[read_within_deadline], client_max_size=4096)
         app.router.add_get("/ok", self.ok)
         app.router.add_post("/echo", self.echo)
         app.router.add_get("/flood", self.flood)
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await self.runner.setup()
+        app.router.add_get("/slow", self.slow)
         watch = ConnectionWatch(self.registry, ("gateway", "gw-test"))
-        self.listener = await asyncio.get_running_loop().create_server(
-            lambda: BoundedConnection(self.runner.server, BOUNDS, watch), "127.0.0.1", 0
-        )
-        self.port = self.listener.sockets[0].getsockname()[1]
+        self.server = HttpServer(app, "127.0.0.1", 0, None, self.drain_s, BOUNDS, watch)
+        self.port = (await self.server.start()).port
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self.listener.close()
-        await self.runner.cleanup()
+        await self.server.stop()
 
     async def ok(self, request):
         return web.Response(text="ok")
@@ -64,6 +62,10 @@ class Served:
         except asyncio.CancelledError:
             self.handlers_cancelled += 1
             raise
+
+    async def slow(self, request):
+        await asyncio.sleep(0.3)
+        return web.Response(text="late")
 
     def cut(self, reason: str) -> float:
         labels = {"role": "gateway", "worker": "gw-test", "reason": reason}
@@ -183,3 +185,16 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_handler_cancelled(
         assert served.cut("write_timeout") == 1
         answer, _ = await _read_all(sock)  # what was buffered, then the reset: never the end
         assert answer.startswith(b"HTTP/1.1 200") and not answer.endswith(b"0\r\n\r\n")
+
+
+async def test_stopping_answers_the_request_in_flight_and_listens_no_more():
+    served = await Served(drain_s=2).__aenter__()
+    sock = await _connect(served.port)
+    await asyncio.get_running_loop().sock_sendall(sock, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.sleep(0.1)
+    stopping = asyncio.create_task(served.server.stop())
+    answer, _ = await _read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"late"), answer
+    await stopping
+    with pytest.raises(ConnectionRefusedError):
+        await _connect(served.port)

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import resource
 import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -10,10 +11,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from services.gateway.clients import ClientKeys, TrustedProxies
+from services.gateway.grpc_bounds import CallBounds, server_options
 from services.gateway.grpc_methods import add_to_server
 from services.gateway.health import ReadinessProbe
 from services.gateway.holdings_exchange import HoldingsExchange
-from services.gateway.http_api import HttpServer, OpenAIApi, ssl_context
+from services.gateway.http_api import OpenAIApi
+from services.gateway.http_connections import ConnectionBounds, ConnectionWatch
+from services.gateway.http_server import HttpServer, ssl_context
 from services.gateway.prompt_tokenizer import PromptTokenizer
 from services.gateway.sampling_defaults import SamplingDefaults
 from services.gateway.schedulers import SchedulerPool
@@ -31,6 +35,7 @@ from shared.telemetry.metrics import MetricsServer
 from shared.telemetry.tracing import start_tracing
 
 log = logging.getLogger("gateway")
+FD_HEADROOM = 256  # open files beside the API connections: NATS, logs, the tokenizer's files
 
 
 def load_tokenizer(settings: GatewaySettings):
@@ -78,7 +83,9 @@ def grpc_server(
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """The gRPC server with the Tandem API and the health service (its status still unset)."""
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", settings.max_request_bytes)]
+        options=server_options(settings),
+        interceptors=[CallBounds(settings.read_timeout_s, settings.write_timeout_s)],
+        maximum_concurrent_rpcs=settings.grpc_max_concurrent_rpcs,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -149,11 +156,40 @@ def http_server(settings: GatewaySettings, servicer: TandemServicer, probe) -> H
         SamplingDefaults.of(Path(servicer.tokenizer.name_or_path)),
     )
     tls = ssl_context(settings.grpc_tls_cert, settings.grpc_tls_key, settings.grpc_tls_client_ca)
-    return HttpServer(api, settings.http_host, settings.http_port, tls, settings.drain_timeout_s)
+    bounds = ConnectionBounds(
+        read_timeout_s=settings.read_timeout_s,
+        idle_timeout_s=settings.http_idle_timeout_s,
+        write_timeout_s=settings.write_timeout_s,
+        max_connections=settings.http_max_connections,
+        linger_s=settings.http_linger_s,
+        send_buffer_bytes=settings.http_send_buffer_bytes,
+    )
+    watch = ConnectionWatch(servicer.metrics.registry, servicer.metrics.ids)
+    address = (settings.http_host, settings.http_port)
+    return HttpServer(api.app(), *address, tls, settings.drain_timeout_s, bounds, watch)
+
+
+def raise_fd_limit(settings: GatewaySettings) -> None:
+    """Open files enough for both fronts' connection caps (the soft limit is often 1024), up
+    to the hard limit; a warning where even that is short."""
+    needed = settings.http_max_connections + settings.grpc_max_connections + FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < limit:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    if limit < needed:
+        log.warning(
+            "open files are limited to %d; the connection caps (%d HTTP, %d gRPC) need about %d",
+            hard,
+            settings.http_max_connections,
+            settings.grpc_max_connections,
+            needed,
+        )
 
 
 async def run(settings: GatewaySettings) -> None:
     stop = stop_on_signals()
+    raise_fd_limit(settings)
     tokenizer = await asyncio.to_thread(load_tokenizer, settings)
     async with AsyncExitStack() as stack:
         servicer = await servicer_of(settings, tokenizer, stack)

@@ -3,7 +3,8 @@
 POST /v1/chat/completions and /v1/completions run the gRPC API's own request path
 (TandemServicer.Generate: validation, client limits, API keys, placement, migration) through an
 HttpCallContext; GET /v1/models lists the model served; GET /health answers while the gateway
-runs, GET /ready while the cluster can serve (a scheduler answers with the workers it needs).
+runs, GET /ready while the cluster can serve (a scheduler answers with the workers it needs), GET
+/metrics with the gateway's Prometheus metrics.
 
 A streamed answer starts once the request is placed and its first token came, so a request
 refused (400, 401, 429, 503, 504) gets its HTTP status; a failure after that ends the event
@@ -16,13 +17,14 @@ import contextlib
 import json
 import logging
 import re
-import ssl
 import uuid
 
 import grpc
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.http_body import BodyTooLarge, read_body
+from services.gateway.http_connections import read_within_deadline
 from services.gateway.http_context import (
     TIMEOUT_HEADER,
     CallAborted,
@@ -81,12 +83,16 @@ class OpenAIApi:
         self.text_of = TokenText(tokenizer)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_request_bytes)
+        """The routes, behind the middleware that reads each request whole by its deadline."""
+        app = web.Application(
+            client_max_size=self.max_request_bytes, middlewares=[read_within_deadline]
+        )
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.readiness)
+        app.router.add_get("/metrics", self.prometheus)
         return app
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -105,6 +111,12 @@ class OpenAIApi:
     async def readiness(self, request: web.Request) -> web.Response:
         ready = self.ready()
         return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        """The gateway's metrics, as on its metrics port: where vLLM and SGLang serve theirs,
+        and load generators (aiperf) look. Read off the event loop, as a scrape there is."""
+        body = await asyncio.to_thread(generate_latest, self.servicer.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -255,36 +267,3 @@ def _common_name(cert: dict | None) -> str:
             if key == "commonName":
                 return value
     return ""
-
-
-def ssl_context(cert: str, key: str, client_ca: str) -> ssl.SSLContext | None:
-    """TLS with the gRPC API's certificate (None: plaintext); client certificates when a CA is set."""
-    if not cert:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-    if client_ca:
-        context.load_verify_locations(client_ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
-class HttpServer:
-    """The API listening on host:port from start(); stop() stops listening, and
-    gives requests in flight `drain_s` to finish before they are cancelled."""
-
-    def __init__(self, api: OpenAIApi, host: str, port: int, tls, drain_s: float):
-        self.api, self.host, self.port, self.tls = api, host, port, tls
-        self.runner = web.AppRunner(
-            api.app(), handler_cancellation=True, shutdown_timeout=drain_s, access_log=None
-        )
-
-    async def start(self) -> "HttpServer":
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.tls)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
-        return self
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()

@@ -4,12 +4,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from services.gateway.clients import TrustedProxies
+from services.gateway.connection_settings import ConnectionSettings
 from shared.control import rules
-from shared.settings import CommonSettings
 
 
 @dataclass
-class GatewaySettings(CommonSettings):
+class GatewaySettings(ConnectionSettings):
     """Settings of the gateway (flags or TANDEM_* variables)."""
 
     grpc_host: str = field(

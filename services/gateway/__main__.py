@@ -146,8 +146,9 @@ def served_model_name(settings: GatewaySettings) -> str:
     return model_store.resolve(settings.model).name.removesuffix(".gguf")
 
 
-def http_server(settings: GatewaySettings, servicer: TandemServicer, probe) -> HttpServer:
-    api = OpenAIApi(
+def openai_api(settings: GatewaySettings, servicer: TandemServicer, probe) -> OpenAIApi:
+    """The OpenAI API's routes, with the model's generation config as their sampling defaults."""
+    return OpenAIApi(
         servicer,
         servicer.tokenizer,
         served_model_name(settings),
@@ -155,6 +156,10 @@ def http_server(settings: GatewaySettings, servicer: TandemServicer, probe) -> H
         settings.max_request_bytes,
         SamplingDefaults.of(Path(servicer.tokenizer.name_or_path)),
     )
+
+
+def http_server(settings: GatewaySettings, servicer: TandemServicer, probe) -> HttpServer:
+    api = openai_api(settings, servicer, probe)
     tls = ssl_context(settings.grpc_tls_cert, settings.grpc_tls_key, settings.grpc_tls_client_ca)
     bounds = ConnectionBounds(
         read_timeout_s=settings.read_timeout_s,

@@ -44,10 +44,10 @@ def test_omitted_fields_take_the_defaults_and_given_ones_win():
 
 
 def test_the_gateway_s_http_api_reads_them_from_the_model_directory(tmp_path):
-    from services.gateway.__main__ import http_server
+    from services.gateway.__main__ import openai_api
     from services.gateway.settings import GatewaySettings
 
     served = SimpleNamespace(name_or_path=checkpoint(tmp_path, temperature=0.6, top_p=0.9))
     servicer = SimpleNamespace(tokenizer=served)
-    server = http_server(GatewaySettings(http_port=0), servicer, SimpleNamespace(serving=True))
-    assert server.api.defaults == SamplingDefaults(0.6, 0.9)
+    api = openai_api(GatewaySettings(http_port=0), servicer, SimpleNamespace(serving=True))
+    assert api.defaults == SamplingDefaults(0.6, 0.9)

@@ -193,7 +193,9 @@ class RequestRelay:
                 continue
             if not (target and reply is not None and _handed_back(reply)):
                 return reply
-            log.info("%s: scheduler %s handed it back: %s", attempt.id, target, reply.failure)
+            log.info(
+                "%s: scheduler %s handed it back (%s)", attempt.id, target, reply.failure.message
+            )
             declined.add(target)
             handed_back = reply
 

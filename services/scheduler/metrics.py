@@ -137,7 +137,7 @@ class SchedulerMetrics:
             log.info("%s takes submissions: it hears a worker that could serve them", self.ids[1])
         else:
             self.stood_aside.labels(*self.ids).inc()
-            log.warning("%s stood aside: %s; new submissions go to others", self.ids[1], missing)
+            log.warning("%s stood aside (left the queue group): %s", self.ids[1], missing)
 
     def placed(self, disaggregated: bool) -> None:
         self.placements.labels(*self.ids, "disaggregated" if disaggregated else "local").inc()

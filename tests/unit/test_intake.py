@@ -106,7 +106,10 @@ async def test_a_replica_whose_workers_fall_silent_stands_aside_answers_by_name_
         assert await ask_group(bus) == SubmitReply(decode_worker="d1")
         with caplog.at_level("INFO", logger="services.scheduler.metrics"):
             await asyncio.sleep(0.55)  # d1 silent past the timeout: the tick stands it aside
-        assert "s1 stood aside: no live decode or colocated worker" in caplog.text
+        assert (
+            "s1 stood aside (left the queue group): no live decode or colocated worker"
+            in caplog.text
+        )
         assert not heard[-1].accepting and sample(svc, "tandem_scheduler_stood_aside_total") == 1
         with pytest.raises(NoResponders):
             await ask_group(bus)

@@ -17,7 +17,7 @@ from functools import partial
 from services.scheduler import roles
 from services.scheduler.admission import AdmissionQueue, Pending
 from services.scheduler.answers import SHUTTING_DOWN, Answers, elsewhere, final
-from services.scheduler.intake import QUEUE_GROUP, Intake
+from services.scheduler.intake import Intake
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.presence import Presence
 from services.scheduler.registry import WorkerRegistry
@@ -60,9 +60,8 @@ class SchedulerService:
         self.answers = Answers(self.queue, self.metrics.refused)
         self._closing = False
         missing = partial(roles.missing, self.registry, settings.mode, settings.prefill_fallback)
-        self.intake = Intake(
-            bus, self.subjects.submit, self.on_submit, missing, self.metrics.intake
-        )
+        in_group = {self.subjects.submit: self.on_submit, self.subjects.status: self.on_status}
+        self.intake = Intake(bus, in_group, missing, self.metrics.intake)
         self.presence = Presence(
             bus,
             self.subjects,
@@ -76,7 +75,6 @@ class SchedulerService:
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [
             await self.bus.subscribe(self.subjects.heartbeat, self.on_heartbeat),
-            await self.bus.subscribe(self.subjects.status, self.on_status, queue=QUEUE_GROUP),
             await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
             await self.bus.subscribe(self.subjects.submit_to(self.scheduler_id), self.on_submit),
             await self.bus.subscribe(

@@ -3,7 +3,8 @@ real services: two scheduler replicas share a cluster, one of them connected as 
 permissions deny it the workers' heartbeats (a misconfigured account, or a link that carries the
 gateways' subjects but not the workers'). Every request completes; before, the gateways gave that
 replica its turn and about half the requests failed UNAVAILABLE ("no live colocated worker").
-With no worker anywhere, both replicas stand aside and a request is told so at once.
+The gateway's readiness and ClusterStatus come from the replica that hears the workers. With no
+worker anywhere, both replicas stand aside and a request is told so at once.
 """
 
 import re
@@ -14,6 +15,7 @@ import urllib.request
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.api import tandem_pb2 as pb
 from shared.cli.processes import child_env, free_port, nats_server_binary, wait_for_port
@@ -101,6 +103,18 @@ def test_a_replica_that_hears_no_worker_takes_no_request_and_none_fails(deaf_sta
     assert _metric(deaf_stack.metrics_ports[DEAF_ID], "tandem_scheduler_accepting") == 0
 
 
+def test_the_gateways_readiness_and_status_are_the_replica_that_hears_the_workers(deaf_stack):
+    """The deaf replica answers no status request either: before, half of them said "no worker,
+    not ready", and the gateway's readiness flapped (NOT_SERVING 23 times in 30 checks)."""
+    health = health_pb2_grpc.HealthStub(deaf_stack.channel())
+    seen = []
+    for _ in range(10):  # the gateway checks its readiness every second
+        serving = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        seen.append((serving, len(deaf_stack.status().workers)))
+        time.sleep(0.4)
+    assert seen == [(health_pb2.HealthCheckResponse.SERVING, 1)] * 10
+
+
 def test_with_no_worker_anywhere_a_request_is_told_so_at_once(deaf_stack):
     worker = f"{CLUSTER}-decode-0"
     deaf_stack.group.retire(worker, grace_s=10).wait(15)  # its last heartbeat says it stops
@@ -113,3 +127,6 @@ def test_with_no_worker_anywhere_a_request_is_told_so_at_once(deaf_stack):
     sees = deaf_stack.metrics_ports[f"{CLUSTER}-scheduler"]
     assert _metric(sees, "tandem_scheduler_accepting") == 0
     assert _metric(sees, "tandem_scheduler_stood_aside_total") == 1
+    with pytest.raises(grpc.RpcError) as err:
+        deaf_stack.status()
+    assert err.value.details() == "no scheduler answered: none is running, or none hears a worker"

@@ -16,6 +16,8 @@ from shared.control.failure import Code, Failure, Retry
 from shared.control.messages import (
     DecodeAssignment,
     SchedulerHeartbeat,
+    StatusReply,
+    StatusRequest,
     SubmitReply,
     TaskAck,
     TokenChunk,
@@ -80,11 +82,15 @@ async def test_a_replica_starts_aside_and_joins_the_queue_group_when_it_hears_a_
         await asyncio.sleep(0.15)  # a tick: it beat once
         with pytest.raises(NoResponders):  # out of the group: NATS hands it no share
             await ask_group(bus)
+        with pytest.raises(NoResponders):  # nor of status requests: it would say "no worker"
+            await bus.request(SUBJECTS.status, StatusRequest(), 1.0, StatusReply)
         assert heard and not heard[-1].accepting and sample(svc, "tandem_scheduler_accepting") == 0
         await bus.publish(SUBJECTS.heartbeat, beat("d1"))
         # in the group at once (not at the next tick), and a beat says so at once
         assert heard[-1].accepting and sample(svc, "tandem_scheduler_accepting") == 1
         assert await ask_group(bus) == SubmitReply(decode_worker="d1")
+        status = await bus.request(SUBJECTS.status, StatusRequest(limit=8), 1.0, StatusReply)
+        assert status.ready and [w.worker_id for w in status.workers] == ["d1"]
     finally:
         stop.set()
         await asyncio.wait_for(serving, 1.0)

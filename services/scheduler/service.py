@@ -17,7 +17,7 @@ from functools import partial
 from services.scheduler import roles
 from services.scheduler.admission import AdmissionQueue, Pending
 from services.scheduler.answers import SHUTTING_DOWN, Answers, elsewhere, final
-from services.scheduler.intake import Intake
+from services.scheduler.intake import Intake, Member
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.presence import Presence
 from services.scheduler.registry import WorkerRegistry
@@ -60,8 +60,9 @@ class SchedulerService:
         self.answers = Answers(self.queue, self.metrics.refused)
         self._closing = False
         missing = partial(roles.missing, self.registry, settings.mode, settings.prefill_fallback)
-        in_group = {self.subjects.submit: self.on_submit, self.subjects.status: self.on_status}
-        self.intake = Intake(bus, in_group, missing, self.metrics.intake)
+        submissions = Member(bus, self.subjects.submit, self.on_submit)
+        status = Member(bus, self.subjects.status, self.on_status)
+        self.intake = Intake(submissions, status, missing, self.registry.live, self.metrics.intake)
         self.presence = Presence(
             bus,
             self.subjects,

@@ -218,3 +218,23 @@ async def test_with_a_replica_that_hears_no_worker_every_request_is_served(token
     placed = {"role": "scheduler", "worker": "sees", "path": "local"}
     assert sees.metrics.registry.get_sample_value("tandem_scheduler_placements_total", placed) == 6
     assert sample(deaf, "tandem_scheduler_accepting", "deaf") == 0  # it never took a share
+
+
+async def test_a_replica_missing_one_pool_stands_aside_but_still_answers_status():
+    """Disaggregated, no prefill worker, and the fallback fails such requests: it takes no
+    submission, but the status it answers is the cluster's (a decode worker, not ready); only a
+    replica that hears no worker at all answers no status."""
+    svc, bus = service(prefill_fallback="fail")
+    stop = asyncio.Event()
+    serving = asyncio.create_task(svc.serve(stop))
+    await asyncio.sleep(0.01)
+    try:
+        await bus.publish(SUBJECTS.heartbeat, beat("d1"))
+        with pytest.raises(NoResponders):
+            await ask_group(bus)
+        status = await bus.request(SUBJECTS.status, StatusRequest(limit=8), 1.0, StatusReply)
+        assert not status.ready and [w.worker_id for w in status.workers] == ["d1"]
+        assert svc.intake.missing() == "no live prefill worker (prefill_fallback=fail)"
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 1.0)

@@ -1,9 +1,10 @@
 """An attempt: one placement of a request on the cluster, as a value.
 
 A request may take several attempts. A scheduler that does not answer (it may have died holding
-the request) or hands the request back (it is shutting down) has it submitted once more; a worker
-that fails, or turns it away as full, has it moved: the next attempt goes on after the tokens the
-client already has (migration.resumed). Each attempt has its own id, the attempt_id of its
+the request) or hands the request back (it is shutting down, or hears no worker) has it submitted
+once more (a replica asked by name that hands it back holds nothing: the same attempt is asked of
+the next replica, RequestRelay._ask_scheduler); a worker that fails, or turns it away as full,
+has it moved: the next attempt goes on after the tokens the client already has (migration.resumed). Each attempt has its own id, the attempt_id of its
 GenerateTask: a client cannot cancel another's stream by reusing its id, and a retry never
 collides with the attempt it replaces.
 

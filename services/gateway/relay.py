@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a replica holding a submission is checked for lost
 MAX_PICKS = 3  # scheduler replicas tried for one submission when the one picked is gone
+NO_SCHEDULER = "no scheduler is running, or none hears a worker"  # none listens to the submission
 
 
 class SchedulerLost(Exception):
@@ -171,37 +172,53 @@ class RequestRelay:
 
     async def _ask_scheduler(self, attempt: Attempt) -> SubmitReply | None:
         """The scheduler's reply; None when none came in time to a first submission, or the
-        replica holding it was lost (then it is submitted again, to another)."""
-        why = _refusal_start(attempt)
-        for _ in range(MAX_PICKS):
-            target = self.schedulers.pick(self._lost_schedulers) if self.schedulers else ""
-            subject = self.subjects.submit_to(target) if target else self.subjects.submit
-            asking = self.bus.request(
-                subject, attempt.task, self.settings.submit_timeout_s, SubmitReply
-            )
+        replica holding it was lost (then it is submitted again, to another). A replica that hands
+        it back (it hears no worker that could serve it, or it stops) has it asked of each other
+        replica not asked yet, then of the queue group; when nobody else answers, its answer is
+        final."""
+        why, declined = _refusal_start(attempt), set()
+        handed_back, gone = None, 0
+        while True:
+            avoid = self._lost_schedulers | declined
+            target = self.schedulers.pick(avoid) if self.schedulers else ""
             try:
-                return await self._watched(target, asking)
-            except MessageError as err:  # too large to send: the request's fault, not the cluster's
-                await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, why + str(err))
+                reply = await self._ask(target, attempt, why)
             except NoResponders:
-                if not target:
-                    await self.context.abort(
-                        grpc.StatusCode.UNAVAILABLE, why + "no scheduler is running"
-                    )
+                if not target and handed_back:  # each replica known handed it back: no worker
+                    return _final(handed_back)
+                gone += 1
+                if not target or gone == MAX_PICKS:
+                    await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + NO_SCHEDULER)
                 self._lost_schedulers.add(target)  # gone since its last beat: never had it
-            except BadReply as err:
-                await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + str(err))
-            except (RequestTimeout, SchedulerLost) as err:
-                if attempt.resubmission:
-                    await self.context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        why + _no_placement(err),
-                    )
-                if isinstance(err, SchedulerLost):
-                    self._lost_schedulers.add(target)
-                    log.warning("%s: %s", attempt.id, err)
-                return None
-        await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + "no scheduler is running")
+                continue
+            if not (target and reply is not None and _handed_back(reply)):
+                return reply
+            log.info(
+                "%s: scheduler %s handed it back (%s)", attempt.id, target, reply.failure.message
+            )
+            declined.add(target)
+            handed_back = reply
+
+    async def _ask(self, target: str, attempt: Attempt, why: str) -> SubmitReply | None:
+        """The answer of scheduler `target` ("": the queue group's); None when none came in time
+        to a first submission, or the replica was lost. Raises NoResponders: nobody listens."""
+        subject = self.subjects.submit_to(target) if target else self.subjects.submit
+        asking = self.bus.request(
+            subject, attempt.task, self.settings.submit_timeout_s, SubmitReply
+        )
+        try:
+            return await self._watched(target, asking)
+        except MessageError as err:  # too large to send: the request's fault, not the cluster's
+            await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, why + str(err))
+        except BadReply as err:
+            await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + str(err))
+        except (RequestTimeout, SchedulerLost) as err:
+            if attempt.resubmission:
+                await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + _no_placement(err))
+            if isinstance(err, SchedulerLost):
+                self._lost_schedulers.add(target)
+                log.warning("%s: %s", attempt.id, err)
+            return None
 
     async def _watched(self, target: str, asking) -> SubmitReply:
         """The answer to `asking`; SchedulerLost when the replica `target` is lost meanwhile."""
@@ -257,6 +274,11 @@ def _handed_back(reply: SubmitReply) -> bool:
     return (
         bool(reply.failure) and reply.failure.retry is Retry.ELSEWHERE and not reply.failure.blame
     )
+
+
+def _final(reply: SubmitReply) -> SubmitReply:
+    """A handed-back reply no other scheduler took: the request ends with its failure."""
+    return dataclasses.replace(reply, failure=dataclasses.replace(reply.failure, retry=Retry.NEVER))
 
 
 def _no_placement(err: Exception) -> str:

@@ -1,7 +1,8 @@
 """SchedulerPool: the scheduler replicas a gateway submits to, known from their heartbeats.
 
 A request goes to one live replica by name (in turn), so the gateway knows who holds it while it
-waits for a place; when that replica is lost (its heartbeats stop and NATS says nobody listens on
+waits for a place: to one that accepts submissions, while any does (one that hears no worker that
+could serve stands aside: services/scheduler/intake.py); when that replica is lost (its heartbeats stop and NATS says nobody listens on
 its ping subject: a killed process, in about a second) the request is submitted again to another.
 Before any replica was heard from (a gateway just started, or one whose NATS was away) a request
 goes to the schedulers' queue group instead, as it always could.
@@ -53,18 +54,20 @@ class SchedulerPool:
         self._seen[beat.scheduler_id] = now
 
     def pick(self, avoid: set[str]) -> str:
-        """A live replica that is not stopping and not in `avoid`, in turn; "" when none is known
-        (then the queue group)."""
+        """A live replica that is not stopping and not in `avoid`, in turn: one that accepts
+        submissions while any does, else one that stood aside (it answers at once that it hears
+        no worker); "" when none is known (then the queue group)."""
         now = self._clock()
         live = sorted(
             s
             for s, beat in self._beats.items()
             if not beat.stopping and now - self._seen[s] <= self._timeout and s not in avoid
         )
-        if not live:
+        choice = [s for s in live if self._beats[s].accepting] or live
+        if not choice:
             return ""
         self._turn += 1
-        return live[self._turn % len(live)]
+        return choice[self._turn % len(choice)]
 
     async def lost(self, scheduler_id: str) -> bool:
         return await self._liveness.lost(scheduler_id)

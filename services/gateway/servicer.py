@@ -31,7 +31,7 @@ from services.gateway.streams import StreamRouter
 from services.gateway.validation import InvalidRequest, Limits, ValidRequest, validate
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
-from shared.control.bus import BusError, MessageBus
+from shared.control.bus import BusError, MessageBus, NoResponders
 from shared.control.choices import choice_task
 from shared.control.liveness import Liveness
 from shared.control.messages import GenerateTask
@@ -275,7 +275,10 @@ class TandemServicer(pb_grpc.TandemServicer):
         try:
             wait_s = ask_wait(context.time_remaining())  # within the call's deadline
             pages = await status_pages(self.bus, self.subjects, STATUS_PAGE, wait_s)
-        except BusError:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler answered")
+        except BusError as err:  # unanswered; NoResponders: none runs, or every one stood aside
+            why = (
+                ": none is running, or none hears a worker" if isinstance(err, NoResponders) else ""
+            )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler answered" + why)
         workers = [w for page in pages for w in page.workers]
         return cluster_status_response(pages[0], workers, self.bus.dropped)

@@ -2,8 +2,8 @@
 
 Every submission gets exactly one SubmitReply: placed, refused (with its Failure: a final one, or
 a worker that failed it to place it again without, and a retry-after hint when trying again later
-may succeed), or handed back while the scheduler shuts down so the gateway submits it to another
-one.
+may succeed), or handed back (the scheduler shuts down, or knows no worker that could serve it) so
+the gateway submits it to another one.
 """
 
 import asyncio
@@ -25,6 +25,12 @@ SHUTTING_DOWN = Failure(Code.UNAVAILABLE, "the scheduler is shutting down", Retr
 def final(failure: Failure) -> Failure:
     """The failure the request ends with: no worker is left to place it on."""
     return dataclasses.replace(failure, retry=Retry.NEVER)
+
+
+def elsewhere(failure: Failure) -> Failure:
+    """No worker this replica knows could serve the request: the gateway asks another replica
+    (no worker is blamed), and ends the request with this failure when none places it."""
+    return dataclasses.replace(failure, retry=Retry.ELSEWHERE, blame="")
 
 
 class Answers:

@@ -1,6 +1,7 @@
 """The scheduler's Prometheus metrics: its queue by priority, the workers it knows by pool,
-where it placed requests and why it refused others, how long routing took, and each time a
-disaggregated request fell back to its decode worker's prefill (logged too)."""
+whether it takes submissions (Intake) and how often it stood aside, where it placed requests and
+why it refused others, how long routing took, and each time a disaggregated request fell back to
+its decode worker's prefill (logged too)."""
 
 import collections
 import logging
@@ -60,8 +61,26 @@ class SchedulerMetrics:
             buckets=(1e-5, 3e-5, 1e-4, 3e-4) + LATENCY_BUCKETS,
             registry=registry,
         )
+        self._intake_series(ids)
         self._read_zero_until_used()
         self._priorities = {"0"}  # the default priority reads 0 while nothing waits
+
+    def _intake_series(self, ids: list[str]) -> None:
+        """Whether the replica takes submissions (Intake), and how often it stood aside."""
+        self.accepting = Gauge(
+            "tandem_scheduler_accepting",
+            "1 while this replica takes new submissions (in the queue group); 0 while it stands "
+            "aside: it knows no live worker that could serve a request",
+            ids,
+            registry=self.registry,
+        )
+        self.stood_aside = Counter(
+            "tandem_scheduler_stood_aside",
+            "Times this replica stood aside (left the queue group): it knew no live worker that "
+            "could serve a request",
+            ids,
+            registry=self.registry,
+        )
 
     def _read_zero_until_used(self) -> None:
         """The series that read 0, not absent, before their first event."""
@@ -70,6 +89,8 @@ class SchedulerMetrics:
         for code in Code:
             self.refusals.labels(*self.ids, code.value.lower())
         self.prefill_fallbacks.labels(*self.ids)
+        self.accepting.labels(*self.ids).set(0)  # a replica starts aside (Intake)
+        self.stood_aside.labels(*self.ids)
 
     def tick(self, priorities: list[int], workers: list[WorkerHeartbeat]) -> None:
         """The queue's and the registry's state now (the scheduler's tick, on its event loop)."""
@@ -107,6 +128,16 @@ class SchedulerMetrics:
                 chosen.compute_tokens,
                 chosen.decode.worker_id,
             )
+
+    def intake(self, accepting: bool, missing: str) -> None:
+        """The replica joined the queue group (True), or stood aside (False) for lack of
+        `missing`: counted and logged."""
+        self.accepting.labels(*self.ids).set(int(accepting))
+        if accepting:
+            log.info("%s takes submissions: it hears a worker that could serve them", self.ids[1])
+        else:
+            self.stood_aside.labels(*self.ids).inc()
+            log.warning("%s stood aside (left the queue group): %s", self.ids[1], missing)
 
     def placed(self, disaggregated: bool) -> None:
         self.placements.labels(*self.ids, "disaggregated" if disaggregated else "local").inc()

@@ -1,10 +1,12 @@
 """Presence: a scheduler replica's side of staying known and keeping its view honest.
 
 It beats (SchedulerHeartbeat, every `beat_s`: half a second) so gateways submit to it by name
-and notice within about a second when it is gone; it answers pings; it touches the alive file for
-container health checks; and it watches its own hearing: while its NATS connection is down or the
-server is stalled, the workers' silence is excused (WorkerRegistry.excuse), and after a reconnect
-it asks every worker to announce itself (Discover).
+and notice within about a second when it is gone; it takes submissions or stands aside (Intake)
+and beats at once when that changes; it answers pings; it touches the alive file for container
+health checks; and it watches its own hearing: while its NATS connection is down or the server is
+stalled, the workers' silence is excused (WorkerRegistry.excuse), after a reconnect it asks every
+worker to announce itself (Discover), and until their heartbeats can have come a request that
+finds no worker waits for them (beats_coming).
 """
 
 import asyncio
@@ -13,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from services.scheduler.intake import Intake
 from services.scheduler.registry import WorkerRegistry
 from shared.control.bus import MessageBus
 from shared.control.liveness import PROBE_TIMEOUT_S, QUICK_S
@@ -34,6 +37,7 @@ class Presence:
         scheduler_id: str,
         registry: WorkerRegistry,
         queued: Callable[[], int],
+        intake: Intake,
         beat_s: float = BEAT_S,
     ):
         self.bus = bus
@@ -42,6 +46,7 @@ class Presence:
         self.scheduler_id = scheduler_id
         self.registry = registry
         self.queued = queued
+        self.intake = intake
         self._reconnects = bus.reconnects
         self._reach_checked = 0.0
         self._beaten = float("-inf")
@@ -51,18 +56,36 @@ class Presence:
         """The connection came back and the workers were not asked to announce themselves yet."""
         return self.bus.reconnects != self._reconnects
 
+    def beats_coming(self, excluded: set[str]) -> bool:
+        """This scheduler just started or heard again after an outage, and none of the workers it
+        knows is in `excluded`: the workers' heartbeats are on their way."""
+        if not self.registry.settling() and not self.reconnect_unnoticed:
+            return False
+        return not any(w.worker_id in excluded for w in self.registry.live())
+
     async def discover(self) -> None:
         """Asks every worker to announce itself now."""
         await self.bus.publish(self.subjects.discover, Discover(scheduler_id=self.scheduler_id))
 
+    async def follow(self) -> None:
+        """Takes submissions or stands aside (Intake), and says which at once."""
+        if await self.intake.follow():
+            await self.beat()
+
     async def tick(self) -> None:
+        await self.follow()
         if time.monotonic() - self._beaten >= self.beat_s:
             await self.beat()
         await self._keep_hearing()
 
     async def beat(self, stopping: bool = False) -> None:
         self._beaten = time.monotonic()
-        beat = SchedulerHeartbeat(self.scheduler_id, queued=self.queued(), stopping=stopping)
+        beat = SchedulerHeartbeat(
+            self.scheduler_id,
+            self.queued(),
+            stopping,
+            accepting=self.intake.accepting and not stopping,
+        )
         try:
             await self.bus.publish(self.subjects.scheduler_heartbeat, beat)
         except Exception as err:  # NATS away: the next beat will do

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from services.scheduler import capacity, cost
 from services.scheduler.cost import PromptView
 from services.scheduler.registry import WorkerRegistry
+from services.scheduler.roles import decode_roles
 from shared.control.failure import Code, Failure, failed
 from shared.control.messages import GenerateTask, WorkerHeartbeat
 
@@ -101,9 +102,7 @@ class Router:
     # -- decode -------------------------------------------------------------------------------
 
     def _decoders(self, task: GenerateTask, exclude: set[str]) -> list[WorkerHeartbeat]:
-        roles = {"colocated": ("colocated",), "disaggregated": ("decode",)}.get(
-            self.policy.mode, ("decode", "colocated")
-        )
+        roles = decode_roles(self.policy.mode)
         decoders = [
             w for w in self.registry.live() if w.role in roles and w.worker_id not in exclude
         ]

@@ -5,15 +5,19 @@ through this scheduler's AdmissionQueue: it is placed at once when a worker has 
 (bounded) when none has, and is refused with RESOURCE_EXHAUSTED and a retry-after hint when
 the queue is full or the wait runs out. Placed requests are handed to their decode worker; one
 that refuses as full counts as full until its next heartbeat, one draining or vanished is
-excluded, and the request is placed again (at most MAX_DISPATCH_ATTEMPTS times).
+excluded, and the request is placed again (at most MAX_DISPATCH_ATTEMPTS times). A replica that
+knows no worker that could serve stands aside (Intake); "no worker" goes with Retry.ELSEWHERE.
 """
 
 import asyncio
 import logging
 import time
+from functools import partial
 
+from services.scheduler import roles
 from services.scheduler.admission import AdmissionQueue, Pending
-from services.scheduler.answers import SHUTTING_DOWN, Answers, final
+from services.scheduler.answers import SHUTTING_DOWN, Answers, elsewhere, final
+from services.scheduler.intake import Intake, Member
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.presence import Presence
 from services.scheduler.registry import WorkerRegistry
@@ -55,20 +59,23 @@ class SchedulerService:
         self.metrics = SchedulerMetrics(self.scheduler_id)
         self.answers = Answers(self.queue, self.metrics.refused)
         self._closing = False
+        missing = partial(roles.missing, self.registry, settings.mode, settings.prefill_fallback)
+        submissions = Member(bus, self.subjects.submit, self.on_submit)
+        status = Member(bus, self.subjects.status, self.on_status)
+        self.intake = Intake(submissions, status, missing, self.registry.live, self.metrics.intake)
         self.presence = Presence(
             bus,
             self.subjects,
             self.scheduler_id,
             self.registry,
             lambda: len(self.queue),
+            self.intake,
             settings.heartbeat_interval_s,
         )
 
     async def serve(self, stop: asyncio.Event) -> None:
         subs = [
             await self.bus.subscribe(self.subjects.heartbeat, self.on_heartbeat),
-            await self.bus.subscribe(self.subjects.submit, self.on_submit, queue="schedulers"),
-            await self.bus.subscribe(self.subjects.status, self.on_status, queue="schedulers"),
             await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
             await self.bus.subscribe(self.subjects.submit_to(self.scheduler_id), self.on_submit),
             await self.bus.subscribe(
@@ -76,12 +83,8 @@ class SchedulerService:
             ),
         ]
         await self.presence.discover()
-        log.info(
-            "%s up in %s mode on cluster %r",
-            self.scheduler_id,
-            self.settings.mode,
-            self.settings.cluster,
-        )
+        mode, cluster = self.settings.mode, self.settings.cluster
+        log.info("%s up in %s mode on cluster %r", self.scheduler_id, mode, cluster)
         tickers = [asyncio.create_task(self._tick())]
         if self.settings.alive_file:
             tickers.append(asyncio.create_task(self.presence.keep_alive(self.settings.alive_file)))
@@ -90,6 +93,7 @@ class SchedulerService:
         finally:
             for ticker in tickers:
                 ticker.cancel()
+            await self.intake.close()
             for sub in subs:
                 await sub.unsubscribe()
             await self.presence.beat(stopping=True)  # gateways stop picking this replica now
@@ -100,7 +104,7 @@ class SchedulerService:
 
     async def _tick(self) -> None:
         """Ends the waits that ran out, places what the last heartbeats made room for, and keeps
-        this replica known (Presence)."""
+        this replica known, taking submissions or standing aside (Presence, Intake)."""
         while True:
             await asyncio.sleep(TICK_S)
             try:
@@ -118,13 +122,12 @@ class SchedulerService:
                 log.exception("scheduler tick failed")
 
     def ready(self) -> bool:
-        roles = {"colocated": [("colocated",)], "disaggregated": [("prefill",), ("decode",)]}.get(
-            self.settings.mode, [("decode", "colocated")]
-        )
-        return all(any(self.registry.live(r) for r in alternatives) for alternatives in roles)
+        return roles.ready(self.registry, self.settings.mode)
 
     async def on_heartbeat(self, beat: WorkerHeartbeat, respond) -> None:
         self.registry.update(beat)
+        if not self.intake.accepting:  # a worker heard: take submissions now, not at the tick
+            await self.presence.follow()
         self.pump()
 
     async def on_status(self, request: StatusRequest, respond) -> None:
@@ -187,11 +190,15 @@ class SchedulerService:
             self.metrics.routed(entry, started, chosen)
         except NoRoom:
             return False
-        except NoWorker as err:
-            if self._heartbeats_coming(entry, err):
+        except NoWorker as err:  # none, but the workers' heartbeats may be on their way: wait
+            excluded = entry.tried | set(entry.task.avoid_workers)
+            if type(err) is NoWorker and self.presence.beats_coming(excluded):
                 return False
-            # every worker that could take it refused: say why the last one did
+            # every worker that could take it refused: say why the last one did (none here could
+            # serve it: another replica may hear one)
             failure = final(entry.failure) if entry.failure else err.failure
+            if not entry.failure and type(err) is NoWorker and self.intake.missing():
+                failure = elsewhere(failure)
             self.answers.refuse(
                 self.queue.take(entry),
                 failure,
@@ -209,16 +216,6 @@ class SchedulerService:
         self._reserve(entry, chosen)
         self.answers.spawn(self._assign(entry, chosen))
         return True
-
-    def _heartbeats_coming(self, entry: Pending, err: NoWorker) -> bool:
-        """No worker for the request, but this scheduler just started or heard again after an
-        outage, and none it knows of is excluded: the workers' heartbeats are on their way."""
-        if type(err) is not NoWorker:
-            return False
-        if not self.registry.settling() and not self.presence.reconnect_unnoticed:
-            return False
-        excluded = entry.tried | set(entry.task.avoid_workers)
-        return not any(w.worker_id in excluded for w in self.registry.live())
 
     def _reserve(self, entry: Pending, chosen: Route) -> None:
         n = entry.task.sampling.n  # a group: one sequence per choice once forked

@@ -8,7 +8,8 @@ for a person, the worker it blames, and what may be done about it:
 - `Retry.HERE`: place the request again, the blamed worker allowed (it was full, not broken), or
   with no worker blamed (a worker's own KV data plane restarted mid-transfer);
 - `Retry.ELSEWHERE`: place the request again, avoiding the blamed worker (it failed or left);
-  with no worker blamed, submit it again to another scheduler (this one is shutting down).
+  with no worker blamed, submit it again to another scheduler (this one is shutting down, or
+  knows no live worker that could serve it: another replica may hear some).
 """
 
 import enum

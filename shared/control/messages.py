@@ -260,6 +260,7 @@ class SchedulerHeartbeat:
     scheduler_id: str
     queued: int = 0  # requests waiting in its queue for room
     stopping: bool = False
+    accepting: bool = True  # False: it stood aside, hearing no worker (an old beat lacks it: True)
 
 
 @dataclass

@@ -102,3 +102,13 @@ async def test_a_cut_off_scheduler_costs_an_ask_within_the_calls_deadline():
     with pytest.raises(Aborted):
         await servicer.ClusterStatus(pb.ClusterStatusRequest(), context)
     assert context.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 0.9
+
+
+async def test_with_no_scheduler_in_the_queue_group_the_status_says_why_none_answered():
+    """None runs, or every replica stood aside (it hears no worker): nobody answers at all."""
+    servicer = TandemServicer(GatewaySettings(), InMemoryBus(), None, None, LIMITS, None)
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        await servicer.ClusterStatus(pb.ClusterStatusRequest(), context)
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+    assert context.message == "no scheduler answered: none is running, or none hears a worker"

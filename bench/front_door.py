@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import sys
 import time
 from collections import Counter
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import front_door_attacks  # noqa: E402
 from bench.front_door_report import plot, report, verdicts  # noqa: E402
 from bench.stream_clients import HttpClient, pct  # noqa: E402
-from bench.tandem_up import TandemUp, rss_mib  # noqa: E402
+from bench.tandem_up import TandemUp, cpu_seconds, rss_mib  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PHASES = ("unloaded", "half_open", "message_flood", "big_bodies")
@@ -103,6 +104,12 @@ def phase_seconds(kind: str, args) -> float:
     return args.phase_s
 
 
+def cores_used(before: dict, after: dict, since: float) -> dict[str, float]:
+    """Each process kind's CPU over the probe, in cores (CPU seconds per second)."""
+    wall = time.monotonic() - since
+    return {k: round((after[k] - before.get(k, 0.0)) / wall, 2) for k in after}
+
+
 async def attacked(stack, client, kind: str, config: dict, args, first: int) -> dict:
     """The normal client's figures while `kind` runs in a process of its own, and its report."""
     spawn = multiprocessing.get_context("spawn")
@@ -111,7 +118,10 @@ async def attacked(stack, client, kind: str, config: dict, args, first: int) -> 
     attacker.start()
     try:
         await asyncio.sleep(args.settle_s)  # the attack under way before the first probe
+        extra = {"attacker": attacker.pid, "normal client": os.getpid()}
+        before, wall = cpu_seconds(stack.process.pid, extra), time.monotonic()
         figures = await probe(client, phase_seconds(kind, args), first)
+        figures["cores"] = cores_used(before, cpu_seconds(stack.process.pid, extra), wall)
         stop.set()
         figures["attack"] = await asyncio.to_thread(results.get, True, RESULT_TIMEOUT_S)
     finally:
@@ -128,7 +138,10 @@ async def run_phase(stack, client, kind: str, config: dict, args, first: int) ->
     await asyncio.sleep(RSS_EVERY_S)  # a sample before anything starts
     started = time.monotonic() - stack.started
     if kind == "unloaded":
+        extra = {"normal client": os.getpid()}
+        before, wall = cpu_seconds(stack.process.pid, extra), time.monotonic()
         figures = await probe(client, args.phase_s, first)
+        figures["cores"] = cores_used(before, cpu_seconds(stack.process.pid, extra), wall)
     else:
         figures = await attacked(stack, client, kind, config, args, first)
     done.set()

@@ -1,5 +1,6 @@
 """The front-door benchmark's verdicts, table and plot (bench/front_door.py's results)."""
 
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -101,6 +102,22 @@ def _row(kind: str, p: dict, base: dict, growth: dict, args) -> str:
     )
 
 
+def _cores_table(out: dict) -> list[str]:
+    """Where the machine's CPU went while the normal client was measured, in cores."""
+    names = sorted({n for p in out["phases"].values() for n in p.get("cores", {})})
+    lines = [
+        "CPU used while the normal client was measured, in cores (CPU seconds per second; the "
+        f"machine has {os.cpu_count()}):",
+        "",
+        "| phase | " + " | ".join(names) + " |",
+        "| --- |" + " --- |" * len(names),
+    ]
+    for kind, p in out["phases"].items():
+        cores = p.get("cores", {})
+        lines.append(f"| {kind} | " + " | ".join(f"{cores.get(n, 0):.2f}" for n in names) + " |")
+    return lines
+
+
 def report(out: dict, args) -> str:
     base, growth = out["phases"]["unloaded"], rss_growth(out)
     lines = [
@@ -128,6 +145,7 @@ def report(out: dict, args) -> str:
             lines.append(
                 f"| {kind} | {body} | {a['statuses']} | {a['p50_ms']:.0f} / {a['p99_ms']:.0f} |"
             )
+    lines += ["", *_cores_table(out)]
     lines += ["", "| bar | value | target | verdict |", "| --- | --- | --- | --- |"]
     for name, b in out["bars"].items():
         lines.append(f"| {name} | {b['value']} | {b['bar']} | {'PASS' if b['pass'] else 'FAIL'} |")

@@ -105,6 +105,31 @@ class TandemUp:
             self.process.wait()
 
 
+ROLES = ("gateway", "scheduler", "prefill", "decode")
+
+
+def cpu_seconds(root: int, extra: dict[str, int] | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the processes under `root` (a `tandem up`), by
+    what they run (a service's role, "nats", "launcher"), and by each of `extra` (name: pid)."""
+    used: dict[str, float] = {}
+    tree = psutil.Process(root)
+    for process in [tree, *tree.children(recursive=True)]:
+        try:
+            line, times = " ".join(process.cmdline()), process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        role = next((r for r in ROLES if f"services.{r}" in line), None)
+        name = role or ("nats" if "nats-server" in line else "launcher")
+        used[name] = used.get(name, 0.0) + times.user + times.system
+    for name, pid in (extra or {}).items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        used[name] = times.user + times.system
+    return used
+
+
 def rss_mib(pid: int) -> float:
     """A process's resident memory now (VmRSS), in MiB; NaN once it is gone."""
     try:

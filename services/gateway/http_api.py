@@ -23,7 +23,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.http_body import BodyTooLarge, read_body
+from services.gateway.http_body import BodyTooLarge, TooManyObjects, decode_json, read_body
 from services.gateway.http_connections import read_within_deadline
 from services.gateway.http_context import (
     TIMEOUT_HEADER,
@@ -147,17 +147,19 @@ class OpenAIApi:
     async def _parsed(self, request: web.Request, kind: str) -> OpenAIRequest | web.Response:
         """The body as an OpenAI request, or the error response that refuses it."""
         try:
-            body = json.loads(await read_body(request, self.max_request_bytes))
+            body = decode_json(await read_body(request, self.max_request_bytes))
         except BodyTooLarge as err:
             too_large = http_error(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             too_large.status = 413
             return _error_response(too_large)
+        except TooManyObjects as err:
+            return _bad(str(err))
         except ValueError as err:
             return _bad(f"the body is not JSON: {err}")
         except RecursionError:  # json's decoder gives up on deep nesting: no OpenAI body is
             return _bad("the body is nested too deeply")
         try:
-            req = parse(kind, body, self.model, self.defaults)
+            req = parse(kind, body, self.model, self.defaults, self.servicer.limits)
         except BadRequest as err:
             return _bad(str(err), err.param)
         except ValueError as err:

@@ -1,15 +1,45 @@
-"""Reading an HTTP request's body: bounded in size, and not kept past its parse."""
+"""Reading an HTTP request's body: bounded in size, not kept past its parse, and decoded at a
+bounded cost.
+
+Decoding JSON costs by its objects more than by its bytes (36,000 empty chat messages in 1 MiB:
+12 ms of the event loop, every one of them a dict), so decoding stops at MAX_OBJECTS, more than
+any request the API takes can hold: a message each, a content part each, and a few of its own.
+"""
+
+import json
 
 from aiohttp import web
 
+from shared.control import rules
+
 BODY_CHUNK = 64 * 1024
+MAX_OBJECTS = rules.MAX_MESSAGES + rules.MAX_CONTENT_PARTS + 64
+
+
+class TooManyObjects(ValueError):
+    """A body of more JSON objects than any request holds (400)."""
+
+
+def decode_json(body: bytes | bytearray):
+    """The body's JSON; ValueError when it is not JSON or holds more than MAX_OBJECTS objects
+    (RecursionError when nested too deeply for the decoder)."""
+    count = 0
+
+    def counted(obj: dict) -> dict:
+        nonlocal count
+        count += 1
+        if count > MAX_OBJECTS:
+            raise TooManyObjects(f"the body holds more than {MAX_OBJECTS} JSON objects")
+        return obj
+
+    return json.loads(body, object_hook=counted)
 
 
 class BodyTooLarge(ValueError):
     """A request body over the gateway's limit (413)."""
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int) -> bytearray:
     """The request's body, at most `limit` bytes (BodyTooLarge past it, by its Content-Length
     before a byte is read, or while reading one that has none). Read here rather than by
     aiohttp's request.read(), which keeps the bytes for as long as the request lives."""
@@ -21,4 +51,4 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         body += chunk
         if len(body) > limit:
             raise too_large
-    return bytes(body)
+    return body  # json decodes it as it is: no copy

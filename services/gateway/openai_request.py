@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
+from services.gateway.validation import InvalidRequest, Limits, refuse_oversized
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
 
@@ -58,10 +59,15 @@ class OpenAIRequest:
 
 
 def parse(
-    kind: str, body: Any, served_model: str, defaults: SamplingDefaults = OPENAI
+    kind: str,
+    body: Any,
+    served_model: str,
+    defaults: SamplingDefaults = OPENAI,
+    limits: Limits | None = None,
 ) -> OpenAIRequest:
     """The request in `body` (decoded JSON) of `kind` ("chat" or "completion"); `defaults` for
-    the sampling fields it leaves out (the model's generation config)."""
+    the sampling fields it leaves out (the model's generation config); `limits`: a prompt that
+    cannot fit them is refused by its size before any of it is copied."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     _refuse_unsupported(body)
@@ -70,13 +76,13 @@ def parse(
         raise BadRequest("model must be a string", "model")
     request = pb.GenerateRequest(sampling=_sampling(body, defaults))
     if kind == "chat":
-        _messages_into(request, body.get("messages"))
+        _messages_into(request, body.get("messages"), limits)
         logprobs = _flag(body, "logprobs")
         top = _int(body, "top_logprobs", 0, 0, 20)
         if top and not logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     else:
-        _prompt_into(request, body.get("prompt"))
+        _prompt_into(request, body.get("prompt"), limits)
         given = body.get("logprobs")
         top = _int(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
         logprobs = given is not None
@@ -137,8 +143,9 @@ def _stops(stop: Any) -> list[str]:
     return stops
 
 
-def _messages_into(request: pb.GenerateRequest, messages: Any) -> None:
-    """The messages, counted before any is read (a 1 MiB body holds tens of thousands)."""
+def _messages_into(request: pb.GenerateRequest, messages: Any, limits: Limits | None) -> None:
+    """The messages, counted and their text measured before any is copied (a 1 MiB body holds
+    tens of thousands, or a million characters)."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
     if len(messages) > rules.MAX_MESSAGES:
@@ -146,6 +153,8 @@ def _messages_into(request: pb.GenerateRequest, messages: Any) -> None:
     parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and _parts(m))
     if parts > rules.MAX_CONTENT_PARTS:
         raise BadRequest(f"at most {rules.MAX_CONTENT_PARTS} content parts in all", "messages")
+    if limits is not None:
+        _fits(len(messages), sum(_chars(m) for m in messages), limits, "messages")
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -163,6 +172,27 @@ def _messages_into(request: pb.GenerateRequest, messages: Any) -> None:
 
 def _parts(message: dict) -> bool:
     return isinstance(message.get("content"), list)
+
+
+def _chars(message: Any) -> int:
+    """The characters of a message's text (what is not text is refused later, by name)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(
+            len(p["text"])
+            for p in content
+            if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return 0
+
+
+def _fits(messages: int, chars: int, limits: Limits, param: str) -> None:
+    try:
+        refuse_oversized(messages, chars, limits)
+    except InvalidRequest as err:
+        raise BadRequest(str(err), param) from None
 
 
 def _content(content: Any, where: str) -> str:
@@ -183,10 +213,12 @@ def _content(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _prompt_into(request: pb.GenerateRequest, prompt: Any) -> None:
+def _prompt_into(request: pb.GenerateRequest, prompt: Any, limits: Limits | None) -> None:
     """A string, or token ids (a list of ints); a list of several prompts is refused."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    if isinstance(prompt, str) and limits is not None:
+        _fits(0, len(prompt), limits, "prompt")
     if isinstance(prompt, str):
         request.prompt = prompt
     elif (

@@ -151,14 +151,21 @@ def bounded(request: pb.GenerateRequest, limits: Limits) -> None:
     more messages than their frames leave room for, or more characters than the context holds."""
     if len(request.messages) > rules.MAX_MESSAGES:
         raise InvalidRequest(f"at most {rules.MAX_MESSAGES} messages")
+    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    refuse_oversized(len(request.messages), chars, limits)
+
+
+def refuse_oversized(messages: int, chars: int, limits: Limits) -> None:
+    """InvalidRequest when `messages` chat messages (their frames) or `chars` characters of prompt
+    cannot fit the prompt's budget, whatever they say: checked by the OpenAI API on the decoded
+    body, before a message is copied, and again on every request before rendering."""
     budget = limits.max_prompt_tokens or limits.max_model_len
-    framed = len(request.messages) * limits.message_tokens
+    framed = messages * limits.message_tokens
     if framed > budget:
         raise InvalidRequest(
-            f"{len(request.messages)} messages take at least {framed} tokens: more than the "
+            f"{messages} messages take at least {framed} tokens: more than the "
             f"{budget} a prompt may have"
         )
-    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
     if limits.max_prompt_chars and chars > limits.max_prompt_chars:
         raise InvalidRequest(
             f"the prompt is {chars} characters: more than the model's context of "

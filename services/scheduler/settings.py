@@ -63,9 +63,9 @@ class SchedulerSettings(CommonSettings):
         },
     )
     queue_timeout_s: float = field(
-        default=30.0,
+        default=15.0,
         metadata={
-            "help": "a request that found no room this long gets RESOURCE_EXHAUSTED with a retry-after hint"
+            "help": "a request that found no room this long gets RESOURCE_EXHAUSTED with a retry-after hint (keep it under the gateways' submit_timeout_s, 20 s: past that they submit it again)"
         },
     )
     heartbeat_interval_s: float = field(

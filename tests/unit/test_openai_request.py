@@ -1,11 +1,15 @@
 """OpenAI request bodies as GenerateRequests, and GenerateResponses in OpenAI's shapes."""
 
+import json
+
 import grpc
 import pytest
 
+from services.gateway.http_body import TooManyObjects, decode_json
 from services.gateway.http_context import HttpCallContext, http_error, parse_timeout
 from services.gateway.openai_format import ChoiceLog, Formatter, TokenText
 from services.gateway.openai_request import BadRequest, parse
+from services.gateway.validation import Limits
 from shared.api import tandem_pb2 as pb
 
 MODEL = "m"
@@ -223,3 +227,40 @@ def test_n_choices_are_counted_once_each_and_the_prompt_once(tokenizer):
     whole = f.response(logs, lasts)
     assert [(c["index"], c["text"]) for c in whole["choices"]] == [(0, "a"), (1, "b")]
     assert whole["usage"]["prompt_tokens"] == 5 and whole["usage"]["completion_tokens"] == 4
+
+
+LIMITS = Limits(
+    max_model_len=100,
+    default_max_tokens=8,
+    max_tokens_limit=64,
+    max_stop_strings=4,
+    max_prompt_chars=1000,
+    message_tokens=5,
+)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_by_its_size_before_it_is_copied():
+    """21 messages frame at least 105 tokens, over a budget of 100; 1001 characters are more than
+    the context can hold: refused on the decoded body, with the field at fault."""
+    many = [{"role": "user", "content": ""}] * 21
+    with pytest.raises(BadRequest, match="21 messages take at least 105 tokens") as err:
+        parse("chat", chat(messages=many), MODEL, limits=LIMITS)
+    assert err.value.param == "messages"
+    parts = [{"type": "text", "text": "x" * 501}] * 2
+    with pytest.raises(BadRequest, match="1002 characters"):
+        parse("chat", chat(messages=[{"role": "user", "content": parts}]), MODEL, limits=LIMITS)
+    with pytest.raises(BadRequest, match="1001 characters") as err:
+        parse("completion", {"model": MODEL, "prompt": "x" * 1001}, MODEL, limits=LIMITS)
+    assert err.value.param == "prompt"
+    fits = parse("chat", chat(messages=many[:20]), MODEL, limits=LIMITS)
+    assert len(fits.request.messages) == 20
+
+
+def test_decoding_a_body_stops_at_more_objects_than_any_request_holds():
+    flood = json.dumps({"messages": [{"role": "user", "content": ""}] * 36_000}).encode()
+    with pytest.raises(TooManyObjects):  # not a JSON error: it stopped long before the end
+        decode_json(flood[:-1] + b"!")
+    most = {"messages": [{"role": "user", "content": [{"type": "text", "text": "{}"}]}] * 4096}
+    assert decode_json(json.dumps(most).encode()) == most  # the largest request the API takes
+    with pytest.raises(ValueError):
+        decode_json(b"{not json")

@@ -203,3 +203,42 @@ async def test_no_job_runs_on_the_event_loop_however_short():
     jobs = [fair.run(c, where, "x") for c in "ABAB"]
     assert all(name.startswith("tokenize") for name in await asyncio.gather(*jobs))
     fair.close()
+
+
+async def test_requests_still_being_validated_count_against_their_client(tokenizer, monkeypatch):
+    """A client's request waiting for the tokenizer holds its seat: with one queued request
+    allowed, a second one is refused at once, not queued behind the first's validation."""
+    from services.gateway import servicer as servicer_module
+
+    gate, real = threading.Event(), servicer_module.validate
+
+    def slow(*args):
+        gate.wait(5)
+        return real(*args)
+
+    monkeypatch.setattr(servicer_module, "validate", slow)
+    bus = InMemoryBus()
+
+    async def scheduler(t: GenerateTask, respond) -> None:
+        await respond(SubmitReply(decode_worker="d1"))
+        await bus.publish(
+            t.reply_subject,
+            TokenChunk(t.attempt_id, 0, [7], finish_reason="length", completion_tokens=1),
+        )
+
+    settings = GatewaySettings(max_queued_per_client=1)
+    await bus.subscribe(Subjects(settings.cluster).submit, scheduler)
+    async with (
+        StreamRouter(bus, "gw.r") as streams,
+        Liveness(bus, Subjects(settings.cluster), 3.0) as liveness,
+    ):
+        servicer = TandemServicer(settings, bus, streams, tokenizer, LIMITS, liveness)
+        hi = pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=1))
+        first = asyncio.ensure_future(generate(servicer, hi, FakeContext()))
+        await asyncio.sleep(0.1)  # being validated
+        second = FakeContext()
+        assert await generate(servicer, hi, second) == []
+        assert second.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting" in second.message
+        gate.set()
+        assert [r.token_ids for r in await first] == [[7]]
+        assert servicer.seats.open == 0

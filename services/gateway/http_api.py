@@ -23,7 +23,13 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.http_body import BodyTooLarge, TooManyObjects, decode_json, read_body
+from services.gateway.http_body import (
+    BodyTooLarge,
+    BodyTurns,
+    TooManyObjects,
+    decode_json,
+    read_body,
+)
 from services.gateway.http_connections import read_within_deadline
 from services.gateway.http_context import (
     TIMEOUT_HEADER,
@@ -81,6 +87,7 @@ class OpenAIApi:
         self.ready = ready
         self.max_request_bytes = max_request_bytes
         self.text_of = TokenText(tokenizer)
+        self.bodies = BodyTurns()  # each client's bodies read and decoded one at a time
 
     def app(self) -> web.Application:
         """The routes, behind the middleware that reads each request whole by its deadline."""
@@ -133,7 +140,8 @@ class OpenAIApi:
             except CallAborted as err:  # 401, 429 or 503: counted as Generate counts its own
                 self.servicer.metrics.request(context.api).end(err.code, False)
                 return _error_response(http_error(err.code, err.details, err.retry_after_ms))
-            req = await self._parsed(request, kind)
+            async with self.bodies.turn(seat.client.name):
+                req = await self._parsed(request, kind)
             if isinstance(req, web.Response):
                 return req
             req.request.request_id = self._request_id(request)

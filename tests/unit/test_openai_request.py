@@ -1,11 +1,12 @@
 """OpenAI request bodies as GenerateRequests, and GenerateResponses in OpenAI's shapes."""
 
+import asyncio
 import json
 
 import grpc
 import pytest
 
-from services.gateway.http_body import TooManyObjects, decode_json
+from services.gateway.http_body import BodyTurns, TooManyObjects, decode_json
 from services.gateway.http_context import HttpCallContext, http_error, parse_timeout
 from services.gateway.openai_format import ChoiceLog, Formatter, TokenText
 from services.gateway.openai_request import BadRequest, parse
@@ -264,3 +265,24 @@ def test_decoding_a_body_stops_at_more_objects_than_any_request_holds():
     assert decode_json(json.dumps(most).encode()) == most  # the largest request the API takes
     with pytest.raises(ValueError):
         decode_json(b"{not json")
+
+
+async def test_each_clients_bodies_are_read_one_at_a_time_and_others_pass_them():
+    turns, order = BodyTurns(), []
+    gate = asyncio.Event()
+
+    async def read(client: str, n: int) -> None:
+        async with turns.turn(client):
+            order.append(f"{client}{n} in")
+            if client == "A":
+                await gate.wait()
+            order.append(f"{client}{n} out")
+
+    flood = [asyncio.ensure_future(read("A", n)) for n in range(3)]
+    await asyncio.sleep(0)
+    await read("B", 0)  # not behind A's three
+    assert order == ["A0 in", "B0 in", "B0 out"]
+    gate.set()
+    await asyncio.gather(*flood)
+    assert order[3:] == ["A0 out", "A1 in", "A1 out", "A2 in", "A2 out"]
+    assert not turns._locks  # nothing kept for clients that went

@@ -10,6 +10,9 @@ connection each), timed as it sees them: TTFT and ITL (the gaps between content 
      from 127.0.0.2, again as each is answered;
   3. big_bodies: ... while 40 concurrent 1 MiB bodies come from 127.0.0.2 (39 of ~4,000 short
      messages, one of 4 huge text messages), again as each is answered.
+`--gateway-cpus 0 --attacker-cpus 0` pins the gateway and the attacking process to core 0, away
+from the workers' cores: on a small machine the attacker must run beside the stack, and so its
+own CPU is taken from the gateway's share, as a remote attacker's would be, not from a worker's.
 In every attack phase two deeply nested JSON bodies (100,000 '[') come from 127.0.0.3, and the
 gateway's resident memory (VmRSS) is sampled throughout. The attacker runs in a process of its
 own (bench/front_door_attacks.py, bench/half_open.py).
@@ -116,6 +119,8 @@ async def attacked(stack, client, kind: str, config: dict, args, first: int) -> 
     stop, results = spawn.Event(), spawn.Queue()
     attacker = spawn.Process(target=front_door_attacks.run, args=(kind, config, stop, results))
     attacker.start()
+    if args.attacker_cpus:  # the attacker's CPU taken from the gateway's cores, not a worker's
+        os.sched_setaffinity(attacker.pid, _cpus(args.attacker_cpus))
     try:
         await asyncio.sleep(args.settle_s)  # the attack under way before the first probe
         extra = {"attacker": attacker.pid, "normal client": os.getpid()}
@@ -154,7 +159,9 @@ async def run_phase(stack, client, kind: str, config: dict, args, first: int) ->
 async def study(stack: TandemUp, args) -> dict:
     model = stack.model()
     config = attacker_config(stack, model, args)
-    out = {"model": model, "phases": {}}
+    out = {"model": model, "phases": {}, "pinned": [args.gateway_cpus, args.attacker_cpus]}
+    if args.gateway_cpus:  # as deployed: the gateway on cores of its own, not a worker's
+        os.sched_setaffinity(stack.gateway_pid(), _cpus(args.gateway_cpus))
     async with HttpClient(stack.base_url, model, fresh=True, source=NORMAL) as client:
         for i in range(3):  # warm-up
             await client.one(-1 - i, MAX_TOKENS)
@@ -163,6 +170,15 @@ async def study(stack: TandemUp, args) -> dict:
             await asyncio.sleep(args.cooldown_s)  # the gateway lets go of the last phase's work
     out["gateway_pids"] = stack.gateway_pids
     return out
+
+
+def _cpus(text: str) -> set[int]:
+    """ "0-2,5" -> {0, 1, 2, 5}"""
+    cpus = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -178,6 +194,16 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--stall-timeout-s", type=float, default=30.0, help="the gateway's")
     parser.add_argument("--close-grace-s", type=float, default=5.0)
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    parser.add_argument(
+        "--gateway-cpus",
+        default="",
+        help="cores to pin the gateway to, e.g. 0 or 0-1 (default: where the OS puts it)",
+    )
+    parser.add_argument(
+        "--attacker-cpus",
+        default="",
+        help="cores to pin the attacking process to (default: where the OS puts it)",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the report goes")
     args = parser.parse_args(argv)
     if args.phases[0] != "unloaded":

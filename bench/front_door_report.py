@@ -102,6 +102,17 @@ def _row(kind: str, p: dict, base: dict, growth: dict, args) -> str:
     )
 
 
+def _pinning(args) -> str:
+    if not (args.gateway_cpus or args.attacker_cpus):
+        return "Nothing pinned but the workers (`tandem up` gives each worker cores of its own)."
+    return (
+        f"Gateway pinned to cores {args.gateway_cpus or 'any'}, the attacking process to "
+        f"{args.attacker_cpus or 'any'} (`--gateway-cpus`, `--attacker-cpus`): on a machine that "
+        "also runs the workers, an attacker's own CPU taken from the gateway's cores, as a remote "
+        "attacker's would be, not from a worker's."
+    )
+
+
 def _cores_table(out: dict) -> list[str]:
     """Where the machine's CPU went while the normal client was measured, in cores."""
     names = sorted({n for p in out["phases"].values() for n in p.get("cores", {})})
@@ -126,7 +137,8 @@ def report(out: dict, args) -> str:
         f"`python bench/front_door.py` (`make bench-front-door`) on `tandem up` defaults; "
         f"model {out['model']}; phases of {args.phase_s:.0f} s. Normal client: 127.0.0.1, one "
         f"streamed chat request at a time, max_tokens {32}. Attacker: 127.0.0.2; deep JSON: "
-        f"127.0.0.3. Gateway RSS before the first attack: {growth['baseline_mib']:.0f} MiB.",
+        f"127.0.0.3. Gateway RSS before the first attack: {growth['baseline_mib']:.0f} MiB. "
+        + _pinning(args),
         "",
         "| phase | normal requests | failed | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
         "TTFT p99 ratio | ITL p99 ratio | gateway RSS growth (MiB) | attack statuses | deep JSON |",

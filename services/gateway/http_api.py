@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.http_body import (
+    Bill,
     BodyTooLarge,
     BodyTurns,
     TooManyObjects,
@@ -87,7 +88,7 @@ class OpenAIApi:
         self.ready = ready
         self.max_request_bytes = max_request_bytes
         self.text_of = TokenText(tokenizer)
-        self.bodies = BodyTurns()  # each client's bodies read and decoded one at a time
+        self.bodies = BodyTurns(self._others_served)  # a client's bodies one at a time
 
     def app(self) -> web.Application:
         """The routes, behind the middleware that reads each request whole by its deadline."""
@@ -140,8 +141,8 @@ class OpenAIApi:
             except CallAborted as err:  # 401, 429 or 503: counted as Generate counts its own
                 self.servicer.metrics.request(context.api).end(err.code, False)
                 return _error_response(http_error(err.code, err.details, err.retry_after_ms))
-            async with self.bodies.turn(seat.client.name):
-                req = await self._parsed(request, kind)
+            async with self.bodies.turn(seat.client.name) as bill:
+                req = await self._parsed(request, kind, bill)
             if isinstance(req, web.Response):
                 return req
             req.request.request_id = self._request_id(request)
@@ -152,14 +153,23 @@ class OpenAIApi:
                     return await self._stream(request, req, responses, context, formatter)
                 return await self._whole(responses, context, formatter)
 
-    async def _parsed(self, request: web.Request, kind: str) -> OpenAIRequest | web.Response:
-        """The body as an OpenAI request, or the error response that refuses it."""
+    async def _parsed(
+        self, request: web.Request, kind: str, bill: Bill
+    ) -> OpenAIRequest | web.Response:
+        """The body as an OpenAI request, or the error response that refuses it; the loop's time
+        its decoding and parsing took goes on `bill`."""
         try:
-            body = decode_json(await read_body(request, self.max_request_bytes))
+            data = await read_body(request, self.max_request_bytes)
         except BodyTooLarge as err:
             too_large = http_error(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             too_large.status = 413
             return _error_response(too_large)
+        with bill.timing():
+            return self._decoded(data, kind)
+
+    def _decoded(self, data: bytearray, kind: str) -> OpenAIRequest | web.Response:
+        try:
+            body = decode_json(data)
         except TooManyObjects as err:
             return _bad(str(err))
         except ValueError as err:
@@ -176,6 +186,10 @@ class OpenAIApi:
             message = f"the model {req.model!r} does not exist"
             return _error_response(http_error(grpc.StatusCode.NOT_FOUND, message, param="model"))
         return req
+
+    def _others_served(self, client: str) -> bool:
+        """Whether a client other than `client` holds a seat here now."""
+        return any(name != client for name in self.servicer.seats.held())
 
     def _context(self, request: web.Request) -> HttpCallContext:
         transport = request.transport

@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.gateway.http_body import MAX_OBJECTS
 from shared.api import tandem_pb2 as pb
 from shared.control.subjects import Subjects
 from tests.integration.helpers import chat_request, collect, long_document
@@ -302,10 +303,12 @@ def test_a_body_nested_deep_is_a_400_not_a_500(hostile):
 
 
 def test_floods_of_empty_messages_are_refused_by_their_count(hostile):
-    """Under 1 MiB each, and a few characters of content: 36,000 messages are refused at once by
-    their count (4,000 by their template frames, before any rendering)."""
+    """Under 1 MiB each, and a few characters of content: 36,000 messages are refused while the
+    body is decoded, past the most objects a request holds (4,000 by their template frames,
+    before a message is copied)."""
     stack, reference = hostile
-    for count, why in ((36_000, "at most 4096 messages"), (4_000, "4000 messages take at least")):
+    too_many = f"more than {MAX_OBJECTS} JSON objects"
+    for count, why in ((36_000, too_many), (4_000, "4000 messages take at least")):
         body = json.dumps({"messages": [{"role": "user"}] * count}).encode()
         assert len(body) < 1 << 20
         started = time.monotonic()

@@ -268,7 +268,7 @@ def test_decoding_a_body_stops_at_more_objects_than_any_request_holds():
 
 
 async def test_each_clients_bodies_are_read_one_at_a_time_and_others_pass_them():
-    turns, order = BodyTurns(), []
+    turns, order = BodyTurns(lambda client: False), []
     gate = asyncio.Event()
 
     async def read(client: str, n: int) -> None:
@@ -285,4 +285,17 @@ async def test_each_clients_bodies_are_read_one_at_a_time_and_others_pass_them()
     gate.set()
     await asyncio.gather(*flood)
     assert order[3:] == ["A0 out", "A1 in", "A1 out", "A2 in", "A2 out"]
-    assert not turns._locks  # nothing kept for clients that went
+    assert turns.clients == 0  # nothing kept for clients that went
+
+
+async def test_while_others_are_served_a_clients_next_body_waits_as_long_as_its_last_took():
+    waits, others = [], {"A": True, "B": False}
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    turns = BodyTurns(lambda client: others[client], sleep)
+    for client in "AB":
+        async with turns.turn(client) as bill:
+            bill.seconds = 0.004  # as Bill.timing() adds a decode's time
+    assert waits == [0.004]  # A's, beside B; B alone waits for nothing

@@ -62,6 +62,12 @@ def client_address(peer: str) -> str:
     return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
+async def _refuse(context, err: Refused) -> None:
+    """Ends the call with the refusal's status and a retry-after hint."""
+    context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
+    await context.abort(err.code, str(err))
+
+
 STATUS_PAGE = 128  # workers asked for per status request (the scheduler caps it too)
 
 
@@ -153,8 +159,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         try:
             seat = self.seats.take(client)
         except Refused as err:
-            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
-            await context.abort(err.code, str(err))
+            await _refuse(context, err)
         try:
             yield seat
         finally:
@@ -177,8 +182,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         try:
             self.seats.validated(seat, kv_tokens)
         except Refused as err:
-            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
-            await context.abort(err.code, str(err))
+            await _refuse(context, err)
         priority = min(request.priority, client.policy.max_priority)
         generating = self._generate(valid, priority, client, context, arrival, root)
         async with contextlib.aclosing(generating) as responses:

@@ -128,7 +128,7 @@ class EngineBench:
             reply_subject="",
             arrival_time=time.time(),
         )
-        return Sequence(task, None, set(), 8192, prefill_only=prefill_only)
+        return Sequence.from_task(task, None, set(), 8192, prefill_only=prefill_only)
 
     def run(self, prompts: list[list[int]], max_tokens: int, prefill_only: bool = False) -> dict:
         seqs = [self.seq(p, max_tokens, prefill_only) for p in prompts]
@@ -141,7 +141,7 @@ class EngineBench:
             t = time.perf_counter()
             for s, _ in self.engine.step() or []:
                 first.setdefault(s.attempt_id, time.perf_counter())
-            steps.append((time.perf_counter() - t, len(self.engine.running)))
+            steps.append((time.perf_counter() - t, len(self.engine.scheduler.running)))
         end = time.perf_counter()
         for s in seqs:
             self.engine.release(s)

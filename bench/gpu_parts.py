@@ -65,7 +65,7 @@ class EngineRun:
             reply_subject="",
             arrival_time=time.time(),
         )
-        return Sequence(task, None, set(), self.context, prefill_only=prefill_only)
+        return Sequence.from_task(task, None, set(), self.context, prefill_only=prefill_only)
 
     def run(self, prompts: list[list[int]], new: int, prefill_only: bool = False):
         """(outputs, seconds until every first token, seconds in all)."""

@@ -13,7 +13,8 @@ from services.decode.request import DecodeRequest
 from shared.control.failure import Code, Failure, failed
 from shared.engine.engine import Engine
 from shared.engine.executor import EngineExecutor
-from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.engine.seq_status import SeqStatus
+from shared.engine.sequence import Sequence, StepOutput
 from shared.worker import steps
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,10 @@ log = logging.getLogger(__name__)
 Publish = Callable[[list[tuple[DecodeRequest, StepOutput]]], Awaitable[None]]  # one step's
 Finish = Callable[[DecodeRequest], Awaitable[None]]
 Adopt = Callable[[Sequence], DecodeRequest]
+# where a sequence may be when a step fails (WAITING_KV ones are not in it)
+STEPPED = (SeqStatus.WAITING, SeqStatus.PREEMPTED, SeqStatus.RUNNING, SeqStatus.KV_READY)
+RUNS = (SeqStatus.RUNNING, SeqStatus.KV_READY)  # what the heartbeat counts as running
+QUEUED = (SeqStatus.WAITING_KV, SeqStatus.WAITING, SeqStatus.PREEMPTED)  # and as queued
 
 
 class DecodeLoop:
@@ -60,8 +65,7 @@ class DecodeLoop:
     async def abort_all(self, failure: Failure) -> None:
         """Ends every request still held (shutdown): each gets the failure, each frees its blocks."""
         for req in self.requests.values():
-            if req.failure is None:
-                req.fail(failure)
+            req.fail(failure)  # (no effect on one that finished)
         await self._reap()
 
     async def _iterate(self) -> bool:
@@ -74,7 +78,7 @@ class DecodeLoop:
         except Exception as err:
             log.exception("engine step failed")
             for req in self.requests.values():
-                if req.seq.status in (SeqStatus.WAITING, SeqStatus.RUNNING, SeqStatus.KV_READY):
+                if req.seq.status in STEPPED:
                     req.fail(failed(Code.INTERNAL, f"model step failed: {type(err).__name__}"))
             return True
         if outputs is None:
@@ -86,7 +90,7 @@ class DecodeLoop:
         produced = []
         for seq, out in outputs:
             req = self.requests.get(seq.attempt_id)
-            if req is not None and not req.cancel_reason and req.failure is None:
+            if req is not None and not req.aborted:
                 produced.append((req, out))
         if produced:
             await self.publish(produced)
@@ -97,7 +101,7 @@ class DecodeLoop:
             if not req.may_free:
                 continue  # its transfer ends itself first (see KVFetcher.fetch)
             seq = req.seq
-            if seq.status is not SeqStatus.FINISHED and seq.expired and req.failure is None:
+            if not seq.status.finished and seq.expired:
                 req.fail(failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed"))
             if req.ended:
                 del self.requests[req.attempt_id]

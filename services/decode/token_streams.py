@@ -9,6 +9,7 @@ from services.decode.stream_log import StreamLog
 from shared.control.bus import MessageBus
 from shared.control.choices import choice_ids
 from shared.control.failure import Code, failed, worker_failed
+from shared.control.finish import FinishReason
 from shared.control.messages import (
     GenerateTask,
     StreamReplay,
@@ -17,10 +18,16 @@ from shared.control.messages import (
     TokenBatch,
     TokenChunk,
 )
-from shared.engine.sequence import SeqStatus, StepOutput
+from shared.engine.seq_status import SeqStatus
+from shared.engine.sequence import StepOutput
 from shared.telemetry import tracing
 from shared.worker.metrics import WorkerMetrics
 
+# why a finished sequence finished, as the client is told it
+FINISH = {
+    SeqStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SeqStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+}
 MAX_ENDED_CHUNKS = 100_000  # chunks of ended streams kept for replay, at most
 # A TokenBatch is split before its chunks' estimated size passes this (the wire's cap is 1000 KiB).
 BATCH_BYTES = 256 * 1024
@@ -54,7 +61,7 @@ class TokenStreams:
         (split where it would pass BATCH_BYTES), each chunk kept for replay."""
         by_subject: dict[str, list[tuple[DecodeRequest, TokenChunk]]] = {}
         for req, out in produced:
-            subject = req.seq.task.reply_subject
+            subject = req.task.reply_subject
             by_subject.setdefault(subject, []).append((req, self._chunk(req, out)))
         for subject, pairs in by_subject.items():
             for part in _parts(pairs):
@@ -63,7 +70,7 @@ class TokenStreams:
     def _chunk(self, req: DecodeRequest, out: StepOutput) -> TokenChunk:
         seq, extra = req.seq, {}
         req.first_token_at = req.first_token_at or tracing.now()
-        if out.finish_reason:
+        if out.finished is not None:
             extra = dict(
                 prompt_tokens=seq.prompt_len - seq.resume_tokens,
                 completion_tokens=seq.position,
@@ -75,7 +82,7 @@ class TokenStreams:
             token_ids=out.token_ids,
             text=out.text,
             logprobs=out.logprobs,
-            finish_reason=out.finish_reason,
+            finish_reason=FINISH.get(out.finished),
             **extra,
         )
 
@@ -102,7 +109,7 @@ class TokenStreams:
 
     async def send(self, req: DecodeRequest, chunk: TokenChunk) -> None:
         """Sends one chunk on its own, kept for replay."""
-        subject = req.seq.task.reply_subject
+        subject = req.task.reply_subject
         self.log.record(subject, chunk)
         self._sent(req, await self.bus.try_publish(subject, chunk))
 
@@ -144,14 +151,14 @@ class TokenStreams:
         seq = req.seq
         if req.first_token_at:
             tracing.record("decode.decode", req.trace, req.first_token_at, tracing.now())
-        if seq.status is SeqStatus.FINISHED and req.failure is None and not req.cancel_reason:
+        if not req.aborted:
             self.log.end(req.attempt_id)
             return True
         if req.cancel_reason:
             chunk = TokenChunk(
                 req.attempt_id,
                 req.next_chunk_index(),
-                finish_reason="cancelled",
+                finish_reason=FinishReason.CANCELLED,
                 prompt_tokens=seq.prompt_len - seq.resume_tokens,
                 completion_tokens=seq.position,
             )
@@ -159,14 +166,14 @@ class TokenStreams:
             chunk = TokenChunk(req.attempt_id, req.next_chunk_index(), failure=req.failure)
             if req.failure.movable:
                 self.metrics.migrated("out")
-        if seq.sampling.n == 1:
+        if req.task.sampling.n == 1:
             await self.send(req, chunk)
             self.log.end(req.attempt_id)
             return False
-        for attempt_id in choice_ids(seq.task):  # a group never forked: each choice ends so
+        for attempt_id in choice_ids(req.task):  # a group never forked: each choice ends so
             each = dataclasses.replace(chunk, attempt_id=attempt_id, index=0)
-            self.log.record(seq.task.reply_subject, each)
-            await self.bus.try_publish(seq.task.reply_subject, each)
+            self.log.record(req.task.reply_subject, each)
+            await self.bus.try_publish(req.task.reply_subject, each)
             self.log.end(attempt_id)
         return False
 

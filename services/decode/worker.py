@@ -6,10 +6,11 @@ tokens back to the gateway.
 import asyncio
 import logging
 
-from services.decode.decode_loop import DecodeLoop
+from services.decode.decode_loop import QUEUED, RUNS, DecodeLoop
 from services.decode.request import DecodeRequest
 from services.decode.token_streams import TokenStreams
 from shared.control.bus import MessageBus
+from shared.control.choices import choice_task
 from shared.control.failure import Code, Failure, failed, worker_failed, worker_full
 from shared.control.liveness import Liveness
 from shared.control.messages import (
@@ -23,7 +24,7 @@ from shared.control.subjects import Subjects
 from shared.dataplane.plane import DataPlane
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.executor import EngineExecutor
-from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.engine.sequence import Sequence, StepOutput
 from shared.kvtransfer.connector import connector
 from shared.kvtransfer.fetch import KVFetcher
 from shared.kvtransfer.inbound import TransferState
@@ -102,8 +103,8 @@ class DecodeWorker:
             self.plane,
             self.bus,
             role=self.rt.role,
-            running=self.loop.count(SeqStatus.RUNNING, SeqStatus.KV_READY),
-            queued=self.loop.count(SeqStatus.WAITING_KV, SeqStatus.WAITING),
+            running=self.loop.count(*RUNS),
+            queued=self.loop.count(*QUEUED),
             served=self.served,
             leaked=leaked_blocks(self.rt, self._held_tables),
             quarantined=sum(len(q.blocks) for q in self.kv.quarantined),
@@ -170,12 +171,14 @@ class DecodeWorker:
             detokenizer.prime(
                 task.prompt_token_ids[len(task.prompt_token_ids) - task.resume_tokens :]
             )
-            seq = Sequence(task, detokenizer, self.rt.eos_token_ids, self.rt.max_model_len)
+            engine, rt = self.rt.engine, self.rt
+            seq = Sequence.from_task(task, detokenizer, rt.eos_token_ids, rt.max_model_len)
             self.out.open(task)
             if not assignment.prefill_worker:
-                self.loop.add(DecodeRequest(seq, self.rt.worker_id), local_prefill=True)
-            elif self.rt.engine.admit(seq):  # the prompt's blocks, reserved before its KV comes
-                self._prefill_remotely(DecodeRequest(seq), assignment.prefill_worker)
+                req = DecodeRequest(seq, task, engine, self.rt.worker_id)
+                self.loop.add(req, local_prefill=True)
+            elif engine.admit(seq):  # the prompt's blocks, reserved before its KV comes
+                self._prefill_remotely(DecodeRequest(seq, task, engine), assignment.prefill_worker)
             else:
                 self.out.forget(task)
                 refusal = worker_full(
@@ -213,7 +216,6 @@ class DecodeWorker:
     def _prefill_remotely(self, req: DecodeRequest, prefill_worker: str) -> None:
         """The blocks are reserved: the transfer into them is opened now (so they stay held
         until it settles), and run in a task of its own."""
-        req.seq.status = SeqStatus.WAITING_KV
         try:
             req.transfer = self.kv.open(req.seq, prefill_worker)
         except PlanError as err:  # a bug, but never a hang
@@ -228,10 +230,10 @@ class DecodeWorker:
         step later), or the request fails with its cause."""
         t = req.transfer
         try:
-            await self.kv.fetch(t, req.seq)
+            await self.kv.fetch(t, req.seq, req.task)
             if t.state is TransferState.COMPLETE:
                 first = self._land(req)
-                if first and not req.cancel_reason and req.failure is None:
+                if first and not req.aborted:
                     await self.out.publish_step([(req, out) for _, out in first])
             elif not req.cancel_reason:
                 req.fail(t.cause.failure)
@@ -278,14 +280,19 @@ class DecodeWorker:
         own sequence, choice 0 now, keeps its request under the choice's id."""
         if seq.forked_from is None:
             req = self.loop.requests.pop(seq.group_id)
-            if seq.attempt_id in self.cancelled and not req.ended:
+            req.task = choice_task(req.task, 0)
+            if seq.attempt_id in self.cancelled:
                 req.cancel("cancelled")
             return req
-        parent = self.loop.requests.get(seq.forked_from.group_id)
-        req = DecodeRequest(seq, parent.prefill_worker if parent else "")
-        req.trace = parent.trace if parent else req.trace
-        if seq.attempt_id in self.cancelled or parent is None:
+        # the group's request is still held under its id: it is adopted after its choices
+        parent = self.loop.requests[seq.forked_from.group_id]
+        task = choice_task(parent.task, seq.choice)
+        req = DecodeRequest(seq, task, self.rt.engine, parent.prefill_worker)
+        req.trace = parent.trace
+        if seq.attempt_id in self.cancelled:
             req.cancel("cancelled")
-        elif parent.cancel_reason or parent.failure:
-            req.cancel(parent.cancel_reason) if parent.cancel_reason else req.fail(parent.failure)
+        elif parent.cancel_reason:
+            req.cancel(parent.cancel_reason)
+        elif parent.failure:
+            req.fail(parent.failure)
         return req

@@ -4,12 +4,13 @@ ClusterStatusResponse from the scheduler's StatusReply."""
 import time
 
 from shared.api import tandem_pb2 as pb
+from shared.control.finish import FinishReason
 from shared.control.messages import StatusReply, TokenChunk, TokenLogprob, WorkerStatus
 
 FINISH = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "cancelled": pb.FINISH_REASON_CANCELLED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
 
 
@@ -33,7 +34,7 @@ def generate_response(
     )
     if chunk.finish_reason:
         now = time.time()
-        response.finish_reason = FINISH.get(chunk.finish_reason, pb.FINISH_REASON_STOP)
+        response.finish_reason = FINISH[chunk.finish_reason]
         response.usage.prompt_tokens = chunk.prompt_tokens
         response.usage.completion_tokens = chunk.completion_tokens
         if chunk.timing is not None:

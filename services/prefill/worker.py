@@ -128,7 +128,7 @@ class PrefillWorker:
             except PlanError as err:
                 refusal = failed(Code.INVALID_ARGUMENT, f"bad KV destination: {err}")
         if refusal is None:
-            seq = Sequence(task.task, None, set(), self.rt.max_model_len, prefill_only=True)
+            seq = Sequence.from_task(task.task, None, set(), self.rt.max_model_len, True)
             self.ship.hold(task, seq, sender)
             self.engine.add(seq)
             self.wakeup.set()

@@ -20,7 +20,7 @@ equal, while a much shorter queue elsewhere still wins over a long one next door
 from dataclasses import dataclass, field
 
 from shared.control.messages import KVLayout, WorkerHeartbeat
-from shared.engine.block_manager import granule_keys
+from shared.values.prefix_hash import granule_keys
 
 SAME_HOST_BYTES_PER_S = 8e9  # UCX over shared memory / cma: 5-9 GB/s measured (bench/results/kv.md)
 SAME_ZONE_BYTES_PER_S = 1.25e9  # one 10 GbE hop

@@ -11,13 +11,8 @@ alone.
 
 import dataclasses
 
-from shared.control.messages import GenerateTask, SamplingParams
-
-SEED_SPACE = 1 << 64
-
-
-def choice_id(group_id: str, index: int) -> str:
-    return f"{group_id}~{index}"
+from shared.control.messages import GenerateTask
+from shared.values.sampling import choice_id, choice_sampling
 
 
 def choice_ids(task: GenerateTask) -> list[str]:
@@ -30,12 +25,6 @@ def choice_ids(task: GenerateTask) -> list[str]:
 def all_ids(task: GenerateTask) -> list[str]:
     """Every id the request may be held under on a worker (what a cancel must name)."""
     return [task.attempt_id] + (choice_ids(task) if task.sampling.n > 1 else [])
-
-
-def choice_sampling(params: SamplingParams, index: int) -> SamplingParams:
-    """How choice `index` samples: alone (n = 1), with the request's seed + index."""
-    seed = (params.seed + index) % SEED_SPACE
-    return dataclasses.replace(params, n=1, seed=seed, stop=list(params.stop))
 
 
 def choice_task(task: GenerateTask, index: int) -> GenerateTask:

@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 
 from shared.control.attempts import AboutAnAttempt, AboutATask
 from shared.control.failure import Failure
+from shared.control.finish import FinishReason
 from shared.control.holdings import GatewayHoldings
+from shared.values.kv_layout import KVLayout
+from shared.values.sampling import SamplingParams, TokenLogprob
 
 
 class _Outcome:
@@ -16,30 +19,6 @@ class _Outcome:
     @property
     def ok(self) -> bool:
         return self.failure is None
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: bool = False  # return each sampled token's log-probability
-    top_logprobs: int = 0  # and this many most likely alternatives at each position
-    n: int = 1  # choices: the prompt computed once, each choice sampled with seed + its index
-
-
-@dataclass
-class TokenLogprob:
-    """A sampled token's log-probability under the model (the raw logits' log-softmax, before
-    temperature or top-k/top-p), and the most likely tokens at its position."""
-
-    logprob: float
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -84,21 +63,6 @@ class TaskAck(_Outcome):
     """A worker's answer to a task it was handed (or to a Ping): taken, or why not."""
 
     failure: Failure | None = None  # None: taken
-
-
-@dataclass
-class KVLayout:
-    """What both ends of a KV transfer must agree on before any byte moves."""
-
-    model: str
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int = 16
-    architecture: str = ""  # the model class, e.g. Qwen3ForCausalLM
-    windows: list[int] = field(default_factory=list)  # each layer's sliding window; 0 = none
-    pool_order: str = ""  # "blocks" (shared.engine.kv_cache); "": a worker from before, not paired
 
 
 @dataclass
@@ -179,7 +143,7 @@ class TokenChunk(AboutAnAttempt):
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
-    finish_reason: str = ""  # "", "stop", "length" or "cancelled"
+    finish_reason: FinishReason | None = None  # set on its last chunk, unless it failed
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timing: Timing | None = None

@@ -1,15 +1,14 @@
-"""Engine: continuous batching over the paged KV pool. One step reads schedule -> run -> postprocess.
+"""Engine: continuous batching over the paged KV pool. A step reads drain -> schedule -> forward ->
+postprocess.
 
-A step runs one batch of rows through the model: a token per running sequence, and prompt chunks
-of waiting ones up to a token budget (chunked prefill: a chunk each in line, then the rest in
-order; see prompt_chunks). A prompt computed on another worker joins when its KV has landed, at
-once when the batch has room (its first token goes out before the step in flight ends). When the
-pool runs dry the newest running sequence is preempted (blocks freed, recomputed later, never
-dropped); so is one whose rope asks for it (Phi-3's longrope past its trained length: Rotary).
+The Scheduler decides which sequences run in a step (and preempts); the ModelRunner computes the
+batch; the Engine samples each row's next token, forks the choices of a request of n > 1 at its
+first token (fork), and lands prompts computed on another worker once their KV is in their blocks.
 
-`step()` runs in the engine thread; `admit`, `add`, `kv_arrived` may come from the event loop
-meanwhile (block bookkeeping behind one lock, the forward pass outside it); `release` only between
-steps (a sequence in the running step's batch is being written).
+`step()` runs in the engine thread; `admit`, `add`, `kv_arrived` and `abort` may come from the
+event loop meanwhile (bookkeeping behind one lock, the forward pass outside it); `release` only
+between steps (a sequence in the running step's batch is being written). New sequences wait in an
+inbox until the next step drains it.
 
 Only prompt-pass blocks (here or on a prefill worker) enter the prefix cache: a decoded token's bits
 differ slightly from a prompt row's; a hit on decode-filled blocks would differ from a cold run.
@@ -17,24 +16,18 @@ differ slightly from a prompt row's; a hit on decode-filled blocks would differ 
 
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
 
-from shared.control.choices import choice_sampling
 from shared.engine.block_manager import BlockManager
 from shared.engine.fork import fork
 from shared.engine.model_runner import ModelRunner, SeqSpan
-from shared.engine.prompt_chunks import chunk_end, share_rest
 from shared.engine.sampler import greedy_tokens, logprob_of, plain_greedy, sample
-from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.engine.scheduler import Scheduler, Work
+from shared.engine.seq_status import SeqStatus
+from shared.engine.sequence import Sequence, StepOutput
 from shared.engine.step_stats import StepStats
+from shared.values.sampling import choice_sampling
 
-
-@dataclass
-class _Work:
-    seq: Sequence
-    start: int  # positions [start, end) computed this step
-    end: int
+Outputs = list[tuple[Sequence, StepOutput]]
 
 
 class Engine:
@@ -45,17 +38,13 @@ class Engine:
         max_num_seqs: int = 64,
         max_batch_tokens: int = 512,
     ):
-        if max_batch_tokens < runner.chunk:
-            raise ValueError("max_batch_tokens must be at least one prefill chunk")
         self.runner = runner
         self.blocks = blocks
-        self.max_num_seqs = max_num_seqs
-        self.max_batch_tokens = max_batch_tokens
+        self.scheduler = Scheduler(
+            blocks, runner.chunk, runner.rotary.recomputes_at, max_num_seqs, max_batch_tokens
+        )
         self.lock = threading.Lock()
-        self.waiting: deque[Sequence] = deque()  # prompt (or recompute) to run, in order
-        self.loading: list[Sequence] = []  # remote KV arrived, to be written into the pool
-        self.running: list[Sequence] = []
-        self.preemptions = 0
+        self.inbox: list[Sequence] = []  # added since the last step: its scheduler queues them
         self.stats = StepStats(runner.chunk)
         self.forked: list[Sequence] = []  # choices forked since the owner last took them
 
@@ -64,181 +53,123 @@ class Engine:
     def admit(self, seq: Sequence) -> bool:
         """Reserves the blocks of seq's prompt now (its KV will arrive from a prefill worker)."""
         with self.lock:
-            if not self.blocks.can_allocate(seq):
-                return False
-            self.blocks.allocate(seq)
-            return True
+            return self.scheduler.reserve(seq)
 
     def add(self, seq: Sequence) -> None:
-        """Queues seq to be prefilled here: behind every waiting sequence of its priority or higher."""
+        """seq's prompt is computed here: queued at the next step."""
         with self.lock:
-            seq.status = SeqStatus.WAITING
-            at = len(self.waiting)
-            while (
-                at > 0
-                and self.waiting[at - 1].task.priority < seq.task.priority
-                and not self._started(self.waiting[at - 1])
-            ):  # never ahead of one already started
-                at -= 1
-            self.waiting.insert(at, seq)
+            self.inbox.append(seq)
 
-    @staticmethod
-    def _started(seq: Sequence) -> bool:
-        """Computing, or preempted after it had started (it resumes first, whatever its priority)."""
-        return bool(seq.block_table or seq.prefill_started or seq.output_ids)
+    def kv_arrived(self, seq: Sequence) -> Outputs:
+        """seq's KV is in its blocks and seq.first_tokens are set: it joins the batch now when
+        there is room and none waits before it (its first token returned, to send at once),
+        else at a step. Nothing for a sequence aborted meanwhile."""
+        with self.lock:
+            if seq.status.finished or not self.scheduler.kv_ready(seq):
+                return []
+        return self._load(seq)
+
+    def abort(self, seq: Sequence) -> bool:
+        """Ends seq (cancelled, failed, expired): FINISHED_ABORTED, out of every queue, nothing
+        more sampled for it; its blocks are freed by `release`. False when it had finished."""
+        with self.lock:
+            if seq in self.inbox:
+                self.inbox.remove(seq)
+            if seq.status.finished:
+                return False
+            self.scheduler.remove(seq)
+            seq.move(SeqStatus.FINISHED_ABORTED)
+            seq.abandoned = True  # a step computing only abandoned sequences stops early
+            return True
+
+    def release(self, seq: Sequence) -> None:
+        """Takes seq out of the engine (aborted first, unless it finished) and frees its blocks."""
+        self.abort(seq)
+        with self.lock:
+            self.blocks.deallocate(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.inbox) or self.scheduler.has_work()
 
     def prompt_tokens_queued(self) -> int:
         """Prompt tokens waiting here to be computed (what a new prompt queues behind)."""
         with self.lock:
-            return sum(
-                max(0, s.num_tokens - max(s.num_computed_tokens, s.num_cached_tokens))
-                for s in self.waiting
-            )
+            inbox = sum(s.num_tokens - s.num_computed_tokens for s in self.inbox)
+            return inbox + self.scheduler.prompt_tokens_queued()
 
-    def kv_arrived(self, seq: Sequence) -> list[tuple[Sequence, StepOutput]]:
-        """seq's KV is in its blocks and seq.first_tokens are set: it joins the batch now when
-        there is room and none waits before it (its first token returned, to send at once),
-        else at a step (a group of n > 1 choices always does: its forks are a step's)."""
-        with self.lock:
-            seq.status = SeqStatus.KV_READY
-            room = len(self.running) < self.max_num_seqs and not self.loading
-            if not (room and len(seq.first_tokens) == 1):
-                self.loading.append(seq)
-                return []
-        return self._load(seq)
-
-    def release(self, seq: Sequence) -> None:
-        """Takes seq out of the engine and frees its blocks (finished, cancelled or failed)."""
-        with self.lock:
-            for queue in (self.waiting, self.loading, self.running):
-                if seq in queue:
-                    queue.remove(seq)
-            self.blocks.deallocate(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.loading or self.running)
+    preemptions = property(lambda self: self.scheduler.preemptions)
+    prefill_tokens_per_s = property(lambda self: self.stats.prefill_tokens_per_s)
+    decode_step_s = property(lambda self: self.stats.decode_step_s)
 
     # -- the engine thread --------------------------------------------------------------------
 
-    def step(self) -> list[tuple[Sequence, StepOutput]] | None:
+    def step(self) -> Outputs | None:
         """What this step produced; None when nothing could be scheduled (wait for news)."""
         with self.lock:
-            loads, work = self._schedule()
-        if not loads and not work:
+            self._drain()
+            batch = self.scheduler.schedule()
+        if not batch.loads and not batch.work:
             return None
-        outputs = [pair for seq in loads for pair in self._load(seq)]
-        if work:
-            # counted before the step moves prompts on to RUNNING
-            decoding = sum(1 for w in work if w.seq.status is SeqStatus.RUNNING)
-            prompt_rows = sum(w.end - w.start for w in work if w.seq.status is SeqStatus.WAITING)
-            started = time.perf_counter()
-            spans = [
-                SeqSpan(w.seq.block_table, w.seq.token_ids, w.start, w.end, w.seq.computing_prompt)
-                for w in work
-            ]
-            logits = self.runner.forward(spans, abandon=lambda: all(w.seq.abandoned for w in work))
+        outputs = [pair for seq in batch.loads for pair in self._load(seq)]
+        if batch.work:
+            rows, started = _rows(batch.work), time.perf_counter()  # counted before postprocess
+            logits = self._forward(batch.work)
             if logits is None:  # every sequence in it was cancelled meanwhile: they are freed next
                 return outputs
             forward_s = time.perf_counter() - started
             with self.lock:
-                outputs += self._postprocess(work, logits)
-            step_s = time.perf_counter() - started
-            self.stats.record(decoding, prompt_rows, forward_s, step_s, len(work))
+                outputs += self._postprocess(batch.work, logits)
+            self.stats.record(*rows, forward_s, time.perf_counter() - started, len(batch.work))
         return outputs
 
-    prefill_tokens_per_s = property(lambda self: self.stats.prefill_tokens_per_s)
-    decode_step_s = property(lambda self: self.stats.decode_step_s)
+    def _drain(self) -> None:
+        for seq in self.inbox:
+            self.scheduler.queue(seq)
+        self.inbox.clear()
 
-    def _schedule(self) -> tuple[list[Sequence], list[_Work]]:
-        work = [_Work(seq, seq.num_tokens - 1, seq.num_tokens) for seq in self._decodable()]
-        room = max(0, self.max_num_seqs - len(work))
-        loads, self.loading = self.loading[:room], self.loading[room:]
-        budget = self.max_batch_tokens - len(work)
-        admitting, line = True, []  # line: [seq, end] of the prompts computed this step
-        for seq in list(self.waiting):
-            if budget <= 0 and line:
-                break
-            if not seq.block_table:
-                # First come, first served: once one cannot start, later ones wait behind it;
-                # those already started (holding their blocks) still go on.
-                admitting = (
-                    admitting
-                    and len(loads) + len(work) < self.max_num_seqs
-                    and self.blocks.can_allocate(seq)
-                )
-                if not admitting:
-                    continue
-                self.blocks.allocate(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens
-                seq.cached_tokens = seq.cached_tokens or seq.num_cached_tokens
-                seq.prefill_started = seq.prefill_started or time.time()
-            # A chunk each (one at least, whatever the decode rows took: prompts always advance),
-            # then the rest of the budget in order (prompt_chunks).
-            start = seq.num_computed_tokens
-            end = chunk_end(start, seq.num_tokens, self.runner.chunk, budget, not line, most=1)
-            if end > start:
-                line.append([seq, end])
-                budget -= end - start
-        share_rest(line, [seq.num_tokens for seq, _ in line], self.runner.chunk, budget)
-        work += [_Work(seq, seq.num_computed_tokens, end) for seq, end in line]
-        return loads, work
+    def _forward(self, work: list[Work]):
+        """The batch's logits (one row per sequence), or None when all of it was abandoned."""
+        spans = [
+            SeqSpan(w.seq.block_table, w.seq.token_ids, w.start, w.end, w.seq.computing_prompt)
+            for w in work
+        ]
+        return self.runner.forward(spans, abandon=lambda: all(w.seq.abandoned for w in work))
 
-    def _decodable(self) -> list[Sequence]:
-        """Running sequences with a block for their next token; preempts the newest when the pool is dry."""
-        ready = []
-        for seq in list(self.running):
-            if seq in self.running and self.runner.rotary.recomputes_at(seq.num_tokens):
-                self._preempt(seq)  # its every key changes at this length: computed again
-            if seq not in self.running:
-                continue  # preempted to make room for an older one, or to be computed again
-            while not self.blocks.can_append(seq) and self.running[-1] is not seq:
-                self._preempt(self.running[-1])
-            if not self.blocks.can_append(seq):
-                self._preempt(seq)
-                continue
-            self.blocks.may_append(seq)
-            ready.append(seq)
-        return ready
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.deallocate(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
-        self.preemptions += 1
-
-    def _load(self, seq: Sequence) -> list[tuple[Sequence, StepOutput]]:
+    def _load(self, seq: Sequence) -> Outputs:
         """A remotely computed prompt joins: its KV was received straight into its blocks."""
         with self.lock:
+            if seq.status.finished:  # aborted while it waited to join
+                return []
             seq.num_computed_tokens = seq.prompt_len
             self.blocks.commit(seq, seq.prompt_len)
             logprobs = seq.first_logprobs or [None] * len(seq.first_tokens)
             return self._first_of_each(seq, list(zip(seq.first_tokens, logprobs)))
 
-    def _postprocess(self, work: list[_Work], logits) -> list[tuple[Sequence, StepOutput]]:
+    def _postprocess(self, work: list[Work], logits) -> Outputs:
         ends = [w.end >= w.seq.num_tokens and plain_greedy(w.seq.sampling) for w in work]
         outputs, greedy = [], greedy_tokens(logits, ends)
         for row, w in enumerate(work):
             seq = w.seq
-            if seq.status is SeqStatus.WAITING:  # a prompt pass: its full blocks may be shared
+            if seq.status.finished:
+                continue  # aborted while the step ran: nothing more for it
+            if seq.computing_prompt:  # a prompt pass: its full blocks may be shared
                 self.blocks.commit(seq, w.end)
             seq.num_computed_tokens = w.end
             if w.end < seq.num_tokens:
                 continue  # more prompt chunks to go
-            if seq.status is SeqStatus.WAITING:
-                self.waiting.remove(seq)
+            if seq.computing_prompt:
+                self.scheduler.prompt_done(seq)
                 # Wall clocks: the arrival time is the gateway's, and a clock may step back.
                 seq.prefill_ms = (
                     seq.prefill_ms or max(0.0, time.time() - seq.prefill_started) * 1000
                 )
                 seq.queue_ms = (
-                    seq.queue_ms or max(0.0, seq.prefill_started - seq.task.arrival_time) * 1000
+                    seq.queue_ms or max(0.0, seq.prefill_started - seq.arrival_time) * 1000
                 )
             outputs += self._sample(seq, logits[row], greedy[row])
         return outputs
 
-    def _sample(self, seq: Sequence, logits, greedy: int) -> list[tuple[Sequence, StepOutput]]:
+    def _sample(self, seq: Sequence, logits, greedy: int) -> Outputs:
         """The next token from seq's logits [vocab] (with its logprob when asked); at the end of
         the prompt of a request of n > 1 choices, the first token of each choice. `greedy`: the
         row's argmax, when it is all the request asks for (-1: not computed)."""
@@ -255,7 +186,7 @@ class Engine:
             draws.append((token, logprob))
         return self._first_of_each(seq, draws)
 
-    def _first_of_each(self, seq: Sequence, draws: list) -> list[tuple[Sequence, StepOutput]]:
+    def _first_of_each(self, seq: Sequence, draws: list) -> Outputs:
         """seq takes draws[0]; the other choices (a prefill worker: the decode worker's to fork;
         else forked here) take the others."""
         if len(draws) == 1:
@@ -272,9 +203,8 @@ class Engine:
         for (child, shared), draw in zip(children, draws[1:]):
             self.forked.append(child)
             outputs.append((child, self._emit(child, *draw) if shared else child.append(*draw)))
-            if not shared and child.status is not SeqStatus.FINISHED:
-                child.status = SeqStatus.WAITING  # its prompt computed again, when there is room
-                self.waiting.appendleft(child)
+            if not shared and not child.status.finished:
+                self.scheduler.requeue(child)  # its prompt computed again, when there is room
         return outputs
 
     def take_forked(self) -> list[Sequence]:
@@ -286,13 +216,11 @@ class Engine:
 
     def _emit(self, seq: Sequence, token: int, logprob=None) -> StepOutput:
         out = seq.append(token, logprob)
-        if seq.status is SeqStatus.FINISHED:
-            if seq in self.running:
-                self.running.remove(seq)
-            if not seq.prefill_only:  # a prefill keeps its blocks until its KV is sent
-                self.blocks.deallocate(seq)
-        else:
-            seq.status = SeqStatus.RUNNING
-            if seq not in self.running:
-                self.running.append(seq)
+        self.scheduler.sampled(seq)
         return out
+
+
+def _rows(work: list[Work]) -> tuple[int, int]:
+    """A batch's decode rows and prompt rows."""
+    decoding = sum(1 for w in work if w.seq.status is SeqStatus.RUNNING)
+    return decoding, sum(w.end - w.start for w in work if w.seq.computing_prompt)

@@ -7,26 +7,26 @@ for which no block is free for that copy computes the prompt again later, like a
 sequence: correct, only not shared.
 """
 
-from shared.control.choices import choice_task
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVPool
 from shared.engine.sequence import Sequence
+from shared.values.sampling import choice_id, choice_sampling
 
 
 def fork(seq: Sequence, n: int, blocks: BlockManager, pool: KVPool) -> list[tuple[Sequence, bool]]:
     """Choices 1..n-1 of seq's request, each with whether it shares seq's KV (else it must
     compute its prompt again); seq becomes choice 0. Call under the engine lock, before seq
     takes its first token. A failure midway gives back what the children took."""
-    group, children = seq.task, []
+    group, params, children = seq.attempt_id, seq.sampling, []
     try:
         for index in range(1, n):
-            child = seq.fork(choice_task(group, index))
+            child = seq.fork(choice_id(group, index), choice_sampling(params, index), index)
             children.append((child, _share(seq, child, blocks, pool)))
     except BaseException:
         for child, _ in children:
             blocks.deallocate(child)
         raise
-    seq.become(choice_task(group, 0))
+    seq.rename(choice_id(group, 0), choice_sampling(params, 0))
     return children
 
 

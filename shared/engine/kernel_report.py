@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.control.rules import MAX_LABEL
 from shared.engine.layer_ops import KernelOps
 from shared.engine.projection import onednn_bf16
 
@@ -53,7 +52,7 @@ class KernelReport:
             f"ops {self.layer_ops}",
             rows,
         ]
-        return " · ".join(parts)[:MAX_LABEL]  # the heartbeat carries it
+        return " · ".join(parts)
 
 
 def cpu_capability() -> str:

@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from shared.control.messages import KVLayout
 from shared.engine.architecture import architecture_of, layer_windows
 from shared.engine.shared_region import SharedRegion
+from shared.values.kv_layout import KVLayout
 
 POOL_ORDER = "blocks"  # KVLayout.pool_order of this pool
 

@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from shared.control.messages import KVLayout
 from shared.engine.forward_batch import SeqSpan
 from shared.engine.kv_cache import POOL_ORDER, KVPool
 from shared.engine.timing_model import TimingModel
+from shared.values.kv_layout import KVLayout
 
 PICKED = 30.0  # the chosen token's logit; every other is 0 (a sampled draw picks it too)
 SLICE_S = 0.01  # a long wait is cut in slices of this, asking `abandon` between them

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.control.messages import KVLayout
 from shared.engine import kernels as cpu_kernels
 from shared.engine import kv_cache
 from shared.engine.architecture import check, parts_of
@@ -39,6 +38,7 @@ from shared.engine.prefill_attention import PrefillAttention
 from shared.engine.projection import SMALL, Projection, invariant_row_counts
 from shared.engine.rotary import Rotary
 from shared.engine.row_timing import cached_fastest_row_count
+from shared.values.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ and the rest on a decode worker, or all of them in one colocated worker.
 
 import torch
 
-from shared.control.messages import SamplingParams, TokenLogprob
+from shared.values.sampling import SamplingParams, TokenLogprob
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1

@@ -1,49 +1,64 @@
-"""A Sequence: everything one request needs while a worker holds it."""
+"""A Sequence: everything one request needs while a worker's engine holds it.
 
-import enum
+`Sequence.from_task` is the one place a wire message becomes engine state: the engine never sees
+the message itself, only the fields read here (WireTask names them).
+"""
+
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from shared.control.messages import GenerateTask, TokenLogprob
 from shared.engine.detokenizer import Detokenizer
+from shared.engine.seq_status import SeqStatus, checked
+from shared.values.sampling import SamplingParams, TokenLogprob
 
 
-class SeqStatus(enum.Enum):
-    WAITING_KV = "waiting_kv"  # remote prefill running; KV not here yet
-    WAITING = "waiting"  # prompt (or part of it) still to compute here
-    KV_READY = "kv_ready"  # remote KV arrived; to be written into the pool
-    RUNNING = "running"  # decoding
-    FINISHED = "finished"
+class WireTask(Protocol):
+    """What a sequence is made from (a GenerateTask has these fields)."""
+
+    attempt_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    deadline: float
+    priority: int
+    resume_tokens: int
 
 
 @dataclass
 class StepOutput:
     token_ids: list[int]
     text: str
-    finish_reason: str = ""
+    finished: SeqStatus | None = None  # the FINISHED_* status this token ended it with
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
 
 
 class Sequence:
     def __init__(
         self,
-        task: GenerateTask,
+        attempt_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
         detokenizer: Detokenizer | None,
         eos_token_ids: set[int],
         max_model_len: int,
         prefill_only: bool = False,
     ):
-        self.task = task
-        self.attempt_id = task.attempt_id
-        self.sampling = task.sampling
+        self.attempt_id = attempt_id
+        self.group_id = attempt_id  # the id it was taken on under (n > 1: the group's)
+        self.choice = 0  # which choice of its group it is (n > 1)
+        self.sampling = sampling
+        self.prompt_token_ids = prompt_token_ids
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.prefill_only = prefill_only  # stop after the first token; keep the KV for transfer
-        self.status = SeqStatus.WAITING
-        self.prompt_token_ids = task.prompt_token_ids
+        self._status = SeqStatus.WAITING
         self.output_ids: list[int] = []
-        self.resume_tokens = task.resume_tokens  # output the client had before this (moved) attempt
+        self.resume_tokens = 0  # output the client had before this (moved) attempt
+        self.arrival_time = 0.0  # unix time the gateway accepted it
+        self.deadline = 0.0  # unix time after which nobody should work on it; 0 = none
+        self.priority = 0  # higher first
         # Paged KV state (see BlockManager and KVPool).
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # served from the prefix cache at allocation
@@ -54,8 +69,6 @@ class Sequence:
         self.first_tokens: list[int] = []
         self.first_logprobs: list[TokenLogprob] = []
         self.forked_from: Sequence | None = None  # the choice 0 this choice was forked from
-        self.group_id = task.attempt_id  # the id it was taken on under (n > 1: the group's)
-        self.finish_reason = ""
         self.abandoned = False  # nobody wants its output any more: a step of only such stops early
         self.queue_ms = 0.0
         self.prefill_ms = 0.0
@@ -64,20 +77,67 @@ class Sequence:
         self.cached_tokens = 0  # prompt tokens a prefix cache served, for Timing
         self.prefill_started = 0.0
 
-    def become(self, task: GenerateTask) -> None:
-        """The group's own sequence goes on as its choice 0: that choice's id and sampling."""
-        self.task, self.attempt_id, self.sampling = task, task.attempt_id, task.sampling
+    @classmethod
+    def from_task(
+        cls,
+        task: WireTask,
+        detokenizer: Detokenizer | None,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        prefill_only: bool = False,
+    ) -> "Sequence":
+        seq = cls(
+            task.attempt_id,
+            task.prompt_token_ids,
+            task.sampling,
+            detokenizer,
+            eos_token_ids,
+            max_model_len,
+            prefill_only,
+        )
+        seq.resume_tokens, seq.priority = task.resume_tokens, task.priority
+        seq.arrival_time, seq.deadline = task.arrival_time, task.deadline
+        return seq
 
-    def fork(self, task: GenerateTask) -> "Sequence":
-        """Another choice of this request (`task`: its id and sampling) from the same computed
-        prompt; its blocks come from BlockManager.fork."""
+    @property
+    def status(self) -> SeqStatus:
+        return self._status
+
+    def move(self, to: SeqStatus) -> None:
+        """The one way its status changes (seq_status.MOVES; IllegalMove otherwise)."""
+        self._status = checked(self._status, to)
+
+    def rename(self, attempt_id: str, sampling: SamplingParams) -> None:
+        """The group's own sequence goes on as its choice 0: that choice's id and sampling."""
+        self.attempt_id, self.sampling = attempt_id, sampling
+
+    def fork(self, attempt_id: str, sampling: SamplingParams, choice: int) -> "Sequence":
+        """Another choice of this request from the same computed prompt; its blocks come from
+        BlockManager.fork."""
         detokenizer = self.detokenizer.fork() if self.detokenizer is not None else None
-        child = Sequence(task, detokenizer, self.eos_token_ids, self.max_model_len)
-        child.forked_from = self
+        child = Sequence(
+            attempt_id,
+            self.prompt_token_ids,
+            sampling,
+            detokenizer,
+            self.eos_token_ids,
+            self.max_model_len,
+        )
+        child.group_id, child.choice, child.forked_from = self.group_id, choice, self
         child.num_computed_tokens = self.num_computed_tokens
-        for name in ("queue_ms", "prefill_ms", "kv_transfer_ms", "kv_exposed_ms", "cached_tokens"):
+        for name in (
+            "resume_tokens",
+            "arrival_time",
+            "deadline",
+            "priority",
+            "queue_ms",
+            "prefill_ms",
+            "kv_transfer_ms",
+            "kv_exposed_ms",
+            "cached_tokens",
+            "prefill_started",
+        ):
             setattr(child, name, getattr(self, name))
-        child.prefill_started = self.prefill_started
         return child
 
     @property
@@ -96,7 +156,7 @@ class Sequence:
     @property
     def computing_prompt(self) -> bool:
         """Its rows in a step are prompt rows (a preempted sequence's again too), not a decode."""
-        return self.status is SeqStatus.WAITING
+        return self._status is SeqStatus.WAITING
 
     @property
     def prompt_len(self) -> int:
@@ -108,30 +168,32 @@ class Sequence:
 
     @property
     def expired(self) -> bool:
-        return bool(self.task.deadline) and time.time() > self.task.deadline
+        return bool(self.deadline) and time.time() > self.deadline
 
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> StepOutput:
-        """Records a sampled token; decides whether the sequence is done."""
+        """Records a sampled token; finishes the sequence when it is done."""
         self.output_ids.append(token_id)
         text = self.detokenizer.add(token_id) if self.detokenizer else ""
-        reason = ""
+        ended = self._ending(token_id)
+        if ended is not None:
+            if self.detokenizer is not None:
+                text += self.detokenizer.flush()
+            self.move(ended)
+        return StepOutput([token_id], text, ended, [logprob] if logprob else [])
+
+    def _ending(self, token_id: int) -> SeqStatus | None:
         if self.prefill_only:
-            reason = "length"
-        elif (
+            return SeqStatus.FINISHED_LENGTH
+        if (
             self.detokenizer is not None
             and self.detokenizer.stopped
             or token_id in self.eos_token_ids
             and not self.sampling.ignore_eos
         ):
-            reason = "stop"
-        elif (
+            return SeqStatus.FINISHED_STOPPED
+        if (
             len(self.output_ids) >= self.sampling.max_tokens
             or self.num_tokens >= self.max_model_len
         ):
-            reason = "length"
-        if reason:
-            if self.detokenizer is not None:
-                text += self.detokenizer.flush()
-            self.finish_reason = reason
-            self.status = SeqStatus.FINISHED
-        return StepOutput([token_id], text, reason, [logprob] if logprob else [])
+            return SeqStatus.FINISHED_LENGTH
+        return None

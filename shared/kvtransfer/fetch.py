@@ -21,6 +21,7 @@ from shared.control.bus import BusError, MessageBus
 from shared.control.failure import worker_failed
 from shared.control.liveness import Liveness
 from shared.control.messages import (
+    GenerateTask,
     KVDestination,
     KVLayout,
     PrefillResult,
@@ -107,16 +108,16 @@ class KVFetcher:
             self.connector.reserve(self.layout, seq.prompt_len, destination),
             lease_s=self.times.lease_s,
             timeout_s=self.times.prefill_timeout_s,
-            deadline=seq.task.deadline,
+            deadline=seq.deadline,
         )
         t.choices = seq.sampling.n  # the first tokens its prefill must send
         self.transfers[destination.base_tag] = t
         return t
 
-    async def fetch(self, t: InboundTransfer, seq: Sequence) -> None:
+    async def fetch(self, t: InboundTransfer, seq: Sequence, task: GenerateTask) -> None:
         """Drives the transfer into seq's blocks to COMPLETE (the first tokens and timings written
         into seq), or through an abort to RELEASED or QUARANTINED (its `cause` says why); either
-        way it is settled on return."""
+        way it is settled on return. `task`: the request, as the prefill worker is asked it."""
         asking = None
         try:
             await self._plane_ready(t)
@@ -124,7 +125,7 @@ class KVFetcher:
                 t.post_receives()
             if t.active:
                 t.requested()
-                asking = asyncio.ensure_future(self._ask(t, seq))
+                asking = asyncio.ensure_future(self._ask(t, task))
             await self._follow(t)
         except Exception as err:  # a bug: the request fails, the transfer ends, nothing hangs
             log.exception("%s: KV fetch failed", t.attempt_id)
@@ -159,12 +160,12 @@ class KVFetcher:
                     plan.destination, ucx_address=self.plane.address
                 )
 
-    async def _ask(self, t: InboundTransfer, seq: Sequence) -> None:
+    async def _ask(self, t: InboundTransfer, task: GenerateTask) -> None:
         """Sends the PrefillTask; its TaskAck (or its absence) is the transfer's next event."""
         subject = self.subjects.prefill_tasks(t.prefill_worker)
-        task = PrefillTask(seq.task, self.layout, t.receiver.plan.destination, self.worker_id)
+        ask = PrefillTask(task, self.layout, t.receiver.plan.destination, self.worker_id)
         try:
-            ack = await self.bus.request(subject, task, self.times.ask_timeout_s, TaskAck)
+            ack = await self.bus.request(subject, ask, self.times.ask_timeout_s, TaskAck)
         except BusError:
             t.on_no_answer()
             return

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from shared.control.failure import Code, Failure, failed, retry_anywhere, worker_failed
 from shared.control.messages import PrefillResult, PrefillTask, TokenLogprob
 from shared.dataplane.plane import KVTransferError, PlaneRestarted
-from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.engine.sequence import Sequence, StepOutput
 from shared.kvtransfer.machine import TransferMachine
 from shared.kvtransfer.plan import Segment
 from shared.kvtransfer.sender import KVSender
@@ -90,7 +90,7 @@ class OutboundTransfer(TransferMachine[OutboundState]):
     # -- events from the control plane (acted on between engine steps) ---------------------------
 
     def on_cancel(self, reason: str) -> None:
-        if self.computing and self.seq.status is not SeqStatus.FINISHED:
+        if self.computing and not self.seq.status.finished:
             self.cancel_reason = reason
             self.seq.abandoned = True  # a step computing only abandoned prompts stops early
 

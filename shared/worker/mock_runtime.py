@@ -6,13 +6,14 @@ import os
 from dataclasses import dataclass
 
 from shared import model_store
-from shared.control.messages import KVLayout
+from shared.control.rules import MAX_LABEL
 from shared.engine.block_manager import BlockManager
 from shared.engine.dtypes import compute_dtype
 from shared.engine.engine import Engine
 from shared.engine.kv_cache import bytes_per_token, layout_of
 from shared.engine.mock_runner import MockRunner, mock_layout
 from shared.engine.timing_model import DEFAULT_PATH, TimingModel
+from shared.values.kv_layout import KVLayout
 from shared.worker.runtime import WorkerRuntime, eos_token_ids
 from shared.worker.settings import WorkerSettings
 
@@ -87,7 +88,7 @@ def mock_runtime(
         eos_token_ids(model.generation_config, model.tokenizer),
         settings.prefix_summary_limit,
         settings.max_queue,
-        runner.kernel_report().line(),
+        runner.kernel_report().line()[:MAX_LABEL],  # the heartbeat carries it
         f"{model.name} · mock · {held} KV bytes/token",
     )
     log.log(logging.DEBUG if quiet else logging.INFO, "%s", ready_line(runtime, model))

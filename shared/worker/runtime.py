@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from shared import model_store
+from shared.control.rules import MAX_LABEL
 from shared.engine import kernels as cpu_kernels
 from shared.engine.architecture import check
 from shared.engine.block_manager import BlockManager
@@ -54,7 +55,7 @@ class WorkerRuntime:
             kv_blocks_used=self.blocks.used,
             kv_blocks_total=self.blocks.num_blocks,
             block_size=self.blocks.block_size,
-            max_num_seqs=self.engine.max_num_seqs,
+            max_num_seqs=self.engine.scheduler.max_num_seqs,
             max_queue=self.max_queue,
             prefill_tokens_queued=self.engine.prompt_tokens_queued(),
             prefill_tokens_per_s=round(self.engine.prefill_tokens_per_s, 1),
@@ -105,7 +106,7 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
         eos_token_ids(model.generation_config, tokenizer),
         settings.prefix_summary_limit,
         settings.max_queue,
-        runner.kernel_report().line(),
+        runner.kernel_report().line()[:MAX_LABEL],  # the heartbeat carries it
         model_label(runner),
     )
     _log_ready(runtime, settings, device)

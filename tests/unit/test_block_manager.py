@@ -331,7 +331,7 @@ def test_fresh_sequences_get_consecutive_blocks_and_grow_in_place():
 
 
 def test_summary_predicts_the_hit_the_cache_gives():
-    from shared.engine.block_manager import granule_keys
+    from shared.values.prefix_hash import granule_keys
 
     bm = BlockManager(64, 16, cache_granularity=32)
     first = toks(1, 100)  # 3 whole granules of 32 (the 4th is partial)
@@ -363,7 +363,7 @@ def test_summary_forgets_evicted_granules_and_keeps_the_newest():
 
 
 def test_a_cache_hit_keeps_its_granule_among_the_newest():
-    from shared.engine.block_manager import granule_keys
+    from shared.values.prefix_hash import granule_keys
 
     bm = BlockManager(64, 16, cache_granularity=32)
     hot, cold = toks(1, 64), toks(500, 64)

@@ -6,7 +6,7 @@ import time
 from services.decode.decode_loop import DecodeLoop
 from services.decode.request import DecodeRequest
 from shared.engine.executor import EngineExecutor
-from tests.unit.test_engine import make_engine, make_seq
+from tests.unit.test_engine import make_engine, make_seq, task_of
 
 
 async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
@@ -22,7 +22,8 @@ async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
 
     loop = DecodeLoop(engine, executor, publish, finish, DecodeRequest)
     try:
-        loop.add(DecodeRequest(make_seq(list(range(3, 20)), 6, attempt_id="a")), local_prefill=True)
+        seq = make_seq(list(range(3, 20)), 6, attempt_id="a")
+        loop.add(DecodeRequest(seq, task_of(seq), engine), local_prefill=True)
         started = time.monotonic()
         await asyncio.wait_for(loop.drain(timeout_s=30), timeout=20)
         assert time.monotonic() - started < 10  # not the 30 s drain deadline

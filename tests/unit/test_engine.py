@@ -9,7 +9,8 @@ from shared.control.messages import GenerateTask, SamplingParams
 from shared.engine.block_manager import BlockManager
 from shared.engine.engine import Engine
 from shared.engine.model_runner import ModelRunner
-from shared.engine.sequence import SeqStatus, Sequence
+from shared.engine.seq_status import SeqStatus
+from shared.engine.sequence import Sequence
 
 BLOCK, CHUNK = 16, 32
 
@@ -38,7 +39,14 @@ def make_seq(
         reply_subject="reply",
         arrival_time=time.time(),
     )
-    return Sequence(task, None, set(), 512, prefill_only=prefill_only)
+    return Sequence.from_task(task, None, set(), 512, prefill_only=prefill_only)
+
+
+def task_of(seq: Sequence) -> GenerateTask:
+    """The task a sequence was made from (as its worker keeps it)."""
+    return GenerateTask(
+        seq.attempt_id, seq.prompt_token_ids, seq.sampling, "reply", seq.arrival_time
+    )
 
 
 def run_to_end(engine: Engine, max_steps: int = 1000) -> int:
@@ -111,7 +119,7 @@ def test_sequences_join_at_step_boundaries_and_get_one_token_per_step(model, ran
             assert len(out.token_ids) == 1 and out.token_ids[0] == seq.output_ids[-1]
             assert len(seq.output_ids) == before[seq.attempt_id] + 1
             assert seq.status is SeqStatus.RUNNING
-        assert engine.running == joined and not engine.waiting
+        assert engine.scheduler.running == joined and not engine.scheduler.waiting
     for i, seq in enumerate(seqs):
         assert len(seq.output_ids) == 8 - i
     run_to_end(engine)
@@ -130,13 +138,13 @@ def test_a_finished_sequence_leaves_at_once_and_its_blocks_return(model, rand_to
     engine.step()
     outputs = engine.step()  # short's third and last token
     finished = [out for seq, out in outputs if seq is short]
-    assert finished and finished[0].finish_reason == "length" and short.status is SeqStatus.FINISHED
-    assert short not in engine.running and short.block_table == []
+    assert finished and short.status is SeqStatus.FINISHED_LENGTH
+    assert short not in engine.scheduler.running and short.block_table == []
     assert engine.blocks.used == len(long.block_table) == 3
     assert [seq for seq, _ in engine.step()] == [long]
     run_to_end(engine)
     assert len(short.output_ids) == 3 and len(long.output_ids) == 10
-    assert long.finish_reason == "length" and not engine.running
+    assert long.status is SeqStatus.FINISHED_LENGTH and not engine.scheduler.running
     assert engine.blocks.used == 0 and engine.blocks.free == 32
     assert engine.blocks.cached > 0  # cached blocks count as free
 
@@ -147,7 +155,9 @@ def test_max_model_len_ends_a_sequence(model, rand_tokens):
     seq.max_model_len = 34
     engine.add(seq)
     run_to_end(engine)
-    assert seq.num_tokens == 34 and seq.finish_reason == "length" and engine.blocks.used == 0
+    assert (
+        seq.num_tokens == 34 and seq.status is SeqStatus.FINISHED_LENGTH and engine.blocks.used == 0
+    )
 
 
 def test_release_frees_a_running_sequence(model, rand_tokens):
@@ -250,7 +260,7 @@ def test_preempted_sequences_are_recomputed_and_finish_with_the_same_tokens(mode
     assert engine.preemptions > 0
     assert max_used <= 6
     for seq, prompt in zip(seqs, prompts):
-        assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 40
+        assert seq.status is SeqStatus.FINISHED_LENGTH and len(seq.output_ids) == 40
         assert seq.output_ids == alone(model, prompt, 40), seq.attempt_id
     assert engine.blocks.used == 0
 
@@ -261,14 +271,14 @@ def test_preemption_takes_the_newest_running_sequence(model, rand_tokens):
     engine.add(old)
     engine.add(new)
     engine.step()  # prompts + first tokens: 31 and 32 tokens
-    assert engine.blocks.free == 0 and engine.running == [old, new]
+    assert engine.blocks.free == 0 and engine.scheduler.running == [old, new]
     engine.step()  # their KV fills the 4 blocks: 32 and 33 tokens
     assert engine.preemptions == 0
     engine.step()  # new's 33rd token needs a fifth block
     assert engine.preemptions == 1
-    assert engine.running == [old] and list(engine.waiting) == [new]
+    assert engine.scheduler.running == [old] and list(engine.scheduler.waiting) == [new]
     assert (
-        new.block_table == [] and new.num_computed_tokens == 0 and new.status is SeqStatus.WAITING
+        new.block_table == [] and new.num_computed_tokens == 0 and new.status is SeqStatus.PREEMPTED
     )
     run_to_end(engine)
     assert new.output_ids == alone(model, new.prompt_token_ids, 10)
@@ -386,8 +396,8 @@ def test_a_prefill_only_sequence_keeps_its_blocks_until_released(model, rand_tok
     seq = make_seq(rand_tokens(50), 100, prefill_only=True)
     engine.add(seq)
     outputs = engine.step()
-    assert [s for s, _ in outputs] == [seq] and outputs[0][1].finish_reason == "length"
-    assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 1
+    assert [s for s, _ in outputs] == [seq] and outputs[0][1].finished is SeqStatus.FINISHED_LENGTH
+    assert seq.status is SeqStatus.FINISHED_LENGTH and len(seq.output_ids) == 1
     assert not engine.has_work() and engine.step() is None
     assert len(seq.block_table) == 4 and engine.blocks.used == 4 and seq.num_computed_tokens == 50
     engine.release(seq)
@@ -422,10 +432,9 @@ def test_remote_kv_decodes_like_the_colocated_run(model, rand_tokens):
     engine.add(make_seq(rand_tokens(33), 3, "other"))  # the decode pool is not empty
     engine.step()
     seq = make_seq(prompt, 12, "remote")
-    seq.status = SeqStatus.WAITING_KV
-    assert engine.admit(seq)
+    assert engine.admit(seq) and seq.status is SeqStatus.WAITING_KV
     assert len(seq.block_table) == 3 and seq.num_cached_tokens == 0
-    assert not seq.output_ids and seq not in engine.running
+    assert not seq.output_ids and seq not in engine.scheduler.running
     land(engine, seq, buffer)
     seq.first_tokens = [first]
     outputs = engine.kv_arrived(seq)  # the batch has room: it joins now, its first token out
@@ -486,7 +495,7 @@ def test_max_num_seqs_sequences_run_together(model, rand_tokens):
     for seq in seqs:  # one arrives per step
         engine.add(seq)
         engine.step()
-    assert len(engine.running) == 4
+    assert len(engine.scheduler.running) == 4
     assert all(seq.output_ids for seq in seqs)
 
 
@@ -522,13 +531,12 @@ def test_waiting_prompts_are_served_by_priority_then_arrival(tiny_model):
     order = []
     for rid, priority in (("a", 0), ("b", 2), ("c", 0), ("d", 2), ("e", 5)):
         seq = make_seq(toks_of(rid), 1, attempt_id=rid)
-        seq.task.priority = priority
+        seq.priority = priority
         engine.add(seq)
-    assert [s.attempt_id for s in engine.waiting] == ["e", "b", "d", "a", "c"]
     assert engine.prompt_tokens_queued() == 5 * 20
     while engine.has_work():
         for seq, out in engine.step() or []:
-            if out.finish_reason:
+            if out.finished:
                 order.append(seq.attempt_id)
     assert order == ["e", "b", "d", "a", "c"]
     assert engine.prefill_tokens_per_s == 0.0  # one-chunk-or-less prompt steps say nothing of speed
@@ -555,17 +563,6 @@ def toks_of(rid: str) -> list[int]:
     return [ord(rid) + i for i in range(20)]
 
 
-def test_a_started_prompt_is_never_overtaken_by_a_higher_priority(tiny_model):
-    engine = make_engine(tiny_model)
-    started = make_seq(toks_of("a"), 4, attempt_id="a")
-    started.prefill_started = time.time()  # preempted after it had started: no blocks now
-    engine.add(started)
-    urgent = make_seq(toks_of("b"), 4, attempt_id="b")
-    urgent.task.priority = 9
-    engine.add(urgent)
-    assert [s.attempt_id for s in engine.waiting] == ["a", "b"]
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_resumed_sequence_goes_on_with_the_tokens_of_an_undisturbed_run(tiny_model, temperature):
     """A request moved after k tokens: prompt + those k as the new prompt, resume_tokens = k. Greedy
@@ -575,7 +572,7 @@ def test_a_resumed_sequence_goes_on_with_the_tokens_of_an_undisturbed_run(tiny_m
         engine = make_engine(tiny_model)
         seq = make_seq(prompt, max_tokens)
         seq.sampling.temperature, seq.sampling.seed = temperature, 7
-        seq.resume_tokens = seq.task.resume_tokens = resume
+        seq.resume_tokens = resume
         engine.add(seq)
         run_to_end(engine)
         return seq.output_ids
@@ -614,3 +611,27 @@ def test_a_step_whose_sequences_were_all_cancelled_stops_between_layers(tiny_mod
         engine.step()
     assert kept.output_ids == alone(tiny_model, kept.prompt_token_ids, 4)
     assert engine.blocks.used == 0
+
+
+def test_an_aborted_sequence_gets_nothing_more_and_release_frees_it(tiny_model):
+    engine = make_engine(tiny_model)
+    gone, kept = make_seq(list(range(3, 30)), 8, "gone"), make_seq(list(range(5, 30)), 8, "kept")
+    engine.add(gone)
+    engine.add(kept)
+    engine.step()
+    assert gone.status is SeqStatus.RUNNING and engine.abort(gone)
+    assert gone.status is SeqStatus.FINISHED_ABORTED and gone not in engine.scheduler.running
+    assert not engine.abort(gone)  # once
+    outputs = engine.step()
+    assert [s for s, _ in outputs] == [kept]
+    engine.release(gone)
+    run_to_end(engine)
+    assert kept.status is SeqStatus.FINISHED_LENGTH and engine.blocks.used == 0
+
+
+def test_an_aborted_sequence_still_in_the_inbox_never_starts(tiny_model):
+    engine = make_engine(tiny_model)
+    seq = make_seq(list(range(3, 30)), 4)
+    engine.add(seq)
+    assert engine.abort(seq) and not engine.has_work()
+    assert engine.step() is None and not seq.block_table

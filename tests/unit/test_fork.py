@@ -17,7 +17,7 @@ def make_seq(prompt, max_tokens=6, n=1, seed=7, temperature=1.0, prefill_only=Fa
         max_tokens=max_tokens, temperature=temperature, seed=seed, n=n, ignore_eos=True, **kw
     )
     task = GenerateTask("r.abc", list(prompt), params, "reply", time.time())
-    return Sequence(task, None, set(), 512, prefill_only=prefill_only)
+    return Sequence.from_task(task, None, set(), 512, prefill_only=prefill_only)
 
 
 def run(engine, seq) -> dict[str, list[int]]:

@@ -8,8 +8,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = {"shared.settings", "shared.lifecycle", "shared.model_store", "shared.telemetry"}  # leaves
+COMMON = {
+    "shared.settings",
+    "shared.lifecycle",
+    "shared.model_store",
+    "shared.telemetry",
+    "shared.values",
+}  # leaves
 RUNTIME = {
+    "shared.values",
     "shared.control",
     "shared.engine",
     "shared.dataplane",
@@ -19,13 +26,14 @@ RUNTIME = {
 }
 # package -> the packages of ours it may import (itself always)
 ALLOWED = {
-    "shared.control": {"shared.telemetry"},
+    "shared.values": set(),  # what the engine and the control plane share: imports neither
+    "shared.control": {"shared.telemetry", "shared.values"},
     "shared.api": set(),
     "shared.settings": {"shared.telemetry"},
     "shared.lifecycle": set(),
     "shared.model_store": set(),
     "shared.telemetry": set(),
-    "shared.engine": {"shared.control"},
+    "shared.engine": {"shared.values"},  # no wire message
     "shared.dataplane": {"shared.engine"},  # transports only: no control message
     "shared.kvtransfer": {
         "shared.control",
@@ -38,7 +46,7 @@ ALLOWED = {
     "shared.benchmark": {"shared.api"},
     "shared.cli": RUNTIME | COMMON | {"shared.benchmark"},
     "services.gateway": RUNTIME | COMMON,
-    "services.scheduler": RUNTIME | COMMON,
+    "services.scheduler": (RUNTIME | COMMON) - {"shared.engine"},  # places, never batches
     "services.prefill": RUNTIME | COMMON,
     "services.decode": RUNTIME | COMMON,
     "tests.fakes": RUNTIME | COMMON,

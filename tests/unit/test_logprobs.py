@@ -46,7 +46,7 @@ def test_temperature_does_not_change_the_reported_logprob():
 def make_seq(prompt, max_tokens, **sampling) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
     task = GenerateTask("r", list(prompt), params, "reply", time.time())
-    return Sequence(task, None, set(), 512)
+    return Sequence.from_task(task, None, set(), 512)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

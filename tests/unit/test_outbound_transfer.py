@@ -9,7 +9,8 @@ from shared.control.failure import Code, Retry, failed
 from shared.control.messages import KVDestination, PrefillTask
 from shared.dataplane.plane import KVTransferError, PlaneRestarted
 from shared.engine.kv_cache import KVPool
-from shared.engine.sequence import SeqStatus, Sequence, StepOutput
+from shared.engine.seq_status import SeqStatus
+from shared.engine.sequence import Sequence, StepOutput
 from shared.kvtransfer.machine import IllegalTransition
 from shared.kvtransfer.outbound import (
     ALLOWED,
@@ -37,7 +38,7 @@ class Transfer:
         plan = TransferPlan(LAYOUT, 16, destination)
         self.receiver = KVReceiver(self.decode_plane, KVPool(LAYOUT, 4, BS, "cpu"), plan)
         sender = KVSender(InProcessDataPlane(net, "prefill"), KVPool(LAYOUT, 4, BS, "cpu"), plan, 1)
-        self.seq = Sequence(task, None, set(), 512, prefill_only=True)
+        self.seq = Sequence.from_task(task, None, set(), 512, prefill_only=True)
         self.seq.block_table = [0, 1, 2, 3]
         self.freed: list[Sequence] = []
         prefill_task = PrefillTask(task, LAYOUT, destination, "d")
@@ -47,7 +48,7 @@ class Transfer:
         """The engine computed the prompt up to `tokens`; the computed segments go out."""
         self.seq.num_computed_tokens = tokens
         if tokens == 16:
-            self.seq.status = SeqStatus.FINISHED
+            self.seq.move(SeqStatus.FINISHED_LENGTH)
         for seg in self.t.ready():
             staged = self.t.sender.stage(seg, self.seq.block_table)
             self.t.sender.send(staged.direct)

@@ -7,7 +7,7 @@ from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Policy, Router, TooLarge
 from shared.control.failure import Code
 from shared.control.messages import GenerateTask, KVLayout, SamplingParams, WorkerHeartbeat
-from shared.engine.block_manager import granule_keys
+from shared.values.prefix_hash import granule_keys
 
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
 G = 32  # prefix granularity of the fake workers (2 blocks of 16)

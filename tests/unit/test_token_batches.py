@@ -45,7 +45,7 @@ async def test_one_message_per_step_carries_every_stream_of_a_gateway(tiny_model
             )
         )
         assert all(ack.ok for ack in acks)
-        await until(lambda: sum(c[-1].finish_reason != "" for c in chunks.values()) == 8)
+        await until(lambda: sum(bool(c[-1].finish_reason) for c in chunks.values()) == 8)
         for stream in chunks.values():
             assert [c.index for c in stream] == list(range(len(stream)))
             assert sum(len(c.token_ids) for c in stream) == 16

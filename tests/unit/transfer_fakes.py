@@ -19,6 +19,7 @@ from shared.control.messages import (
 )
 from shared.control.subjects import Subjects
 from shared.engine.kv_cache import KVPool
+from shared.engine.seq_status import SeqStatus
 from shared.engine.sequence import Sequence
 from shared.kvtransfer.connector import connector
 from shared.kvtransfer.fetch import KVFetcher
@@ -85,9 +86,10 @@ class DecodeSide:
         self.settings = settings(**overrides)
         self.fetcher = fetcher(self.settings, self.plane, self.pool, self.bus, self.liveness)
         self.fetcher.free_blocks = self.freed.append
-        seq = Sequence(make_task("r1", prompt_len, deadline), None, set(), 512)
+        task = make_task("r1", prompt_len, deadline)
+        seq = Sequence.from_task(task, None, set(), 512)
         seq.block_table = [2, 3, 5, 6][: -(-prompt_len // BS)]
-        self.req = DecodeRequest(seq)
+        self.req = DecodeRequest(seq, task, ReservedOnly())
         self.prefill = ScriptedPrefill(self.bus, self.net)
 
     async def start(self) -> asyncio.Task:
@@ -101,12 +103,23 @@ class DecodeSide:
         """What the decode worker does with a transfer (DecodeWorker._fetch_kv): drive it until
         settled, then hand the KV to the engine, or fail the request with its cause."""
         t, req = self.req.transfer, self.req
-        await self.fetcher.fetch(t, req.seq)
+        await self.fetcher.fetch(t, req.seq, req.task)
         if t.state is TransferState.COMPLETE:
             req.prefill_worker = t.result.prefill_worker
             self.arrived.append(req.seq)
         elif not req.cancel_reason:
             req.fail(t.cause.failure)
+
+
+class ReservedOnly:
+    """The engine as a sequence whose blocks are only reserved for a transfer sees it: aborting
+    it ends it (Engine.abort; it is in no queue)."""
+
+    def abort(self, seq: Sequence) -> bool:
+        if seq.status.finished:
+            return False
+        seq.move(SeqStatus.FINISHED_ABORTED)
+        return True
 
 
 def fetcher(settings: WorkerSettings, plane, pool: KVPool, bus, liveness) -> KVFetcher:

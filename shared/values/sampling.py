@@ -1,0 +1,49 @@
+"""How a request samples, and what a sampled token's log-probability carries: values both the
+engine and the control plane hold (a GenerateTask carries them; a Sequence samples with them).
+
+The choices of a request that asks for n > 1: the prompt is computed once, under the group's
+attempt id; at its first token the decode worker forks it into n sequences that share the prompt's
+KV blocks (the group's own goes on as choice 0). From then on each choice streams under an id of
+its own (`<group id>~<index>`, known from the start, so a choice is cancelled alone and its stream
+is there before the fork) and samples with a seed of its own (the request's seed + its index), so a
+request with n = 1 and that seed gives the same choice.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SEED_SPACE = 1 << 64
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False  # return each sampled token's log-probability
+    top_logprobs: int = 0  # and this many most likely alternatives at each position
+    n: int = 1  # choices: the prompt computed once, each choice sampled with seed + its index
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability under the model (the raw logits' log-softmax, before
+    temperature or top-k/top-p), and the most likely tokens at its position."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+def choice_id(group_id: str, index: int) -> str:
+    return f"{group_id}~{index}"
+
+
+def choice_sampling(params: SamplingParams, index: int) -> SamplingParams:
+    """How choice `index` samples: alone (n = 1), with the request's seed + index."""
+    seed = (params.seed + index) % SEED_SPACE
+    return dataclasses.replace(params, n=1, seed=seed, stop=list(params.stop))

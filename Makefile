@@ -92,9 +92,9 @@ gpu-check: kernels
 CKPT ?= $(HOME)/.cache/tandem/bench-checkpoints
 bench-models: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
-	test -f $(CKPT)/qwen2.5-0.5b-bf16/config.json || $(PY) -m tests.families qwen2.5-0.5b $(CKPT)/qwen2.5-0.5b-bf16 --dtype bfloat16
-	test -f $(CKPT)/qwen2.5-0.5b-fp32/config.json || $(PY) -m tests.families qwen2.5-0.5b $(CKPT)/qwen2.5-0.5b-fp32
-	test -f $(CKPT)/qwen2.5-0.5b-fp32-sharded/config.json || $(PY) -m tests.families qwen2.5-0.5b $(CKPT)/qwen2.5-0.5b-fp32-sharded --shard 300MB
+	test -f $(CKPT)/qwen2.5-0.5b-bf16/config.json || $(PY) -m harness.families qwen2.5-0.5b $(CKPT)/qwen2.5-0.5b-bf16 --dtype bfloat16
+	test -f $(CKPT)/qwen2.5-0.5b-fp32/config.json || $(PY) -m harness.families qwen2.5-0.5b $(CKPT)/qwen2.5-0.5b-fp32
+	test -f $(CKPT)/qwen2.5-0.5b-fp32-sharded/config.json || $(PY) -m harness.families qwen2.5-0.5b $(CKPT)/qwen2.5-0.5b-fp32-sharded --shard 300MB
 	$(PY) bench/load.py $(CKPT)/qwen2.5-0.5b-bf16 $(CKPT)/qwen2.5-0.5b-fp32 $(CKPT)/qwen2.5-0.5b-fp32-sharded --dtype auto --dtype float32 --dtype bfloat16
 	$(PY) bench/engine.py --model $(CKPT)/qwen2.5-0.5b-fp32 --new-tokens 64
 	$(PY) bench/engine.py --model $$($(PY) -c "from shared import model_store; print(model_store.prepare('', '~/.cache/tandem/models'))") --new-tokens 64

@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 
 from bench.kv import prompt_text  # noqa: E402
-from shared.api import tandem_pb2 as pb  # noqa: E402
-from shared.api import tandem_pb2_grpc as pb_grpc  # noqa: E402
-from tests.integration.docker_compose import (  # noqa: E402
+from harness.compose import (  # noqa: E402
     ComposeProject,
     build_images,
     docker_config,
     engine_missing,
 )
+from shared.api import tandem_pb2 as pb  # noqa: E402
+from shared.api import tandem_pb2_grpc as pb_grpc  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BENCH_OVERRIDE = """services:

@@ -63,7 +63,7 @@ def word_tokenizer(folder: Path, vocab: int) -> Path:
 
 
 def checkpoint(args, report: dict) -> Path:
-    from tests.families import VOCAB, build
+    from harness.families import VOCAB, build
 
     tokenizer = word_tokenizer(Path(args.work) / "tokenizer", VOCAB)
     overrides = {"num_hidden_layers": args.layers}
@@ -149,8 +149,8 @@ def kv(args, report: dict) -> None:
 
 def transfers(args, layout, lengths, segments, mode: str, bare_too: bool = False):
     from bench.kv import BS, bare, ours
+    from harness.kv_peer import KVPeer
     from shared.engine.kv_cache import bytes_per_token
-    from tests.fakes.kv_peer import KVPeer
 
     device = device_of(args.dry_run)
     blocks = max(lengths) // BS + 64

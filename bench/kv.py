@@ -5,7 +5,7 @@ of a synthetic Llama-3-8B-shaped KV (32 layers, 8 KV heads, head_dim 128, bf16: 
 token, as the real one), between two processes of this host:
   - ours: TransferPlan + KVSender + KVReceiver, the push connector, from one run of prefill blocks
     into one of decode blocks, and from 4 runs into 4 runs; the staged connector (a message per
-    segment) on the same 4-run pools (tests.fakes.kv_peer runs each side);
+    segment) on the same 4-run pools (harness.kv_peer runs each side);
   - bare ucxx: one send of one buffer of the same size, same data plane settings;
   - memcpy: torch copy of the same bytes inside one process (the same-host physical limit);
   - NATS: the same bytes published in 1 MiB chunks through a local nats-server.
@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.kv_peer import KVPeer  # noqa: E402
 from shared.control.messages import KVLayout  # noqa: E402
 from shared.engine.kv_cache import bytes_per_token  # noqa: E402
 from shared.kvtransfer.plan import new_base_tag  # noqa: E402
-from tests.fakes.kv_peer import KVPeer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BS = 16

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kv  # noqa: E402  (bench/kv.py: the transfer itself)
 
-from tests.fakes.kv_peer import KVPeer  # noqa: E402
+from harness.kv_peer import KVPeer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PLANES = {"inprocess": False, "helper": True}

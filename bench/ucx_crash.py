@@ -1,7 +1,7 @@
 """UCX peer-death experiment (`python bench/ucx_crash.py`): does a receiver survive a sender that
 is SIGKILLed while its KV pieces are on the wire?
 
-Two real processes (tests/fakes/kv_peer.py) over real UCX, as a prefill and a decode worker are:
+Two real processes (harness/kv_peer.py) over real UCX, as a prefill and a decode worker are:
 the receiver posts every piece of a 2,048-token prompt, the sender sends it a segment at a time
 with a pause standing in for each segment's compute (`--chunk-tokens`, `--chunk-delay-s`; 0 sends
 it all at once), and is SIGKILLed at a random moment between its first piece landing and
@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.kv_peer import KVPeer  # noqa: E402
 from shared.control.messages import KVLayout  # noqa: E402
 from shared.kvtransfer.plan import new_base_tag  # noqa: E402
-from tests.fakes.kv_peer import KVPeer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BS = 16

@@ -40,9 +40,9 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def family_checkpoint(tmp_path_factory, model_dir):
-    """family_checkpoint(name) -> the directory of tests/families.py's variant `name`, built
+    """family_checkpoint(name) -> the directory of harness/families.py's variant `name`, built
     once per session (random weights, SmolLM2's tokenizer)."""
-    from tests import families
+    from harness import families
 
     root = tmp_path_factory.mktemp("families")
     return lambda name: families.build(name, root, model_dir)

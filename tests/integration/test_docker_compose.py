@@ -13,14 +13,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.api import tandem_pb2 as pb
-from shared.api import tandem_pb2_grpc as pb_grpc
-from tests.integration.docker_compose import (
+from harness.compose import (
     ComposeProject,
     build_images,
     docker_config,
     engine_missing,
 )
+from shared.api import tandem_pb2 as pb
+from shared.api import tandem_pb2_grpc as pb_grpc
 from tests.integration.helpers import chat_request, chat_status, collect, openai_streams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]

@@ -1,6 +1,6 @@
 """Every supported family served by real services, against Hugging Face on the same checkpoint.
 
-For each variant of tests/families.py (random weights, real HF directories) one auto-mode stack
+For each variant of harness/families.py (random weights, real HF directories) one auto-mode stack
 (a scheduler, a prefill worker, a decode worker, a gateway) serves greedy requests whose output
 must equal HF `generate`, token for token:
   - a short prompt, prefilled on the decode worker (path "local", the colocated path);
@@ -24,8 +24,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from harness.families import VARIANTS, VOCAB
 from shared.api import tandem_pb2 as pb
-from tests.families import VARIANTS, VOCAB
 from tests.integration.stack import start_stack
 
 pytestmark = pytest.mark.slow

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
+from harness.kv_peer import KVPeer
 from shared.control.messages import KVLayout
 from shared.kvtransfer.plan import new_base_tag
-from tests.fakes.kv_peer import KVPeer
 
 pytestmark = pytest.mark.slow
 

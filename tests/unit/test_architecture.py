@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from harness.families import VARIANTS, config_of
 from shared.engine.architecture import FAMILIES, UnsupportedModel, check, layer_windows
 from shared.engine.dtypes import compute_dtype, native_float16
 from shared.engine.projection import onednn_bf16
-from tests.families import VARIANTS, config_of
 
 
 def configured(name: str, **overrides):

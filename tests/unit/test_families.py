@@ -1,6 +1,6 @@
 """Every supported family, run by the engine, against Hugging Face on the same checkpoint.
 
-The checkpoints are tests/families.py's: real HF directories with random weights, shaped like
+The checkpoints are harness/families.py's: real HF directories with random weights, shaped like
 each family's real models. Greedy output must be token-identical to HF `generate` (fp32), with
 Tandem's C++ kernels and without, for a short prompt and for a long one (several prompt chunks,
 past every sliding window and past the trained length of the dynamic and longrope variants).
@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from harness.families import VARIANTS, VOCAB
 from shared.engine.block_manager import BlockManager
 from shared.engine.engine import Engine
 from shared.engine.model_runner import ModelRunner, SeqSpan
-from tests.families import VARIANTS, VOCAB
 from tests.unit.test_engine import make_seq, run_to_end
 from tests.unit.test_model_runner import greedy as model_runner_greedy
 
@@ -212,10 +212,10 @@ def test_a_checkpoint_converted_as_a_worker_loads_it_is_hugging_face_s(
     """A checkpoint computed in another dtype than it was saved in: loaded in its own (mapped)
     and converted a parameter at a time, it equals HF's own load in that dtype bit for bit:
     weights, buffers (Gemma's embedding scale is built in the dtype) and logits."""
+    from harness.families import build
     from shared import model_store
     from shared.engine.file_pages import convert
     from shared.worker.runtime import load_model
-    from tests.families import build
 
     path = build(name, tmp_path, model_dir, dtype=saved)
     config = model_store.load_config(path)
@@ -240,9 +240,9 @@ def test_a_bfloat16_checkpoint_computed_in_float32_runs_as_hugging_face_s(
     """bf16 weights served in fp32, converted by the runner as it packs: a tied embedding table
     stays bf16 (read row by row, upcast, Gemma's scale after), an untied one is converted; the
     greedy output is HF's own float32 load's, token for token."""
+    from harness.families import build
     from shared import model_store
     from shared.worker.runtime import load_model
-    from tests.families import build
 
     path = build(name, tmp_path, model_dir, dtype=torch.bfloat16)
     config = model_store.load_config(path)
@@ -262,9 +262,9 @@ def test_a_float32_checkpoint_computed_in_bfloat16_is_the_bfloat16_load_s_twin(t
     """fp32 weights served in bf16, converted by the runner as it packs (a tied table kept in
     its fp32 file and rounded as its rows are read): the logits are those of a runner over HF's
     own bf16 load, bit for bit (Gemma: tied, scaled embeddings)."""
+    from harness.families import build
     from shared import model_store
     from shared.worker.runtime import load_model
-    from tests.families import build
 
     path = build("gemma", tmp_path, model_dir, dtype=torch.float32)
     config = model_store.load_config(path)

@@ -1,8 +1,11 @@
 """The folders are the architecture: each package imports only what the README's layout table
 allows. The library never imports a service, services never import each other, and nothing in the
-runtime path imports the `tandem` command, the benchmark client or a test fake."""
+runtime path imports the `tandem` command, the benchmark client or a test fake. What benchmarks and
+tests share (KV peers, model layouts, the compose driver) lives in `harness/`: tests may import it,
+it never imports a test or a benchmark, and nothing outside tests/ imports from tests/."""
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -50,12 +53,26 @@ ALLOWED = {
     "services.prefill": RUNTIME | COMMON,
     "services.decode": RUNTIME | COMMON,
     "tests.fakes": RUNTIME | COMMON,
+    # what benchmarks and tests share: the runtime to drive, the command's helpers for compose
+    "harness": RUNTIME | COMMON | {"shared.cli"},
 }
+# top-level folder -> the top-level folders it may never import; every folder outside tests/
+# (bench/, proto/, ...) may never import tests/ either
+NEVER = {
+    "shared": {"harness", "bench"},
+    "services": {"harness", "bench"},
+    "harness": {"bench"},
+}
+# not the repository's own code: virtualenvs, build outputs
+NOT_OURS = {"build", "dist", "venv"}
 
 
 def package_of(module: str) -> str | None:
-    """The layout unit a dotted module name belongs to: `shared.<x>`, `services.<x>`, `tests.<x>`."""
+    """The layout unit a dotted module name belongs to: `shared.<x>`, `services.<x>`, `tests.<x>`,
+    or all of `harness` or `bench`."""
     parts = module.split(".")
+    if parts[0] in ("harness", "bench"):
+        return parts[0]
     if parts[0] in ("shared", "services", "tests") and len(parts) > 1:
         return ".".join(parts[:2])
     return None
@@ -79,7 +96,7 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 def sources() -> list[Path]:
     """Every module in a layout unit (the top-level packages' own __init__ files are empty)."""
-    folders = [ROOT / "shared", ROOT / "services", ROOT / "tests" / "fakes"]
+    folders = [ROOT / "shared", ROOT / "services", ROOT / "tests" / "fakes", ROOT / "harness"]
     paths = (p for folder in folders for p in folder.rglob("*.py"))
     return sorted(p for p in paths if package_of(module_name(p)))
 
@@ -97,7 +114,7 @@ def test_every_package_has_a_row_in_the_layout_table():
 
 
 def test_the_top_level_packages_import_nothing():
-    for top in ("shared", "services"):
+    for top in ("shared", "services", "harness"):
         assert imported_modules(ROOT / top / "__init__.py") == set()
 
 
@@ -119,6 +136,69 @@ def test_the_rule_catches_a_service_importing_another(tmp_path):
     assert violations(bad, root=tmp_path) == [
         "services.gateway.bad imports services.decode",
         "services.gateway.bad imports tests.fakes",
+    ]
+
+
+def outside_tests(root: Path = ROOT) -> list[Path]:
+    """Every Python file of the repository outside tests/: bench/, harness/, shared/, services/,
+    proto/ and any folder added later (hidden folders and NOT_OURS aside)."""
+    paths = []
+    for folder, dirs, files in os.walk(root):
+        # pruned, not filtered: the virtualenvs (.venv, .venv-bench) are never walked
+        skip = NOT_OURS | ({"tests"} if Path(folder) == root else set())
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip]
+        paths += [Path(folder) / f for f in files if f.endswith(".py")]
+    return sorted(paths)
+
+
+def crossings(path: Path, root: Path = ROOT) -> list[str]:
+    """The top-level folders `path` imports that its own may never: tests/ from outside it, the
+    harness or a benchmark from the runtime, a benchmark from the harness."""
+    module = module_name(path, root)
+    never = NEVER.get(module.split(".")[0], set()) | {"tests"}
+    found = {name.split(".")[0] for name in imported_modules(path)}
+    return sorted(f"{module} imports {top}" for top in found & never)
+
+
+def test_the_scan_outside_tests_sees_every_top_level_folder():
+    tops = {p.relative_to(ROOT).parts[0] for p in outside_tests()}
+    assert {"bench", "harness", "shared", "services"} <= tops
+    assert "tests" not in tops
+
+
+@pytest.mark.parametrize("path", outside_tests(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_outside_tests_imports_tests_and_the_runtime_no_harness(path):
+    assert crossings(path) == []
+
+
+def test_the_rule_catches_imports_across_tests_harness_and_bench(tmp_path):
+    """The check can fail: a benchmark importing tests/, the runtime importing the harness or a
+    benchmark, and the harness importing tests/ are each reported."""
+    files = {
+        "bench/bad.py": "import tests\nfrom tests.fakes.bus import InMemoryBus\n",
+        "shared/engine/bad.py": "from harness.families import build\nimport bench.kv\n",
+        "services/decode/bad.py": "from harness import kv_peer\n",
+        "harness/bad.py": "from tests import conftest\nfrom bench.kv import prompt_text\n",
+        "proto/bad.py": "import tests.unit.test_layout\n",
+        "tests/fine.py": "from harness.kv_peer import KVPeer\nimport bench\n",
+        ".venv/lib/other.py": "import tests\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = [v for path in outside_tests(tmp_path) for v in crossings(path, root=tmp_path)]
+    assert found == [
+        "bench.bad imports tests",
+        "harness.bad imports bench",
+        "harness.bad imports tests",
+        "proto.bad imports tests",
+        "services.decode.bad imports harness",
+        "shared.engine.bad imports bench",
+        "shared.engine.bad imports harness",
+    ]
+    # and the layout table keeps a service from the harness too
+    assert violations(tmp_path / "services/decode/bad.py", root=tmp_path) == [
+        "services.decode.bad imports harness"
     ]
 
 

@@ -3,8 +3,8 @@
 import torch
 from transformers import AutoModelForCausalLM
 
+from harness.families import config_of
 from shared.engine.rotary import CACHED, Rotary
-from tests.families import config_of
 
 
 def rotary_of(name: str) -> Rotary:

@@ -268,7 +268,7 @@ def _architecture(model_type: str) -> str:
 
 
 def main() -> None:
-    """python -m tests.families NAME DIR [--dtype bfloat16] [--shard 200MB]"""
+    """python -m harness.families NAME DIR [--dtype bfloat16] [--shard 200MB]"""
     import argparse
 
     from shared import model_store

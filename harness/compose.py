@@ -14,7 +14,7 @@ from shared.cli import main as cli
 from shared.cli.api_keys import add_key
 from shared.cli.processes import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 LABEL = "com.docker.compose.project"
 
 

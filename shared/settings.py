@@ -5,6 +5,7 @@ Each field's help text lives in its metadata: `field(default=..., metadata={"hel
 """
 
 import argparse
+import enum
 import logging
 import math
 import os
@@ -177,7 +178,19 @@ def env_name(name: str) -> str:
     return "TANDEM_" + name.upper()
 
 
+def _choices(kind: type) -> list[str] | None:
+    """The values a field of a string enum type may take (None: any of its type)."""
+    return (
+        [m.value for m in kind] if isinstance(kind, type) and issubclass(kind, enum.Enum) else None
+    )
+
+
 def _convert(kind: type, text: str, name: str):
+    choices = _choices(kind)
+    if choices is not None:
+        if text not in choices:
+            raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {text!r}")
+        return kind(text)
     if kind is bool:
         lowered = text.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -204,6 +217,7 @@ def load_settings(
     for f in fields(cls):
         kind = hints[f.name]
         default = f.default if f.default is not MISSING else "(computed)"
+        default = default.value if isinstance(default, enum.Enum) else default
         text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}, default {default!r}]"
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:
@@ -212,7 +226,12 @@ def load_settings(
             )
         else:
             parser.add_argument(
-                flag, type=str, default=None, help=text, metavar=kind.__name__.upper()
+                flag,
+                type=str,
+                default=None,
+                help=text,
+                choices=_choices(kind),
+                metavar=kind.__name__.upper(),
             )
     args = parser.parse_args(argv)
     values = {}

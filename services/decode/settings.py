@@ -1,5 +1,6 @@
 from dataclasses import dataclass, field
 
+from shared.control.worker_roles import Role
 from shared.worker.settings import WorkerSettings
 
 
@@ -15,5 +16,5 @@ class DecodeSettings(WorkerSettings):
     )
 
     @property
-    def role(self) -> str:
-        return "colocated" if self.colocated else "decode"
+    def role(self) -> Role:
+        return Role.COLOCATED if self.colocated else Role.DECODE

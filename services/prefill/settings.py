@@ -1,5 +1,6 @@
 from dataclasses import dataclass
 
+from shared.control.worker_roles import Role
 from shared.worker.settings import WorkerSettings
 
 
@@ -8,5 +9,5 @@ class PrefillSettings(WorkerSettings):
     """Settings of a prefill worker (flags or TANDEM_* variables)."""
 
     @property
-    def role(self) -> str:
-        return "prefill"
+    def role(self) -> Role:
+        return Role.PREFILL

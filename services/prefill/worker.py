@@ -21,6 +21,7 @@ from shared.control.messages import (
     WorkerHeartbeat,
 )
 from shared.control.subjects import Subjects
+from shared.control.worker_roles import Role
 from shared.dataplane.plane import DataPlane
 from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import Sequence
@@ -75,7 +76,7 @@ class PrefillWorker:
             self.settings,
             self.plane,
             self.bus,
-            role="prefill",
+            role=Role.PREFILL,
             running=held - queued,
             queued=queued,
             served=self.ship.served,

@@ -13,6 +13,7 @@ from services.scheduler.admission import Pending
 from services.scheduler.router import Route
 from shared.control.failure import Code
 from shared.control.messages import WorkerHeartbeat
+from shared.control.worker_roles import Role
 from shared.telemetry import tracing
 from shared.telemetry.metrics import ID_LABELS, LATENCY_BUCKETS
 
@@ -99,7 +100,7 @@ class SchedulerMetrics:
             self.queue_depth.labels(*self.ids, priority).set(depth[priority])
         self._priorities |= set(depth)
         pools = collections.Counter(w.role for w in workers)
-        for pool in ("prefill", "decode", "colocated"):
+        for pool in Role:
             self.live_workers.labels(*self.ids, pool).set(pools[pool])
 
     def routed(self, entry: Pending, started: float, chosen: Route) -> None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from shared.control.messages import WorkerHeartbeat
+from shared.control.worker_roles import Role
 
 
 @dataclasses.dataclass
@@ -60,7 +61,7 @@ class WorkerRegistry:
     def drop(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
-    def live(self, role: str | None = None) -> list[WorkerHeartbeat]:
+    def live(self, role: Role | None = None) -> list[WorkerHeartbeat]:
         now = self._clock()
         since = self._hearing_from
         silent = [

@@ -30,6 +30,7 @@ from services.scheduler.registry import WorkerRegistry
 from services.scheduler.roles import decode_roles
 from shared.control.failure import Code, Failure, failed
 from shared.control.messages import GenerateTask, WorkerHeartbeat
+from shared.control.worker_roles import Mode, Role
 
 NEAR_PRICED = 32  # near-equal decode workers priced per request, besides those with a prefix hit
 
@@ -61,7 +62,7 @@ class NoRoom(NoWorker):
 
 @dataclass
 class Policy:
-    mode: str = "auto"
+    mode: Mode = Mode.AUTO
     local_prefill_tokens: int = 256
     prefill_busy_s: float = 30.0
     max_prefill_wait_s: float = 60.0
@@ -91,10 +92,10 @@ class Router:
         prompt = PromptView(task.prompt_token_ids)
         decoders = self._decoders(task, exclude)
         near = self._near_equal(decoders, task, prompt)
-        if self.policy.mode == "colocated":
+        if self.policy.mode == Mode.COLOCATED:
             return self._local_best(near, prompt)
         remote = self._remote_best(near, prompt, exclude)
-        if self.policy.mode == "disaggregated":
+        if self.policy.mode == Mode.DISAGGREGATED:
             return self._checked(remote or self._no_prefill(near, prompt, exclude))
         local = self._local_best(near, prompt)
         return self._auto(local, remote)
@@ -187,7 +188,7 @@ class Router:
         `near` is ordered."""
         prefills = [
             p
-            for p in self.registry.live("prefill")
+            for p in self.registry.live(Role.PREFILL)
             if p.worker_id not in exclude and capacity.takes(p, len(prompt.token_ids))
         ]
         best, best_key = None, None
@@ -232,10 +233,10 @@ class Router:
         """Disaggregated, and no prefill worker takes the prompt. None live: `_fallback`. Else
         raises why: none with the decode pool's KV layout (NoWorker), none whose KV budget holds
         it (TooLarge), or every queue full (NoRoom)."""
-        prefills = [p for p in self.registry.live("prefill") if p.worker_id not in exclude]
+        prefills = [p for p in self.registry.live(Role.PREFILL) if p.worker_id not in exclude]
         if not prefills:
             return self._fallback(near, prompt)
-        decodes = self.registry.live("decode")
+        decodes = self.registry.live(Role.DECODE)
         if not any(p.layout == w.layout for p in prefills for w in decodes):
             raise NoWorker(
                 "no live prefill worker with a matching KV layout: decode serves "

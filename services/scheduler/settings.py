@@ -4,9 +4,9 @@ from dataclasses import dataclass, field
 
 from services.scheduler.presence import BEAT_S
 from services.scheduler.router import Policy
+from shared.control.worker_roles import Mode
 from shared.settings import CommonSettings
 
-MODES = ("auto", "disaggregated", "colocated")
 PREFILL_FALLBACKS = ("local", "wait", "fail")
 
 
@@ -14,7 +14,7 @@ PREFILL_FALLBACKS = ("local", "wait", "fail")
 class SchedulerSettings(CommonSettings):
     """Settings of the scheduler (flags or TANDEM_* variables)."""
 
-    mode: str = field(
+    mode: Mode = field(
         default=Policy.mode,
         metadata={
             "help": "auto (short prompts, or all when the prefill pool is busy, prefilled on the decode worker), disaggregated (always a prefill worker) or colocated (colocated workers only)"
@@ -86,8 +86,9 @@ class SchedulerSettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in tuple(Mode):
+            raise ValueError(f"mode must be one of {', '.join(Mode)}, got {self.mode!r}")
+        self.mode = Mode(self.mode)
         if self.prefill_fallback not in PREFILL_FALLBACKS:
             raise ValueError(
                 f"prefill_fallback must be one of {PREFILL_FALLBACKS}, got {self.prefill_fallback!r}"

@@ -3,6 +3,7 @@
 import dataclasses
 
 from shared.control.messages import StatusReply, StatusRequest, WorkerHeartbeat, WorkerStatus
+from shared.control.worker_roles import Mode
 
 STATUS_PAGE = 128  # workers per status reply: within the wire cap whatever their labels
 
@@ -13,7 +14,7 @@ def worker_status(beat: WorkerHeartbeat) -> WorkerStatus:
 
 
 def status_page(
-    live: list[WorkerHeartbeat], request: StatusRequest, mode: str, ready: bool, dropped: int
+    live: list[WorkerHeartbeat], request: StatusRequest, mode: Mode, ready: bool, dropped: int
 ) -> StatusReply:
     """The workers after `request.after` (live is sorted by id), `request.limit` at most."""
     after = [w for w in live if w.worker_id > request.after]

@@ -32,6 +32,7 @@ from shared.cli.processes import (
     wait_for_port,
 )
 from shared.control.nats_auth import ROLES, write_credentials
+from shared.control.worker_roles import Mode
 from shared.engine.architecture import UnsupportedModel, check
 
 DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM serving?"
@@ -68,7 +69,7 @@ def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> W
         placement=placement_of(args),
         devices=devices_of(args),
     )
-    if args.mode != "colocated":
+    if args.mode != Mode.COLOCATED:
         pools.resize("prefill", args.prefill)
     pools.resize("decode", args.decode)
     ports = {"TANDEM_GRPC_PORT": str(args.grpc_port), "TANDEM_HTTP_PORT": str(args.http_port)}
@@ -181,7 +182,7 @@ def _serve(
     try:
         pools = start_stack(args, group, secrets_dir)
         print(f"starting {args.mode} stack, logs in {log_dir} ...", flush=True)
-        workers = args.decode + (args.prefill if args.mode != "colocated" else 0)
+        workers = args.decode + (args.prefill if args.mode != Mode.COLOCATED else 0)
         # the launcher's own calls: the first key's, when the gateway requires keys
         metadata = key_metadata(first_key(args.api_keys_file) if args.api_keys_file else "")
         wait_until_serving(pools.address, group, args.ready_timeout, workers, metadata)
@@ -203,7 +204,7 @@ def _serve(
 def _announce(args, address: str, control: ControlServer, secure: bool) -> None:
     sizes = (
         f"{args.prefill} prefill, {args.decode} decode"
-        if args.mode != "colocated"
+        if args.mode != Mode.COLOCATED
         else f"{args.decode} colocated"
     )
     http = f", OpenAI API on http://127.0.0.1:{args.http_port}/v1" if args.http_port >= 0 else ""

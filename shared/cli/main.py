@@ -8,6 +8,7 @@ import sys
 
 from shared.cli import api_keys, bench, client, launcher, scale
 from shared.control import nats_auth
+from shared.control.worker_roles import Mode
 
 
 def seconds(text: str) -> float:
@@ -16,6 +17,11 @@ def seconds(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
+
+
+def _mode(text: str) -> Mode | str:
+    """--mode as a Mode; another value is left as it is, for argparse to refuse as no choice."""
+    return Mode(text) if text in tuple(Mode) else text
 
 
 def parser() -> argparse.ArgumentParser:
@@ -64,8 +70,9 @@ def _up_command(sub) -> None:
     )
     up.add_argument(
         "--mode",
-        choices=("auto", "disaggregated", "colocated"),
-        default="auto",
+        type=_mode,
+        choices=[m.value for m in Mode],
+        default=Mode.AUTO,
         help="auto (default): short prompts prefilled on the decode worker, long ones on a prefill "
         "worker; disaggregated or colocated force one path",
     )

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared.cli.processes import ProcessGroup, child_env
+from shared.control.worker_roles import Mode, Role
 from shared.worker.placement import Placement, format_cpus, gpus_available, place
 from shared.worker.settings import WorkerSettings
 
@@ -39,18 +40,18 @@ class Restarts:
         return len(recent) < MAX_RESTARTS
 
 
-def pool_of(role: str, mode: str) -> str:
+def pool_of(role: str, mode: Mode) -> str:
     """The pool a role names: `decode` is the decode pool, or the colocated one in colocated mode."""
-    if role == "decode" or (role == "colocated" and mode == "colocated"):
+    if role == Role.DECODE or (role == Role.COLOCATED and mode == Mode.COLOCATED):
         return "decode"
-    if role == "prefill" and mode != "colocated":
+    if role == Role.PREFILL and mode != Mode.COLOCATED:
         return "prefill"
-    if role in ("prefill", "colocated"):
+    if role in (Role.PREFILL, Role.COLOCATED):
         raise ScaleError(f"a {mode} stack has no {role} workers")
     raise ScaleError(f"unknown role {role!r}: use prefill, decode or colocated")
 
 
-def validate_targets(targets, mode: str) -> dict[str, int]:
+def validate_targets(targets, mode: Mode) -> dict[str, int]:
     """{"prefill": 2, "decode": 3} -> workers wanted per pool; ScaleError when the request is wrong."""
     if not isinstance(targets, dict) or not targets:
         raise ScaleError("nothing to scale: give prefill=N and/or decode=M")
@@ -89,7 +90,7 @@ class WorkerSpec:
 @dataclass
 class WorkerPools:
     group: ProcessGroup
-    mode: str
+    mode: Mode
     specs: dict[str, WorkerSpec]  # pool -> how to start one of its workers
     address: str  # the gateway, for clients that wait for ClusterStatus
     grace_s: float = field(default_factory=drain_grace_s)
@@ -187,7 +188,7 @@ class WorkerPools:
 
     def label(self, pool: str) -> str:
         """What users call the pool: the decode pool of a colocated stack holds colocated workers."""
-        return "colocated" if pool == "decode" and self.mode == "colocated" else pool
+        return Role.COLOCATED if pool == "decode" and self.mode == Mode.COLOCATED else pool
 
     def _counts_text(self) -> str:
         return ", ".join(
@@ -197,7 +198,7 @@ class WorkerPools:
 
 def _counts(args) -> dict[str, int]:
     counts = {"decode": args.decode}
-    return counts if args.mode == "colocated" else {"prefill": args.prefill, **counts}
+    return counts if args.mode == Mode.COLOCATED else {"prefill": args.prefill, **counts}
 
 
 def placement_of(args) -> Placement | None:
@@ -220,11 +221,11 @@ def devices_of(args, gpus: list[int] | None = None) -> Placement | None:
 
 def worker_specs(args, common: dict[str, str], role_env: dict[str, dict]) -> dict[str, WorkerSpec]:
     """Workers started later by `tandem scale` get the same settings as the first ones."""
-    workers = args.prefill + args.decode if args.mode != "colocated" else args.decode
+    workers = args.prefill + args.decode if args.mode != Mode.COLOCATED else args.decode
     worker_env = dict(common)
     if args.no_pin and "TANDEM_TORCH_THREADS" not in os.environ:  # workers share every core
         worker_env["TANDEM_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
-    colocated = {"TANDEM_COLOCATED": "1" if args.mode == "colocated" else "0"}
+    colocated = {"TANDEM_COLOCATED": "1" if args.mode == Mode.COLOCATED else "0"}
     python = [sys.executable, "-m"]
     return {
         "prefill": WorkerSpec(

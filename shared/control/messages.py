@@ -9,6 +9,7 @@ from shared.control.attempts import AboutAnAttempt, AboutATask
 from shared.control.failure import Failure
 from shared.control.finish import FinishReason
 from shared.control.holdings import GatewayHoldings
+from shared.control.worker_roles import Mode, Role
 from shared.values.kv_layout import KVLayout
 from shared.values.sampling import SamplingParams, TokenLogprob
 
@@ -178,7 +179,7 @@ class WorkerStatus:
     """A worker as ClusterStatus shows it (a page of 128 fits the wire cap with room to spare)."""
 
     worker_id: str
-    role: str  # prefill, decode or colocated
+    role: Role
     host: str
     pid: int
     running: int = 0
@@ -247,7 +248,7 @@ class Ping:
 
 @dataclass
 class StatusReply:
-    mode: str
+    mode: Mode
     ready: bool
     workers: list[WorkerStatus] = field(default_factory=list)  # the page asked for
     messages_dropped: int = 0  # by this scheduler

@@ -14,6 +14,7 @@ import uuid
 from contextlib import AsyncExitStack
 from dataclasses import replace
 
+from shared.control.worker_roles import Role
 from shared.worker.links import BuildWorker, data_plane, open_links
 from shared.worker.mock_runtime import MockModel, mock_runtime
 from shared.worker.settings import WorkerSettings
@@ -21,7 +22,7 @@ from shared.worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 
-def fleet_ids(settings: WorkerSettings, role: str) -> list[str]:
+def fleet_ids(settings: WorkerSettings, role: Role) -> list[str]:
     """The workers' ids: <base>-0000, <base>-0001, ... (base: --worker-id or role-<random>)."""
     base = settings.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
     width = max(4, len(str(settings.mock_workers - 1)))
@@ -31,7 +32,7 @@ def fleet_ids(settings: WorkerSettings, role: str) -> list[str]:
 async def run_fleet(
     settings: WorkerSettings,
     service: str,
-    role: str,
+    role: Role,
     build: BuildWorker,
     with_liveness: bool,
     stop: asyncio.Event,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from shared.control.bus import MessageBus
 from shared.control.messages import WorkerHeartbeat
+from shared.control.worker_roles import Role
 from shared.dataplane.plane import DataPlane
 from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
@@ -18,7 +19,7 @@ def heartbeat(
     plane: DataPlane,
     bus: MessageBus,
     *,
-    role: str,
+    role: Role,
     running: int,
     queued: int,
     served: int,

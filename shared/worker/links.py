@@ -11,6 +11,7 @@ from typing import Protocol
 from shared.control.bus import BusTiming, MessageBus, NatsBus
 from shared.control.liveness import Liveness
 from shared.control.subjects import Subjects
+from shared.control.worker_roles import Role
 from shared.dataplane.helper_plane import HelperDataPlane
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.ucx import UcxDataPlane
@@ -39,7 +40,7 @@ async def open_links(
     stack: AsyncExitStack,
     settings: WorkerSettings,
     service: str,
-    role: str,
+    role: Role,
     name: str,
     plane: DataPlane,
     with_liveness: bool,

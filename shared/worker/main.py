@@ -8,6 +8,7 @@ import logging
 from contextlib import AsyncExitStack
 from dataclasses import replace
 
+from shared.control.worker_roles import Role
 from shared.dataplane.plane import DataPlane
 from shared.engine.architecture import UnsupportedModel
 from shared.lifecycle import stop_on_signals
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 async def run_worker(
-    settings: WorkerSettings, service: str, role: str, build: BuildWorker, with_liveness: bool
+    settings: WorkerSettings, service: str, role: Role, build: BuildWorker, with_liveness: bool
 ) -> None:
     """Serves one worker of `role` (or, with --mock-workers, a fleet of mock ones) until a
     signal; `service` names its bus permissions."""

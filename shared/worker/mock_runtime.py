@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from shared import model_store
 from shared.control.rules import MAX_LABEL
+from shared.control.worker_roles import Role
 from shared.engine.block_manager import BlockManager
 from shared.engine.dtypes import compute_dtype
 from shared.engine.engine import Engine
@@ -47,12 +48,12 @@ class MockModel:
         )
 
 
-def load_mock_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
+def load_mock_runtime(settings: WorkerSettings, role: Role) -> WorkerRuntime:
     return mock_runtime(settings, role, MockModel.load(settings))
 
 
 def mock_runtime(
-    settings: WorkerSettings, role: str, model: MockModel, quiet: bool = False
+    settings: WorkerSettings, role: Role, model: MockModel, quiet: bool = False
 ) -> WorkerRuntime:
     """A mock worker's runtime (`quiet`: its ready line at debug level, as in a fleet)."""
     real_bytes = bytes_per_token(model.real_layout)

@@ -9,6 +9,7 @@ import torch
 
 from shared import model_store
 from shared.control.rules import MAX_LABEL
+from shared.control.worker_roles import Role
 from shared.engine import kernels as cpu_kernels
 from shared.engine.architecture import check
 from shared.engine.block_manager import BlockManager
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class WorkerRuntime:
     worker_id: str
-    role: str
+    role: Role
     host: str
     runner: ModelRunner
     tokenizer: object
@@ -73,7 +74,7 @@ def pick_device(setting: str) -> str:
     return setting
 
 
-def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
+def load_runtime(settings: WorkerSettings, role: Role) -> WorkerRuntime:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     device = pick_device(settings.device)
@@ -83,7 +84,7 @@ def load_runtime(settings: WorkerSettings, role: str) -> WorkerRuntime:
     dtype = compute_dtype(settings.dtype, config, device, _row_kernel(settings, device))
     with allocations_given_back():
         model = load_model(model_dir, device, dtype, settings.weights, config)
-        runner = _runner(settings, model, device, dtype, decodes=role != "prefill")
+        runner = _runner(settings, model, device, dtype, decodes=role != Role.PREFILL)
     tokenizer = model_store.load_tokenizer(model_dir)
     model_limit = model_store.context_limit(model.config)
     max_len = min(settings.max_model_len or model_limit, model_limit)

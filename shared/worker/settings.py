@@ -5,10 +5,10 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from shared.control.worker_roles import Role
 from shared.worker.placement import parse_cpus
 from shared.worker.transfer_settings import TransferSettings
 
-ROLES = ("prefill", "decode", "colocated")
 CHOICES = {  # settings with a fixed set of values
     "weights": ("native", "int8"),
     "kernels": ("auto", "off"),
@@ -262,7 +262,7 @@ class WorkerSettings(TransferSettings):  # CommonSettings, the data-plane helper
         if self.mock_workers > 1 and self.engine != "mock":
             raise ValueError("mock_workers needs engine mock (a model worker is one per process)")
 
-    def resolved_worker_id(self, role: str) -> str:
+    def resolved_worker_id(self, role: Role) -> str:
         return self.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
 
     def resolved_host(self) -> str:

@@ -1,5 +1,6 @@
 """WorkerPools and ProcessGroup.retire/reap, with stand-in processes instead of model workers."""
 
+import json
 import os
 import signal
 import sys
@@ -8,8 +9,10 @@ import time
 import pytest
 
 from shared.cli import scale
+from shared.cli.main import parser
 from shared.cli.pools import Restarts, ScaleError, WorkerPools, WorkerSpec, drain_grace_s
 from shared.cli.processes import ProcessGroup
+from shared.control.worker_roles import Mode
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 STUBBORN = [
@@ -116,6 +119,24 @@ def test_a_colocated_stack_calls_its_pool_colocated(group):
     reply = pools.scale({"colocated": 2})
     assert reply["counts"] == {"colocated": 2} and reply["started"][0]["name"] == "decode-1"
     assert pools.scale({"decode": 1})["counts"] == {"colocated": 1}
+
+
+def test_the_mode_flag_gives_a_mode_and_the_status_reads_as_before(group, capsys):
+    assert parser().parse_args(["up"]).mode is Mode.AUTO
+    args = parser().parse_args(["up", "--mode", "colocated"])
+    assert args.mode is Mode.COLOCATED
+    specs = {"decode": WorkerSpec(SLEEPER, {})}
+    pools = WorkerPools(group, args.mode, specs, "127.0.0.1:1", 10.0)
+    pools.resize("decode", 1)
+    status = json.loads(json.dumps(pools.status()))
+    assert status["mode"] == "colocated" and status["counts"] == {"colocated": 1}
+    with pytest.raises(ScaleError, match="a colocated stack has no prefill workers"):
+        pools.scale({"prefill": 1})
+    with pytest.raises(SystemExit):
+        parser().parse_args(["up", "--mode", "both"])
+    assert "invalid choice: 'both' (choose from 'auto', 'disaggregated', 'colocated')" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_crashed_worker_is_replaced_and_a_crash_loop_stops(group, monkeypatch):

@@ -7,6 +7,8 @@ from services.scheduler.registry import WorkerRegistry
 from services.scheduler.router import NoRoom, NoWorker, Policy, Router, TooLarge
 from shared.control.failure import Code
 from shared.control.messages import GenerateTask, KVLayout, SamplingParams, WorkerHeartbeat
+from shared.control.wire import decode, encode
+from shared.control.worker_roles import Mode, Role
 from shared.values.prefix_hash import granule_keys
 
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
@@ -267,6 +269,33 @@ def test_disaggregated_always_uses_a_prefill_worker_and_colocated_never():
     )
     chosen = r.route(task(5000, 6))
     assert chosen.decode.worker_id == "c" and chosen.prefill is None
+
+
+@pytest.mark.parametrize("over_the_wire", [False, True], ids=["in-process", "decoded"])
+def test_roles_and_modes_route_the_same_as_members_or_as_plain_strings(over_the_wire):
+    """Heartbeats from the wire carry Role members, tests and older code plain strings; a
+    Mode member and its string choose the same path."""
+
+    def worker(worker_id: str, role: Role, **kw) -> WorkerHeartbeat:
+        b = beat(worker_id, role=role if over_the_wire else role.value, **kw)
+        return decode(encode(b), WorkerHeartbeat) if over_the_wire else b
+
+    beats = (
+        worker("d", Role.DECODE),
+        worker("c", Role.COLOCATED, running=1),
+        worker("p", Role.PREFILL),
+    )
+    if over_the_wire:
+        assert [type(b.role) for b in beats] == [Role] * 3
+    for mode in (Mode.DISAGGREGATED, "disaggregated"):
+        chosen = router(*beats, mode=mode).route(task(1))
+        assert (chosen.decode.worker_id, chosen.prefill.worker_id) == ("d", "p")
+    for mode in (Mode.COLOCATED, "colocated"):
+        chosen = router(*beats, mode=mode).route(task(5000, 6))
+        assert chosen.decode.worker_id == "c" and chosen.prefill is None
+    for mode in (Mode.AUTO, "auto"):
+        assert router(*beats, mode=mode).route(task(1)).prefill is None  # short: locally
+        assert router(*beats, mode=mode).registry.live(Role.PREFILL) == [beats[2]]
 
 
 # --- disaggregated with no live prefill worker: prefill_fallback --------------------------------

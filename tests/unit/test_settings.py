@@ -5,6 +5,7 @@ import pytest
 from services.decode.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings
 from services.scheduler.settings import SchedulerSettings
+from shared.control.worker_roles import Mode, Role
 from shared.settings import load_settings
 
 
@@ -61,7 +62,7 @@ def test_unrelated_env_is_ignored():
 def test_bool_flags_and_env(argv, env, expected):
     s = load_settings(DecodeSettings, argv, env=env)
     assert s.colocated is expected
-    assert s.role == ("colocated" if expected else "decode")
+    assert s.role is (Role.COLOCATED if expected else Role.DECODE)
 
 
 @pytest.mark.parametrize(
@@ -75,6 +76,7 @@ def test_bool_flags_and_env(argv, env, expected):
         (DecodeSettings, [], {"TANDEM_COLOCATED": "maybe"}),
         (DecodeSettings, [], {"TANDEM_BLOCK_SIZE": "0"}),
         (SchedulerSettings, ["--mode", "sideways"], {}),
+        (SchedulerSettings, [], {"TANDEM_MODE": "Colocated"}),
         (SchedulerSettings, ["--max-itl-ms", "-1"], {}),
         (GatewaySettings, ["--gateway-id", "gw.1"], {}),  # not one NATS subject token
         (GatewaySettings, ["--max-migrations", "17"], {}),
@@ -88,6 +90,24 @@ def test_bad_input_exits_2(cls, argv, env, capsys):
         load_settings(cls, argv, env=env, prog="test")
     assert exc.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=str)
+def test_the_mode_is_a_member_from_a_flag_a_variable_or_the_constructor(mode):
+    from_flag = load_settings(SchedulerSettings, ["--mode", mode.value], env={})
+    from_env = load_settings(SchedulerSettings, [], env={"TANDEM_MODE": mode.value})
+    built = SchedulerSettings(mode=mode.value)
+    assert from_flag.mode is from_env.mode is built.mode is built.policy().mode is mode
+
+
+def test_the_mode_flag_offers_the_modes_and_names_them_when_refused(capsys):
+    with pytest.raises(SystemExit):
+        load_settings(SchedulerSettings, [], env={"TANDEM_MODE": "both"}, prog="test")
+    assert "mode: expected one of auto, disaggregated, colocated, got 'both'" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(ValueError, match="mode must be one of auto, disaggregated, colocated"):
+        SchedulerSettings(mode="both")
 
 
 @pytest.mark.parametrize("cluster", ["prod", "a_b-C9", "x" * 64])

@@ -9,7 +9,7 @@ float32 gives the reference top-1 at every position; HF in bfloat16 and the engi
 scored by the fraction of positions whose top-1 is the reference's; so is HF in float32 on the
 weights rounded to bf16, the best that bf16 weights allow. Default model: SmolLM2-135M
 (trained weights; random-weight checkpoints put near-ties at the top of every row, see the
-README's Models table). Writes bench/results/bf16.{json,md}.
+Models table in docs/engine.md). Writes bench/results/bf16.{json,md}.
 """
 
 import argparse

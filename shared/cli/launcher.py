@@ -120,7 +120,7 @@ def _refusal(args) -> str:
     if args.secure and args.nats_url:
         return (
             "--secure starts a NATS server of its own; for yours, give each service its "
-            "credentials (TANDEM_NATS_USER, TANDEM_NATS_PASSWORD_FILE; see README)"
+            "credentials (TANDEM_NATS_USER, TANDEM_NATS_PASSWORD_FILE; see docs/security.md)"
         )
     if args.secure and args.insecure:
         return "--secure and --insecure contradict each other"

@@ -1,9 +1,9 @@
 """`python -m shared.dataplane.helper`: the data-plane helper process. It owns the worker's UCX
 (a UcxDataPlane) and moves KV in and out of the regions the worker shares with it, on the
 worker's commands (shared.dataplane.helper_wire). UCX can crash its process when a peer dies
-mid-transfer (README, "A dead peer inside UCX"); here that costs the transfers in flight, not the
-worker and the sequences it holds: the worker's HelperDataPlane sees the socket close and starts
-a new helper. It runs without torch (numpy views of the regions), and exits when its worker does.
+mid-transfer (docs/reliability.md, "A dead peer inside UCX"); here that costs the transfers in
+flight, not the worker and the sequences it holds: the worker's HelperDataPlane sees the socket
+close and starts a new helper. It runs without torch (numpy views of the regions), and exits when its worker does.
 """
 
 import argparse

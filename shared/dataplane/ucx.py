@@ -45,7 +45,7 @@ class UcxDataPlane:
     and worker heartbeats instead, and a failed endpoint is dropped and reopened.
 
     Without that mode, a peer that dies mid-transfer can make UCX use a freed endpoint, a
-    segfault (README, "A dead peer inside UCX"): workers run this plane in a helper process of
+    segfault (docs/reliability.md, "A dead peer inside UCX"): workers run this plane in a helper process of
     their own (shared.dataplane.helper_plane), where that costs only the transfers in flight.
 
     Progress comes from the event loop (shared.dataplane.ucx_progress), not ucxx's thread: on a

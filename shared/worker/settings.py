@@ -155,7 +155,7 @@ class WorkerSettings(TransferSettings):  # CommonSettings, the data-plane helper
     ucx_rndv_scheme: str = field(
         default="",
         metadata={
-            "help": "UCX_RNDV_SCHEME for large KV pieces; empty = UCX's choice (on one host the receiver reads the sender's memory). put_zcopy: the sender writes, so a prefill worker SIGKILLed mid-transfer cannot crash a decode worker, but a decode worker's death can crash the prefill worker (README: A dead peer inside UCX)"
+            "help": "UCX_RNDV_SCHEME for large KV pieces; empty = UCX's choice (on one host the receiver reads the sender's memory). put_zcopy: the sender writes, so a prefill worker SIGKILLed mid-transfer cannot crash a decode worker, but a decode worker's death can crash the prefill worker (docs/reliability.md: A dead peer inside UCX)"
         },
     )
     kv_plane: str = field(

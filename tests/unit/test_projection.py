@@ -87,7 +87,7 @@ def test_invariant_row_counts_are_invariant():
 
 def test_int8_dynamic_quantization_is_not_batch_invariant():
     """Activations are quantized with one scale per call, so other rows change a row's bits:
-    the probe finds (and the README states) no invariant row count for int8 weights."""
+    the probe finds (and docs/engine.md states) no invariant row count for int8 weights."""
     model = quantize_int8(nn.Sequential(*linears(64)))
     assert invariant_row_counts([Projection([model[0]])]) == []
 

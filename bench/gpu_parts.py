@@ -79,7 +79,7 @@ class EngineRun:
             if first is None and all(s.output_ids for s in seqs):
                 _sync(self.device)
                 first = time.perf_counter()
-            if all(s.finish_reason or (prefill_only and s.output_ids) for s in seqs):
+            if all(s.status.finished or (prefill_only and s.output_ids) for s in seqs):
                 break
         _sync(self.device)
         done = time.perf_counter()

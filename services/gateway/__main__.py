@@ -12,7 +12,6 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from services.gateway.clients import ClientKeys, TrustedProxies
 from services.gateway.grpc_bounds import CallBounds, server_options
-from services.gateway.grpc_methods import add_to_server
 from services.gateway.health import ReadinessProbe
 from services.gateway.holdings_exchange import HoldingsExchange
 from services.gateway.http_api import OpenAIApi
@@ -21,7 +20,7 @@ from services.gateway.http_server import HttpServer, ssl_context
 from services.gateway.prompt_tokenizer import PromptTokenizer
 from services.gateway.sampling_defaults import SamplingDefaults
 from services.gateway.schedulers import SchedulerPool
-from services.gateway.servicer import TandemServicer, default_policy
+from services.gateway.servicer import TandemServicer, add_to_server, default_policy
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRouter
 from services.gateway.validation import Limits, max_prompt_chars, message_tokens

@@ -1,5 +1,10 @@
-"""TandemServicer: the gRPC API. It checks a request and hands it to a RequestRelay, which places
-it on the cluster and follows its token stream; ClusterStatus asks a scheduler."""
+"""The gRPC API: TandemServicer and its methods on a grpc server.
+
+TandemServicer checks a request and hands it to a RequestRelay, which places it on the cluster
+and follows its token stream; ClusterStatus asks a scheduler. add_to_server registers the methods
+as the generated add_TandemServicer_to_server does, except that a request that does not parse
+reaches its method as Undecodable (answered INVALID_ARGUMENT) instead of failing in grpc's
+deserializer (answered INTERNAL)."""
 
 import contextlib
 import time
@@ -16,7 +21,6 @@ from services.gateway.clients import (
     cert_subject,
 )
 from services.gateway.fair_tokenizer import FairTokenizer
-from services.gateway.grpc_methods import Undecodable
 from services.gateway.merge import merged
 from services.gateway.metrics import GatewayMetrics, RecordingContext
 from services.gateway.migration import new_attempt_id
@@ -286,3 +290,44 @@ class TandemServicer(pb_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler answered" + why)
         workers = [w for page in pages for w in page.workers]
         return cluster_status_response(pages[0], workers, self.bus.dropped)
+
+
+# -- on a grpc server --------------------------------------------------------------------------
+
+
+class Undecodable:
+    """A request body that is not the message it should be (garbage, invalid UTF-8 in a string)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(message_type):
+    """A deserializer that never raises: grpc would answer INTERNAL; the method answers INVALID_ARGUMENT."""
+
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as err:  # DecodeError and friends, from protobuf's C core
+            return Undecodable(err)
+
+    return parse
+
+
+def add_to_server(servicer: TandemServicer, server) -> None:
+    """Registers the Tandem API (as the generated add_TandemServicer_to_server, with lenient parsing)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "ClusterStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.ClusterStatus,
+            request_deserializer=_lenient(pb.ClusterStatusRequest),
+            response_serializer=pb.ClusterStatusResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("tandem.v1.Tandem", handlers),)
+    )

@@ -1,4 +1,6 @@
-"""Settings common to every model worker (prefill, decode, colocated)."""
+"""WorkerSettings: the settings of every model worker (prefill, decode, colocated), beyond
+CommonSettings': the data-plane helper's clocks, how KV transfers move and how long they may
+take, the model and engine, the KV cache and batch, the data plane, and the worker's life."""
 
 import os
 import re
@@ -6,8 +8,11 @@ import uuid
 from dataclasses import dataclass, field
 
 from shared.control.worker_roles import Role
+from shared.dataplane.helper_link import HelperTiming
+from shared.kvtransfer.connector import CONNECTORS
+from shared.kvtransfer.fetch import FetchTimes
+from shared.settings import CommonSettings
 from shared.worker.placement import parse_cpus
-from shared.worker.transfer_settings import TransferSettings
 
 CHOICES = {  # settings with a fixed set of values
     "weights": ("native", "int8"),
@@ -21,7 +26,65 @@ _WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass
-class WorkerSettings(TransferSettings):  # CommonSettings, the data-plane helper's, KV transfers'
+class WorkerSettings(CommonSettings):
+    # how long a worker gives its KV data-plane helper process (shared.dataplane.helper_link)
+    kv_helper_start_timeout_s: float = field(
+        default=HelperTiming.start_s,
+        metadata={
+            "help": "how long the KV data-plane helper may take to start (import UCX, map the "
+            "pool) before the worker gives up"
+        },
+    )
+    kv_helper_hang_s: float = field(
+        default=HelperTiming.hang_s,
+        metadata={
+            "help": "a KV data-plane helper that answers no ping this long is replaced (its "
+            "transfers in flight fail); it is also how long an operation's answer may come late"
+        },
+    )
+    kv_helper_ping_s: float = field(
+        default=HelperTiming.ping_s,
+        metadata={"help": "seconds between two pings of the KV data-plane helper"},
+    )
+    # how a worker moves KV (shared.kvtransfer)
+    kv_connector: str = field(
+        default="push",
+        metadata={
+            "help": "how a decode worker has its KV moved: push (a message per run of "
+            "consecutive blocks, landing in place) or staged (a message per segment, gathered on "
+            "the prefill side and scattered on landing: for fragmented pools); prefill workers "
+            "serve both"
+        },
+    )
+    kv_lease_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "a KV transfer that makes no progress this long is aborted, and its blocks "
+            "freed, on both sides"
+        },
+    )
+    prefill_timeout_s: float = field(
+        default=300.0, metadata={"help": "how long a decode worker waits for a remote prefill"}
+    )
+    kv_ask_timeout_s: float = field(
+        default=5.0,
+        metadata={"help": "how long a decode worker waits for a prefill worker to accept a task"},
+    )
+    kv_poll_s: float = field(
+        default=0.25,
+        metadata={
+            "help": "how often a worker looks at a KV transfer's clocks (a decode worker also at "
+            "its prefill worker's liveness; a prefill worker, draining, at deadlines and aborts)"
+        },
+    )
+    kv_reclaim_poll_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "how often a decode worker looks whether the peer of quarantined KV blocks "
+            "is gone"
+        },
+    )
+    # the model, its engine, and the rest of the worker
     model: str = field(
         default="",
         metadata={"help": "HF model directory or .gguf file; empty = SmolLM2-135M-Instruct"},
@@ -216,6 +279,7 @@ class WorkerSettings(TransferSettings):  # CommonSettings, the data-plane helper
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_kv_transfers()
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 allowed = ", ".join(choices[:-1]) + " or " + choices[-1]
@@ -256,6 +320,17 @@ class WorkerSettings(TransferSettings):  # CommonSettings, the data-plane helper
                 "worker_id must be 1-64 of A-Z a-z 0-9 _ - (it becomes a NATS subject token)"
             )
 
+    def _check_kv_transfers(self) -> None:
+        """The data-plane helper's clocks, and the KV transfers' connector and clocks."""
+        self.require_seconds("kv_helper_start_timeout_s", "kv_helper_hang_s", "kv_helper_ping_s")
+        if self.kv_helper_ping_s >= self.kv_helper_hang_s:
+            raise ValueError("kv_helper_ping_s must be shorter than kv_helper_hang_s")
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {sorted(CONNECTORS)}")
+        self.require_seconds(
+            "kv_lease_s", "prefill_timeout_s", "kv_ask_timeout_s", "kv_poll_s", "kv_reclaim_poll_s"
+        )
+
     def _check_mock(self) -> None:
         if not self.mock_speedup >= 0 or self.mock_kv_bytes_per_token < -1:
             raise ValueError("mock_speedup and mock_kv_bytes_per_token must not be negative")
@@ -267,3 +342,18 @@ class WorkerSettings(TransferSettings):  # CommonSettings, the data-plane helper
 
     def resolved_host(self) -> str:
         return self.host_label or os.uname().nodename
+
+    def helper_timing(self) -> HelperTiming:
+        return HelperTiming(
+            self.kv_helper_start_timeout_s, self.kv_helper_hang_s, self.kv_helper_ping_s
+        )
+
+    def fetch_times(self) -> FetchTimes:
+        """The decode side's clocks of a transfer."""
+        return FetchTimes(
+            self.kv_lease_s,
+            self.prefill_timeout_s,
+            self.kv_ask_timeout_s,
+            self.kv_poll_s,
+            self.kv_reclaim_poll_s,
+        )

@@ -202,23 +202,73 @@ def test_the_rule_catches_imports_across_tests_harness_and_bench(tmp_path):
     ]
 
 
-MAX_MODULE_LINES = 300
+MAX_MODULE_LINES = 300  # a smell detector, not a cap: past it, a module names its one idea below
 MAX_FUNCTION_LINES = 45  # "about 40": a few lines of slack for a long signature or docstring
+# Split by concept, not by line count. A module over MAX_MODULE_LINES is fine when it holds one
+# idea, named here (module -> the idea); two ideas in one file is the smell, and so is one idea
+# cut in two to fit. An entry whose module is gone or back within the limit is dropped.
+ONE_IDEA = {
+    "services/gateway/servicer.py": "the gRPC API: TandemServicer and its methods on a grpc server",
+    "services/gateway/settings.py": "the gateway's settings: GatewaySettings, one dataclass",
+    "shared/worker/settings.py": "a model worker's settings: WorkerSettings, one dataclass",
+}
 
 
-def runtime_sources() -> list[Path]:
+def runtime_sources(root: Path = ROOT) -> list[Path]:
     """What services run, the generated gRPC stubs aside."""
-    paths = [p for folder in ("shared", "services") for p in (ROOT / folder).rglob("*.py")]
+    paths = [p for folder in ("shared", "services") for p in (root / folder).rglob("*.py")]
     return sorted(p for p in paths if not p.name.startswith("tandem_pb2"))
 
 
-def test_no_module_is_over_300_lines():
-    long = [
-        f"{p.relative_to(ROOT)}: {n}"
-        for p in runtime_sources()
-        if (n := _lines(p)) > MAX_MODULE_LINES
+def long_modules(root: Path = ROOT, one_idea: dict[str, str] = ONE_IDEA) -> list[str]:
+    """Each module over MAX_MODULE_LINES that names no idea in `one_idea`, and each entry of
+    `one_idea` that is stale: its module gone, or within MAX_MODULE_LINES now."""
+    sizes = {p.relative_to(root).as_posix(): _lines(p) for p in runtime_sources(root)}
+    found = [
+        f"{name}: {n} lines: split it by concept, or name its one idea in ONE_IDEA"
+        for name, n in sizes.items()
+        if n > MAX_MODULE_LINES and not one_idea.get(name, "").strip()
     ]
-    assert long == []
+    for name in sorted(one_idea):
+        if name not in sizes:
+            found.append(f"{name}: named in ONE_IDEA, but there is no such module")
+        elif sizes[name] <= MAX_MODULE_LINES:
+            found.append(f"{name}: named in ONE_IDEA, but {sizes[name]} lines now: drop it")
+    return found
+
+
+def test_a_module_over_300_lines_holds_one_idea_named_in_the_table():
+    assert long_modules() == []
+
+
+def test_the_size_rule_catches_an_unnamed_long_module_and_stale_entries(tmp_path):
+    """The check can fail: a long module not in the table, one named with no idea, an entry for a
+    module back within the limit and one for a module that is gone are each reported; a long
+    module named in the table, a long test and a long generated stub are not."""
+    long, short = "x = 1\n" * (MAX_MODULE_LINES + 1), "x = 1\n" * MAX_MODULE_LINES
+    files = {
+        "services/gateway/big.py": long,
+        "services/gateway/blank.py": long,
+        "services/gateway/named.py": long,
+        "shared/engine/small.py": short,
+        "shared/api/tandem_pb2.py": long,
+        "tests/unit/test_big.py": long,
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    table = {
+        "services/gateway/blank.py": " ",
+        "services/gateway/named.py": "one idea",
+        "shared/engine/small.py": "one idea, once long",
+        "shared/control/gone.py": "one idea, since moved",
+    }
+    assert long_modules(tmp_path, table) == [
+        "services/gateway/big.py: 301 lines: split it by concept, or name its one idea in ONE_IDEA",
+        "services/gateway/blank.py: 301 lines: split it by concept, or name its one idea in ONE_IDEA",
+        "shared/control/gone.py: named in ONE_IDEA, but there is no such module",
+        "shared/engine/small.py: named in ONE_IDEA, but 300 lines now: drop it",
+    ]
 
 
 def test_no_function_is_over_about_40_lines():

@@ -28,14 +28,13 @@ class SeqStatus(enum.Enum):
 _FINISHED = frozenset(
     {SeqStatus.FINISHED_STOPPED, SeqStatus.FINISHED_LENGTH, SeqStatus.FINISHED_ABORTED}
 )
-_ENDS = _FINISHED  # where a sequence that samples a token may end up, from any live status
-
 S = SeqStatus
 MOVES: dict[SeqStatus, frozenset[SeqStatus]] = {
-    S.WAITING: frozenset({S.WAITING_KV, S.RUNNING}) | _ENDS,  # its first token: RUNNING or done
+    # a sequence that samples a token (from WAITING, KV_READY, RUNNING) may finish there
+    S.WAITING: frozenset({S.WAITING_KV, S.RUNNING}) | _FINISHED,  # its first token: on, or done
     S.WAITING_KV: frozenset({S.KV_READY, S.FINISHED_ABORTED}),
-    S.KV_READY: frozenset({S.RUNNING}) | _ENDS,
-    S.RUNNING: frozenset({S.PREEMPTED}) | _ENDS,
+    S.KV_READY: frozenset({S.RUNNING}) | _FINISHED,
+    S.RUNNING: frozenset({S.PREEMPTED}) | _FINISHED,
     S.PREEMPTED: frozenset({S.WAITING, S.FINISHED_ABORTED}),  # WAITING: its blocks back
     S.FINISHED_STOPPED: frozenset(),
     S.FINISHED_LENGTH: frozenset(),

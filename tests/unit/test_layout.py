@@ -31,7 +31,7 @@ RUNTIME = {
 # package -> the packages of ours it may import (itself always)
 ALLOWED = {
     "shared.values": set(),  # what the engine and the control plane share: imports neither
-    "shared.parallel": {"shared.values"},  # tensor-parallel groups: heads, routes
+    "shared.parallel": {"shared.values", "shared.engine"},  # tensor-parallel groups
     "shared.control": {"shared.telemetry", "shared.values"},
     "shared.api": set(),
     "shared.settings": {"shared.telemetry"},

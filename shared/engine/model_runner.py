@@ -60,14 +60,14 @@ class ModelRunner:
         dtype: torch.dtype | None = None,  # to compute in, if not the model's (converted here)
         triton: bool | None = None,  # Triton attention; None: on CUDA where Triton is installed
         cuda_graphs: bool = True,  # decode steps replayed from CUDA graphs (with Triton on CUDA)
+        reduce: Callable[[torch.Tensor], object] | None = None,  # a TP rank: sums o's, down's out
     ):
-        self.model = model
-        self.device = device
-        self.config = model.config
-        self.dtype = dtype or model.dtype
+        self.model, self.device = model, device
+        self.reduce = reduce  # in place, across the group; its layers then run one by one
+        self.config, self.dtype = model.config, dtype or model.dtype
         self.family = check(model.config, type(model).__name__)
         self.layout: KVLayout = kv_cache.layout_of(model.config, model_name, self.dtype, block_size)
-        graphs = cuda_graphs and device.startswith("cuda")
+        graphs = cuda_graphs and device.startswith("cuda") and reduce is None
         self.pool = KVPool(
             self.layout, pool_blocks, block_size, device, shared=shared_pool, scratch=graphs
         )
@@ -104,7 +104,11 @@ class ModelRunner:
         ]
         shape = (self.num_heads, self.layout.num_kv_heads, self.head_dim)
         paged = None if triton else self.paged  # the C++ stack calls the C++ decode kernel
-        self.stack = decode_stack(self.ops, paged, self.parts, self.norm, per_layer, shape)
+        self.stack = (
+            decode_stack(self.ops, paged, self.parts, self.norm, per_layer, shape)
+            if self.reduce is None
+            else None  # the C++ stack runs every layer in one call: no all-reduce between them
+        )
         if kernels is not None and self.stack is None:
             log.info(
                 "%s: decode steps run layer by layer in Python: %s",
@@ -222,9 +226,13 @@ class ModelRunner:
             if abandon is not None and abandon():
                 return None
             attended = self._attend(index, x, cos, sin, batch, rows, kv_index)
+            if self.reduce is not None:
+                self.reduce(attended)
             residual, x = self.ops.norm(residual, attended, parts.post_norm)
             gate, up = self.gate_up[index](x)
             out = self.down[index].one(self.ops.act_mul(parts.act, gate, up))
+            if self.reduce is not None:
+                self.reduce(out)
             after = self.parts[index + 1].input_norm if index + 1 < len(self.parts) else self.norm
             residual, x = self.ops.norm(residual, out, after)
         return self._logits(x.index_select(0, batch.last_rows))

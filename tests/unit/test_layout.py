@@ -213,6 +213,7 @@ ONE_IDEA = {
     "services/gateway/servicer.py": "the gRPC API: TandemServicer and its methods on a grpc server",
     "services/gateway/settings.py": "the gateway's settings: GatewaySettings, one dataclass",
     "shared/worker/settings.py": "a model worker's settings: WorkerSettings, one dataclass",
+    "shared/engine/model_runner.py": "one forward pass of a batch's rows over the paged pool",
 }
 
 

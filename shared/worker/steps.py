@@ -2,7 +2,9 @@
 until woken when there is none; on shutdown, keep stepping what is held for a bounded time.
 
 `iterate` does one step and returns False when nothing could run; message handlers only record
-events and set `wakeup`."""
+events and set `wakeup`. The event is cleared before each step, never after: a handler that runs
+while the step awaits (a cancel that takes the last sequence out of the engine, leaving only its
+request to reap) wakes the next step instead of being lost."""
 
 import asyncio
 import contextlib
@@ -17,8 +19,8 @@ Iterate = Callable[[], Awaitable[bool]]
 async def step_until_stopped(iterate: Iterate, wakeup: asyncio.Event, stop: asyncio.Event) -> None:
     """Steps until `stop` is set."""
     while not stop.is_set():
+        wakeup.clear()  # before the step: news during it (a cancel while it awaits) is kept
         if not await iterate():
-            wakeup.clear()
             await wait_or_stop(wakeup.wait(), stop)
 
 
@@ -33,8 +35,8 @@ async def drain(
     `poll_s` at most (for events no message announces, like a lease running out)."""
     deadline = time.monotonic() + timeout_s
     while busy() and time.monotonic() < deadline:
+        wakeup.clear()  # before the step, as in step_until_stopped
         if not await iterate() and busy():  # the step may just have ended the last one
-            wakeup.clear()
             wait_s = poll_s or max(0.01, deadline - time.monotonic())
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wakeup.wait(), wait_s)

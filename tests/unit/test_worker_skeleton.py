@@ -191,3 +191,21 @@ async def test_serve_cleans_up_when_the_loop_fails():
         "settle_tasks",
         "executor closed",
     ]
+
+
+async def test_news_during_a_step_that_found_nothing_wakes_the_next_step():
+    """A handler that sets `wakeup` while a step awaits (a cancel that leaves only a request to
+    reap) is not lost when that step then reports nothing to run."""
+    wakeup, stop, calls = asyncio.Event(), asyncio.Event(), []
+
+    async def iterate() -> bool:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            wakeup.set()  # the news, mid-step
+            await asyncio.sleep(0)
+        else:
+            stop.set()
+        return False
+
+    await asyncio.wait_for(steps.step_until_stopped(iterate, wakeup, stop), 1.0)
+    assert calls == [0, 1]

@@ -4,12 +4,8 @@ group) decodes the same greedy tokens as the engine on the whole model, for prom
 several chunks beside running decodes; each rank's pool holds only its share of the KV heads."""
 
 import copy
-import datetime
-import socket
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.engine import Engine
@@ -17,6 +13,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.sequence import Sequence
 from shared.parallel.shard import shard_model
 from shared.values.sampling import SamplingParams
+from tests.unit.gloo_group import run_ranks
 from tests.unit.test_tp_shard import model_of
 
 LAYOUTS = [
@@ -46,34 +43,17 @@ def decode(model, reduce=None) -> tuple[list[list[int]], int]:
     return [s.output_ids for s in seqs], runner.layout.num_kv_heads
 
 
-def _rank(rank: int, port: int, results) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
-    try:
-        for name, overrides in LAYOUTS:
-            whole = model_of(name, overrides)
-            want, _ = decode(copy.deepcopy(whole))
-            shard_model(whole, 2, rank)
-            got, heads = decode(whole, reduce=dist.all_reduce)
-            results[(name, rank)] = (got == want, heads)
-    finally:
-        dist.destroy_process_group()
+def _work(rank: int, results) -> None:
+    for name, overrides in LAYOUTS:
+        whole = model_of(name, overrides)
+        want, _ = decode(copy.deepcopy(whole))
+        shard_model(whole, 2, rank)
+        got, heads = decode(whole, reduce=dist.all_reduce)
+        results[(name, rank)] = (got == want, heads)
 
 
 def test_two_gloo_ranks_decode_what_one_engine_decodes():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(port, results), nprocs=2, join=True)
-        results = dict(results)
+    results = run_ranks(_work)
     assert {name: results[(name, 0)][0] and results[(name, 1)][0] for name, _ in LAYOUTS} == {
         name: True for name, _ in LAYOUTS
     }

@@ -3,12 +3,8 @@ runner through GroupRunner and `follow`, and decodes what one engine decodes on 
 an n = 2 request's fork (a block copy on every rank) included; the spans' encoding round-trips."""
 
 import copy
-import datetime
-import socket
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.engine import Engine
@@ -18,6 +14,7 @@ from shared.engine.sequence import Sequence
 from shared.parallel.group import GroupRunner, decode_spans, encode_spans, follow
 from shared.parallel.shard import shard_model
 from shared.values.sampling import SamplingParams
+from tests.unit.gloo_group import run_ranks
 from tests.unit.test_tp_shard import model_of
 
 BLOCK, CHUNK, NEW = 16, 32, 8
@@ -45,40 +42,24 @@ def decode(runner) -> list[list[int]]:
     return [s.output_ids for s in seqs] + [s.output_ids for s in forked if s.forked_from]
 
 
-def _rank(rank: int, port: int, results) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
-    try:
-        whole = model_of(*LAYOUT)
-        want = decode(runner_of(copy.deepcopy(whole))) if rank == 0 else None
-        shard_model(whole, 2, rank)
-        runner = runner_of(whole, reduce=dist.all_reduce)
-        if rank == 0:
-            group = GroupRunner(runner)
-            got = decode(group)
-            group.stop()
-            results["tokens"] = (got, want)
-        else:
-            results["passes"] = follow(runner)
-    finally:
-        dist.destroy_process_group()
+def _work(rank: int, results) -> None:
+    whole = model_of(*LAYOUT)
+    want = decode(runner_of(copy.deepcopy(whole))) if rank == 0 else None
+    shard_model(whole, 2, rank)
+    runner = runner_of(whole, reduce=dist.all_reduce)
+    if rank == 0:
+        group = GroupRunner(runner)
+        got = decode(group)
+        group.stop()
+        results["tokens"] = (got, want)
+    else:
+        results["passes"] = follow(runner)
 
 
 def test_rank_0_drives_the_group_and_decodes_what_one_engine_decodes():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(port, results), nprocs=2, join=True)
-        got, want = results["tokens"]
-        passes = results["passes"]
+    results = run_ranks(_work)
+    got, want = results["tokens"]
+    passes = results["passes"]
     assert len(got) == len(PROMPTS) + 1  # the n = 2 request's second choice
     assert got == want
     assert passes >= NEW

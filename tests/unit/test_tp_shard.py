@@ -4,18 +4,15 @@ layout whose query heads divide by 2 (Phi-3's fused projections, GQA with fewer 
 ranks replicated), and a degree that does not split the heads is refused."""
 
 import copy
-import datetime
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from harness.families import config_of, randomize
 from shared.parallel.heads import TPError
 from shared.parallel.shard import reduce_after_row_layers, shard_model
+from tests.unit.gloo_group import run_ranks
 
 # (variant, config overrides): heads / KV heads
 LAYOUTS = [
@@ -46,41 +43,21 @@ def greedy(model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
     return logits, out[0, len(prompt) :].tolist()
 
 
-def _rank(rank: int, port: int, results) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
-    try:
-        for name, overrides in LAYOUTS:
-            whole = model_of(name, overrides)
-            want_logits, want = greedy(whole, PROMPT)
-            part = copy.deepcopy(whole)
-            split = shard_model(part, 2, rank)
-            reduce_after_row_layers(part)
-            logits, got = greedy(part, PROMPT)
-            if rank == 0:
-                gap = (logits - want_logits).abs().max().item()
-                results[name] = (got == want, gap, split.kv_heads(0), split.kv_heads(1))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _work(rank: int, results) -> None:
+    for name, overrides in LAYOUTS:
+        whole = model_of(name, overrides)
+        want_logits, want = greedy(whole, PROMPT)
+        part = copy.deepcopy(whole)
+        split = shard_model(part, 2, rank)
+        reduce_after_row_layers(part)
+        logits, got = greedy(part, PROMPT)
+        if rank == 0:
+            gap = (logits - want_logits).abs().max().item()
+            results[name] = (got == want, gap, split.kv_heads(0), split.kv_heads(1))
 
 
 def test_two_gloo_ranks_compute_what_the_whole_model_computes():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(_free_port(), results), nprocs=2, join=True)
-        results = dict(results)
+    results = run_ranks(_work)
     assert set(results) == {name for name, _ in LAYOUTS}
     for name, (same, gap, *_) in results.items():
         assert gap < 1e-4, (name, gap)

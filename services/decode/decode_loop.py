@@ -15,6 +15,7 @@ from shared.engine.engine import Engine
 from shared.engine.executor import EngineExecutor
 from shared.engine.seq_status import SeqStatus
 from shared.engine.sequence import Sequence, StepOutput
+from shared.engine.step_runner import RunnerLost
 from shared.worker import steps
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class DecodeLoop:
             return False
         try:
             outputs = await self.executor.run(self.engine.step)
+        except RunnerLost:
+            raise  # the worker goes; its requests are placed elsewhere (shared.worker.serve)
         except Exception as err:
             log.exception("engine step failed")
             for req in self.requests.values():

@@ -25,6 +25,7 @@ from shared.control.worker_roles import Role
 from shared.dataplane.plane import DataPlane
 from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import Sequence
+from shared.engine.step_runner import RunnerLost
 from shared.kvtransfer.plan import PlanError
 from shared.kvtransfer.ship import KVShipper
 from shared.worker import steps
@@ -176,6 +177,8 @@ class PrefillWorker:
             return False
         try:
             outputs = await self.executor.run(self.engine.step)
+        except RunnerLost:
+            raise  # the worker goes; its prompts are placed elsewhere (shared.worker.serve)
         except Exception as err:
             log.exception("prefill step failed")
             message = f"prefill failed: {type(err).__name__}"

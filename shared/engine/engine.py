@@ -19,11 +19,12 @@ import time
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.fork import fork
-from shared.engine.model_runner import ModelRunner, SeqSpan
+from shared.engine.forward_batch import SeqSpan
 from shared.engine.sampler import greedy_tokens, logprob_of, plain_greedy, sample
 from shared.engine.scheduler import Scheduler, Work
 from shared.engine.seq_status import SeqStatus
 from shared.engine.sequence import Sequence, StepOutput
+from shared.engine.step_runner import StepRunner
 from shared.engine.step_stats import StepStats
 from shared.values.sampling import choice_sampling
 
@@ -33,7 +34,7 @@ Outputs = list[tuple[Sequence, StepOutput]]
 class Engine:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: StepRunner,
         blocks: BlockManager,
         max_num_seqs: int = 64,
         max_batch_tokens: int = 512,
@@ -197,7 +198,7 @@ class Engine:
             out.token_ids = [token for token, _ in draws]
             out.logprobs = [logprob for _, logprob in draws if logprob is not None]
             return [(seq, out)]
-        children = fork(seq, len(draws), self.blocks, self.runner.pool)  # seq: choice 0 now
+        children = fork(seq, len(draws), self.blocks, self.runner)  # seq: choice 0 now
         self.forked.append(seq)  # renamed: its owner knows it under seq.group_id until now
         outputs = [(seq, self._emit(seq, *draws[0]))]
         for (child, shared), draw in zip(children, draws[1:]):

@@ -8,12 +8,14 @@ sequence: correct, only not shared.
 """
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.kv_cache import KVPool
 from shared.engine.sequence import Sequence
+from shared.engine.step_runner import StepRunner
 from shared.values.sampling import choice_id, choice_sampling
 
 
-def fork(seq: Sequence, n: int, blocks: BlockManager, pool: KVPool) -> list[tuple[Sequence, bool]]:
+def fork(
+    seq: Sequence, n: int, blocks: BlockManager, runner: StepRunner
+) -> list[tuple[Sequence, bool]]:
     """Choices 1..n-1 of seq's request, each with whether it shares seq's KV (else it must
     compute its prompt again); seq becomes choice 0. Call under the engine lock, before seq
     takes its first token. A failure midway gives back what the children took."""
@@ -21,7 +23,7 @@ def fork(seq: Sequence, n: int, blocks: BlockManager, pool: KVPool) -> list[tupl
     try:
         for index in range(1, n):
             child = seq.fork(choice_id(group, index), choice_sampling(params, index), index)
-            children.append((child, _share(seq, child, blocks, pool)))
+            children.append((child, _share(seq, child, blocks, runner)))
     except BaseException:
         for child, _ in children:
             blocks.deallocate(child)
@@ -30,7 +32,7 @@ def fork(seq: Sequence, n: int, blocks: BlockManager, pool: KVPool) -> list[tupl
     return children
 
 
-def _share(seq: Sequence, child: Sequence, blocks: BlockManager, pool: KVPool) -> bool:
+def _share(seq: Sequence, child: Sequence, blocks: BlockManager, runner: StepRunner) -> bool:
     try:
         copy = blocks.fork(seq, child)
     except MemoryError:
@@ -38,7 +40,7 @@ def _share(seq: Sequence, child: Sequence, blocks: BlockManager, pool: KVPool) -
         return False
     if copy is not None:
         try:
-            pool.copy_block(*copy)
+            runner.copy_block(*copy)
         except BaseException:
             blocks.deallocate(child)
             raise

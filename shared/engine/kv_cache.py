@@ -52,9 +52,12 @@ class KVPool:
         device: str,
         shared: bool = False,
         scratch: bool = False,
+        region: SharedRegion | None = None,
     ):
         """`scratch`: one block more, past the `num_blocks` handed out, whose first slot
-        (`scratch_slot`) takes the KV of rows that only pad a step (see cuda_graphs.py)."""
+        (`scratch_slot`) takes the KV of rows that only pad a step (see cuda_graphs.py).
+        `region`: the shared memory to hold it (made by another process: a tensor-parallel
+        rank's pool, which its group's rank 0 maps too); `shared` makes a new one."""
         if layout.block_size != block_size:
             raise ValueError("the layout's block size and the pool's differ")
         self.layout = layout
@@ -66,10 +69,13 @@ class KVPool:
         shape = (num_blocks + scratch, layers, 2, block_size, heads, dim)
         dtype = getattr(torch, layout.dtype)
         self.region = None  # with `shared`: the memory a data-plane helper process maps too
-        if shared:
+        if shared or region is not None:
             if device != "cpu":
                 raise ValueError("only a host-memory KV pool can be shared with a helper process")
-            self.region = SharedRegion(math.prod(shape) * dtype.itemsize)
+            nbytes = math.prod(shape) * dtype.itemsize
+            if region is not None and region.nbytes != nbytes:
+                raise ValueError(f"a {region.nbytes}-byte region for a {nbytes}-byte KV pool")
+            self.region = region or SharedRegion(nbytes)
             self.kv = self.region.tensor().view(dtype).view(shape)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)

@@ -38,6 +38,7 @@ from shared.engine.prefill_attention import PrefillAttention
 from shared.engine.projection import SMALL, Projection, invariant_row_counts
 from shared.engine.rotary import Rotary
 from shared.engine.row_timing import cached_fastest_row_count
+from shared.engine.shared_region import SharedRegion
 from shared.values.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class ModelRunner:
         triton: bool | None = None,  # Triton attention; None: on CUDA where Triton is installed
         cuda_graphs: bool = True,  # decode steps replayed from CUDA graphs (with Triton on CUDA)
         reduce: Callable[[torch.Tensor], object] | None = None,  # a TP rank: sums o's, down's out
+        pool_region: SharedRegion | None = None,  # the pool's memory, made by another process
     ):
         self.model, self.device = model, device
         self.reduce = reduce  # in place, across the group; its layers then run one by one
@@ -68,9 +70,8 @@ class ModelRunner:
         self.family = check(model.config, type(model).__name__)
         self.layout: KVLayout = kv_cache.layout_of(model.config, model_name, self.dtype, block_size)
         graphs = cuda_graphs and device.startswith("cuda") and reduce is None
-        self.pool = KVPool(
-            self.layout, pool_blocks, block_size, device, shared=shared_pool, scratch=graphs
-        )
+        pool = (self.layout, pool_blocks, block_size, device, shared_pool, graphs, pool_region)
+        self.pool = KVPool(*pool)
         self.chunk = chunk
         inner = model.model
         self.embed, self.norm = inner.embed_tokens, inner.norm
@@ -188,6 +189,9 @@ class ModelRunner:
         return next((count for count in self.row_counts if count >= max(rows, self.min_rows)), rows)
 
     @torch.inference_mode()
+    def copy_block(self, source: int, target: int) -> None:
+        self.pool.copy_block(source, target)
+
     def forward(
         self, segments: list[SeqSpan], abandon: Callable[[], bool] | None = None
     ) -> torch.Tensor | None:

@@ -4,43 +4,21 @@ Rank 0 holds the group's one block table (its Engine and BlockManager) and steps
 does; `GroupRunner` stands for its ModelRunner: each forward pass, and each block copy a fork
 asks of the pool, is sent to the other ranks first, then run here. The other ranks `follow`:
 they hold a ModelRunner over their shard and its KV pool, and run what rank 0 sends, until it
-says stop. Commands travel as int64 tensors broadcast from rank 0 (never pickled): a header
-[op, length] and, for a pass, each span's [table length, token count, start, end, prompt] then
-its block table and token ids.
+says stop. Commands travel on the group's command link (commands.py: int64 frames, never
+pickled): for a pass, each span's [table length, token count, start, end, prompt] then its block
+table and token ids; only the all-reduces inside a pass are collectives.
 
 A pass is never abandoned midway on a rank: every rank must reach every all-reduce, so a step of
-cancelled sequences runs to its end. Every collective has the process group's timeout.
+cancelled sequences runs to its end. Every collective has the process group's timeout: a rank
+that died or hangs fails the group (GroupFailed) instead of hanging it.
 """
 
-import enum
-
-import torch
-import torch.distributed as dist
+from collections.abc import Callable
 
 from shared.engine.forward_batch import SeqSpan
 from shared.engine.model_runner import ModelRunner
-
-
-class Op(enum.IntEnum):
-    STOP = 0
-    FORWARD = 1
-    COPY_BLOCK = 2
-
-
-def _send(op: Op, payload: list[int], group) -> None:
-    dist.broadcast(torch.tensor([int(op), len(payload)], dtype=torch.int64), 0, group=group)
-    if payload:
-        dist.broadcast(torch.tensor(payload, dtype=torch.int64), 0, group=group)
-
-
-def _receive(group) -> tuple[Op, list[int]]:
-    header = torch.empty(2, dtype=torch.int64)
-    dist.broadcast(header, 0, group=group)
-    op, length = Op(int(header[0])), int(header[1])
-    payload = torch.empty(length, dtype=torch.int64)
-    if length:
-        dist.broadcast(payload, 0, group=group)
-    return op, payload.tolist()
+from shared.engine.step_runner import RunnerLost, StepRunner
+from shared.parallel.commands import CommandReader, CommandWriter, GroupGone, Op
 
 
 def encode_spans(spans: list[SeqSpan]) -> list[int]:
@@ -63,43 +41,62 @@ def decode_spans(payload: list[int]) -> list[SeqSpan]:
     return spans
 
 
-class _GroupPool:
-    """The pool as a fork sees it: a block copy happens on every rank."""
-
-    def __init__(self, group_runner: "GroupRunner"):
-        self.group_runner = group_runner
-
-    def copy_block(self, source: int, target: int) -> None:
-        _send(Op.COPY_BLOCK, [source, target], self.group_runner.group)
-        self.group_runner.runner.pool.copy_block(source, target)
+class GroupFailed(RunnerLost):
+    """A rank of the group is gone (or a collective timed out): the group cannot step again."""
 
 
-class GroupRunner:
-    """Rank 0's runner, as its Engine steps it: every call runs on every rank."""
+class GroupRunner(StepRunner):
+    """Rank 0's runner, as its Engine steps it: every call runs on every rank. A rank that died
+    (its command link broken, a collective failed or timed out) raises GroupFailed."""
 
-    def __init__(self, runner: ModelRunner, group=None):
-        self.runner, self.group = runner, group
+    def __init__(
+        self,
+        runner: ModelRunner,
+        commands: CommandWriter,
+        on_failure: Callable[[str], None] = lambda why: None,
+    ):
+        self.runner, self.commands = runner, commands
         self.chunk, self.rotary = runner.chunk, runner.rotary
-        self.pool = _GroupPool(self)
+        self.on_failure = on_failure  # told why, before GroupFailed is raised
+
+    def _failed(self, why: str) -> GroupFailed:
+        self.on_failure(why)
+        return GroupFailed(why)
+
+    def _send(self, op: Op, payload: list[int]) -> None:
+        try:
+            self.commands.send(op, payload)
+        except GroupGone as err:
+            raise self._failed(str(err)) from None
 
     def forward(self, spans: list[SeqSpan], abandon=None):
-        _send(Op.FORWARD, encode_spans(spans), self.group)
-        return self.runner.forward(spans)  # never abandoned: the others run the whole pass
+        self._send(Op.FORWARD, encode_spans(spans))
+        try:
+            return self.runner.forward(spans)  # never abandoned: the others run the whole pass
+        except GroupFailed:
+            raise
+        except RuntimeError as err:  # gloo: a peer's connection closed, or the timeout ran out
+            raise self._failed(f"a collective of the group failed: {err}") from None
+
+    def copy_block(self, source: int, target: int) -> None:
+        self._send(Op.COPY_BLOCK, [source, target])
+        self.runner.copy_block(source, target)
 
     def stop(self) -> None:
         """The other ranks leave `follow`."""
-        _send(Op.STOP, [], self.group)
+        self._send(Op.STOP, [])
 
 
-def follow(runner: ModelRunner, group=None) -> int:
-    """A rank other than 0: runs what rank 0 sends until it says stop; the passes it ran."""
+def follow(runner: ModelRunner, commands: CommandReader) -> int:
+    """A rank other than 0: runs what rank 0 sends until it says stop; the passes it ran.
+    GroupGone when rank 0 went away without saying so."""
     passes = 0
     while True:
-        op, payload = _receive(group)
+        op, payload = commands.receive()
         if op is Op.STOP:
             return passes
         if op is Op.COPY_BLOCK:
-            runner.pool.copy_block(*payload)
+            runner.copy_block(*payload)
             continue
         runner.forward(decode_spans(payload))
         passes += 1

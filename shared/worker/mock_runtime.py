@@ -15,7 +15,8 @@ from shared.engine.kv_cache import bytes_per_token, layout_of
 from shared.engine.mock_runner import MockRunner, mock_layout
 from shared.engine.timing_model import DEFAULT_PATH, TimingModel
 from shared.values.kv_layout import KVLayout
-from shared.worker.runtime import WorkerRuntime, eos_token_ids
+from shared.worker.end_tokens import eos_token_ids
+from shared.worker.runtime import WorkerRuntime
 from shared.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)

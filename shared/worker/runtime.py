@@ -16,12 +16,16 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.dtypes import compute_dtype
 from shared.engine.engine import Engine
 from shared.engine.file_pages import allocations_given_back, convertible
-from shared.engine.kv_cache import bytes_per_token, layout_of
+from shared.engine.kv_cache import KVPool, bytes_per_token, layout_of
 from shared.engine.model_runner import ModelRunner
+from shared.values.kv_layout import KVLayout
+from shared.worker.end_tokens import eos_token_ids
 from shared.worker.metrics import WorkerMetrics
 from shared.worker.settings import WorkerSettings
+from shared.worker.tp_group import TPGroup, start_group
 
 log = logging.getLogger(__name__)
+STOP_RANKS_S = 10.0  # for the other ranks of a group to leave when told, before they are killed
 
 
 @dataclass
@@ -40,11 +44,31 @@ class WorkerRuntime:
     kernels: str = ""  # KernelReport.line() of the runner
     model_label: str = ""  # "name · architecture · dtype"
     metrics: WorkerMetrics = None  # its Prometheus metrics (served with --metrics-port)
+    group: TPGroup | None = None  # the other ranks of a tensor-parallel worker
 
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = WorkerMetrics(self.role, self.worker_id)
         self.engine.stats.observer = self.metrics.on_step
+
+    @property
+    def layout(self) -> KVLayout:
+        """The KV layout peers pair with: the whole model's, whatever this worker's degree."""
+        return self.group.layout if self.group is not None else self.runner.layout
+
+    @property
+    def pools(self) -> list[KVPool]:
+        """Each rank's KV pool, rank 0 first (one without tensor parallelism)."""
+        return self.group.pools if self.group is not None else [self.runner.pool]
+
+    @property
+    def tp(self) -> int:
+        return self.group.spec.tp if self.group is not None else 1
+
+    def close(self) -> None:
+        """The other ranks leave (a tensor-parallel worker's)."""
+        if self.group is not None:
+            self.group.stop(STOP_RANKS_S)
 
     def load_report(self) -> dict:
         """The heartbeat fields every model worker reports the same way: capacity, prompt work
@@ -82,11 +106,10 @@ def load_runtime(settings: WorkerSettings, role: Role) -> WorkerRuntime:
     config = model_store.load_config(model_dir)
     check(config)  # an architecture or option the engine does not run: refused before loading
     dtype = compute_dtype(settings.dtype, config, device, _row_kernel(settings, device))
-    with allocations_given_back():
-        model = load_model(model_dir, device, dtype, settings.weights, config)
-        runner = _runner(settings, model, device, dtype, decodes=role != Role.PREFILL)
+    group, runner = _load_runner(settings, model_dir, config, device, dtype, role)
+    step_runner = group.runner if group is not None else runner
     tokenizer = model_store.load_tokenizer(model_dir)
-    model_limit = model_store.context_limit(model.config)
+    model_limit = model_store.context_limit(config)
     max_len = min(settings.max_model_len or model_limit, model_limit)
     blocks = BlockManager(
         runner.pool.num_blocks,
@@ -94,7 +117,7 @@ def load_runtime(settings: WorkerSettings, role: Role) -> WorkerRuntime:
         cache_granularity=settings.prefill_chunk_tokens,
         cacheable_tokens=runner.rotary.cacheable_tokens,
     )
-    engine = Engine(runner, blocks, settings.max_num_seqs, settings.max_batch_tokens)
+    engine = Engine(step_runner, blocks, settings.max_num_seqs, settings.max_batch_tokens)
     runtime = WorkerRuntime(
         settings.resolved_worker_id(role),
         role,
@@ -104,14 +127,27 @@ def load_runtime(settings: WorkerSettings, role: Role) -> WorkerRuntime:
         blocks,
         engine,
         max_len,
-        eos_token_ids(model.generation_config, tokenizer),
+        eos_token_ids(runner.model.generation_config, tokenizer),
         settings.prefix_summary_limit,
         settings.max_queue,
         runner.kernel_report().line()[:MAX_LABEL],  # the heartbeat carries it
         model_label(runner),
+        group=group,
     )
     _log_ready(runtime, settings, device)
     return runtime
+
+
+def _load_runner(
+    settings: WorkerSettings, model_dir: Path, config, device: str, dtype, role: Role
+) -> tuple[TPGroup | None, ModelRunner]:
+    """The model loaded into its runner; with --tp, its group too (rank 0's runner)."""
+    if settings.tp > 1:
+        timing = row_timing_path(settings)
+        return start_group(settings, model_dir, config, device, dtype, timing)
+    with allocations_given_back():
+        model = load_model(model_dir, device, dtype, settings.weights, config)
+        return None, _runner(settings, model, device, dtype, decodes=role != Role.PREFILL)
 
 
 def _row_kernel(settings: WorkerSettings, device: str) -> bool:
@@ -186,47 +222,6 @@ def model_label(runner: ModelRunner) -> str:
     return " · ".join(
         (layout.model, layout.architecture or type(runner.model).__name__, layout.dtype)
     )
-
-
-def eos_token_ids(generation_config, tokenizer) -> set[int]:
-    """Every id that ends generation: the generation config's (one or several), the tokenizer's,
-    and the token the chat template closes an assistant turn with (`turn_end_id`)."""
-    eos = generation_config.eos_token_id if generation_config else None
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    if tokenizer.eos_token_id is not None:
-        eos_ids.add(tokenizer.eos_token_id)
-    turn_end = turn_end_id(tokenizer)
-    if turn_end is not None and turn_end not in eos_ids:
-        log.info("the chat template ends a turn with %r: it ends generation too", turn_end)
-        eos_ids.add(turn_end)
-    return eos_ids
-
-
-MARKER = "TANDEM-ANSWER-ENDS-HERE"
-
-
-def turn_end_id(tokenizer) -> int | None:
-    """The special token the chat template writes right after an assistant's answer (ChatML's
-    <|im_end|>, Gemma's <end_of_turn>, Llama 3's <|eot_id|>, Phi-3's <|end|>), found by
-    rendering one; None without a template or where plain text follows the answer. A model
-    whose generation config omits it would otherwise write it and go on with another turn."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": MARKER}]
-    try:
-        text = tokenizer.apply_chat_template(chat, tokenize=False)
-    except Exception:  # a template with rules of its own (roles, a system turn): no answer to read
-        return None
-    after = text.split(MARKER, 1)[1].lstrip() if MARKER in text else ""
-    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-    if ids and ids[0] in set(tokenizer.all_special_ids) | _special_added(tokenizer):
-        return ids[0]
-    return None
-
-
-def _special_added(tokenizer) -> set[int]:
-    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return {i for i, token in decoder.items() if getattr(token, "special", False)}
 
 
 def _log_ready(runtime: WorkerRuntime, settings: WorkerSettings, device: str) -> None:

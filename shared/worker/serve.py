@@ -6,13 +6,16 @@ is left (its owners hear why) -> on every path: cancel the worker's own tasks, u
 for what may still settle (each bounded by a lease), close the engine thread."""
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from shared.control.bus import MessageBus
 from shared.engine.executor import EngineExecutor
+from shared.engine.step_runner import RunnerLost
 from shared.worker.announcer import Announcer
 
+log = logging.getLogger(__name__)
 Handler = Callable[..., Awaitable[None]]
 
 
@@ -40,10 +43,17 @@ class WorkerLifecycle:
         ]
         try:
             async with self.announcer as announcer:
-                await self.run(stop)
-                self.stop_accepting()  # no new work; the scheduler drops this worker now
-                await announcer.announce()
-                await self.drain(self.drain_timeout_s)
+                try:
+                    await self.run(stop)
+                    self.stop_accepting()  # no new work; the scheduler drops this worker now
+                    await announcer.announce()
+                    await self.drain(self.drain_timeout_s)
+                except RunnerLost as lost:  # nothing more can be computed here
+                    log.error("%s: this worker's requests are placed elsewhere", lost)
+                    self.stop_accepting()
+                    await announcer.announce()
+                    await self.abort_rest()
+                    raise
                 await self.abort_rest()
         finally:
             self.cancel_tasks()

@@ -159,8 +159,25 @@ class WorkerSettings(CommonSettings):
             "help": "torch intra-op threads; 0 = one per core of --cpus, else torch's default"
         },
     )
+    tp: int = field(
+        default=1,
+        metadata={
+            "help": "tensor-parallel degree: this worker's ranks (processes), each holding 1/tp of every layer's heads and KV; rank 0 is this process"
+        },
+    )
+    tp_collective_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "the longest one collective of a tensor-parallel group may wait for a rank: past it the group fails instead of hanging"
+        },
+    )
+    tp_start_timeout_s: float = field(
+        default=600.0,
+        metadata={"help": "the longest the ranks of a tensor-parallel group may take to load"},
+    )
     kv_cache_mb: int = field(
-        default=1024, metadata={"help": "KV cache budget of this worker in MiB"}
+        default=1024,
+        metadata={"help": "KV cache budget of this worker in MiB (of each rank's, with --tp)"},
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     max_num_seqs: int = field(
@@ -298,6 +315,9 @@ class WorkerSettings(CommonSettings):
             "prefill_chunk_tokens",
             "max_held_chunks",
             "mock_workers",
+            "tp",
+            "tp_collective_timeout_s",
+            "tp_start_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -336,6 +356,8 @@ class WorkerSettings(CommonSettings):
             raise ValueError("mock_speedup and mock_kv_bytes_per_token must not be negative")
         if self.mock_workers > 1 and self.engine != "mock":
             raise ValueError("mock_workers needs engine mock (a model worker is one per process)")
+        if self.tp > 1 and self.engine == "mock":
+            raise ValueError("tp needs a model: a mock engine has no heads to split")
 
     def resolved_worker_id(self, role: Role) -> str:
         return self.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"

@@ -45,8 +45,15 @@ ALLOWED = {
         "shared.engine",
         "shared.dataplane",
         "shared.telemetry",
+        "shared.parallel",
     },
-    "shared.worker": {"shared.control", "shared.engine", "shared.dataplane", "shared.kvtransfer"}
+    "shared.worker": {
+        "shared.control",
+        "shared.engine",
+        "shared.dataplane",
+        "shared.kvtransfer",
+        "shared.parallel",
+    }
     | COMMON,
     "shared.benchmark": {"shared.api"},
     "shared.cli": RUNTIME | COMMON | {"shared.benchmark"},

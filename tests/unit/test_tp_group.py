@@ -1,35 +1,36 @@
-"""A TP group stepping in lockstep: rank 0's Engine (the group's one block table) drives rank 1's
-runner through GroupRunner and `follow`, and decodes what one engine decodes on the whole model,
-an n = 2 request's fork (a block copy on every rank) included; the spans' encoding round-trips."""
+"""A tensor-parallel worker's group: rank 0 (this process, through load_runtime) starts rank 1 as
+a process of its own (shared.worker.tp_rank), drives it over the command link, and decodes what
+one engine decodes on the whole model, an n = 2 request's fork (a block copy on every rank)
+included; a rank that dies fails the group (GroupFailed, never a hang); the command link and the
+spans' encoding round-trip."""
 
-import copy
+import os
+import signal
+import socket
+import threading
 
-import torch.distributed as dist
+import pytest
 
-from shared.engine.block_manager import BlockManager
-from shared.engine.engine import Engine
+from shared.control.worker_roles import Role
 from shared.engine.forward_batch import SeqSpan
-from shared.engine.model_runner import ModelRunner
 from shared.engine.sequence import Sequence
-from shared.parallel.group import GroupRunner, decode_spans, encode_spans, follow
-from shared.parallel.shard import shard_model
+from shared.parallel.commands import CommandReader, CommandWriter, GroupGone, Op
+from shared.parallel.group import GroupFailed, decode_spans, encode_spans
+from shared.parallel.heads import TPError
 from shared.values.sampling import SamplingParams
-from tests.unit.gloo_group import run_ranks
-from tests.unit.test_tp_shard import model_of
+from shared.worker.runtime import load_runtime
+from shared.worker.settings import WorkerSettings
 
-BLOCK, CHUNK, NEW = 16, 32, 8
+NEW = 8
 PROMPTS = [[(5 * i + 11 * j) % 3000 + 7 for j in range(n)] for i, n in enumerate((50, 21, 9))]
-LAYOUT = ("qwen2", dict(hidden_size=224, num_attention_heads=14, num_key_value_heads=2))
 
 
-def runner_of(model, reduce=None) -> ModelRunner:
-    return ModelRunner(
-        model, "tiny", "cpu", pool_blocks=64, block_size=BLOCK, chunk=CHUNK, reduce=reduce
-    )
+def runtime_of(path, tp: int):
+    settings = WorkerSettings(model=str(path), tp=tp, kv_cache_mb=16, prefill_chunk_tokens=32)
+    return load_runtime(settings, Role.DECODE)
 
 
-def decode(runner) -> list[list[int]]:
-    engine = Engine(runner, BlockManager(64, BLOCK, cache_granularity=CHUNK), 8, 2 * CHUNK)
+def decode(engine) -> list[list[int]]:
     seqs = []
     for i, prompt in enumerate(PROMPTS):
         params = SamplingParams(max_tokens=NEW, ignore_eos=True, n=2 if i == 1 else 1)
@@ -42,27 +43,64 @@ def decode(runner) -> list[list[int]]:
     return [s.output_ids for s in seqs] + [s.output_ids for s in forked if s.forked_from]
 
 
-def _work(rank: int, results) -> None:
-    whole = model_of(*LAYOUT)
-    want = decode(runner_of(copy.deepcopy(whole))) if rank == 0 else None
-    shard_model(whole, 2, rank)
-    runner = runner_of(whole, reduce=dist.all_reduce)
-    if rank == 0:
-        group = GroupRunner(runner)
-        got = decode(group)
-        group.stop()
-        results["tokens"] = (got, want)
-    else:
-        results["passes"] = follow(runner)
-
-
-def test_rank_0_drives_the_group_and_decodes_what_one_engine_decodes():
-    results = run_ranks(_work)
-    got, want = results["tokens"]
-    passes = results["passes"]
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "gemma"])  # 14/2 heads; 4/1 (replicated)
+def test_a_group_of_two_processes_decodes_what_one_engine_decodes(family_checkpoint, name):
+    path = family_checkpoint(name)
+    one = runtime_of(path, 1)
+    want = decode(one.engine)
+    group = runtime_of(path, 2)
+    try:
+        assert group.tp == 2 and len(group.pools) == 2
+        assert group.layout == one.layout  # peers pair with the whole model's layout
+        heads = group.layout.num_kv_heads
+        assert [p.layout.num_kv_heads for p in group.pools] == [max(1, heads // 2)] * 2
+        got = decode(group.engine)
+    finally:
+        group.close()
     assert len(got) == len(PROMPTS) + 1  # the n = 2 request's second choice
     assert got == want
-    assert passes >= NEW
+    assert all(p.poll() == 0 for p in group.group.processes)  # left when told
+
+
+def test_a_rank_that_dies_fails_the_group_instead_of_hanging(family_checkpoint):
+    rt = runtime_of(family_checkpoint("qwen2.5-0.5b"), 2)
+    try:
+        victim = rt.group.processes[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        assert rt.group.failed.wait(10)
+        assert "rank 1" in rt.group.failure and "-9" in rt.group.failure
+        rt.engine.add(Sequence("r", PROMPTS[0], SamplingParams(max_tokens=2), None, set(), 512))
+        with pytest.raises(GroupFailed):
+            while rt.engine.has_work():
+                rt.engine.step()
+    finally:
+        rt.close()
+
+
+def test_a_degree_that_does_not_split_the_heads_is_refused_before_loading(family_checkpoint):
+    with pytest.raises(TPError, match="degrees that would: 1, 2, 14"):
+        runtime_of(family_checkpoint("qwen2.5-0.5b"), 4)
+
+
+def test_commands_round_trip_and_a_closed_link_is_group_gone():
+    ours, theirs = socket.socketpair()
+    writer, reader = CommandWriter([ours]), CommandReader(theirs)
+
+    def send() -> None:  # larger than the socket's buffer: the reader must keep up
+        writer.send(Op.FORWARD, list(range(100_000)))
+        writer.send(Op.COPY_BLOCK, [3, 4])
+        writer.send(Op.STOP, [])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    assert reader.receive() == (Op.FORWARD, list(range(100_000)))
+    assert reader.receive() == (Op.COPY_BLOCK, [3, 4])
+    assert reader.receive() == (Op.STOP, [])
+    sender.join()
+    writer.close()
+    with pytest.raises(GroupGone):
+        reader.receive()
 
 
 def test_spans_round_trip_through_their_encoding():

@@ -3,7 +3,7 @@
 import copy
 from types import SimpleNamespace
 
-from shared.worker.runtime import eos_token_ids, turn_end_id
+from shared.worker.end_tokens import eos_token_ids, turn_end_id
 
 GEMMA_LIKE = (  # a turn closed by a special token that is not the EOS (<|endoftext|>, id 0 here)
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n"

@@ -38,7 +38,7 @@ class _Peer:
     def _plan(self, prompt_len: int, destination: dict) -> TransferPlan:
         """The plan of the connector the destination names (push unless it says)."""
         where = KVDestination(**destination)
-        how = connector(where.connector, self.plane, self.pool)
+        how = connector(where.connector, self.plane, [self.pool])
         return how.plan(self.pool.layout, prompt_len, where)
 
     async def op_address(self) -> dict:
@@ -57,7 +57,7 @@ class _Peer:
         """Sends a prompt's KV as a prefill worker would; chunk_delay_s stands in for the compute
         of each chunk_tokens-token chunk (0 = all computed already)."""
         plan = self._plan(prompt_len, destination)
-        sender = KVSender(self.plane, self.pool, plan, timeout_s)
+        sender = KVSender(self.plane, [self.pool], plan, timeout_s)
         started = time.time()
         computed = (
             prompt_len
@@ -90,7 +90,7 @@ class _Peer:
 
     async def op_receive(self, prompt_len: int, destination: dict) -> dict:
         plan = self._plan(prompt_len, destination)
-        receiver = KVReceiver(self.plane, self.pool, plan)
+        receiver = KVReceiver(self.plane, [self.pool], plan)
         receiver.start()
         await asyncio.sleep(0)  # the receives are posted
         self.receivers[plan.destination.base_tag] = receiver

@@ -86,8 +86,8 @@ class DecodeWorker:
         s, rt = self.settings, self.rt
         return KVFetcher(
             rt.worker_id,
-            rt.runner.layout,
-            connector(s.kv_connector, self.plane, rt.runner.pool),
+            rt.layout,
+            connector(s.kv_connector, self.plane, rt.pools),
             s.kv_segment_tokens,
             s.fetch_times(),
             self.bus,
@@ -178,7 +178,7 @@ class DecodeWorker:
                 req = DecodeRequest(seq, task, engine, self.rt.worker_id)
                 self.loop.add(req, local_prefill=True)
             elif engine.admit(seq):  # the prompt's blocks, reserved before its KV comes
-                self._prefill_remotely(DecodeRequest(seq, task, engine), assignment.prefill_worker)
+                self._prefill_remotely(DecodeRequest(seq, task, engine), assignment)
             else:
                 self.out.forget(task)
                 refusal = worker_full(
@@ -213,11 +213,11 @@ class DecodeWorker:
 
     # -- remote prefill --------------------------------------------------------------------
 
-    def _prefill_remotely(self, req: DecodeRequest, prefill_worker: str) -> None:
+    def _prefill_remotely(self, req: DecodeRequest, assignment: DecodeAssignment) -> None:
         """The blocks are reserved: the transfer into them is opened now (so they stay held
         until it settles), and run in a task of its own."""
         try:
-            req.transfer = self.kv.open(req.seq, prefill_worker)
+            req.transfer = self.kv.open(req.seq, assignment.prefill_worker, assignment.prefill_tp)
         except PlanError as err:  # a bug, but never a hang
             log.exception("%s: no transfer plan", req.attempt_id)
             req.fail(failed(Code.INTERNAL, f"no KV transfer plan: {err}"))

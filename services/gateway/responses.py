@@ -98,4 +98,6 @@ def worker_status(w: WorkerStatus) -> pb.WorkerStatus:
         messages_dropped=w.messages_dropped,
         kernels=w.kernels,
         model=w.model,
+        tp=w.tp,
+        tp_ranks=w.tp_ranks,
     )

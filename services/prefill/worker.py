@@ -62,7 +62,7 @@ class PrefillWorker:
         self.ship = KVShipper(
             runtime.worker_id,
             plane,
-            runtime.runner.pool,
+            runtime.pools,
             bus,
             self.subjects,
             self.executor,
@@ -145,10 +145,10 @@ class PrefillWorker:
         me = self.rt.worker_id
         if self.stopping:
             return worker_failed(me, f"prefill worker {me} is shutting down")
-        if task.layout != self.rt.runner.layout:
+        if task.layout != self.rt.layout:
             message = (
                 f"KV layout mismatch: decode has {asdict(task.layout)}, "
-                f"prefill {me} has {asdict(self.rt.runner.layout)}"
+                f"prefill {me} has {asdict(self.rt.layout)}"
             )
             return failed(Code.FAILED_PRECONDITION, message, me)
         if task.attempt_id in self.ship.held:

@@ -230,10 +230,11 @@ class SchedulerService:
         """Hands the request to its decode worker; places it again if that one refuses."""
         task, decode_id = entry.task, chosen.decode.worker_id
         prefill_id = chosen.prefill.worker_id if chosen.prefill else ""
+        prefill_tp = chosen.prefill.tp if chosen.prefill else 1
         entry.attempts += 1
         try:
             with tracing.within(entry.trace):  # the assignment's message carries the route span
-                failure = await self._offer(task, decode_id, prefill_id)
+                failure = await self._offer(task, decode_id, prefill_id, prefill_tp)
         except (RequestTimeout, BadReply):
             # It may have taken (and forked) it: placing it elsewhere could run it twice. The
             # gateway moves it on (a new attempt id); this one is cancelled under every id.
@@ -274,13 +275,16 @@ class SchedulerService:
             self.queue.requeue(entry)
             self.pump()
 
-    async def _offer(self, task: GenerateTask, decode_id: str, prefill_id: str) -> Failure | None:
-        """Asks the decode worker to take the request: None when it did, else why not. Raises
-        RequestTimeout or BadReply when it did not answer."""
+    async def _offer(
+        self, task: GenerateTask, decode_id: str, prefill_id: str, prefill_tp: int
+    ) -> Failure | None:
+        """Asks the decode worker to take the request (its KV from `prefill_id`, of `prefill_tp`
+        ranks): None when it did, else why not. Raises RequestTimeout or BadReply when it did
+        not answer."""
         try:
             ack = await self.bus.request(
                 self.subjects.decode_tasks(decode_id),
-                DecodeAssignment(task=task, prefill_worker=prefill_id),
+                DecodeAssignment(task=task, prefill_worker=prefill_id, prefill_tp=prefill_tp),
                 self.settings.dispatch_timeout_s,
                 TaskAck,
             )

@@ -143,7 +143,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "role", "host", "pid", "running", "queued", "kv_blocks_used", "kv_blocks_total", "requests_served", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_failed", "kv_blocks_leaked", "kv_transport", "zone", "messages_dropped", "kernels", "model", "kv_blocks_quarantined")
+    __slots__ = ("id", "role", "host", "pid", "running", "queued", "kv_blocks_used", "kv_blocks_total", "requests_served", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_failed", "kv_blocks_leaked", "kv_transport", "zone", "messages_dropped", "kernels", "model", "kv_blocks_quarantined", "tp", "tp_ranks")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,8 @@ class WorkerStatus(_message.Message):
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    TP_RANKS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     host: str
@@ -182,7 +184,9 @@ class WorkerStatus(_message.Message):
     kernels: str
     model: str
     kv_blocks_quarantined: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., requests_served: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_blocks_leaked: _Optional[int] = ..., kv_transport: _Optional[str] = ..., zone: _Optional[str] = ..., messages_dropped: _Optional[int] = ..., kernels: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_quarantined: _Optional[int] = ...) -> None: ...
+    tp: int
+    tp_ranks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., requests_served: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_blocks_leaked: _Optional[int] = ..., kv_transport: _Optional[str] = ..., zone: _Optional[str] = ..., messages_dropped: _Optional[int] = ..., kernels: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_quarantined: _Optional[int] = ..., tp: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("workers", "mode", "scheduler_messages_dropped", "gateway_messages_dropped")

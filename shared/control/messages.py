@@ -57,6 +57,7 @@ class DecodeAssignment(AboutATask):
 
     task: GenerateTask
     prefill_worker: str = ""
+    prefill_tp: int = 1  # the prefill worker's tensor-parallel degree (the KV's routes)
 
 
 @dataclass
@@ -80,6 +81,8 @@ class KVDestination:
     segment_tokens: int = 1024
     lease_s: float = 30.0  # a transfer that makes no progress this long is aborted by either side
     connector: str = "push"  # how the KV moves (shared.kvtransfer.connector.CONNECTORS)
+    prefill_tp: int = 1  # the sending worker's tensor-parallel degree, as the scheduler said
+    decode_tp: int = 1  # this (the receiving) worker's
 
 
 @dataclass
@@ -198,6 +201,8 @@ class WorkerStatus:
     messages_dropped: int = 0  # control messages received malformed or out of range
     kernels: str = ""  # which kernels its engine runs (KernelReport.line); at most MAX_LABEL
     model: str = ""  # "name · architecture · dtype"; at most MAX_LABEL
+    tp: int = 1  # tensor-parallel degree: the ranks (processes) of this worker
+    tp_ranks: list[str] = field(default_factory=list)  # each rank's heads and pid
 
 
 @dataclass(kw_only=True)

@@ -27,6 +27,7 @@ MAX_N = 64  # choices of one request
 MAX_MESSAGES = 4096  # chat messages of one request (gateway: counted before any rendering)
 MAX_CONTENT_PARTS = 4096  # text parts of one request's messages, all messages together
 MAX_LABEL = 256  # characters of a worker's descriptive strings (its kernel report)
+MAX_TP = 1024  # tensor-parallel ranks of one worker
 
 # int fields that may be negative, and how far
 SIGNED = {
@@ -81,16 +82,19 @@ def _layout(m) -> str | None:
 
 
 def _destination(m) -> str | None:
+    degrees = 1 <= m.prefill_tp <= MAX_TP and 1 <= m.decode_tp <= MAX_TP
     return (
         None
-        if m.segment_tokens >= 1 and 0 < m.lease_s <= 3600
-        else "segment_tokens or lease_s out of range"
+        if m.segment_tokens >= 1 and 0 < m.lease_s <= 3600 and degrees
+        else "segment_tokens, lease_s or a tensor-parallel degree out of range"
     )
 
 
 def _heartbeat(m) -> str | None:
     fits = len(m.kernels) <= MAX_LABEL and len(m.model) <= MAX_LABEL
-    return None if fits else "kernels or model is too long"
+    ranks = 1 <= m.tp <= MAX_TP and len(m.tp_ranks) <= MAX_TP
+    ranks = ranks and all(len(r) <= MAX_LABEL for r in m.tp_ranks)
+    return None if fits and ranks else "kernels, model or tensor-parallel ranks out of range"
 
 
 EXTRA: dict[str, Callable[[Any], str | None]] = {
@@ -101,6 +105,9 @@ EXTRA: dict[str, Callable[[Any], str | None]] = {
     "KVLayout": _layout,
     "KVDestination": _destination,
     "WorkerHeartbeat": _heartbeat,
+    "DecodeAssignment": lambda m: (
+        None if 1 <= m.prefill_tp <= MAX_TP else "prefill_tp out of range"
+    ),
 }
 
 

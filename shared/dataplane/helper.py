@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import ctypes
 import logging
+import math
 import signal
 import socket
 import sys
@@ -17,7 +18,7 @@ import sys
 import numpy
 
 from shared.dataplane.helper_wire import FAILED, LANDED, RELEASED, HelperGone, frame, read_frame
-from shared.dataplane.plane import KVTransferError, ReceiveReleased, discard
+from shared.dataplane.plane import KVTransferError, ReceiveReleased, discard, gathered
 from shared.dataplane.ucx import UcxDataPlane
 from shared.engine.shared_region import SharedRegion
 
@@ -34,22 +35,39 @@ class HelperServer:
         self.tasks: set[asyncio.Task] = set()
         self._landed: list[list] = []
 
+    def view(self, ref) -> numpy.ndarray:
+        """A ref's bytes in its region: a view, strided for a strided ref."""
+        region, offset, nbytes, *layout = ref
+        if not layout:
+            return self.regions[region].view(offset, nbytes)
+        shape, strides = layout
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+        base = self.regions[region].view(offset, extent)
+        if math.prod(shape) != nbytes or min(shape, default=1) < 1 or min(strides) < 1:
+            raise ValueError("a strided KV buffer of an inconsistent shape")
+        return numpy.lib.stride_tricks.as_strided(base, shape, strides, writeable=True)
+
     def buffer(self, ref) -> numpy.ndarray:
-        """A ref's bytes: a view of a region, or a gathered copy of several views."""
-        if ref and isinstance(ref[0], list):
-            return numpy.concatenate([self.buffer(part) for part in ref])
-        region, offset, nbytes = ref
-        return self.regions[region].view(offset, nbytes)
+        """A ref's bytes to send: a view of a region, or a gathered copy of a strided view or
+        of several views."""
+        if ref and isinstance(ref[0], list):  # one copy of every part into one buffer
+            views = [self.view(part) for part in ref]
+            out, at = numpy.empty(sum(v.nbytes for v in views), dtype=numpy.uint8), 0
+            for v in views:
+                out[at : at + v.nbytes].reshape(v.shape)[...] = v
+                at += v.nbytes
+            return out
+        return gathered(self.view(ref))
 
     def pieces(self, refs: list) -> list[tuple[int, numpy.ndarray]]:
         return [(tag, self.buffer(ref)) for tag, ref in refs]
 
     def spans(self, ref) -> numpy.ndarray | list[numpy.ndarray]:
-        """Where a receive lands: a view of a region, or the views it is scattered over."""
+        """Where a receive lands: a view of a region (scattered into when strided), or the views
+        it is scattered over."""
         if ref and isinstance(ref[0], list):
-            return [self.regions[region].view(offset, n) for region, offset, n in ref]
-        region, offset, nbytes = ref
-        return self.regions[region].view(offset, nbytes)
+            return [self.view(part) for part in ref]
+        return self.view(ref)
 
     async def serve(self, reader) -> None:
         self.writer.write(frame({"ev": "ready", "address": self.plane.address}))
@@ -71,11 +89,9 @@ class HelperServer:
         try:
             if op == "send":
                 refs = message["pieces"]
-                gathered = any(ref and isinstance(ref[0], list) for _, ref in refs)
+                copies = any(ref and (isinstance(ref[0], list) or len(ref) > 3) for _, ref in refs)
                 # a gather copies: in a thread (numpy lets go of the GIL), so UCX keeps moving
-                pieces = (
-                    await asyncio.to_thread(self.pieces, refs) if gathered else self.pieces(refs)
-                )
+                pieces = await asyncio.to_thread(self.pieces, refs) if copies else self.pieces(refs)
                 await self.plane.send_many(message["peer"], pieces, message["timeout"])
                 reply["transport"] = self.plane.transport_to(message["peer"])
             elif op == "release":

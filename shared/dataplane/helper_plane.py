@@ -19,12 +19,13 @@ import logging
 import numpy
 
 from shared.dataplane.helper_link import HelperLink, HelperTiming
-from shared.dataplane.helper_wire import LANDED, RELEASED
+from shared.dataplane.helper_wire import LANDED, RELEASED, strided_ref
 from shared.dataplane.plane import (
     KVTransferError,
     PlaneRestarted,
     ReceiveReleased,
     TransferCounters,
+    contiguous,
     nbytes,
 )
 from shared.engine.shared_region import SharedRegion, locate
@@ -123,12 +124,14 @@ class HelperDataPlane:
         if isinstance(buffer, list):  # spans the helper gathers into one message
             return [self._ref(part) for part in buffer]
         if isinstance(buffer, numpy.ndarray):
-            contiguous, address = buffer.flags.c_contiguous, buffer.ctypes.data
+            address, itemsize = buffer.ctypes.data, buffer.itemsize
+            shape, strides = list(buffer.shape), [s // itemsize for s in buffer.strides]
         else:  # a torch.Tensor (torch is imported where the pool is made, not here)
-            contiguous, address = buffer.is_contiguous(), buffer.data_ptr()
-        if not contiguous:
-            raise ValueError("KV buffers must be contiguous")
-        return [*locate(self.regions, address, buffer.nbytes), buffer.nbytes]
+            address, itemsize = buffer.data_ptr(), buffer.element_size()
+            shape, strides = list(buffer.shape), list(buffer.stride())
+        if contiguous(buffer):
+            return [*locate(self.regions, address, buffer.nbytes), buffer.nbytes]
+        return strided_ref(self.regions, address, itemsize, shape, strides)
 
     # -- the DataPlane contract
 

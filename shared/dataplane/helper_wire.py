@@ -4,13 +4,18 @@ sizes, peer addresses), never KV bytes: those stay in the shared region (shared.
 
 Worker -> helper: {"op": "send" | "recv" | "release" | "discard" | "ping", ...}; helper ->
 worker: {"ev": "ready" | "reply" | "landed", ...}. A buffer is a ref: [region, offset, nbytes],
-or a list of refs, gathered by the helper into one message.
+a strided ref [region, offset, nbytes, shape, strides] (bytes: some KV heads of a run of pool
+blocks, gathered to be sent and scattered on landing, by the helper), or a list of refs,
+gathered by the helper into one message.
 """
 
 import asyncio
+import math
 import struct
 
 import msgpack
+
+from shared.engine.shared_region import locate
 
 HEADER = struct.Struct("<I")
 MAX_FRAME = 64 << 20  # a 128k-token prompt's pieces, posted at once, are well below this
@@ -42,3 +47,15 @@ async def read_frame(reader: asyncio.StreamReader) -> dict:
     if not isinstance(message, dict):
         raise HelperGone("a frame that is not a map")
     return message
+
+
+def strided_ref(regions, address: int, itemsize: int, shape: list[int], strides: list[int]) -> list:
+    """The ref of a strided view (its last dimension contiguous) of `itemsize`-byte elements,
+    `strides` in elements: its shape and strides in bytes, the last dimension widened to bytes."""
+    if strides[-1] != 1:
+        raise ValueError("a strided KV buffer's last dimension must be contiguous")
+    shape_b = [*shape[:-1], shape[-1] * itemsize]
+    strides_b = [*(s * itemsize for s in strides[:-1]), 1]
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape_b, strides_b))
+    region, offset = locate(regions, address, extent)
+    return [region, offset, math.prod(shape_b), shape_b, strides_b]

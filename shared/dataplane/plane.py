@@ -113,13 +113,31 @@ def staging(spans: list) -> torch.Tensor | numpy.ndarray:
     return torch.empty(nbytes(spans), dtype=torch.uint8, device=spans[0].device)
 
 
+def contiguous(buffer) -> bool:
+    """Whether a buffer is one range of memory (a strided view, e.g. some KV heads of a pool's
+    blocks, is not: it is gathered to be sent and scattered on landing)."""
+    if isinstance(buffer, numpy.ndarray):
+        return buffer.flags.c_contiguous
+    return buffer.is_contiguous()
+
+
+def gathered(buffer):
+    """A strided view copied into one contiguous buffer; a contiguous one as it is."""
+    if contiguous(buffer):
+        return buffer
+    if isinstance(buffer, numpy.ndarray):
+        return numpy.ascontiguousarray(buffer)
+    return buffer.contiguous()
+
+
 def scatter(staged, spans: list) -> None:
-    """Copies a landed staging buffer into its spans, in order."""
+    """Copies a landed staging buffer into its spans, in order (a strided one element-wise)."""
     at = 0
     for span in spans:
         size = span.nbytes
         if isinstance(span, numpy.ndarray):
-            span.reshape(-1).view(numpy.uint8)[:] = staged[at : at + size]
+            part = staged[at : at + size].view(span.dtype).reshape(span.shape)
+            span[...] = part
         else:
-            span.reshape(-1).view(staged.dtype).copy_(staged[at : at + size])
+            span.copy_(staged[at : at + size].view(span.dtype).view(span.shape))
         at += size

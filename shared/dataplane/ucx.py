@@ -21,7 +21,9 @@ from shared.dataplane.plane import (
     KVTransferError,
     ReceiveReleased,
     TransferCounters,
+    contiguous,
     discard,
+    gathered,
     nbytes,
     scatter,
     staging,
@@ -195,7 +197,7 @@ class UcxDataPlane:
             ep = await self._endpoint(peer_address)
             # The views stay alive until every send completes.
             views, requests = ucxx_compat.tag_sends(
-                ep, [ucx_view(buf) for _, buf in pieces], [tag for tag, _ in pieces]
+                ep, [ucx_view(gathered(buf)) for _, buf in pieces], [tag for tag, _ in pieces]
             )
             await asyncio.wait_for(asyncio.gather(*(self._done(r) for r in requests)), timeout)
         except Exception as err:
@@ -217,6 +219,8 @@ class UcxDataPlane:
         loop = asyncio.get_running_loop()
         entries = []
         for tag, buf in pieces:
+            if not isinstance(buf, list) and not contiguous(buf):
+                buf = [buf]  # a strided view: landed in one staging buffer, then scattered
             into = staging(buf) if isinstance(buf, list) else buf  # spans: scattered on landing
             view = ucxx_compat.buffer(ucx_view(into))
             request = ucxx_compat.tag_recv(view, tag)

@@ -188,10 +188,10 @@ class ModelRunner:
         `rows` itself where the row kernel computes every projection."""
         return next((count for count in self.row_counts if count >= max(rows, self.min_rows)), rows)
 
-    @torch.inference_mode()
     def copy_block(self, source: int, target: int) -> None:
         self.pool.copy_block(source, target)
 
+    @torch.inference_mode()
     def forward(
         self, segments: list[SeqSpan], abandon: Callable[[], bool] | None = None
     ) -> torch.Tensor | None:

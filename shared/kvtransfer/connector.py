@@ -12,9 +12,9 @@ The prefill side:
 - send: `KVSender.stage` / `gather` / `send`, a segment as soon as its tokens are computed;
 - abort: no more segments (OutboundTransfer.abort); pieces on the wire are drained by the
   decode side.
-A plan names, for every piece, the sending rank, its KV heads and its runs of decode blocks
-(plan.py), so a connector for tensor-parallel groups cuts pieces per rank and head range and is
-one more class here. The decode worker names its connector in the KVDestination; the prefill
+A plan names, for every piece, its route (the sending rank, the receiving rank, their KV heads)
+and its runs of decode blocks (plan.py): between tensor-parallel groups of any two degrees every
+connector cuts each segment per route, each rank's pool holding its own heads only. The decode worker names its connector in the KVDestination; the prefill
 worker builds the same one, and refuses a name it does not know.
 """
 
@@ -32,9 +32,9 @@ from shared.kvtransfer.sender import KVSender
 class KVConnector(ABC):
     name: ClassVar[str]
 
-    def __init__(self, plane: DataPlane, pool: KVPool):
+    def __init__(self, plane: DataPlane, pools: list[KVPool]):
         self.plane = plane
-        self.pool = pool
+        self.pools = pools  # each rank's, rank 0 first (one for a worker without TP)
 
     @abstractmethod
     def plan(self, layout: KVLayout, prompt_len: int, destination: KVDestination) -> TransferPlan:
@@ -42,12 +42,12 @@ class KVConnector(ABC):
 
     def reserve(self, layout: KVLayout, prompt_len: int, destination: KVDestination) -> KVReceiver:
         """Decode side: the receiver of the blocks `destination` names (nothing posted yet)."""
-        return KVReceiver(self.plane, self.pool, self.plan(layout, prompt_len, destination))
+        return KVReceiver(self.plane, self.pools, self.plan(layout, prompt_len, destination))
 
     def sender(self, layout: KVLayout, prompt_len: int, destination: KVDestination) -> KVSender:
         """Prefill side: the sender of the prompt's KV to `destination`, its lease as timeout."""
         plan = self.plan(layout, prompt_len, destination)
-        return KVSender(self.plane, self.pool, plan, destination.lease_s)
+        return KVSender(self.plane, self.pools, plan, destination.lease_s)
 
 
 class PushConnector(KVConnector):
@@ -76,8 +76,9 @@ class StagedConnector(KVConnector):
 CONNECTORS: dict[str, type[KVConnector]] = {c.name: c for c in (PushConnector, StagedConnector)}
 
 
-def connector(name: str, plane: DataPlane, pool: KVPool) -> KVConnector:
-    """The connector called `name`; PlanError for a name this worker does not know."""
+def connector(name: str, plane: DataPlane, pools: list[KVPool]) -> KVConnector:
+    """The connector called `name` over each rank's pool; PlanError for a name this worker
+    does not know."""
     if name not in CONNECTORS:
         raise PlanError(f"unknown KV connector {name!r} (this worker has {sorted(CONNECTORS)})")
-    return CONNECTORS[name](plane, pool)
+    return CONNECTORS[name](plane, pools)

@@ -89,18 +89,21 @@ class KVFetcher:
     def plane(self) -> DataPlane:
         return self.connector.plane
 
-    def open(self, seq: Sequence, prefill_worker: str) -> InboundTransfer:
-        """The transfer into seq's reserved blocks (RESERVED); PlanError when the reservation
-        does not fit the prompt (a bug, but never a hang)."""
+    def open(self, seq: Sequence, prefill_worker: str, prefill_tp: int = 1) -> InboundTransfer:
+        """The transfer into seq's reserved blocks (RESERVED) from a prefill worker of
+        `prefill_tp` ranks; PlanError when the reservation does not fit the prompt (a bug, but
+        never a hang)."""
         bs = self.layout.block_size
         destination = KVDestination(
             ucx_address=self.plane.address,
             base_tag=new_base_tag(secrets.randbits(39)),
             block_ids=seq.block_table[seq.num_cached_tokens // bs :],
             skip_tokens=seq.num_cached_tokens,
-            segment_tokens=segment_tokens(self.segment_tokens, self.connector.pool.device),
+            segment_tokens=segment_tokens(self.segment_tokens, self.connector.pools[0].device),
             lease_s=self.times.lease_s,
             connector=self.connector.name,
+            prefill_tp=prefill_tp,
+            decode_tp=len(self.connector.pools),
         )
         t = InboundTransfer(
             seq.attempt_id,

@@ -9,18 +9,26 @@ every layer's keys and values of its positions as one contiguous range. Segments
 ranges of token positions, whole blocks each; a segment is sent as soon as the prefill has
 computed all its tokens (chunk-wise pipelining). Each piece names, for one segment, the sending
 rank, the KV heads it carries and the runs of decode blocks it fills: a piece of one run lands
-in the decode pool directly; a piece of several runs is scattered there on landing. Today a
-worker is one rank holding every head; a tensor-parallel connector cuts pieces per rank and head
-range. The last block of a prompt travels whole: its positions past the prompt hold whatever
+in the decode pool directly; a piece of several runs is scattered there on landing. The last block of a prompt travels whole: its positions past the prompt hold whatever
 the prefill pool had there, which the decode worker overwrites as it generates and never reads
 before.
+
+Between tensor-parallel groups (the destination names both degrees) each segment is cut per
+route (shared.parallel.heads.routes): a prefill rank's run of KV heads into the decode rank that
+holds them, each rank's pool holding only its own heads. A route that carries every head of both
+ranks' pools (equal degrees, nothing replicated) moves whole blocks, as between single ranks; any
+other is a strided slice of the blocks on one side or both, re-laid once there (the planes gather
+and scatter such slices).
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from shared.control.messages import KVDestination, KVLayout
 from shared.engine.kv_cache import bytes_per_token
+from shared.parallel.heads import HeadSplit, Route, TPError, routes
 
 TAG_BITS = 24  # low bits of a tag: the piece index
 MAX_PIECES = 1 << TAG_BITS
@@ -45,12 +53,21 @@ class Piece:
     start: int  # token positions [start, end) of the prompt; start is a block's first
     end: int
     runs: tuple[Run, ...]  # the decode blocks it fills, in token order
-    rank: int  # the sending worker's rank that holds these heads
-    heads: tuple[int, int]  # the KV heads [first, end) it carries
+    route: Route  # from which prefill rank into which decode rank, which KV heads
 
     @property
     def blocks(self) -> int:
         return sum(run.blocks for run in self.runs)
+
+    @property
+    def rank(self) -> int:
+        """The sending rank."""
+        return self.route.source
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """The KV heads [first, end) it carries (the model's numbering)."""
+        return self.route.first, self.route.end
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,7 @@ class TransferPlan:
         self.destination = destination
         self.cut = cut
         self.block_bytes = bytes_per_token(layout) * bs  # every layer's keys and values
+        self.routes = transfer_routes(layout, destination)
         self.segments = self._segments()
         self.pieces = [p for seg in self.segments for p in seg.pieces]
         if len(self.pieces) > MAX_PIECES:
@@ -133,7 +151,8 @@ class TransferPlan:
         return self.destination.base_tag + piece.index
 
     def piece_bytes(self, piece: Piece) -> int:
-        return piece.blocks * self.block_bytes
+        heads = piece.route.end - piece.route.first
+        return piece.blocks * self.block_bytes * heads // self.layout.num_kv_heads
 
     def _runs(self, start: int, end: int) -> list[tuple[int, int, Run]]:
         """(start, end, run) of the block-aligned token ranges of [start, end) whose decode
@@ -155,17 +174,41 @@ class TransferPlan:
 
     def _segments(self) -> list[Segment]:
         size, skip = self.destination.segment_tokens, self.destination.skip_tokens
-        segments, index, every_head = [], 0, (0, self.layout.num_kv_heads)
+        segments, index = [], 0
         start = skip
         while start < self.prompt_len:
             end = min(self.prompt_len, (start // size + 1) * size)
             spans = self._runs(start, end)
-            pieces, at = [], 0
-            for runs in self.cut([run for _, _, run in spans]):
-                first, last = spans[at], spans[at + len(runs) - 1]
-                piece = Piece(index, len(segments), first[0], last[1], tuple(runs), 0, every_head)
-                pieces.append(piece)
-                index, at = index + 1, at + len(runs)
+            pieces = []
+            for route in self.routes:
+                at = 0
+                for runs in self.cut([run for _, _, run in spans]):
+                    first, last = spans[at], spans[at + len(runs) - 1]
+                    pieces.append(
+                        Piece(index, len(segments), first[0], last[1], tuple(runs), route)
+                    )
+                    index, at = index + 1, at + len(runs)
             segments.append(Segment(len(segments), start, end, tuple(pieces)))
             start = end
         return segments
+
+
+def transfer_routes(layout: KVLayout, destination: KVDestination) -> list[Route]:
+    """Which prefill rank sends which KV heads to which decode rank (one route of every head
+    between single ranks); PlanError for degrees that do not split the layout's KV heads."""
+    heads, degrees = layout.num_kv_heads, (destination.prefill_tp, destination.decode_tp)
+    queries = heads * degrees[0] * degrees[1]  # not the KV's concern: any count both degrees split
+    try:
+        return routes(*(HeadSplit(queries, heads, tp) for tp in degrees))
+    except TPError:
+        raise PlanError(
+            f"tensor-parallel degrees {degrees[0]} -> {degrees[1]} do not split {heads} KV heads"
+        ) from None
+
+
+def head_slice(blocks: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """KV heads [first, first + count) of a pool's blocks [n, layers, 2, block_size, heads, dim]:
+    the blocks themselves when that is all of their heads, else a strided view."""
+    if first == 0 and count == blocks.shape[-2]:
+        return blocks
+    return blocks[..., first : first + count, :]

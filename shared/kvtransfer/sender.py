@@ -16,7 +16,7 @@ import torch
 
 from shared.dataplane.plane import DataPlane, KVTransferError, nbytes
 from shared.engine.kv_cache import KVPool
-from shared.kvtransfer.plan import Segment, TransferPlan
+from shared.kvtransfer.plan import Piece, Segment, TransferPlan, head_slice
 
 
 @dataclass
@@ -25,13 +25,13 @@ class Staged:
 
     segment: Segment
     direct: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    scattered: list[tuple[int, list[int]]] = field(default_factory=list)
+    scattered: list[tuple[int, Piece, list[int]]] = field(default_factory=list)
 
 
 class KVSender:
-    def __init__(self, plane: DataPlane, pool: KVPool, plan: TransferPlan, timeout_s: float):
+    def __init__(self, plane: DataPlane, pools: list[KVPool], plan: TransferPlan, timeout_s: float):
         self.plane = plane
-        self.pool = pool
+        self.pools = pools  # each rank's
         self.plan = plan
         self.timeout_s = timeout_s
         self.next_segment = 0  # the first segment not staged yet
@@ -54,39 +54,46 @@ class KVSender:
         return out
 
     def stage(self, segment: Segment, block_table: list[int]) -> Staged:
-        """Engine thread, no copy: views of the pool for the pieces that are one run of blocks
-        here, and the blocks of the others, to be gathered (`gather`) while the first travel."""
+        """Engine thread, no copy: views of the sending rank's pool for the pieces that are one
+        run of blocks here (a strided slice of their heads only where the plane gathers it), and
+        the blocks of the others, to be gathered (`gather`) while the first travel."""
         staged = Staged(segment)
-        bs = self.pool.block_size
+        bs = self.pools[0].block_size
         for p in segment.pieces:
             blocks = block_table[p.start // bs : p.start // bs + p.blocks]
             if blocks == list(range(blocks[0], blocks[0] + p.blocks)):
-                staged.direct.append((self.plan.tag(p), self.pool.blocks(blocks[0], p.blocks)))
-            else:
-                staged.scattered.append((self.plan.tag(p), blocks))
+                view = self._heads(p, self.pools[p.rank].blocks(blocks[0], p.blocks))
+                if view.is_contiguous() or self.plane.gathers:
+                    staged.direct.append((self.plan.tag(p), view))
+                    continue
+            staged.scattered.append((self.plan.tag(p), p, blocks))
         self.next_segment = segment.index + 1
         return staged
 
+    def _heads(self, piece: Piece, blocks: torch.Tensor) -> torch.Tensor:
+        return head_slice(blocks, piece.route.source_offset, piece.route.heads)
+
     def gather(self, staged: Staged) -> list[tuple[int, torch.Tensor | list[torch.Tensor]]]:
         """Engine thread: the one copy on this side, of the pieces whose blocks are not
-        consecutive; for a plane that gathers (`DataPlane.gathers`, in its helper process), the
-        views of each run of them instead."""
+        consecutive or whose heads are a slice of the sending rank's; for a plane that gathers
+        (`DataPlane.gathers`, in its helper process), the views of each run of them instead."""
         if self.plane.gathers:
-            return [(tag, self._runs(blocks)) for tag, blocks in staged.scattered]
-        out = [
-            (tag, self.pool.kv.index_select(0, torch.tensor(blocks, device=self.pool.device)))
-            for tag, blocks in staged.scattered
-        ]
-        if out and self.pool.kv.is_cuda:  # UCX reads them on its own streams: copies must land
+            return [(tag, self._runs(p, blocks)) for tag, p, blocks in staged.scattered]
+        out = []
+        for tag, p, blocks in staged.scattered:
+            kv = self.pools[p.rank].kv
+            picked = kv.index_select(0, torch.tensor(blocks, device=kv.device))
+            out.append((tag, self._heads(p, picked).contiguous()))
+        if out and self.pools[0].kv.is_cuda:  # UCX reads them on its own streams: copies land
             torch.cuda.current_stream().synchronize()
         return out
 
-    def _runs(self, blocks: list[int]) -> list[torch.Tensor]:
-        """The pool views of runs of consecutive blocks, in order."""
-        runs, start = [], 0
+    def _runs(self, piece: Piece, blocks: list[int]) -> list[torch.Tensor]:
+        """The pool views of runs of consecutive blocks, in order (their route's heads)."""
+        runs, start, pool = [], 0, self.pools[piece.rank]
         for i in range(1, len(blocks) + 1):
             if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
-                runs.append(self.pool.blocks(blocks[start], i - start))
+                runs.append(self._heads(piece, pool.blocks(blocks[start], i - start)))
                 start = i
         return runs
 

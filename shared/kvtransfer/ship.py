@@ -24,6 +24,7 @@ from shared.engine.kv_cache import KVPool
 from shared.engine.sequence import Sequence, StepOutput
 from shared.kvtransfer.connector import connector
 from shared.kvtransfer.outbound import OutboundState, OutboundTransfer, send_failure
+from shared.kvtransfer.plan import PlanError
 from shared.kvtransfer.sender import KVSender
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class KVShipper:
         self,
         worker_id: str,
         plane: DataPlane,
-        pool: KVPool,
+        pools: list[KVPool],
         bus: MessageBus,
         subjects: Subjects,
         executor: EngineExecutor,
@@ -43,7 +44,7 @@ class KVShipper:
     ):
         self.worker_id = worker_id
         self.plane = plane
-        self.pool = pool
+        self.pools = pools  # each rank's
         self.bus = bus
         self.subjects = subjects
         self.executor = executor  # stages and gathers run in the engine thread, between steps
@@ -55,8 +56,14 @@ class KVShipper:
 
     def sender(self, task: PrefillTask) -> KVSender:
         """The sender of the task's KV, by the connector its destination names; PlanError when
-        the destination does not fit the prompt or names a connector this worker lacks."""
-        how = connector(task.destination.connector, self.plane, self.pool)
+        the destination does not fit the prompt, names a connector this worker lacks, or
+        takes this worker for another degree than its own."""
+        if task.destination.prefill_tp != len(self.pools):
+            raise PlanError(
+                f"the decode worker planned for a prefill of {task.destination.prefill_tp} "
+                f"rank(s); this one has {len(self.pools)}"
+            )
+        how = connector(task.destination.connector, self.plane, self.pools)
         prompt_len = len(task.task.prompt_token_ids)
         return how.sender(task.layout, prompt_len, task.destination)
 

@@ -36,7 +36,7 @@ def heartbeat(
         host=runtime.host,
         pid=os.getpid(),
         ucx_address=plane.address,
-        layout=runtime.runner.layout,
+        layout=runtime.layout,
         max_model_len=runtime.max_model_len,
         running=running,
         queued=queued,

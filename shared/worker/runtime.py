@@ -88,6 +88,8 @@ class WorkerRuntime:
             prefix_granularity=self.blocks.granularity,
             prefix_summary=summary,
             kernels=self.kernels,
+            tp=self.tp,
+            tp_ranks=self.group.describe() if self.group is not None else [],
             model=self.model_label,
         )
 

@@ -10,7 +10,9 @@ from shared.dataplane.plane import (
     PlaneRestarted,
     ReceiveReleased,
     TransferCounters,
+    contiguous,
     discard,
+    gathered,
     nbytes,
     scatter,
     staging,
@@ -83,9 +85,11 @@ class InProcessDataPlane:
         if nbytes(buffer) > nbytes(dst):
             done.set_exception(KVTransferError("message truncated"))
             raise KVTransferError("message truncated")
+        if not isinstance(dst, list) and not contiguous(dst):
+            dst = [dst]  # a strided view (some KV heads): staged, then scattered, as UCX's
         into = staging(dst) if isinstance(dst, list) else dst
         into.reshape(-1).view(torch.uint8)[: nbytes(buffer)].copy_(
-            buffer.reshape(-1).view(torch.uint8)
+            gathered(buffer).reshape(-1).view(torch.uint8)
         )
         if into is not dst:
             scatter(into, dst)

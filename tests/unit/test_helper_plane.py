@@ -147,10 +147,11 @@ def test_the_sender_hands_a_gathering_plane_the_runs_of_scattered_blocks():
     destination = KVDestination(b"d", new_base_tag(9), [0, 1, 2], 0, 16, 1.0)
     plan = TransferPlan(LAYOUT, 12, destination)
     plane = HelperDataPlane([pool.region])
-    sender = KVSender(plane, pool, plan, 1.0)
+    sender = KVSender(plane, [pool], plan, 1.0)
     staged = sender.stage(plan.segments[0], [5, 1, 2])  # block 5, then the run 1, 2
     gathered = sender.gather(staged)
-    assert len(gathered) == 1 and staged.scattered == [(gathered[0][0], [5, 1, 2])]
+    assert len(gathered) == 1
+    assert [(tag, blocks) for tag, _, blocks in staged.scattered] == [(gathered[0][0], [5, 1, 2])]
     runs = gathered[0][1]
     assert [run.shape[0] for run in runs] == [1, 2]  # two runs of blocks, in order
     assert (

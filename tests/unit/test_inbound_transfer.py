@@ -217,7 +217,7 @@ def transfer_alone() -> InboundTransfer:
     destination = KVDestination(b"decode", 1 << 40, [0, 1], segment_tokens=8)
     plan = TransferPlan(LAYOUT, 8, destination)
     plane = InProcessDataPlane(LoopbackNetwork(), "decode")
-    receiver = KVReceiver(plane, KVPool(LAYOUT, 2, 4, "cpu"), plan)
+    receiver = KVReceiver(plane, [KVPool(LAYOUT, 2, 4, "cpu")], plan)
     return InboundTransfer("r", PREFILL, receiver, lease_s=1.0, timeout_s=1.0)
 
 

@@ -97,13 +97,13 @@ def test_a_staged_plan_sends_each_segment_as_one_piece_of_its_runs():
 
 def test_connectors_are_known_by_name_and_a_worker_offers_each():
     plane, pool = InProcessDataPlane(LoopbackNetwork(), "x"), KVPool(LAYOUT, 4, BS, "cpu")
-    assert isinstance(connector("staged", plane, pool), StagedConnector)
-    assert isinstance(connector("push", plane, pool), PushConnector)
+    assert isinstance(connector("staged", plane, [pool]), StagedConnector)
+    assert isinstance(connector("push", plane, [pool]), PushConnector)
     assert WorkerSettings(kv_connector="staged").kv_connector == "staged"
     with pytest.raises(ValueError, match="kv_connector"):
         WorkerSettings(kv_connector="pull")
     with pytest.raises(PlanError, match="unknown KV connector"):
-        connector("pull", plane, pool)
+        connector("pull", plane, [pool])
 
 
 async def transfer(prompt_len: int, src_table, dst_table, skip=0, segment=8, how="push"):
@@ -114,9 +114,9 @@ async def transfer(prompt_len: int, src_table, dst_table, skip=0, segment=8, how
     )
     src, dst = filled_pool(8, seed=1), KVPool(LAYOUT, 12, BS, "cpu")
     where = destination(dst_table[skip // BS :], skip=skip, segment=segment)
-    receiver = connector(how, receiver_plane, dst).reserve(LAYOUT, prompt_len, where)
+    receiver = connector(how, receiver_plane, [dst]).reserve(LAYOUT, prompt_len, where)
     receiver.start()
-    sender = connector(how, sender_plane, src).sender(LAYOUT, prompt_len, where)
+    sender = connector(how, sender_plane, [src]).sender(LAYOUT, prompt_len, where)
     computed = 0
     while not sender.all_staged:  # as the prefill computes, one chunk of 4 tokens a step
         computed = min(prompt_len, computed + 4)
@@ -174,7 +174,7 @@ async def test_abort_releases_every_open_receive_and_reports_what_was_unfilled()
     plane = InProcessDataPlane(net, "decode")
     pool = KVPool(LAYOUT, 4, BS, "cpu")
     plan = TransferPlan(LAYOUT, 16, destination([0, 1, 2, 3], segment=4))
-    receiver = KVReceiver(plane, pool, plan)
+    receiver = KVReceiver(plane, [pool], plan)
     receiver.start()
     await asyncio.sleep(0)
     assert await receiver.abort(1.0)
@@ -189,9 +189,9 @@ async def test_a_stalled_transfer_is_reported_after_its_lease():
     sender_plane, plane = InProcessDataPlane(net, "prefill"), InProcessDataPlane(net, "decode")
     src, dst = filled_pool(4, seed=2), KVPool(LAYOUT, 4, BS, "cpu")
     plan = TransferPlan(LAYOUT, 16, destination([0, 1, 2, 3]))
-    receiver = KVReceiver(plane, dst, plan)
+    receiver = KVReceiver(plane, [dst], plan)
     receiver.start()
-    sender = KVSender(sender_plane, src, plan, timeout_s=1.0)
+    sender = KVSender(sender_plane, [src], plan, timeout_s=1.0)
     first = plan.segments[0]
     staged = sender.stage(first, [0, 1, 2, 3])
     assert not staged.scattered and len(staged.direct) == len(first.pieces)  # one run here: no copy

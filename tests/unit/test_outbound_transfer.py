@@ -36,8 +36,10 @@ class Transfer:
         task = make_task("r", 16, deadline)
         destination = KVDestination(b"decode", 1 << 40, [0, 1, 2, 3], segment_tokens=8)
         plan = TransferPlan(LAYOUT, 16, destination)
-        self.receiver = KVReceiver(self.decode_plane, KVPool(LAYOUT, 4, BS, "cpu"), plan)
-        sender = KVSender(InProcessDataPlane(net, "prefill"), KVPool(LAYOUT, 4, BS, "cpu"), plan, 1)
+        self.receiver = KVReceiver(self.decode_plane, [KVPool(LAYOUT, 4, BS, "cpu")], plan)
+        sender = KVSender(
+            InProcessDataPlane(net, "prefill"), [KVPool(LAYOUT, 4, BS, "cpu")], plan, 1
+        )
         self.seq = Sequence.from_task(task, None, set(), 512, prefill_only=True)
         self.seq.block_table = [0, 1, 2, 3]
         self.freed: list[Sequence] = []

@@ -41,6 +41,8 @@ def _old_status(role: str) -> dict:
         **dict.fromkeys(("kv_transport", "zone"), ""),
         "messages_dropped": 0,
         **dict.fromkeys(("kernels", "model"), ""),
+        "tp": 1,  # since tensor-parallel workers: a worker of one rank
+        "tp_ranks": [],
     }
 
 

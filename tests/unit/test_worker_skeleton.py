@@ -28,11 +28,11 @@ def fake_runtime():
     return SimpleNamespace(
         worker_id="w1",
         host="h1",
-        runner=SimpleNamespace(layout="the-layout"),
+        layout="the-layout",  # the whole model's, whatever its degree
         max_model_len=512,
         engine=SimpleNamespace(lock=lock),
         blocks=FakeBlocks(lock),
-        load_report=lambda: {"kv_blocks_used": 5, "kv_blocks_total": 9, "kernels": "k"},
+        load_report=lambda: {"kv_blocks_used": 5, "kv_blocks_total": 9, "kernels": "k", "tp": 2},
     )
 
 
@@ -63,6 +63,7 @@ def test_the_heartbeat_takes_the_common_fields_from_runtime_plane_bus_and_settin
     assert (beat.kv_blocks_used, beat.kv_blocks_total, beat.kernels) == (5, 9, "k")
     assert (beat.kv_bytes_sent, beat.kv_bytes_received, beat.kv_transfers_failed) == (10, 20, 1)
     assert (beat.messages_dropped, beat.kv_transport, beat.stopping) == (2, "tcp", True)
+    assert beat.tp == 2
 
 
 def test_the_leak_count_reads_the_held_tables_under_the_engine_lock():

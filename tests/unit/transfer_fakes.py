@@ -127,7 +127,7 @@ def fetcher(settings: WorkerSettings, plane, pool: KVPool, bus, liveness) -> KVF
     return KVFetcher(
         DECODE,
         LAYOUT,
-        connector(settings.kv_connector, plane, pool),
+        connector(settings.kv_connector, plane, [pool]),
         settings.kv_segment_tokens,
         settings.fetch_times(),
         bus,
@@ -172,7 +172,7 @@ class ScriptedPrefill:
     def sender(self) -> KVSender:
         task = self.tasks[-1]
         plan = TransferPlan(task.layout, len(task.task.prompt_token_ids), task.destination)
-        return KVSender(self.plane, self.pool, plan, timeout_s=5.0)
+        return KVSender(self.plane, [self.pool], plan, timeout_s=5.0)
 
     def send(self, segments: int | None = None) -> KVSender:
         """Puts the first `segments` segments (all by default) on the wire."""

@@ -150,7 +150,10 @@ def status_table(response: pb.ClusterStatusResponse) -> str:
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
     ]
-    return f"mode: {response.mode}\n" + "\n".join(lines) + _kernel_lines(response.workers)
+    workers = response.workers
+    return (
+        f"mode: {response.mode}\n" + "\n".join(lines) + _kernel_lines(workers) + _tp_lines(workers)
+    )
 
 
 def _kernel_lines(workers) -> str:
@@ -164,6 +167,15 @@ def _kernel_lines(workers) -> str:
                 f"  {w.id.ljust(width)}  {value or '-'}" for w, value in zip(workers, values)
             )
     return out
+
+
+def _tp_lines(workers) -> str:
+    """Per tensor-parallel worker (more than one rank): its degree and each rank's heads."""
+    width = max((len(w.id) for w in workers), default=0)
+    lines = [
+        f"  {w.id.ljust(width)}  tp {w.tp}: " + "; ".join(w.tp_ranks) for w in workers if w.tp > 1
+    ]
+    return "\n\ntensor parallel:\n" + "\n".join(lines) if lines else ""
 
 
 def _bytes(n: int) -> str:

@@ -22,6 +22,8 @@ from shared.cli.pools import (
     WorkerPools,
     devices_of,
     placement_of,
+    sharing_notes,
+    tp_degrees,
     worker_specs,
 )
 from shared.cli.processes import (
@@ -34,6 +36,7 @@ from shared.cli.processes import (
 from shared.control.nats_auth import ROLES, write_credentials
 from shared.control.worker_roles import Mode
 from shared.engine.architecture import UnsupportedModel, check
+from shared.worker.tp_group import TPError, split_of
 
 DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM serving?"
 READY_TIMEOUT_S = 300.0  # `tandem up`'s default --ready-timeout
@@ -117,6 +120,10 @@ def _refusal(args) -> str:
     """Why these arguments cannot start a stack ("" when they can)."""
     if args.prefill < 1 or args.decode < 1:
         return "--prefill and --decode must be at least 1"
+    if args.prefill_tp < 1 or args.decode_tp < 1:
+        return "--prefill-tp and --decode-tp must be at least 1"
+    if args.mode == Mode.COLOCATED and args.prefill_tp > 1:
+        return "a colocated stack has no prefill workers: give its workers --decode-tp"
     if args.secure and args.nats_url:
         return (
             "--secure starts a NATS server of its own; for yours, give each service its "
@@ -156,16 +163,21 @@ def up_command(args) -> int:
         with ControlServer(socket_path(args.cluster, args.control_socket)) as control:
             print("preparing the model (the first run converts the GGUF once) ...", flush=True)
             # an architecture or option the engine does not run: refused before anything starts
-            check(model_store.load_config(model_store.prepare(args.model, args.model_cache)))
+            config = model_store.load_config(model_store.prepare(args.model, args.model_cache))
+            check(config)
+            for tp in tp_degrees(args).values():  # refused here, not by workers crash-looping
+                split_of(config, tp)
+            for note in sharing_notes(args):
+                print(f"note: {note}", flush=True)
             with (
                 tempfile.TemporaryDirectory(prefix="tandem-secrets-") as secrets,
                 ProcessGroup(log_dir) as group,
             ):
                 secrets_dir = Path(secrets) if secured(args) else None
                 return _serve(args, group, control, log_dir, signals, secrets_dir)
-    except (ControlError, UnsupportedModel) as err:
+    except (ControlError, UnsupportedModel, TPError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, UnsupportedModel) else 1
+        return 1 if isinstance(err, ControlError) else 2
     except KeyboardInterrupt:
         print("interrupted; every process stopped.", flush=True)
         return 130

@@ -83,6 +83,7 @@ def _up_command(sub) -> None:
         help="where converted GGUF models are cached (env TANDEM_MODEL_CACHE)",
     )
     _up_start_arguments(up)
+    _up_tp_arguments(up)
     _up_placement_arguments(up)
     _up_access_arguments(up)
     up.set_defaults(run=launcher.up_command)
@@ -100,6 +101,23 @@ def _up_start_arguments(up) -> None:
         default=launcher.READY_TIMEOUT_S,
         help="seconds the stack has to start serving with every worker joined (their models "
         f"loaded), else it stops (default {launcher.READY_TIMEOUT_S:.0f})",
+    )
+
+
+def _up_tp_arguments(up) -> None:
+    """Each pool's tensor-parallel degree (see docs/tensor-parallel.md)."""
+    up.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree of each prefill worker: its ranks (processes), each with "
+        "1/N of every layer's heads and KV and its share of the worker's cores (default 1)",
+    )
+    up.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree of each decode (or colocated) worker (default 1)",
     )
 
 

@@ -201,12 +201,42 @@ def _counts(args) -> dict[str, int]:
     return counts if args.mode == Mode.COLOCATED else {"prefill": args.prefill, **counts}
 
 
+def tp_degrees(args) -> dict[str, int]:
+    """Each pool's tensor-parallel degree (ranks per worker)."""
+    degrees = {"prefill": args.prefill_tp, "decode": args.decode_tp}
+    return {pool: degrees[pool] for pool in _counts(args)}
+
+
+def _ranks(args) -> dict[str, int]:
+    """Each pool's processes: workers times their ranks (the weight of its share of cores)."""
+    degrees = tp_degrees(args)
+    return {pool: count * degrees[pool] for pool, count in _counts(args).items()}
+
+
 def placement_of(args) -> Placement | None:
-    """The cores of each pool (None with --no-pin); ValueError for a wrong --*-cpus."""
+    """The cores of each pool (None with --no-pin), shared in proportion to their ranks;
+    ValueError for a wrong --*-cpus."""
     if args.no_pin:
         return None
     given = {"prefill": args.prefill_cpus, "decode": args.decode_cpus}
-    return place(sorted(os.sched_getaffinity(0)), _counts(args), given)
+    return place(sorted(os.sched_getaffinity(0)), _ranks(args), given)
+
+
+def sharing_notes(args) -> list[str]:
+    """Where a pool has fewer cores than ranks: its ranks share cores (and run slower for it)."""
+    placement, notes = placement_of(args), []
+    if placement is None:
+        return notes
+    degrees = tp_degrees(args)
+    for pool, ranks in _ranks(args).items():
+        cores = placement.pools[pool]
+        if degrees[pool] > 1 and len(cores) < ranks:
+            notes.append(
+                f"the {pool} pool has {len(cores)} core(s) ({format_cpus(cores)}) for {ranks} "
+                f"tensor-parallel ranks ({_counts(args)[pool]} worker(s) x tp {degrees[pool]}): "
+                "its ranks share cores"
+            )
+    return notes
 
 
 def devices_of(args, gpus: list[int] | None = None) -> Placement | None:
@@ -221,19 +251,21 @@ def devices_of(args, gpus: list[int] | None = None) -> Placement | None:
 
 def worker_specs(args, common: dict[str, str], role_env: dict[str, dict]) -> dict[str, WorkerSpec]:
     """Workers started later by `tandem scale` get the same settings as the first ones."""
-    workers = args.prefill + args.decode if args.mode != Mode.COLOCATED else args.decode
+    processes = sum(_ranks(args).values())  # each worker's ranks
     worker_env = dict(common)
     if args.no_pin and "TANDEM_TORCH_THREADS" not in os.environ:  # workers share every core
-        worker_env["TANDEM_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
+        worker_env["TANDEM_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
     colocated = {"TANDEM_COLOCATED": "1" if args.mode == Mode.COLOCATED else "0"}
+    tp = {pool: {"TANDEM_TP": str(degree)} for pool, degree in tp_degrees(args).items()}
     python = [sys.executable, "-m"]
     return {
         "prefill": WorkerSpec(
-            python + ["services.prefill"], child_env({**worker_env, **role_env["prefill"]})
+            python + ["services.prefill"],
+            child_env({**worker_env, **tp.get("prefill", {}), **role_env["prefill"]}),
         ),
         "decode": WorkerSpec(
             python + ["services.decode"],
-            child_env({**worker_env, **colocated, **role_env["decode"]}),
+            child_env({**worker_env, **colocated, **tp["decode"], **role_env["decode"]}),
         ),
     }
 

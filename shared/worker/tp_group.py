@@ -234,7 +234,8 @@ def rank_spec(
     settings: WorkerSettings, model_dir: Path, name: str, per_rank: KVLayout, row_timing: Path
 ) -> RankSpec:
     """What every rank of this worker's group builds: each rank's pool of --kv-cache-mb, its
-    share of --cpus (threads: one per core; unplaced, the machine's cores shared out)."""
+    share of --cpus (threads: one per core; unplaced, --torch-threads each, else the machine's
+    cores shared out)."""
     tp = settings.tp
     cores = rank_cores(parse_cpus(settings.cpus) if settings.cpus else [], tp)
     threads = settings.torch_threads or max(1, (os.cpu_count() or 1) // tp)

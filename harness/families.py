@@ -191,8 +191,25 @@ LARGE: dict[str, dict] = {
 }
 
 
+# Shapes a test needs that no variant has, at a small width: Qwen2.5-0.5B's heads (14 query, 2
+# KV; q/k/v biases, tied head) for tensor parallelism at degree 2
+SHAPED: dict[str, dict] = {
+    "qwen2.5-heads": dict(
+        model_type="qwen2",
+        hidden_size=224,
+        intermediate_size=448,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    ),
+}
+
+
 def spec_of(name: str) -> dict:
-    return VARIANTS.get(name) or LARGE[name]
+    return VARIANTS.get(name) or SHAPED.get(name) or LARGE[name]
 
 
 def config_of(name: str, **overrides):
@@ -274,7 +291,7 @@ def main() -> None:
     from shared import model_store
 
     parser = argparse.ArgumentParser(description="build a random-weight checkpoint")
-    parser.add_argument("name", choices=[*VARIANTS, *LARGE])
+    parser.add_argument("name", choices=[*VARIANTS, *SHAPED, *LARGE])
     parser.add_argument("target", type=Path)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--shard", default="")

@@ -214,10 +214,11 @@ def _serve(
 
 
 def _announce(args, address: str, control: ControlServer, secure: bool) -> None:
+    tp = {pool: f" (tp {d})" if d > 1 else "" for pool, d in tp_degrees(args).items()}
     sizes = (
-        f"{args.prefill} prefill, {args.decode} decode"
+        f"{args.prefill} prefill{tp['prefill']}, {args.decode} decode{tp['decode']}"
         if args.mode != Mode.COLOCATED
-        else f"{args.decode} colocated"
+        else f"{args.decode} colocated{tp['decode']}"
     )
     http = f", OpenAI API on http://127.0.0.1:{args.http_port}/v1" if args.http_port >= 0 else ""
     placement, devices = placement_of(args), devices_of(args)

@@ -84,9 +84,9 @@ def data_plane(settings: WorkerSettings, runtime: WorkerRuntime | None) -> DataP
         settings.ucx_progress_mode,
         settings.ucx_rndv_scheme,
     )
-    region = runtime.runner.pool.region if runtime is not None else None
-    if region is not None:
-        return HelperDataPlane([region], *options, settings.helper_timing())
+    regions = [pool.region for pool in runtime.pools] if runtime is not None else [None]
+    if regions[0] is not None:  # every rank's pool: the helper moves each rank's KV in place
+        return HelperDataPlane(regions, *options, settings.helper_timing())
     if settings.kv_plane == "helper" and runtime is not None:
         log.warning("KV pool on %s: the data plane runs in this process", runtime.runner.device)
     return UcxDataPlane(*options)

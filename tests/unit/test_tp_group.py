@@ -43,7 +43,7 @@ def decode(engine) -> list[list[int]]:
     return [s.output_ids for s in seqs] + [s.output_ids for s in forked if s.forked_from]
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "gemma"])  # 14/2 heads; 4/1 (replicated)
+@pytest.mark.parametrize("name", ["qwen2.5-heads", "gemma"])  # 14/2 heads; 4/1 (replicated)
 def test_a_group_of_two_processes_decodes_what_one_engine_decodes(family_checkpoint, name):
     path = family_checkpoint(name)
     one = runtime_of(path, 1)
@@ -63,7 +63,7 @@ def test_a_group_of_two_processes_decodes_what_one_engine_decodes(family_checkpo
 
 
 def test_a_rank_that_dies_fails_the_group_instead_of_hanging(family_checkpoint):
-    rt = runtime_of(family_checkpoint("qwen2.5-0.5b"), 2)
+    rt = runtime_of(family_checkpoint("qwen2.5-heads"), 2)
     try:
         victim = rt.group.processes[0]
         os.kill(victim.pid, signal.SIGKILL)
@@ -80,7 +80,7 @@ def test_a_rank_that_dies_fails_the_group_instead_of_hanging(family_checkpoint):
 
 def test_a_degree_that_does_not_split_the_heads_is_refused_before_loading(family_checkpoint):
     with pytest.raises(TPError, match="degrees that would: 1, 2, 14"):
-        runtime_of(family_checkpoint("qwen2.5-0.5b"), 4)
+        runtime_of(family_checkpoint("qwen2.5-heads"), 4)
 
 
 def test_commands_round_trip_and_a_closed_link_is_group_gone():

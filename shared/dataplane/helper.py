@@ -16,9 +16,19 @@ import socket
 import sys
 
 import numpy
+from numpy.lib.stride_tricks import as_strided
 
-from shared.dataplane.helper_wire import FAILED, LANDED, RELEASED, HelperGone, frame, read_frame
-from shared.dataplane.plane import KVTransferError, ReceiveReleased, discard, gathered
+from shared.dataplane.helper_wire import (
+    ASSEMBLE,
+    FAILED,
+    LANDED,
+    RELEASED,
+    HelperGone,
+    frame,
+    read_frame,
+)
+from shared.dataplane.plane import KVTransferError, ReceiveReleased, discard
+from shared.dataplane.staging import StagingBuffers
 from shared.dataplane.ucx import UcxDataPlane
 from shared.engine.shared_region import SharedRegion
 
@@ -33,6 +43,7 @@ class HelperServer:
         self.regions = regions
         self.writer = writer
         self.tasks: set[asyncio.Task] = set()
+        self.staging = StagingBuffers()  # pieces gathered before they are sent
         self._landed: list[list] = []
 
     def view(self, ref) -> numpy.ndarray:
@@ -45,22 +56,41 @@ class HelperServer:
         base = self.regions[region].view(offset, extent)
         if math.prod(shape) != nbytes or min(shape, default=1) < 1 or min(strides) < 1:
             raise ValueError("a strided KV buffer of an inconsistent shape")
-        return numpy.lib.stride_tricks.as_strided(base, shape, strides, writeable=True)
+        return as_strided(base, shape, strides, writeable=True)
 
-    def buffer(self, ref) -> numpy.ndarray:
-        """A ref's bytes to send: a view of a region, or a gathered copy of a strided view or
-        of several views."""
-        if ref and isinstance(ref[0], list):  # one copy of every part into one buffer
-            views = [self.view(part) for part in ref]
-            out, at = numpy.empty(sum(v.nbytes for v in views), dtype=numpy.uint8), 0
-            for v in views:
-                out[at : at + v.nbytes].reshape(v.shape)[...] = v
-                at += v.nbytes
-            return out
-        return gathered(self.view(ref))
+    def buffer(self, ref, staged: list[numpy.ndarray]) -> numpy.ndarray:
+        """A ref's bytes to send: a view of a region, or a copy gathered from a strided view, from
+        several views or from an assembly's parts into a reused buffer (appended to `staged`)."""
+        if ref and ref[0] == ASSEMBLE:
+            return self.assemble(ref, staged)
+        views = [self.view(part) for part in ref] if ref and isinstance(ref[0], list) else None
+        if views is None:
+            view = self.view(ref)
+            if view.flags.c_contiguous:
+                return view
+            views = [view]
+        out, at = self.staging.take(sum(v.nbytes for v in views)), 0
+        staged.append(out)
+        for v in views:  # one copy of every part
+            out[at : at + v.nbytes].reshape(v.shape)[...] = v
+            at += v.nbytes
+        return out
 
-    def pieces(self, refs: list) -> list[tuple[int, numpy.ndarray]]:
-        return [(tag, self.buffer(ref)) for tag, ref in refs]
+    def assemble(self, ref, staged: list[numpy.ndarray]) -> numpy.ndarray:
+        """An assembly's buffer: each part's bytes copied to its place (one copy of each)."""
+        _, nbytes, parts = ref
+        out = self.staging.take(nbytes)
+        staged.append(out)
+        for offset, shape, strides, source in parts:
+            extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+            if offset < 0 or offset + extent > nbytes:
+                raise ValueError("an assembly's part outside its buffer")
+            place = as_strided(out[offset:], shape, strides, writeable=True)
+            place[...] = self.view(source).reshape(shape)
+        return out
+
+    def pieces(self, refs: list, staged: list) -> list[tuple[int, numpy.ndarray]]:
+        return [(tag, self.buffer(ref, staged)) for tag, ref in refs]
 
     def spans(self, ref) -> numpy.ndarray | list[numpy.ndarray]:
         """Where a receive lands: a view of a region (scattered into when strided), or the views
@@ -89,10 +119,15 @@ class HelperServer:
         try:
             if op == "send":
                 refs = message["pieces"]
-                copies = any(ref and (isinstance(ref[0], list) or len(ref) > 3) for _, ref in refs)
+                copies = any(not _plain(ref) for _, ref in refs)
                 # a gather copies: in a thread (numpy lets go of the GIL), so UCX keeps moving
-                pieces = await asyncio.to_thread(self.pieces, refs) if copies else self.pieces(refs)
-                await self.plane.send_many(message["peer"], pieces, message["timeout"])
+                staged: list[numpy.ndarray] = []
+                pieces = (
+                    await asyncio.to_thread(self.pieces, refs, staged)
+                    if copies
+                    else self.pieces(refs, staged)
+                )
+                await self._send(message, pieces, staged)
                 reply["transport"] = self.plane.transport_to(message["peer"])
             elif op == "release":
                 await self.plane.release(message["tags"], message["timeout"])
@@ -105,6 +140,18 @@ class HelperServer:
         except (KVTransferError, ValueError, KeyError, TypeError) as err:
             reply["error"] = str(err)
         self.writer.write(frame(reply))
+
+    async def _send(self, message: dict, pieces: list, staged: list[numpy.ndarray]) -> None:
+        """The pieces sent; their gathered copies reused once sent (a send that failed may
+        still be read by UCX: its copies are never reused)."""
+        try:
+            await self.plane.send_many(message["peer"], pieces, message["timeout"])
+        except BaseException:
+            for buffer in staged:
+                self.staging.drop(buffer)
+            raise
+        for buffer in staged:
+            self.staging.give(buffer)
 
     def post(self, pieces: list) -> None:
         try:
@@ -131,6 +178,11 @@ class HelperServer:
     def _flush(self) -> None:
         items, self._landed = self._landed, []
         self.writer.write(frame({"ev": "landed", "items": items}))
+
+
+def _plain(ref) -> bool:
+    """[region, offset, nbytes]: sent as it lies, no copy."""
+    return len(ref) == 3 and all(isinstance(v, int) for v in ref)
 
 
 def die_with_parent() -> None:

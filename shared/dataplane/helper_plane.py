@@ -19,8 +19,9 @@ import logging
 import numpy
 
 from shared.dataplane.helper_link import HelperLink, HelperTiming
-from shared.dataplane.helper_wire import LANDED, RELEASED, strided_ref
+from shared.dataplane.helper_wire import ASSEMBLE, LANDED, RELEASED, strided_ref
 from shared.dataplane.plane import (
+    Assembly,
     KVTransferError,
     PlaneRestarted,
     ReceiveReleased,
@@ -123,6 +124,9 @@ class HelperDataPlane:
     def _ref(self, buffer) -> list:
         if isinstance(buffer, list):  # spans the helper gathers into one message
             return [self._ref(part) for part in buffer]
+        if isinstance(buffer, Assembly):  # a piece the helper puts together from its parts
+            parts = [[o, shape, strides, self._ref(v)] for o, shape, strides, v in buffer.parts]
+            return [ASSEMBLE, buffer.nbytes, parts]
         if isinstance(buffer, numpy.ndarray):
             address, itemsize = buffer.ctypes.data, buffer.itemsize
             shape, strides = list(buffer.shape), [s // itemsize for s in buffer.strides]

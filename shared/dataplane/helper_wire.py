@@ -5,8 +5,9 @@ sizes, peer addresses), never KV bytes: those stay in the shared region (shared.
 Worker -> helper: {"op": "send" | "recv" | "release" | "discard" | "ping", ...}; helper ->
 worker: {"ev": "ready" | "reply" | "landed", ...}. A buffer is a ref: [region, offset, nbytes],
 a strided ref [region, offset, nbytes, shape, strides] (bytes: some KV heads of a run of pool
-blocks, gathered to be sent and scattered on landing, by the helper), or a list of refs,
-gathered by the helper into one message.
+blocks), a list of refs gathered by the helper into one message, or, to send, an assembly
+["assemble", nbytes, [[offset, shape, strides, ref], ...]]: a buffer the helper fills part by
+part, each part's bytes at its offset, shape and strides (shared.kvtransfer.assembly).
 """
 
 import asyncio
@@ -19,6 +20,8 @@ from shared.engine.shared_region import locate
 
 HEADER = struct.Struct("<I")
 MAX_FRAME = 64 << 20  # a 128k-token prompt's pieces, posted at once, are well below this
+
+ASSEMBLE = "assemble"
 
 # how a receive ended, in a "landed" item [tag, nbytes, outcome, detail]
 LANDED, RELEASED, FAILED = 0, 1, 2

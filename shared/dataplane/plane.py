@@ -113,6 +113,16 @@ def staging(spans: list) -> torch.Tensor | numpy.ndarray:
     return torch.empty(nbytes(spans), dtype=torch.uint8, device=spans[0].device)
 
 
+@dataclass(frozen=True)
+class Assembly:
+    """A buffer to send that a gathering plane puts together itself: `nbytes` in all, each part
+    (offset, shape, strides, view) placed at its offset with that shape and those strides, all
+    in bytes (the last dimension contiguous); see shared.kvtransfer.assembly."""
+
+    nbytes: int
+    parts: list[tuple[int, list[int], list[int], object]]
+
+
 def contiguous(buffer) -> bool:
     """Whether a buffer is one range of memory (a strided view, e.g. some KV heads of a pool's
     blocks, is not: it is gathered to be sent and scattered on landing)."""

@@ -21,13 +21,12 @@ from shared.dataplane.plane import (
     KVTransferError,
     ReceiveReleased,
     TransferCounters,
-    contiguous,
     discard,
     gathered,
     nbytes,
     scatter,
-    staging,
 )
+from shared.dataplane.staging import StagingBuffers, landing
 from shared.dataplane.ucx_views import ucx_view
 
 if TYPE_CHECKING:  # the data-plane helper process runs this without torch
@@ -79,6 +78,7 @@ class UcxDataPlane:
         # ucxx cannot cancel one posted request: a send that timed out may still be read, so its
         # buffers must outlive it (see AbandonedSends)
         self._abandoned = AbandonedSends()
+        self._staging = StagingBuffers()  # host buffers a receive lands in before its scatter
         self.counters = TransferCounters()
         self.address = b""
         self._peer_transports: dict[bytes, str] = {}  # peer -> what UCX chose to reach it
@@ -219,13 +219,11 @@ class UcxDataPlane:
         loop = asyncio.get_running_loop()
         entries = []
         for tag, buf in pieces:
-            if not isinstance(buf, list) and not contiguous(buf):
-                buf = [buf]  # a strided view: landed in one staging buffer, then scattered
-            into = staging(buf) if isinstance(buf, list) else buf  # spans: scattered on landing
+            into, staged = landing(self._staging, buf) if isinstance(buf, list) else (buf, None)
             view = ucxx_compat.buffer(ucx_view(into))
             request = ucxx_compat.tag_recv(view, tag)
             self._posted[tag] = request
-            entries.append((tag, request, loop.create_future(), view, into, buf))  # kept alive
+            entries.append((tag, request, loop.create_future(), view, into, buf, staged))
         task = asyncio.ensure_future(self._complete(entries))
         self._completing.add(task)
         task.add_done_callback(self._completing.discard)
@@ -233,7 +231,7 @@ class UcxDataPlane:
 
     async def _complete(self, entries: list) -> None:
         """Resolves the futures of posted receives as their requests complete (in posting order)."""
-        for tag, request, future, _, into, buf in entries:
+        for tag, request, future, _, into, buf, staged in entries:
             size = nbytes(buf)
             try:
                 await self._done(request)
@@ -254,6 +252,8 @@ class UcxDataPlane:
                     scatter(into, buf)
                 self.counters.bytes_received += size
                 future.set_result(size)
+            if staged is not None:
+                self._staging.give(staged)  # the request is over: UCX writes there no more
 
     async def ready(self, timeout: float) -> bool:
         return True

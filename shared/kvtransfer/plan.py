@@ -14,17 +14,17 @@ the prefill pool had there, which the decode worker overwrites as it generates a
 before.
 
 Between tensor-parallel groups (the destination names both degrees) each segment is cut per
-route (shared.parallel.heads.routes): a prefill rank's run of KV heads into the decode rank that
-holds them, each rank's pool holding only its own heads. A route that carries every head of both
-ranks' pools (equal degrees, nothing replicated) moves whole blocks, as between single ranks; any
-other is a strided slice of the blocks on one side or both, re-laid once there (the planes gather
-and scatter such slices).
+decode rank: a piece fills whole blocks of one decode rank's pool (every KV head that rank holds),
+from the routes (shared.parallel.heads.routes) that feed it: prefill ranks' runs of heads. Each
+rank's pool holds only its own heads, so a piece whose routes are not one prefill rank's whole
+blocks (degrees that differ, replicated heads) is assembled on the sending side, once: a strided
+slice of one rank's blocks, or the head ranges of several ranks' blocks interleaved. The sending
+worker's data plane maps every one of its ranks' pools, so it assembles there, overlapped with
+the pieces already travelling; the receiving side always lands a piece in place.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from shared.control.messages import KVDestination, KVLayout
 from shared.engine.kv_cache import bytes_per_token
@@ -53,21 +53,22 @@ class Piece:
     start: int  # token positions [start, end) of the prompt; start is a block's first
     end: int
     runs: tuple[Run, ...]  # the decode blocks it fills, in token order
-    route: Route  # from which prefill rank into which decode rank, which KV heads
+    routes: tuple[Route, ...]  # into one decode rank, by head: every head that rank holds
+    whole: bool = True  # one prefill rank's blocks as they are (it holds just these heads)
 
     @property
     def blocks(self) -> int:
         return sum(run.blocks for run in self.runs)
 
     @property
-    def rank(self) -> int:
-        """The sending rank."""
-        return self.route.source
+    def dest(self) -> int:
+        """The receiving rank."""
+        return self.routes[0].dest
 
     @property
     def heads(self) -> tuple[int, int]:
         """The KV heads [first, end) it carries (the model's numbering)."""
-        return self.route.first, self.route.end
+        return self.routes[0].first, self.routes[-1].end
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,10 @@ class TransferPlan:
         self.cut = cut
         self.block_bytes = bytes_per_token(layout) * bs  # every layer's keys and values
         self.routes = transfer_routes(layout, destination)
+        self.source_heads = max(1, layout.num_kv_heads // destination.prefill_tp)  # per rank
+        self.by_dest = [
+            tuple(r for r in self.routes if r.dest == dest) for dest in range(destination.decode_tp)
+        ]
         self.segments = self._segments()
         self.pieces = [p for seg in self.segments for p in seg.pieces]
         if len(self.pieces) > MAX_PIECES:
@@ -151,7 +156,7 @@ class TransferPlan:
         return self.destination.base_tag + piece.index
 
     def piece_bytes(self, piece: Piece) -> int:
-        heads = piece.route.end - piece.route.first
+        heads = piece.heads[1] - piece.heads[0]
         return piece.blocks * self.block_bytes * heads // self.layout.num_kv_heads
 
     def _runs(self, start: int, end: int) -> list[tuple[int, int, Run]]:
@@ -180,12 +185,13 @@ class TransferPlan:
             end = min(self.prompt_len, (start // size + 1) * size)
             spans = self._runs(start, end)
             pieces = []
-            for route in self.routes:
+            for into in self.by_dest:
                 at = 0
                 for runs in self.cut([run for _, _, run in spans]):
                     first, last = spans[at], spans[at + len(runs) - 1]
+                    whole = len(into) == 1 and into[0].heads == self.source_heads
                     pieces.append(
-                        Piece(index, len(segments), first[0], last[1], tuple(runs), route)
+                        Piece(index, len(segments), first[0], last[1], tuple(runs), into, whole)
                     )
                     index, at = index + 1, at + len(runs)
             segments.append(Segment(len(segments), start, end, tuple(pieces)))
@@ -204,11 +210,3 @@ def transfer_routes(layout: KVLayout, destination: KVDestination) -> list[Route]
         raise PlanError(
             f"tensor-parallel degrees {degrees[0]} -> {degrees[1]} do not split {heads} KV heads"
         ) from None
-
-
-def head_slice(blocks: torch.Tensor, first: int, count: int) -> torch.Tensor:
-    """KV heads [first, first + count) of a pool's blocks [n, layers, 2, block_size, heads, dim]:
-    the blocks themselves when that is all of their heads, else a strided view."""
-    if first == 0 and count == blocks.shape[-2]:
-        return blocks
-    return blocks[..., first : first + count, :]

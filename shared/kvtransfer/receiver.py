@@ -17,7 +17,7 @@ import torch
 
 from shared.dataplane.plane import DataPlane, KVTransferError, PlaneRestarted
 from shared.engine.kv_cache import KVPool
-from shared.kvtransfer.plan import Piece, TransferPlan, head_slice
+from shared.kvtransfer.plan import Piece, TransferPlan
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,10 @@ class KVReceiver:
             self._tasks[tag] = future
 
     def _buffer(self, piece: Piece) -> torch.Tensor | list[torch.Tensor]:
-        """Where a piece lands: its one run of the receiving rank's pool blocks, or the list of
-        its runs; the route's heads of them (a strided slice where the rank holds more)."""
-        pool, route = self.pools[piece.route.dest], piece.route
-        views = [
-            head_slice(pool.blocks(run.first, run.blocks), route.dest_offset, route.heads)
-            for run in piece.runs
-        ]
+        """Where a piece lands: its one run of the receiving rank's pool blocks (every head it
+        holds), or the list of its runs."""
+        pool = self.pools[piece.dest]
+        views = [pool.blocks(run.first, run.blocks) for run in piece.runs]
         return views[0] if len(views) == 1 else views
 
     def _on_landed(self, task: asyncio.Task) -> None:

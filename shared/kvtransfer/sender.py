@@ -1,9 +1,11 @@
 """KVSender: one prompt's KV, sent by the prefill worker a segment at a time as it is computed.
 
-A piece (whole blocks, every layer; see plan.py) whose blocks are consecutive in this
-pool too (the block allocator hands out consecutive runs when it can) is sent straight from the
-pool: no copy on either side. Any other piece is gathered once into a buffer of its own (the one
-copy on this side), in the engine thread between steps. The pieces of a segment go out
+A piece (whole blocks, every layer; see plan.py) that is one rank's blocks as they are, consecutive
+in this pool too (the block allocator hands out consecutive runs when it can), is sent straight
+from the pool: no copy on either side. Any other piece (scattered blocks; heads of several ranks,
+or some of one rank's, between groups of different degrees) is assembled once into a buffer of its
+own in the receiver's layout (the one copy of a transfer): by the data-plane helper, or in the
+engine thread between steps. The pieces of a segment go out
 concurrently, each straight into the decode pool range the plan names. The prompt's blocks
 must stay held until `finish` returns.
 """
@@ -16,7 +18,8 @@ import torch
 
 from shared.dataplane.plane import DataPlane, KVTransferError, nbytes
 from shared.engine.kv_cache import KVPool
-from shared.kvtransfer.plan import Piece, Segment, TransferPlan, head_slice
+from shared.kvtransfer.assembly import Assembly, Part, assembled, assembly, head_slice
+from shared.kvtransfer.plan import Piece, Segment, TransferPlan
 
 
 @dataclass
@@ -54,48 +57,47 @@ class KVSender:
         return out
 
     def stage(self, segment: Segment, block_table: list[int]) -> Staged:
-        """Engine thread, no copy: views of the sending rank's pool for the pieces that are one
-        run of blocks here (a strided slice of their heads only where the plane gathers it), and
-        the blocks of the others, to be gathered (`gather`) while the first travel."""
+        """Engine thread, no copy: views of the pool for the pieces that are one prefill rank's
+        run of blocks as they are here, and the blocks of the others, to be assembled
+        (`gather`) while the first travel."""
         staged = Staged(segment)
         bs = self.pools[0].block_size
         for p in segment.pieces:
             blocks = block_table[p.start // bs : p.start // bs + p.blocks]
-            if blocks == list(range(blocks[0], blocks[0] + p.blocks)):
-                view = self._heads(p, self.pools[p.rank].blocks(blocks[0], p.blocks))
-                if view.is_contiguous() or self.plane.gathers:
-                    staged.direct.append((self.plan.tag(p), view))
-                    continue
-            staged.scattered.append((self.plan.tag(p), p, blocks))
+            if p.whole and blocks == list(range(blocks[0], blocks[0] + p.blocks)):
+                pool = self.pools[p.routes[0].source]
+                staged.direct.append((self.plan.tag(p), pool.blocks(blocks[0], p.blocks)))
+            else:
+                staged.scattered.append((self.plan.tag(p), p, blocks))
         self.next_segment = segment.index + 1
         return staged
 
-    def _heads(self, piece: Piece, blocks: torch.Tensor) -> torch.Tensor:
-        return head_slice(blocks, piece.route.source_offset, piece.route.heads)
-
-    def gather(self, staged: Staged) -> list[tuple[int, torch.Tensor | list[torch.Tensor]]]:
-        """Engine thread: the one copy on this side, of the pieces whose blocks are not
-        consecutive or whose heads are a slice of the sending rank's; for a plane that gathers
-        (`DataPlane.gathers`, in its helper process), the views of each run of them instead."""
-        if self.plane.gathers:
-            return [(tag, self._runs(p, blocks)) for tag, p, blocks in staged.scattered]
+    def gather(self, staged: Staged) -> list[tuple[int, torch.Tensor | Assembly]]:
+        """The one copy on this side, of the pieces staged as blocks: each assembled in the
+        receiving rank's layout from its routes' heads of their ranks' runs of blocks. For a
+        plane that gathers (`DataPlane.gathers`: in its helper process, off the engine), the
+        Assembly that says how; else done here, in the engine thread."""
         out = []
         for tag, p, blocks in staged.scattered:
-            kv = self.pools[p.rank].kv
-            picked = kv.index_select(0, torch.tensor(blocks, device=kv.device))
-            out.append((tag, self._heads(p, picked).contiguous()))
-        if out and self.pools[0].kv.is_cuda:  # UCX reads them on its own streams: copies land
-            torch.cuda.current_stream().synchronize()
+            parts = self._parts(p, blocks)
+            out.append((tag, assembly(parts) if self.plane.gathers else assembled(parts)))
+        if out and not self.plane.gathers and self.pools[0].kv.is_cuda:
+            torch.cuda.current_stream().synchronize()  # UCX reads them on its own streams
         return out
 
-    def _runs(self, piece: Piece, blocks: list[int]) -> list[torch.Tensor]:
-        """The pool views of runs of consecutive blocks, in order (their route's heads)."""
-        runs, start, pool = [], 0, self.pools[piece.rank]
+    def _parts(self, piece: Piece, blocks: list[int]) -> list[Part]:
+        """Where each route's heads of each run of consecutive blocks go in the piece."""
+        parts, start = [], 0
+        heads = piece.heads[1] - piece.heads[0]
         for i in range(1, len(blocks) + 1):
-            if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
-                runs.append(self._heads(piece, pool.blocks(blocks[start], i - start)))
-                start = i
-        return runs
+            if i < len(blocks) and blocks[i] == blocks[i - 1] + 1:
+                continue
+            for route in piece.routes:
+                run = self.pools[route.source].blocks(blocks[start], i - start)
+                source = head_slice(run, route.source_offset, route.heads)
+                parts.append(Part(start, route.dest_offset, heads, source))
+            start = i
+        return parts
 
     def send(self, sources: list[tuple[int, torch.Tensor]]) -> asyncio.Task | None:
         """Puts pieces on the wire; the task ends when all have left."""

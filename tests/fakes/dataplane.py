@@ -10,7 +10,6 @@ from shared.dataplane.plane import (
     PlaneRestarted,
     ReceiveReleased,
     TransferCounters,
-    contiguous,
     discard,
     gathered,
     nbytes,
@@ -85,8 +84,6 @@ class InProcessDataPlane:
         if nbytes(buffer) > nbytes(dst):
             done.set_exception(KVTransferError("message truncated"))
             raise KVTransferError("message truncated")
-        if not isinstance(dst, list) and not contiguous(dst):
-            dst = [dst]  # a strided view (some KV heads): staged, then scattered, as UCX's
         into = staging(dst) if isinstance(dst, list) else dst
         into.reshape(-1).view(torch.uint8)[: nbytes(buffer)].copy_(
             gathered(buffer).reshape(-1).view(torch.uint8)

@@ -19,7 +19,7 @@ def test_the_helper_settings_reach_the_helper_link():
         kv_helper_start_timeout_s=5.0, kv_helper_hang_s=4.0, kv_helper_ping_s=0.5
     )
     pool = SimpleNamespace(region=SharedRegion(4096))
-    runtime = SimpleNamespace(runner=SimpleNamespace(pool=pool, device="cpu"))
+    runtime = SimpleNamespace(pools=[pool], runner=SimpleNamespace(device="cpu"))
     plane = data_plane(settings, runtime)
     assert isinstance(plane, HelperDataPlane)
     assert plane._link.timing == HelperTiming(start_s=5.0, hang_s=4.0, ping_s=0.5)

@@ -141,7 +141,7 @@ async def test_the_worker_side_refuses_buffers_outside_its_regions_and_a_helper_
     assert plane.counters.transfers_failed == 1
 
 
-def test_the_sender_hands_a_gathering_plane_the_runs_of_scattered_blocks():
+def test_the_sender_hands_a_gathering_plane_the_runs_of_scattered_blocks_to_assemble():
     pool = KVPool(LAYOUT, 8, 4, "cpu", shared=True)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(0)))
     destination = KVDestination(b"d", new_base_tag(9), [0, 1, 2], 0, 16, 1.0)
@@ -152,12 +152,18 @@ def test_the_sender_hands_a_gathering_plane_the_runs_of_scattered_blocks():
     gathered = sender.gather(staged)
     assert len(gathered) == 1
     assert [(tag, blocks) for tag, _, blocks in staged.scattered] == [(gathered[0][0], [5, 1, 2])]
-    runs = gathered[0][1]
+    piece = gathered[0][1]  # an Assembly: the helper puts the runs together, in order
+    runs = [view for _, _, _, view in piece.parts]
     assert [run.shape[0] for run in runs] == [1, 2]  # two runs of blocks, in order
     assert (
         runs[0].data_ptr() == pool.kv[5].data_ptr() and runs[1].data_ptr() == pool.kv[1].data_ptr()
     )
-    assert torch.equal(torch.cat(runs), pool.kv[[5, 1, 2]])
+    block_bytes = pool.kv[0].nbytes
+    assert [offset for offset, _, _, _ in piece.parts] == [0, block_bytes]
+    assert piece.nbytes == 3 * block_bytes
+    server = HelperServer(InProcessDataPlane(LoopbackNetwork(), "x"), [pool.region], Collect())
+    made = server.buffer(plane._ref(piece), [])
+    assert made.tobytes() == pool.kv[[5, 1, 2]].view(torch.uint8).numpy().tobytes()
 
 
 async def test_a_receive_outside_its_region_fails_alone_and_the_helper_goes_on():

@@ -55,7 +55,9 @@ def test_plan_runs_follow_consecutive_decode_blocks_within_segments():
     assert pieces == [(0, 0, 8, 3, 2), (1, 8, 16, 9, 2), (2, 16, 18, 11, 1)]
     assert [p.index for p in plan.pieces] == [0, 1, 2]
     # one rank, every KV head: what a tensor-parallel connector will cut further
-    assert {(p.rank, p.heads) for p in plan.pieces} == {(0, (0, LAYOUT.num_kv_heads))}
+    assert {(p.routes[0].source, p.dest, p.heads) for p in plan.pieces} == {
+        (0, 0, (0, LAYOUT.num_kv_heads))
+    }
     assert plan.nbytes == 5 * BS * 3 * 2 * 2 * 8 * 4  # the last block travels whole
 
 

@@ -1,24 +1,24 @@
 """KV between tensor-parallel groups through the KV-transfer interface: for every pair of degrees
 (and both connectors) each decode rank's pool ends up holding exactly its KV heads of the
-prompt's blocks, bit for bit, each prefill rank sending only its own heads, from scattered
-blocks into scattered blocks; a route's strided heads travel through the data-plane helper's
-strided refs (gathered to be sent, scattered on landing); the plan's bytes per decode rank are
-1/tp of the whole (times the replication factor)."""
+prompt's blocks, bit for bit, from scattered blocks into scattered blocks, each piece assembled
+on the sending side in the receiving rank's layout (the data-plane helper's assembly is torch's,
+byte for byte); the plan's bytes per decode rank are 1/tp of the whole (times the replication
+factor)."""
 
 import asyncio
 import dataclasses
 
-import numpy
 import pytest
 import torch
 
 from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.helper import HelperServer
-from shared.dataplane.helper_wire import LANDED, strided_ref
+from shared.dataplane.helper_plane import HelperDataPlane
 from shared.engine.kv_cache import KVPool
-from shared.engine.shared_region import SharedRegion
+from shared.kvtransfer.assembly import assembled
 from shared.kvtransfer.connector import connector
 from shared.kvtransfer.plan import PlanError, TransferPlan, new_base_tag
+from shared.kvtransfer.sender import KVSender
 from shared.parallel.heads import HeadSplit
 from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 from tests.unit.test_helper_plane import Collect
@@ -111,7 +111,7 @@ def test_each_decode_rank_receives_its_share_of_the_bytes(kv_heads, p, d):
     replicas = max(1, d // kv_heads)
     per_rank = {}
     for piece in plan.pieces:
-        per_rank[piece.route.dest] = per_rank.get(piece.route.dest, 0) + plan.piece_bytes(piece)
+        per_rank[piece.dest] = per_rank.get(piece.dest, 0) + plan.piece_bytes(piece)
     assert per_rank == {rank: whole * replicas // d for rank in range(d)}
 
 
@@ -120,39 +120,28 @@ def test_a_degree_that_does_not_split_the_kv_heads_has_no_plan():
         TransferPlan(layout_of(2), PROMPT, destination(3, 1))
 
 
-async def test_the_helper_gathers_and_scatters_strided_heads():
-    """Heads 1..2 of 4 of two blocks: sent from one region as a strided ref (one gathered
-    message), landed in another's heads 0..1 of 2 (scattered on landing); nothing else moves."""
-    network = LoopbackNetwork()
-    shape = (2, 3, 2, BS, 4, 8)  # blocks, layers, k|v, block size, heads, dim (float32)
-    src, dst = SharedRegion(4 * numpy.prod(shape)), SharedRegion(4 * numpy.prod(shape) // 2)
-    source = torch.frombuffer(src.array, dtype=torch.float32).view(shape)
-    source.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(3)))
-    target = torch.frombuffer(dst.array, dtype=torch.float32).view(*shape[:-2], 2, 8)
-    sending = HelperServer(InProcessDataPlane(network, "prefill"), [src], Collect())
-    receiving = HelperServer(InProcessDataPlane(network, "decode"), [dst], Collect())
-
-    def ref(region, view):
-        return strided_ref([region], view.data_ptr(), 4, list(view.shape), list(view.stride()))
-
-    receiving.post([[7, ref(dst, target)]])  # all of the receiver's heads: still a plain range
-    view = source[..., 1:3, :]
-    sent = ref(src, view)
-    assert len(sent) == 5  # a strided ref
-    await sending.answer("send", {"id": 1, "peer": b"decode", "pieces": [[7, sent]], "timeout": 1})
-    await asyncio.sleep(0.01)
-    assert torch.equal(target, view)
-    nbytes = view.numel() * 4
-    assert await receiving.writer.messages() == [
-        {"ev": "landed", "items": [[7, nbytes, LANDED, ""]]}
-    ]
-    back = SharedRegion(src.nbytes)  # and into a strided slice: heads 2..3 of 4
-    into = torch.frombuffer(back.array, dtype=torch.float32).view(shape)
-    receiving = HelperServer(InProcessDataPlane(network, "back"), [back], Collect())
-    receiving.post([[8, ref(back, into[..., 2:4, :])]])
-    plain = [0, 0, dst.nbytes]
-    await HelperServer(InProcessDataPlane(network, "decode2"), [dst], Collect()).answer(
-        "send", {"id": 2, "peer": b"back", "pieces": [[8, plain]], "timeout": 1}
-    )
-    await asyncio.sleep(0.01)
-    assert torch.equal(into[..., 2:4, :], view) and not into[..., :2, :].any()
+@pytest.mark.parametrize("p, d", [(2, 1), (1, 2), (4, 2)])
+def test_the_helper_assembles_a_piece_as_torch_does(p, d):
+    """A piece from the prefill group's rank pools (shared regions, as a worker's): what the
+    data-plane helper assembles from the Assembly's refs (one copy, in its process) is, byte for
+    byte, what torch assembles in the engine thread, and the receiving rank's layout."""
+    layout = layout_of(4)
+    whole = KVPool(layout, 12, BS, "cpu")
+    whole.kv.copy_(torch.randn(whole.kv.shape, generator=torch.Generator().manual_seed(9)))
+    pools = []
+    for source in rank_pools(whole, p):  # the same, in shared regions
+        shared = KVPool(source.layout, 12, BS, "cpu", shared=True)
+        shared.kv.copy_(source.kv)
+        pools.append(shared)
+    plan = TransferPlan(layout, PROMPT, destination(p, d))
+    plane = HelperDataPlane([pool.region for pool in pools])
+    sender = KVSender(plane, pools, plan, 1.0)
+    staged = sender.stage(plan.segments[0], SRC_TABLE)
+    server = HelperServer(InProcessDataPlane(LoopbackNetwork(), "x"), plane.regions, Collect())
+    split = HeadSplit(4 * d, 4, d)
+    for (_, piece, blocks), (_, made) in zip(staged.scattered, sender.gather(staged)):
+        by_helper = server.buffer(plane._ref(made), [])
+        by_torch = assembled(sender._parts(piece, blocks))
+        assert by_helper.tobytes() == by_torch.numpy().tobytes()
+        first, end = split.kv_heads(piece.dest)
+        assert torch.equal(by_torch, whole.kv[blocks][..., first:end, :])

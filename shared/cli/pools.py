@@ -251,12 +251,13 @@ def devices_of(args, gpus: list[int] | None = None) -> Placement | None:
 
 def worker_specs(args, common: dict[str, str], role_env: dict[str, dict]) -> dict[str, WorkerSpec]:
     """Workers started later by `tandem scale` get the same settings as the first ones."""
-    processes = sum(_ranks(args).values())  # each worker's ranks
+    per_rank = max(1, (os.cpu_count() or 1) // sum(_ranks(args).values()))
     worker_env = dict(common)
-    if args.no_pin and "TANDEM_TORCH_THREADS" not in os.environ:  # workers share every core
-        worker_env["TANDEM_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
     colocated = {"TANDEM_COLOCATED": "1" if args.mode == Mode.COLOCATED else "0"}
     tp = {pool: {"TANDEM_TP": str(degree)} for pool, degree in tp_degrees(args).items()}
+    if args.no_pin and "TANDEM_TORCH_THREADS" not in os.environ:  # workers share every core
+        for pool, degree in tp_degrees(args).items():  # a worker's threads: its ranks'
+            tp[pool]["TANDEM_TORCH_THREADS"] = str(per_rank * degree)
     python = [sys.executable, "-m"]
     return {
         "prefill": WorkerSpec(

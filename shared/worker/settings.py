@@ -156,7 +156,7 @@ class WorkerSettings(CommonSettings):
     torch_threads: int = field(
         default=0,
         metadata={
-            "help": "torch intra-op threads; 0 = one per core of --cpus, else torch's default"
+            "help": "torch intra-op threads (with --tp, of all the worker's ranks together); 0 = one per core of --cpus, else torch's default"
         },
     )
     tp: int = field(

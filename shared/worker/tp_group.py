@@ -234,11 +234,11 @@ def rank_spec(
     settings: WorkerSettings, model_dir: Path, name: str, per_rank: KVLayout, row_timing: Path
 ) -> RankSpec:
     """What every rank of this worker's group builds: each rank's pool of --kv-cache-mb, its
-    share of --cpus (threads: one per core; unplaced, --torch-threads each, else the machine's
-    cores shared out)."""
+    share of --cpus (threads: one per core; unplaced, the worker's --torch-threads, else the
+    machine's cores, shared out among its ranks)."""
     tp = settings.tp
     cores = rank_cores(parse_cpus(settings.cpus) if settings.cpus else [], tp)
-    threads = settings.torch_threads or max(1, (os.cpu_count() or 1) // tp)
+    threads = max(1, (settings.torch_threads or os.cpu_count() or 1) // tp)
     block_bytes = bytes_per_token(per_rank) * settings.block_size
     return RankSpec(
         model_dir=str(model_dir),

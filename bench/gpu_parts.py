@@ -46,10 +46,11 @@ class EngineRun:
         max_batch_tokens: int = 2048,
         chunk: int = 128,
         cuda_graphs: bool = True,
+        reduce=None,  # a tensor-parallel rank's: its all-reduce across the group
     ):
         blocks = tokens // BLOCK + 256
         self.runner = ModelRunner(
-            model, "bench", device, blocks, BLOCK, chunk=chunk, cuda_graphs=cuda_graphs
+            model, "bench", device, blocks, BLOCK, chunk, cuda_graphs=cuda_graphs, reduce=reduce
         )
         self.engine = Engine(
             self.runner, BlockManager(blocks, BLOCK, cache_granularity=chunk), 256, max_batch_tokens

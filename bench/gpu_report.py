@@ -12,7 +12,7 @@ def markdown(report: dict) -> str:
         f"Python {env.get('python')}. Checkpoint: {report.get('checkpoint', {})}."
     )
     lines.append("")
-    for section in (_parity, _decode, _ttft, _kv):
+    for section in (_parity, _decode, _ttft, _kv, _tp):
         lines += section(report)
     for name, error in report.get("errors", {}).items():
         lines += [f"**{name} failed:**", "```", error.strip()[-1500:], "```", ""]
@@ -92,3 +92,29 @@ def _kv(report: dict) -> list[str]:
     ]
     title = f"KV transfer, {kv.get('layout')}; UCX transports: {kv.get('transports')}."
     return [title, ""] + _table(head, rows)
+
+
+def _tp(report: dict) -> list[str]:
+    tp = report.get("tp")
+    if not tp or "kv" not in tp:
+        return []
+    kv = tp["kv"]
+    equal = f"{kv['ok']} (exact: {kv['exact']}, max diff {kv['max_abs_diff']:.1e} of {kv['largest']:.2g})"
+    moved = f"{kv['moved']}: {kv['bytes_per_rank']} bytes per rank of {kv['whole_bytes']}"
+    rows = [
+        ["group", f"TP=2 over {tp['backend']} on {', '.join(tp['devices'])}; {tp['reduce']}"],
+        ["greedy tokens equal to HF `generate` (fp32)", f"{tp['identical']}/{len(tp['prompts'])}"],
+        ["KV TP=2 -> TP=1 equal to the whole model's", equal],
+        ["KV moved", moved],
+        ["NCCL group of one (all-reduce of a CUDA tensor)", _nccl_one(tp.get("nccl_one", {}))],
+        ["seconds", f"load {tp['load_s']:.1f}, prompts {tp['prompt_s']:.2f}, decode "
+                    f"{tp['decode_s']:.2f}, KV {kv['transfer_s'] * 1e3:.1f} ms"],
+    ]  # fmt: skip
+    title = f"Tensor parallel, prompts of {tp['prompts']} tokens, {tp['new_tokens']} new each."
+    return [title, ""] + _table(["", "measured"], rows)
+
+
+def _nccl_one(one: dict) -> str:
+    if one.get("skipped") or one.get("ok"):
+        return one.get("skipped") or f"ok, NCCL {one.get('nccl')}"
+    return "failed: " + " ".join(str(one.get("error")).split())[-300:].replace("|", "/")

@@ -1,5 +1,5 @@
 """The GPU check's CPU dry run (`make gpu-check` without a GPU): every step runs on CPU at tiny
-sizes, so the script is known to work on the day a GPU is lent."""
+sizes, so the script is known to work on the day a GPU is lent; its TP step on two gloo ranks."""
 
 import json
 import subprocess
@@ -28,4 +28,13 @@ def test_the_dry_run_runs_every_step_and_reports(tmp_path):
     assert "disaggregated" in fp32["disaggregated"]["paths"]  # the long prompt's KV moved
     assert all(row["gbps"] > 0 for row in report["kv"]["rows"]) and report["kv"]["transports"]
     assert set(report["decode"]) == {"1", "4"} and set(report["ttft"]) == {"256", "1024"}
-    assert (tmp_path / "gpu-check.md").read_text().startswith("# GPU check")
+    # TP=2 on two gloo ranks: HF's greedy tokens, and the prompts' KV moved TP=2 -> TP=1 between
+    # the ranks equals the whole model's, each rank having sent half of it
+    tp = report["tp"]
+    assert tp["backend"] == "gloo" and tp["devices"] == ["cpu", "cpu"]
+    assert tp["tokens_identical"] and tp["identical"] == len(tp["prompts"]) == 2
+    assert tp["kv"]["ok"], tp["kv"]  # within 1e-5 of the whole model's (relative past 1)
+    assert tp["kv"]["bytes_per_rank"] == [tp["kv"]["whole_bytes"] // 2] * 2
+    assert tp["kv_heads_per_rank"] == [1, 1] and tp["nccl_one"] == {"skipped": "no GPU"}
+    markdown = (tmp_path / "gpu-check.md").read_text()
+    assert markdown.startswith("# GPU check") and "Tensor parallel" in markdown

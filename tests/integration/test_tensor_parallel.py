@@ -17,7 +17,13 @@ from transformers import AutoModelForCausalLM
 
 from shared.cli.processes import free_port
 from tests.integration.stack import Stack, start_stack
-from tests.integration.test_families import hf_greedy, ids_request, random_ids, served
+from tests.integration.test_families import (
+    busy_decode_worker,
+    hf_greedy,
+    ids_request,
+    random_ids,
+    served,
+)
 from tests.integration.test_launcher import _alive, _launch, _read_until
 
 pytestmark = pytest.mark.slow
@@ -138,7 +144,7 @@ def test_a_decode_rank_killed_mid_stream_moves_the_stream_and_the_group_comes_ba
         for response in stack.stub().Generate(ids_request(prompt, 300), timeout=240):
             ids += response.token_ids
             if victim is None and len(ids) >= 4:
-                victim = _busy_decode(stack)
+                victim = busy_decode_worker(stack)
                 rank_pids = [int(p) for p in re.findall(r"pid (\d+)", " ".join(victim.tp_ranks))]
                 os.kill(rank_pids[1], signal.SIGKILL)  # rank 1: rank 0 is the worker
         assert ids == hf_greedy(_hf(path), prompt, 300)
@@ -155,13 +161,3 @@ def test_a_decode_rank_killed_mid_stream_moves_the_stream_and_the_group_comes_ba
         assert not any(_alive(pid) for pid in rank_pids)  # nothing of the old group hangs on
     finally:
         _stop(proc)
-
-
-def _busy_decode(stack: Stack):
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        busy = [w for w in stack.status().workers if w.role == "decode" and w.running]
-        if busy:
-            return busy[0]
-        time.sleep(0.05)
-    raise AssertionError(f"no busy decode worker: {stack.status()}")

@@ -12,7 +12,10 @@ stack, every layer in one call); TP=1 layer by layer (the same runner with a no-
 TP rank's Python loop over layers costs alone); TP=2 (each rank its shard and its pool of one KV
 head, an all-reduce after o and down, rank 0's Engine driving rank 1 over its command link). The
 three split what TP=2 costs against TP=1 into the layer-by-layer loop and the rest (collectives,
-commands, each rank's replicated output head). Writes bench/results/tp.{json,md,png}.
+commands, each rank's replicated output head). Qwen2's layers run one by one at TP=1 too (its
+kernel report says `decode-stack per-layer`), so the loop's own cost is measured again on the
+default SmolLM2, whose family the fused stack runs: TP=1 fused against the same runner layer by
+layer. Writes bench/results/tp.{json,md,png}.
 """
 
 import argparse
@@ -63,6 +66,17 @@ def settings(path: Path, tp: int) -> WorkerSettings:
         max_batch_tokens=2 * CHUNK,
         max_num_seqs=64,
     )
+
+
+def loop_cost() -> dict:
+    """SmolLM2 (its family runs the fused C++ stack) at TP=1: fused against layer by layer."""
+    path = model_store.prepare("", "~/.cache/tandem/models")
+    one = load_runtime(settings(path, 1), Role.DECODE)
+    out = {"kernels": one.runner.kernel_report().line(), "fused": measure(one.engine)}
+    del one
+    torch.set_num_threads(min(2, os.cpu_count()))
+    out["layers"] = measure(layer_by_layer(path))
+    return out
 
 
 def layer_by_layer(path: Path) -> Engine:
@@ -125,6 +139,19 @@ def table(result: dict) -> str:
             f"| {name} tokens/s | {one:.1f} | {loop:.1f} | {two:.1f} | {two / one:.2f} | "
             f"{loop / one:.2f} | {two / loop:.2f} |"
         )
+    small = result.get("smollm2")
+    if small:
+        lines += [
+            "",
+            "What the layer-by-layer loop costs where the fused C++ stack runs: SmolLM2-135M at "
+            f"TP=1 ({small['kernels']}), fused against the same runner layer by layer:",
+            "",
+            "| figure | fused | layer by layer | ratio |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for name, fused in small["fused"].items():
+            loop = small["layers"][name]
+            lines.append(f"| {name} tokens/s | {fused:.1f} | {loop:.1f} | {loop / fused:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -164,6 +191,8 @@ def main() -> int:
     finally:
         two.close()
     print("TP=2", json.dumps(result["tp2"]), flush=True)
+    result["smollm2"] = loop_cost()
+    print("SmolLM2", json.dumps(result["smollm2"]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tp.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "tp.md").write_text(table(result))

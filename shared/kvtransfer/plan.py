@@ -7,9 +7,10 @@ pieces are cut), so no per-message control traffic is needed: piece i travels wi
 The pools are block-major (shared.engine.kv_cache): a run of consecutive decode blocks holds
 every layer's keys and values of its positions as one contiguous range. Segments are fixed
 ranges of token positions, whole blocks each; a segment is sent as soon as the prefill has
-computed all its tokens (chunk-wise pipelining). Each piece names, for one segment, the sending
-rank, the KV heads it carries and the runs of decode blocks it fills: a piece of one run lands
-in the decode pool directly; a piece of several runs is scattered there on landing. The last block of a prompt travels whole: its positions past the prompt hold whatever
+computed all its tokens (chunk-wise pipelining). Each piece names, for one segment, its routes
+(which prefill ranks' KV heads, into which decode rank) and the runs of decode blocks it fills: a
+piece of one run lands in the decode pool directly; a piece of several runs is scattered there on
+landing. The last block of a prompt travels whole: its positions past the prompt hold whatever
 the prefill pool had there, which the decode worker overwrites as it generates and never reads
 before.
 

@@ -5,8 +5,9 @@ does; `GroupRunner` stands for its ModelRunner: each forward pass, and each bloc
 asks of the pool, is sent to the other ranks first, then run here. The other ranks `follow`:
 they hold a ModelRunner over their shard and its KV pool, and run what rank 0 sends, until it
 says stop. Commands travel on the group's command link (commands.py: int64 frames, never
-pickled): for a pass, each span's [table length, token count, start, end, prompt] then its block
-table and token ids; only the all-reduces inside a pass are collectives.
+pickled): for a pass, each span's [table length, start, end, sequence length, prompt] then its
+block table and the ids of the tokens it computes; only the all-reduces inside a pass are
+collectives.
 
 A pass is never abandoned midway on a rank: every rank must reach every all-reduce, so a step of
 cancelled sequences runs to its end. Every collective has the process group's timeout: a rank
@@ -22,21 +23,28 @@ from shared.parallel.commands import CommandReader, CommandWriter, GroupGone, Op
 
 
 def encode_spans(spans: list[SeqSpan]) -> list[int]:
+    """Each span as [table length, start, end, sequence length, prompt], its block table, and the
+    ids of the tokens it computes, [start, end): a decode step sends one id a sequence, not its
+    whole history."""
     out = []
     for s in spans:
-        out += [len(s.block_table), s.end, s.start, s.end, int(s.prompt)]
+        out += [len(s.block_table), s.start, s.end, len(s.token_ids), int(s.prompt)]
         out += s.block_table
-        out += s.token_ids[: s.end]
+        out += s.token_ids[s.start : s.end]
     return out
 
 
 def decode_spans(payload: list[int]) -> list[SeqSpan]:
+    """The spans as rank 0 ran them: the ids they compute where rank 0 has them, and as many in
+    all (a length-dependent rope takes its frequencies from the sequence's length); the ids
+    before and after are never read."""
     spans, at = [], 0
     while at < len(payload):
-        blocks, tokens, start, end, prompt = payload[at : at + 5]
+        blocks, start, end, length, prompt = payload[at : at + 5]
         at += 5
         table, at = payload[at : at + blocks], at + blocks
-        ids, at = payload[at : at + tokens], at + tokens
+        new, at = payload[at : at + end - start], at + end - start
+        ids = [0] * start + new + [0] * (length - end)
         spans.append(SeqSpan(table, ids, start, end, bool(prompt)))
     return spans
 

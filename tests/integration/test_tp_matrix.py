@@ -27,7 +27,7 @@ from tests.fakes.dataplane import InProcessDataPlane, LoopbackNetwork
 from tests.integration.test_families import hf_greedy, random_ids
 
 pytestmark = pytest.mark.slow
-LAYOUTS = ["llama3", "qwen2.5-heads", "qwen3", "gemma", "phi3"]  # 8:2, 14:2, 4:2, 4:1, 2:2
+LAYOUTS = ["llama3", "qwen2.5-heads", "qwen3", "gemma", "phi3", "phi3-longrope"]  # 8:2 ... 2:2
 NEW = 10
 
 
@@ -88,7 +88,7 @@ def served(source: WorkerRuntime, target: WorkerRuntime, prompt: list[int]) -> l
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_every_pair_of_degrees_decodes_what_hugging_face_generates(family_checkpoint, name):
     path = family_checkpoint(name)
-    prompt = random_ids(70, 12)  # three blocks of 32-token chunks, a partial last block
+    prompt = random_ids(150, 12)  # five 32-token chunks (past longrope's trained length)
     want = hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), prompt, NEW)
     runtimes = {1: runtime_of(path, 1), 2: runtime_of(path, 2)}
     try:

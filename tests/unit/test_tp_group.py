@@ -103,15 +103,25 @@ def test_commands_round_trip_and_a_closed_link_is_group_gone():
         reader.receive()
 
 
-def test_spans_round_trip_through_their_encoding():
+def test_spans_round_trip_through_their_encoding_with_only_the_ids_they_compute():
     spans = [
         SeqSpan([3, 9, 4], list(range(40)), 32, 40, True),
         SeqSpan([1], [5, 6, 7], 2, 3, False),
+        SeqSpan([2, 8], list(range(100)), 16, 32, True),  # a chunk of a longer prompt
         SeqSpan([], [], 0, 0, False),
     ]
     back = decode_spans(encode_spans(spans))
-    assert [(s.block_table, s.token_ids, s.start, s.end, s.prompt) for s in back] == [
-        ([3, 9, 4], list(range(40)), 32, 40, True),
-        ([1], [5, 6, 7], 2, 3, False),
-        ([], [], 0, 0, False),
-    ]
+    for sent, got in zip(spans, back, strict=True):
+        assert (got.block_table, got.start, got.end, got.prompt) == (
+            sent.block_table,
+            sent.start,
+            sent.end,
+            sent.prompt,
+        )
+        assert got.token_ids[got.start : got.end] == sent.token_ids[sent.start : sent.end]
+        assert len(got.token_ids) == len(sent.token_ids)  # a length-dependent rope reads it
+    # a decode step of a 10,000-token sequence: one id travels, not its history
+    assert (
+        len(encode_spans([SeqSpan(list(range(625)), list(range(10_000)), 9_999, 10_000, False)]))
+        == 5 + 625 + 1
+    )

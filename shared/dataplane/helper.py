@@ -59,22 +59,11 @@ class HelperServer:
         return as_strided(base, shape, strides, writeable=True)
 
     def buffer(self, ref, staged: list[numpy.ndarray]) -> numpy.ndarray:
-        """A ref's bytes to send: a view of a region, or a copy gathered from a strided view, from
-        several views or from an assembly's parts into a reused buffer (appended to `staged`)."""
+        """A ref's bytes to send: a view of a region as it lies, or an assembly's parts copied
+        into a reused buffer (appended to `staged`)."""
         if ref and ref[0] == ASSEMBLE:
             return self.assemble(ref, staged)
-        views = [self.view(part) for part in ref] if ref and isinstance(ref[0], list) else None
-        if views is None:
-            view = self.view(ref)
-            if view.flags.c_contiguous:
-                return view
-            views = [view]
-        out, at = self.staging.take(sum(v.nbytes for v in views)), 0
-        staged.append(out)
-        for v in views:  # one copy of every part
-            out[at : at + v.nbytes].reshape(v.shape)[...] = v
-            at += v.nbytes
-        return out
+        return self.view(ref)
 
     def assemble(self, ref, staged: list[numpy.ndarray]) -> numpy.ndarray:
         """An assembly's buffer: each part's bytes copied to its place (one copy of each)."""

@@ -5,7 +5,7 @@ sizes, peer addresses), never KV bytes: those stay in the shared region (shared.
 Worker -> helper: {"op": "send" | "recv" | "release" | "discard" | "ping", ...}; helper ->
 worker: {"ev": "ready" | "reply" | "landed", ...}. A buffer is a ref: [region, offset, nbytes],
 a strided ref [region, offset, nbytes, shape, strides] (bytes: some KV heads of a run of pool
-blocks), a list of refs gathered by the helper into one message, or, to send, an assembly
+blocks), a list of refs a received message is scattered over, or, to send, an assembly
 ["assemble", nbytes, [[offset, shape, strides, ref], ...]]: a buffer the helper fills part by
 part, each part's bytes at its offset, shape and strides (shared.kvtransfer.assembly).
 """

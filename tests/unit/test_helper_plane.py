@@ -13,7 +13,7 @@ import torch
 from shared.control.messages import KVDestination, KVLayout
 from shared.dataplane.helper import HelperServer
 from shared.dataplane.helper_plane import HelperDataPlane
-from shared.dataplane.helper_wire import FAILED, LANDED, HelperGone, frame, read_frame
+from shared.dataplane.helper_wire import ASSEMBLE, FAILED, LANDED, HelperGone, frame, read_frame
 from shared.dataplane.plane import KVTransferError
 from shared.engine.kv_cache import KVPool
 from shared.engine.shared_region import SharedRegion, locate
@@ -86,16 +86,17 @@ class Collect:
                 return out
 
 
-async def test_the_helper_gathers_spans_into_one_message_and_reports_it_landed():
+async def test_the_helper_assembles_parts_into_one_message_and_reports_it_landed():
     network = LoopbackNetwork()
     src, dst = SharedRegion(256), SharedRegion(256)
     src.array[:] = numpy.arange(256, dtype=numpy.uint8)
     receiving = HelperServer(InProcessDataPlane(network, "decode"), [dst], Collect())
     sending = HelperServer(InProcessDataPlane(network, "prefill"), [src], Collect())
     receiving.post([[41, [0, 100, 24]]])
-    spans = [[0, 10, 8], [0, 200, 16]]  # two runs of slots, one piece
+    parts = [[0, [8], [1], [0, 10, 8]], [8, [16], [1], [0, 200, 16]]]  # two runs, one piece
     await sending.answer(
-        "send", {"id": 3, "peer": b"decode", "pieces": [[41, spans]], "timeout": 1}
+        "send",
+        {"id": 3, "peer": b"decode", "pieces": [[41, [ASSEMBLE, 24, parts]]], "timeout": 1},
     )
     await asyncio.sleep(0.01)
     expected = list(range(10, 18)) + list(range(200, 216))

@@ -13,6 +13,7 @@ holds. A failure the client must see ends the call with its gRPC status (context
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a replica holding a submission is checked for lost
 MAX_PICKS = 3  # scheduler replicas tried for one submission when the one picked is gone
+MOVE_RETRY_S = 0.5  # a moved request nobody could place is asked for again this often
 NO_SCHEDULER = "no scheduler is running, or none hears a worker"  # none listens to the submission
 
 
@@ -78,6 +80,7 @@ class RequestRelay:
         self.waiter = ChunkWaiter(settings, bus, streams, liveness, context)
         self.schedulers = schedulers  # None: submit to the queue group only
         self._lost_schedulers: set[str] = set()  # replicas lost while they held this request
+        self._unplaced_since: float | None = None  # a move found no place first then (_waited)
 
     async def place(self, task: GenerateTask) -> Attempt:
         """A request of n > 1 choices placed as one (its prompt is prefilled once, then forked),
@@ -155,12 +158,18 @@ class RequestRelay:
         submit once more, this one ended: it goes to the schedulers' queue group again (another
         replica takes it). Raises WorkerLost when the worker chosen failed to take it."""
         with tracing.within(self.trace), tracing.tracer().start_as_current_span("gateway.submit"):
-            reply = await self._ask_scheduler(attempt)
+            try:
+                reply = await self._ask_scheduler(attempt)
+            except NoResponders:  # no replica listens (each stood aside, or none runs)
+                reply = SubmitReply(Failure(Code.UNAVAILABLE, NO_SCHEDULER, Retry.NEVER))
         if (reply is None or _handed_back(reply)) and not attempt.resubmission:
             log.warning("no scheduler placed %s; submitting it again", attempt.id)
             return await self._replace(attempt, attempt.resubmitted())
         if reply.failure:
+            if await self._waited(attempt, reply.failure):
+                return attempt  # asked again
             await self._refused(attempt, reply)
+        self._unplaced_since = None
         with request_scope(attempt.id), tracing.within(self.trace):  # the line names both
             log.info(
                 "placed: %d prompt tokens -> prefill %s, decode %s",
@@ -175,7 +184,7 @@ class RequestRelay:
         replica holding it was lost (then it is submitted again, to another). A replica that hands
         it back (it hears no worker that could serve it, or it stops) has it asked of each other
         replica not asked yet, then of the queue group; when nobody else answers, its answer is
-        final."""
+        final. Raises NoResponders when no replica listens at all."""
         why, declined = _refusal_start(attempt), set()
         handed_back, gone = None, 0
         while True:
@@ -188,7 +197,7 @@ class RequestRelay:
                     return _final(handed_back)
                 gone += 1
                 if not target or gone == MAX_PICKS:
-                    await self.context.abort(grpc.StatusCode.UNAVAILABLE, why + NO_SCHEDULER)
+                    raise
                 self._lost_schedulers.add(target)  # gone since its last beat: never had it
                 continue
             if not (target and reply is not None and _handed_back(reply)):
@@ -233,11 +242,29 @@ class RequestRelay:
         finally:
             task.cancel()  # no answer is awaited any more (nats-py frees its reply slot)
 
+    async def _waited(self, attempt: Attempt, failure: Failure) -> bool:
+        """True when a moved request nobody could place has waited a while to be asked again:
+        the cluster blamed no worker and the request has waited less than --move-wait-s (a NATS
+        node cut off hides its clients for seconds; a worker restarts). The tokens the client
+        has are not lost to a gap that short."""
+        if attempt.moved_because is None or failure.avoid or failure.code is not Code.UNAVAILABLE:
+            return False
+        now = time.monotonic()
+        since = self._unplaced_since = self._unplaced_since or now
+        left = since + self.settings.move_wait_s - now
+        if left <= 0:
+            return False
+        log.info("%s: %s; asking again for up to %.1fs", attempt.id, failure.message, left)
+        await asyncio.sleep(min(MOVE_RETRY_S, left))
+        return True
+
     async def _refused(self, attempt: Attempt, reply: SubmitReply) -> None:
         failure = reply.failure
         if failure.avoid:  # a worker failed it, not the request
             raise WorkerLost(failure)
         message = _refusal_start(attempt) + failure.message
+        if self._unplaced_since is not None:
+            message += f" (asked again for {self.settings.move_wait_s:g}s)"
         if reply.retry_after_ms:
             self.context.set_trailing_metadata((("retry-after-ms", str(reply.retry_after_ms)),))
             message += f" (retry after {reply.retry_after_ms / 1000:.1f}s)"

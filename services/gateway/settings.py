@@ -234,6 +234,12 @@ class GatewaySettings(CommonSettings):
             "help": "times a request may move to another worker after the one serving it failed; past it, UNAVAILABLE"
         },
     )
+    move_wait_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "a request being moved that no scheduler can place (no live worker could take it, or no scheduler listens: a NATS node cut off, a worker restarting) asks again for this long before it fails with UNAVAILABLE"
+        },
+    )
     gateway_id: str = field(default="", metadata={"help": "unique id; empty = random"})
 
     def __post_init__(self) -> None:
@@ -255,6 +261,8 @@ class GatewaySettings(CommonSettings):
         self._check_published()
         if not 0 <= self.max_migrations <= 16:
             raise ValueError("max_migrations must be in 0..16")
+        if not 0 <= self.move_wait_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"move_wait_s must be in 0..{MAX_TIMEOUT_S:.0f}")
         if not (
             self.max_tokens_limit <= rules.MAX_LIST
             and self.max_stop_strings <= rules.MAX_STOP_STRINGS

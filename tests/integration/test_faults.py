@@ -83,7 +83,8 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
         "auto",
         prefill=2,
         decode=2,
-        extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "64"},
+        # part 3 finds no worker left: a second of asking again (--move-wait-s), not ten
+        extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "64", "TANDEM_MOVE_WAIT_S": "1"},
     )
     try:
         # 1. A prefill worker dies while it computes a long prompt, then the other one.

@@ -60,7 +60,9 @@ def test_gateway_sigterm_refuses_new_requests_and_finishes_the_streams_in_flight
 
 def test_a_dead_worker_fails_its_requests_fast(processes, nats):
     # (no local fallback: the scheduler's default would prefill it on the decode worker)
-    stack = start_stack(processes, nats, "it-crash", extra_env={"TANDEM_PREFILL_FALLBACK": "fail"})
+    # (and the request moved off the dead prefill worker fails at once: no --move-wait-s)
+    failing = {"TANDEM_PREFILL_FALLBACK": "fail", "TANDEM_MOVE_WAIT_S": "0"}
+    stack = start_stack(processes, nats, "it-crash", extra_env=failing)
     workers = dict(processes.children)
     prefill = workers["it-crash-prefill-0"]
 

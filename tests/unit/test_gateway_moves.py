@@ -330,6 +330,44 @@ async def test_a_refusal_after_a_move_says_why_the_request_moved(tokenizer):
     assert context.trailing == (("retry-after-ms", "1500"),)
 
 
+NO_WORKER = SubmitReply(Failure(Code.UNAVAILABLE, "no live decode worker", Retry.ELSEWHERE))
+
+
+async def test_a_moved_request_nobody_can_place_asks_again_until_a_worker_is_back(
+    tokenizer, monkeypatch
+):
+    """A NATS node cut off hides the workers connected to it for seconds: a request moved off
+    one of them finds no live worker, and is asked for again until one is back."""
+    monkeypatch.setattr(relay, "MOVE_RETRY_S", 0.01)
+    scripts = [[chunk([7]), failed(Code.UNAVAILABLE, "d1")], [done([8, 9])]]
+    replies = {1: NO_WORKER, 2: NO_WORKER, 3: NO_WORKER}
+    responses, context, cluster, _ = await generate(scripts, replies=replies, tokenizer=tokenizer)
+    assert context.code is None and tokens(responses) == [7, 8, 9]
+    first, moved, *again = cluster.tasks
+    assert len(again) == 3 and {t.attempt_id for t in again[1:]} == {again[0].attempt_id}
+    assert all(t.resume_tokens == 1 and t.avoid_workers == ["d1"] for t in [moved, *again])
+    assert responses[-1].timing.migrations == 1
+
+
+async def test_past_move_wait_s_or_unmoved_a_request_nobody_can_place_fails(
+    tokenizer, monkeypatch
+):
+    monkeypatch.setattr(relay, "MOVE_RETRY_S", 0.01)
+    scripts = [[chunk([7]), failed(Code.UNAVAILABLE, "d1")]]
+    replies = dict.fromkeys(range(1, 1000), NO_WORKER)
+    responses, context, cluster, _ = await generate(
+        scripts, replies=replies, move_wait_s=0.2, tokenizer=tokenizer
+    )
+    assert tokens(responses) == [7] and context.code == grpc.StatusCode.UNAVAILABLE
+    assert context.message == "d1 said UNAVAILABLE, and no live decode worker (asked again for 0.2s)"
+    assert 4 <= len(cluster.tasks) < 100
+    # never moved: refused at once (submitted once more, as any request a scheduler hands back)
+    responses, context, cluster, _ = await generate(
+        [], replies={0: NO_WORKER, 1: NO_WORKER}, tokenizer=tokenizer
+    )
+    assert context.message == "no live decode worker" and len(cluster.tasks) == 2
+
+
 async def test_a_decode_worker_that_stops_responding_has_its_request_moved_off_it(tokenizer):
     responses, context, cluster, _ = await generate(
         [[chunk([7])], [done([8, 9])]], worker_timeout_s=0.5, tokenizer=tokenizer

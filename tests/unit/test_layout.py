@@ -221,6 +221,7 @@ ONE_IDEA = {
     "services/gateway/settings.py": "the gateway's settings: GatewaySettings, one dataclass",
     "shared/worker/settings.py": "a model worker's settings: WorkerSettings, one dataclass",
     "shared/engine/model_runner.py": "one forward pass of a batch's rows over the paged pool",
+    "services/gateway/relay.py": "one request's stream followed across its attempts: RequestRelay",
 }
 
 

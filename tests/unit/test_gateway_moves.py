@@ -349,9 +349,7 @@ async def test_a_moved_request_nobody_can_place_asks_again_until_a_worker_is_bac
     assert responses[-1].timing.migrations == 1
 
 
-async def test_past_move_wait_s_or_unmoved_a_request_nobody_can_place_fails(
-    tokenizer, monkeypatch
-):
+async def test_past_move_wait_s_or_unmoved_a_request_nobody_can_place_fails(tokenizer, monkeypatch):
     monkeypatch.setattr(relay, "MOVE_RETRY_S", 0.01)
     scripts = [[chunk([7]), failed(Code.UNAVAILABLE, "d1")]]
     replies = dict.fromkeys(range(1, 1000), NO_WORKER)
@@ -359,7 +357,9 @@ async def test_past_move_wait_s_or_unmoved_a_request_nobody_can_place_fails(
         scripts, replies=replies, move_wait_s=0.2, tokenizer=tokenizer
     )
     assert tokens(responses) == [7] and context.code == grpc.StatusCode.UNAVAILABLE
-    assert context.message == "d1 said UNAVAILABLE, and no live decode worker (asked again for 0.2s)"
+    assert (
+        context.message == "d1 said UNAVAILABLE, and no live decode worker (asked again for 0.2s)"
+    )
     assert 4 <= len(cluster.tasks) < 100
     # never moved: refused at once (submitted once more, as any request a scheduler hands back)
     responses, context, cluster, _ = await generate(

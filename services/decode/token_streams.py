@@ -82,6 +82,7 @@ class TokenStreams:
             token_ids=out.token_ids,
             text=out.text,
             logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
             finish_reason=FINISH.get(out.finished),
             **extra,
         )
@@ -180,9 +181,11 @@ class TokenStreams:
 
 def _size(chunk: TokenChunk) -> int:
     """An upper bound of a chunk's encoded size: its field names and Timing (512), text in UTF-8,
-    each logprob's map with its top-k (ids and float64s)."""
+    each logprob's map with its top-k (ids and float64s), its prompt's logprobs' columns."""
     per_logprob = sum(64 + 14 * len(lp.top_ids) for lp in chunk.logprobs)
-    return 512 + 4 * len(chunk.text) + 9 * len(chunk.token_ids) + per_logprob
+    prompt = chunk.prompt_logprobs
+    of_prompt = 64 + 9 * len(prompt) + 14 * len(prompt.top_ids) if prompt else 0
+    return 512 + 4 * len(chunk.text) + 9 * len(chunk.token_ids) + per_logprob + of_prompt
 
 
 def _parts(pairs: list) -> list[list]:

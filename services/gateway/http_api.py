@@ -42,6 +42,7 @@ from services.gateway.http_context import (
 )
 from services.gateway.openai_format import ChoiceLog, Formatter, TokenText
 from services.gateway.openai_request import BadRequest, OpenAIRequest, parse
+from services.gateway.prompts_answered import answers
 from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
 
 log = logging.getLogger("gateway.http")
@@ -145,9 +146,9 @@ class OpenAIApi:
                 req = await self._parsed(request, kind, bill)
             if isinstance(req, web.Response):
                 return req
-            req.request.request_id = self._request_id(request)
-            responses = self.servicer.Generate(req.request, context, context.api, seat)
-            formatter = Formatter(req, req.request.request_id, self.text_of)
+            request_id = self._request_id(request)
+            responses = answers(self.servicer, req, request_id, context, seat)
+            formatter = Formatter(req, request_id, self.text_of)
             async with contextlib.aclosing(responses):
                 if req.stream:
                     return await self._stream(request, req, responses, context, formatter)
@@ -213,7 +214,9 @@ class OpenAIApi:
         lasts = []
         try:
             while (response := await _next(responses, context)) is not None:
-                choices.setdefault(response.index, ChoiceLog()).add(response)
+                if response.index not in choices:
+                    choices[response.index] = formatter.choice_log()
+                choices[response.index].add(response)
                 lasts += [response] if response.finish_reason else []
         except CallAborted as err:
             return _error_response(http_error(err.code, err.details, err.retry_after_ms))
@@ -235,13 +238,10 @@ class OpenAIApi:
             return _error_response(INTERNAL)
         stream = EventStream(headers=SSE_HEADERS | {"X-Request-Id": formatter.id})
         await stream.prepare(request)
-        response, offsets, lasts = first, {}, []
+        response, lasts = first, []
         try:
-            while response is not None:  # each choice's text offset; its first chunk has the role
-                index = response.index
-                chunk = formatter.chunk(response, offsets.get(index, 0), index not in offsets)
-                await _event(stream, chunk)
-                offsets[index] = offsets.get(index, 0) + len(response.text)
+            while response is not None:
+                await _event(stream, formatter.chunk(response))
                 lasts += [response] if response.finish_reason else []
                 response = await _next(responses, context)
             if req.include_usage and lasts:

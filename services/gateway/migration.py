@@ -53,6 +53,8 @@ def resumed(
         task.sampling,
         max_tokens=task.sampling.max_tokens + task.resume_tokens - len(sent),
         stop=list(task.sampling.stop),
+        # the client has them with the first token: the prompt is not scored again
+        prompt_logprobs=task.sampling.prompt_logprobs and not sent,
     )
     return dataclasses.replace(
         task,

@@ -1,79 +1,39 @@
 """Tandem's GenerateResponses in OpenAI's shapes: chat.completion(.chunk) and text_completion,
 with their logprobs, usage (cached prompt tokens included) and our `timing` as an extension."""
 
-import functools
 import time
 
 from google.protobuf import json_format
 
+from services.gateway.echo import Echo, joined
 from services.gateway.openai_request import OpenAIRequest
+from services.gateway.token_text import TokenText
 from shared.api import tandem_pb2 as pb
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
-@functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, character -> byte (its tokens are bytes spelled this way)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-class TokenText:
-    """Each token's text and UTF-8 bytes, as OpenAI's logprobs show them (cached per id). A
-    byte-level token that is part of a character has its exact bytes, and its text shows them
-    as "bytes:\\xe2\\x80" (OpenAI's notation)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, token_id: int) -> tuple[str, list[int]]:
-        found = self._cache.get(token_id)
-        if found is None:
-            found = self._cache[token_id] = self._text(token_id)
-        return found
-
-    def _text(self, token_id: int) -> tuple[str, list[int]]:
-        piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
-        decoder = _byte_decoder()
-        if piece and all(c in decoder for c in piece):
-            raw = bytes(decoder[c] for c in piece)
-        else:
-            raw = self.tokenizer.decode([token_id]).encode()
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError:
-            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-        return text, list(raw)
-
-
 class ChoiceLog:
-    """What one choice has produced so far: its text and, when asked, its logprobs."""
+    """What one choice has produced so far: its text and, when asked, its logprobs (`generated`:
+    False when the answer leaves out what was generated, an echo of the prompt alone)."""
 
-    def __init__(self) -> None:
+    def __init__(self, generated: bool = True) -> None:
+        self.generated = generated
+        self.first: pb.GenerateResponse | None = None  # its prompt's logprobs come with it
         self.text = ""
         self.logprobs: list[pb.TokenLogprob] = []
         self.offsets: list[int] = []  # each token's start in the text (completions' text_offset)
         self.finish_reason: str | None = None
 
     def add(self, response: pb.GenerateResponse) -> None:
+        self.first = self.first or response
+        if response.finish_reason:
+            self.finish_reason = FINISH.get(response.finish_reason, "stop")
+        if not self.generated:
+            return
         self.offsets.extend([len(self.text)] * len(response.token_ids))
         self.text += response.text
         self.logprobs.extend(response.logprobs)
-        if response.finish_reason:
-            self.finish_reason = FINISH.get(response.finish_reason, "stop")
 
 
 def chat_logprobs(logprobs, text_of: TokenText) -> dict:
@@ -99,15 +59,17 @@ def completion_logprobs(logprobs, offsets: list[int], text_of: TokenText) -> dic
     }
 
 
-def usage(lasts: list[pb.GenerateResponse]) -> dict:
-    """Of every choice (`lasts`: the last response of each): the prompt counted once."""
-    prompt = lasts[0].usage.prompt_tokens
-    completion = sum(last.usage.completion_tokens for last in lasts)
+def usage(lasts: list[pb.GenerateResponse], n: int = 1, generated: bool = True) -> dict:
+    """Of every choice (`lasts`: the last response of each, `n` choices per prompt): each prompt
+    counted once; no completion tokens where the answer leaves them out (`generated` False)."""
+    prompts = {last.index // n: last for last in lasts}.values()
+    prompt = sum(last.usage.prompt_tokens for last in prompts)
+    completion = sum(last.usage.completion_tokens for last in lasts) if generated else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": lasts[0].timing.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(p.timing.cached_tokens for p in prompts)},
     }
 
 
@@ -126,6 +88,13 @@ class Formatter:
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
+        self.n = max(1, req.request.sampling.n)
+        prompts, only = req.echo, req.echo_only
+        self.echo = Echo(prompts, self.n, text_of, only) if prompts is not None else None
+        self._offsets: dict[int, int] = {}  # each streamed choice's text so far (text_offset)
+
+    def choice_log(self) -> ChoiceLog:
+        return ChoiceLog(generated=self.echo is None or not self.echo.only)
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.req.model}
@@ -137,35 +106,63 @@ class Formatter:
             return chat_logprobs(logprobs, self.text_of)
         return completion_logprobs(logprobs, offsets, self.text_of)
 
+    def _echoed(
+        self, index: int, text: str, logprobs: dict | None, first
+    ) -> tuple[str, dict | None]:
+        """A completion choice's text and logprobs with its prompt before them (echo; `first`:
+        the choice's first response), or as they are."""
+        if self.echo is None:
+            return text, logprobs
+        prompt = self.echo.text(index)
+        if self.echo.only:
+            text, logprobs = "", (completion_logprobs([], [], self.text_of) if logprobs else None)
+        if logprobs is not None:
+            logprobs = joined(self.echo.logprobs(first), logprobs, len(prompt))
+        return prompt + text, logprobs
+
     def response(self, choices: dict[int, ChoiceLog], lasts: list[pb.GenerateResponse]) -> dict:
         """The whole answer, not streamed: each choice, by index."""
         bodies = []
         for index, choice in sorted(choices.items()):
-            body = {"index": index, "logprobs": self._logprobs(choice.logprobs, choice.offsets)}
+            logprobs = self._logprobs(choice.logprobs, choice.offsets)
+            body = {"index": index, "logprobs": logprobs}
             if self.req.kind == "chat":
                 body["message"] = {"role": "assistant", "content": choice.text}
             else:
-                body["text"] = choice.text
+                body["text"], body["logprobs"] = self._echoed(
+                    index, choice.text, logprobs, choice.first
+                )
             bodies.append(body | {"finish_reason": choice.finish_reason})
         return self._head(self.object) | {
             "choices": bodies,
-            "usage": usage(lasts),
+            "usage": self._usage(lasts),
             "system_fingerprint": None,
             "timing": timing(lasts[0]),
         }
 
-    def chunk(self, response: pb.GenerateResponse, offset: int, first: bool = False) -> dict:
-        """One streamed chunk: the response's new text (a chat stream's first names the role)."""
+    def chunk(self, response: pb.GenerateResponse) -> dict:
+        """One streamed chunk: the response's new text (a chat stream's first names the role; a
+        completion's first, with echo, starts with the prompt)."""
         finish = FINISH.get(response.finish_reason, "stop") if response.finish_reason else None
+        index = response.index
+        first, offset = index not in self._offsets, self._offsets.get(index, 0)
         offsets = [offset] * len(response.token_ids)
-        body = {"index": response.index}
+        logprobs = self._logprobs(response.logprobs, offsets)
+        body = {"index": index}
         if self.req.kind == "chat":
             body["delta"] = {"role": "assistant", "content": response.text} if first else {}
             if response.text and not first:
                 body["delta"]["content"] = response.text
+            self._offsets[index] = offset + len(response.text)
         else:
-            body["text"] = response.text
-        body["logprobs"] = self._logprobs(response.logprobs, offsets)
+            text = response.text if self.echo is None or not self.echo.only else ""
+            if first:
+                text, logprobs = self._echoed(index, response.text, logprobs, response)
+            elif self.echo is not None and self.echo.only:
+                logprobs = completion_logprobs([], [], self.text_of) if logprobs else None
+            body["text"] = text
+            self._offsets[index] = offset + len(text)
+        body["logprobs"] = logprobs
         body["finish_reason"] = finish
         kind = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
         chunk = self._head(kind) | {"choices": [body]}
@@ -178,4 +175,7 @@ class Formatter:
     def usage_chunk(self, lasts: list[pb.GenerateResponse]) -> dict:
         """stream_options.include_usage: the stream's last chunk, with no choices."""
         kind = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
-        return self._head(kind) | {"choices": [], "usage": usage(lasts)}
+        return self._head(kind) | {"choices": [], "usage": self._usage(lasts)}
+
+    def _usage(self, lasts: list[pb.GenerateResponse]) -> dict:
+        return usage(lasts, self.n, self.echo is None or not self.echo.only)

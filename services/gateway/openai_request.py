@@ -5,15 +5,19 @@ validation, limits, keys, placement. Fields outside OpenAI's API that peers (vLL
 take are extensions here: top_k, ignore_eos, priority. Unknown fields are ignored, as the peers
 do; fields whose meaning we cannot honour (tools, response formats, images, penalties) are
 refused with a 400 that names them, never silently dropped. With n > 1 the choices' seeds are the
-request's seed + their index.
+request's seed + their index. A completion may hold several prompts (as lm-eval sends them): each
+becomes a request of its own, its choices numbered after the previous prompt's. `echo` starts
+each choice with its prompt; with `logprobs`, each prompt token's log-probability too (computed
+where the prompt is: SamplingParams.prompt_logprobs), and with max_tokens 0, nothing else.
 """
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.body_fields import BadRequest, fits, flag, integer, number
+from services.gateway.chat_messages import messages_into
 from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
-from services.gateway.validation import InvalidRequest, Limits, refuse_oversized
+from services.gateway.validation import Limits
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
 
@@ -31,20 +35,11 @@ UNSUPPORTED = {
     "prediction": None,
     "web_search_options": None,
     "best_of": 1,
-    "echo": False,
     "suffix": None,
 }
 MODALITIES = ["text"]
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_COMPLETION_LOGPROBS = 20  # OpenAI allows 5; top_logprobs (chat) allows 20, as here
-
-
-class BadRequest(ValueError):
-    """An invalid body: a 400 with OpenAI's error body; `param` names the field at fault."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+MAX_PROMPTS = 256  # prompts of one completion request (lm-eval batches several)
 
 
 @dataclass
@@ -56,6 +51,15 @@ class OpenAIRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool = False
     top_logprobs: int = 0
+    # completions: the prompts after the first, each a request of its own (choices i * n + j)
+    more: list[pb.GenerateRequest] = field(default_factory=list)
+    # completions' echo: each choice's text (and logprobs) starts with its prompt, as given
+    echo: list[str | list[int]] | None = None
+    echo_only: bool = False  # max_tokens 0: the prompt alone is answered (one token is computed)
+
+    @property
+    def requests(self) -> list[pb.GenerateRequest]:
+        return [self.request, *self.more]
 
 
 def parse(
@@ -75,32 +79,47 @@ def parse(
     if not isinstance(model, str):
         raise BadRequest("model must be a string", "model")
     request = pb.GenerateRequest(sampling=_sampling(body, defaults))
+    echo, prompts = None, []
     if kind == "chat":
-        _messages_into(request, body.get("messages"), limits)
-        logprobs = _flag(body, "logprobs")
-        top = _int(body, "top_logprobs", 0, 0, 20)
-        if top and not logprobs:
-            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        messages_into(request, body.get("messages"), limits)
+        logprobs, top = _chat_logprobs(body)
     else:
-        _prompt_into(request, body.get("prompt"), limits)
-        given = body.get("logprobs")
-        top = _int(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
-        logprobs = given is not None
+        prompts = _prompts(body.get("prompt"), limits)
+        top = integer(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
+        logprobs = body.get("logprobs") is not None
+        echo = prompts if flag(body, "echo") else None
+        request.sampling.prompt_logprobs = echo is not None and logprobs
+    echo_only = _echo_only(request.sampling, echo is not None)
     request.sampling.logprobs, request.sampling.top_logprobs = logprobs, top
-    request.priority = _int(body, "priority", 0, -(1 << 31), (1 << 31) - 1)
-    request.sampling.n = _int(body, "n", 1, 1, rules.MAX_N)
+    request.priority = integer(body, "priority", 0, -(1 << 31), (1 << 31) - 1)
+    request.sampling.n = integer(body, "n", 1, 1, rules.MAX_N)
+    requests = [_with_prompt(request, prompt) for prompt in prompts] or [request]
+    return OpenAIRequest(
+        kind,
+        requests[0],
+        model,
+        stream=flag(body, "stream"),
+        include_usage=_include_usage(body),
+        logprobs=logprobs,
+        top_logprobs=top,
+        more=requests[1:],
+        echo=echo,
+        echo_only=echo_only,
+    )
+
+
+def _include_usage(body: dict) -> bool:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
-    return OpenAIRequest(
-        kind,
-        request,
-        model,
-        stream=_flag(body, "stream"),
-        include_usage=bool(options.get("include_usage")),
-        logprobs=logprobs,
-        top_logprobs=top,
-    )
+    return bool(options.get("include_usage"))
+
+
+def _chat_logprobs(body: dict) -> tuple[bool, int]:
+    logprobs, top = flag(body, "logprobs"), integer(body, "top_logprobs", 0, 0, 20)
+    if top and not logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return logprobs, top
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -119,17 +138,17 @@ def _refuse_unsupported(body: dict) -> None:
 
 def _sampling(body: dict, defaults: SamplingDefaults) -> pb.SamplingParams:
     s = pb.SamplingParams(
-        temperature=_float(body, "temperature", defaults.temperature),  # OpenAI's: 1, sampled
-        top_p=_float(body, "top_p", defaults.top_p),
-        top_k=max(0, _int(body, "top_k", defaults.top_k, -1, 1 << 20)),  # -1: off, as in vLLM
-        ignore_eos=_flag(body, "ignore_eos"),
+        temperature=number(body, "temperature", defaults.temperature),  # OpenAI's: 1, sampled
+        top_p=number(body, "top_p", defaults.top_p),
+        top_k=max(0, integer(body, "top_k", defaults.top_k, -1, 1 << 20)),  # -1: off, as in vLLM
+        ignore_eos=flag(body, "ignore_eos"),
     )
     for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
         if body.get(name) is not None:
-            s.max_tokens = _int(body, name, 0, 1, 1 << 31)
+            s.max_tokens = integer(body, name, 0, 0, 1 << 31)  # 0: echo only (_echo_only)
             break
     if body.get("seed") is not None:
-        s.seed = _int(body, "seed", 0, -(1 << 63), (1 << 64) - 1) % (1 << 64)
+        s.seed = integer(body, "seed", 0, -(1 << 63), (1 << 64) - 1) % (1 << 64)
     s.stop.extend(_stops(body.get("stop")))
     return s
 
@@ -143,118 +162,44 @@ def _stops(stop: Any) -> list[str]:
     return stops
 
 
-def _messages_into(request: pb.GenerateRequest, messages: Any, limits: Limits | None) -> None:
-    """The messages, counted and their text measured before any is copied (a 1 MiB body holds
-    tens of thousands, or a million characters)."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list", "messages")
-    if len(messages) > rules.MAX_MESSAGES:
-        raise BadRequest(f"at most {rules.MAX_MESSAGES} messages", "messages")
-    parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and _parts(m))
-    if parts > rules.MAX_CONTENT_PARTS:
-        raise BadRequest(f"at most {rules.MAX_CONTENT_PARTS} content parts in all", "messages")
-    if limits is not None:
-        _fits(len(messages), sum(_chars(m) for m in messages), limits, "messages")
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"{where} must be an object", where)
-        role = CHAT_ROLES.get(m.get("role"))
-        if role is None:
+def _prompts(prompt: Any, limits: Limits | None) -> list[str | list[int]]:
+    """The prompts of a completion: a string, token ids (a list of ints), or a list of either
+    (at most MAX_PROMPTS), each checked by its size before any is copied."""
+    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    prompts = prompt if several else [prompt]
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"at most {MAX_PROMPTS} prompts in one request", "prompt")
+    for each in prompts:
+        if isinstance(each, str):
+            if limits is not None:
+                fits(0, len(each), limits, "prompt")
+        elif not (
+            isinstance(each, list)
+            and each
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in each)
+        ):
             raise BadRequest(
-                f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}",
-                f"{where}.role",
+                "prompt must be a string, a list of token ids, or a list of either", "prompt"
             )
-        if m.get("tool_calls") or m.get("function_call"):
-            raise BadRequest(f"{where}: tool calls are not supported", f"{where}.tool_calls")
-        request.messages.add(role=role, content=_content(m.get("content"), where))
+    return prompts
 
 
-def _parts(message: dict) -> bool:
-    return isinstance(message.get("content"), list)
-
-
-def _chars(message: Any) -> int:
-    """The characters of a message's text (what is not text is refused later, by name)."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(
-            len(p["text"])
-            for p in content
-            if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
-    return 0
-
-
-def _fits(messages: int, chars: int, limits: Limits, param: str) -> None:
-    try:
-        refuse_oversized(messages, chars, limits)
-    except InvalidRequest as err:
-        raise BadRequest(str(err), param) from None
-
-
-def _content(content: Any, where: str) -> str:
-    """A message's text: a string, or a list of text parts (other parts are refused by name)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise BadRequest(f"{where}.content must be a string or a list of parts", where)
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise BadRequest(
-                f"{where}.content: only text parts are supported, got {kind or part!r}",
-                f"{where}.content",
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _prompt_into(request: pb.GenerateRequest, prompt: Any, limits: Limits | None) -> None:
-    """A string, or token ids (a list of ints); a list of several prompts is refused."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and limits is not None:
-        _fits(0, len(prompt), limits, "prompt")
+def _with_prompt(request: pb.GenerateRequest, prompt: str | list[int]) -> pb.GenerateRequest:
+    made = pb.GenerateRequest()
+    made.CopyFrom(request)
     if isinstance(prompt, str):
-        request.prompt = prompt
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-    ):
-        request.prompt_token_ids.extend(prompt)
+        made.prompt = prompt
     else:
-        raise BadRequest(
-            "prompt must be a string or a list of token ids (one prompt per request)", "prompt"
-        )
+        made.prompt_token_ids.extend(prompt)
+    return made
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name)
-    if value is None:
+def _echo_only(sampling: pb.SamplingParams, echo: bool) -> bool:
+    """max_tokens 0 asks for the prompt alone, which only echo answers: the cluster computes one
+    token (a request generates at least one), and the answer leaves it out."""
+    if not sampling.HasField("max_tokens") or sampling.max_tokens > 0:
         return False
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false", name)
-    return value
-
-
-def _int(body: dict, name: str, default: int, low: int, high: int) -> int:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadRequest(f"{name} must be an integer in [{low}, {high}]", name)
-    return value
-
-
-def _float(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a number", name)
-    return float(value)
+    if not echo:
+        raise BadRequest("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+    sampling.max_tokens = 1
+    return True

@@ -21,10 +21,11 @@ def generate_response(
     first_at: float | None,
     migrations: int,
     index: int = 0,
+    prompt: list[int] | None = None,
 ) -> pb.GenerateResponse:
     """One response of the stream of choice `index`; its last (finish_reason set) with usage and
     timing too. `first_at`: when its first token came (None: none yet); `migrations`: times it
-    moved."""
+    moved; `prompt`: the prompt's ids (its logprobs name them)."""
     response = pb.GenerateResponse(
         request_id=request_id,
         index=index,
@@ -32,6 +33,13 @@ def generate_response(
         token_ids=chunk.token_ids,
         logprobs=[token_logprob(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)],
     )
+    scores = chunk.prompt_logprobs
+    if scores is not None and prompt is not None:
+        response.prompt_token_ids.extend(prompt)
+        response.prompt_logprobs.extend(
+            token_logprob(token, scores.row(i))
+            for i, token in enumerate(prompt[1 : len(scores) + 1])
+        )
     if chunk.finish_reason:
         now = time.time()
         response.finish_reason = FINISH[chunk.finish_reason]

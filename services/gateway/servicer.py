@@ -225,6 +225,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                         first_at.get(index),
                         attempt.task.moves,
                         index,
+                        valid.prompt_token_ids,
                     )
         finally:
             tracing.record("gateway.stream", root, streaming, time.time())

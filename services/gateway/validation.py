@@ -120,6 +120,7 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         logprobs=s.logprobs,
         top_logprobs=int(s.top_logprobs),
         n=max(1, int(s.n)),
+        prompt_logprobs=s.prompt_logprobs,
     )
 
 
@@ -188,5 +189,10 @@ def validate(request: pb.GenerateRequest, tokens: PromptTokenizer, limits: Limit
         raise InvalidRequest(
             f"prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_tokens}) "
             f"exceeds the model's context of {limits.max_model_len} tokens"
+        )
+    if sampling.prompt_logprobs and not rules.prompt_logprobs_fit(len(ids), sampling.top_logprobs):
+        raise InvalidRequest(
+            f"prompt logprobs of {len(ids)} tokens with {sampling.top_logprobs} alternatives each "
+            "are more than one answer may carry: ask for fewer alternatives or a shorter prompt"
         )
     return ValidRequest(request_id, ids, sampling, tokenized)

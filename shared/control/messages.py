@@ -11,7 +11,7 @@ from shared.control.finish import FinishReason
 from shared.control.holdings import GatewayHoldings
 from shared.control.worker_roles import Mode, Role
 from shared.values.kv_layout import KVLayout
-from shared.values.sampling import SamplingParams, TokenLogprob
+from shared.values.sampling import PromptLogprobs, SamplingParams, TokenLogprob
 
 
 class _Outcome:
@@ -105,6 +105,7 @@ class PrefillResult(_Outcome, AboutAnAttempt):
     failure: Failure | None = None  # the abort's; movable when the prefill worker is at fault
     first_tokens: list[int] = field(default_factory=list)  # one per choice (sampling.n)
     first_logprobs: list[TokenLogprob] = field(default_factory=list)  # when logprobs were asked
+    prompt_logprobs: PromptLogprobs | None = None  # when sampling.prompt_logprobs was asked
     kv_bytes: int = 0
     pieces_sent: int = 0  # on an abort: pieces handed to UCX before it stopped
     transport: str = ""  # the UCX transports that carry the bytes, e.g. "sysv+posix+cma"
@@ -147,6 +148,7 @@ class TokenChunk(AboutAnAttempt):
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
     finish_reason: FinishReason | None = None  # set on its last chunk, unless it failed
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -59,6 +59,30 @@ def _logprob(m) -> str | None:
     return None
 
 
+# what a prompt's logprobs may take of one message (wire.MAX_MESSAGE_BYTES is 1000 KiB): each
+# position's logprob (a float64: 9 bytes) and its top ids and logprobs (up to 5 + 9 bytes each)
+PROMPT_LOGPROBS_BYTES = 768 * 1024
+
+
+def prompt_logprobs_fit(prompt_len: int, top: int) -> bool:
+    """Whether the prompt logprobs of a prompt of `prompt_len` tokens, `top` alternatives each,
+    fit one message."""
+    return prompt_len * (9 + 14 * top) <= PROMPT_LOGPROBS_BYTES
+
+
+def _prompt_logprobs(m) -> str | None:
+    rows = len(m.logprobs)
+    if not 0 <= m.top <= MAX_TOP_LOGPROBS or not prompt_logprobs_fit(rows, m.top):
+        return "prompt logprobs too many"
+    if len(m.top_ids) != rows * m.top or len(m.top_logprobs) != rows * m.top:
+        return "prompt logprobs' columns differ in length"
+    if not all(math.isfinite(v) for v in m.logprobs) or not all(
+        math.isfinite(v) for v in m.top_logprobs
+    ):
+        return "prompt logprobs has an item that is not a finite number"
+    return None
+
+
 def _prefill_result(m) -> str | None:
     if m.failure is None and not m.first_tokens:
         return "a result without its first tokens"
@@ -100,6 +124,7 @@ def _heartbeat(m) -> str | None:
 EXTRA: dict[str, Callable[[Any], str | None]] = {
     "SamplingParams": _sampling,
     "TokenLogprob": _logprob,
+    "PromptLogprobs": _prompt_logprobs,
     "PrefillResult": _prefill_result,
     "GenerateTask": _task,
     "KVLayout": _layout,

@@ -25,6 +25,9 @@ class Paged(Protocol):
     last_block_hash: bytes  # the chained hash of the last of those
 
     @property
+    def reuses_prefix(self) -> bool: ...  # False: every token computed, none from the cache
+
+    @property
     def token_ids(self) -> list[int]: ...
 
     @property
@@ -81,6 +84,9 @@ class BlockManager:
 
     # -- allocate / deallocate ---------------------------------------------------------------
 
+    def _hits_of(self, seq: Paged) -> list[int]:
+        return self._prefix_hits(seq.token_ids) if seq.reuses_prefix else []
+
     def _prefix_hits(self, tokens: list[int]) -> list[int]:
         """Cached blocks that hold the longest usable prefix of `tokens` (whole granules only;
         the last token is never taken from cache, so there is always something to compute)."""
@@ -98,7 +104,7 @@ class BlockManager:
         return hits[: len(hits) // per_granule * per_granule]
 
     def can_allocate(self, seq: Paged) -> bool:
-        hits = self._prefix_hits(seq.token_ids)
+        hits = self._hits_of(seq)
         reclaimed = sum(1 for b in hits if self.ref_count[b] == 0)  # hits that are free now
         return self.blocks_for(seq.num_tokens) - len(hits) <= self.free - reclaimed
 
@@ -108,7 +114,7 @@ class BlockManager:
             raise ValueError("sequence already holds blocks")
         if not self.can_allocate(seq):
             raise MemoryError(f"{self.blocks_for(seq.num_tokens)} blocks needed, {self.free} free")
-        hits = self._prefix_hits(seq.token_ids)
+        hits = self._hits_of(seq)
         for block in hits:
             self._take(block)
             # a hit keeps its granule in the summary

@@ -131,7 +131,14 @@ class Engine:
     def _forward(self, work: list[Work]):
         """The batch's logits (one row per sequence), or None when all of it was abandoned."""
         spans = [
-            SeqSpan(w.seq.block_table, w.seq.token_ids, w.start, w.end, w.seq.computing_prompt)
+            SeqSpan(
+                w.seq.block_table,
+                w.seq.token_ids,
+                w.start,
+                w.end,
+                w.seq.computing_prompt,
+                w.seq.prompt_scores if w.seq.computing_prompt else None,
+            )
             for w in work
         ]
         return self.runner.forward(spans, abandon=lambda: all(w.seq.abandoned for w in work))
@@ -160,6 +167,8 @@ class Engine:
                 continue  # more prompt chunks to go
             if seq.computing_prompt:
                 self.scheduler.prompt_done(seq)
+                if seq.prompt_scores is not None and seq.prompt_scores.done:
+                    seq.prompt_logprobs = seq.prompt_scores.scores
                 # Wall clocks: the arrival time is the gateway's, and a clock may step back.
                 seq.prefill_ms = (
                     seq.prefill_ms or max(0.0, time.time() - seq.prefill_started) * 1000

@@ -5,7 +5,8 @@ arranges the batch: token ids, positions and the pool slots each row's KV is wri
 query ranges (prompt chunks aligned to absolute `chunk` boundaries, so a prompt is computed
 the same way whatever else is in the batch); the single rows that go to the paged decode
 kernel; the spans of several rows that go to the prefill kernel (when there is one: then they
-are not cut into ranges at all); and the row whose logits each span wants.
+are not cut into ranges at all); and the row whose logits each span wants (every row of a span
+whose prompt logprobs are asked for is scored as well).
 """
 
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.kv_cache import KVPool
+from shared.engine.prompt_scores import PromptScores
 
 
 @dataclass
@@ -24,6 +26,7 @@ class SeqSpan:
     start: int
     end: int
     prompt: bool = False  # prompt rows: the prefill kernel even for a single row (see `arrange`)
+    scores: PromptScores | None = None  # every row's scores wanted too (prompt logprobs)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class ForwardBatch:
     prompt: tuple | None  # spans of several rows through the paged prefill kernel
     last_rows: torch.Tensor
     span_lengths: list[tuple[int, int]]  # (rows, sequence length) of each span: rotary tables
+    scored: list[tuple[int, SeqSpan]] = field(default_factory=list)  # (first row, span) to score
 
 
 def query_ranges(span: SeqSpan, chunk: int) -> list[tuple[int, int]]:
@@ -86,6 +90,7 @@ class _Builder:
     attention: list[QueryRange] = field(default_factory=list)
     last_rows: list[int] = field(default_factory=list)
     span_lengths: list[tuple[int, int]] = field(default_factory=list)
+    scored: list[tuple[int, SeqSpan]] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)  # of the single rows
     lengths: list[int] = field(default_factory=list)
     single_rows: list[int] = field(default_factory=list)
@@ -95,6 +100,8 @@ class _Builder:
     ctx: int = 0
 
     def add(self, span: SeqSpan) -> None:
+        if span.scores is not None:
+            self.scored.append((self.row, span))
         self.ids.extend(span.token_ids[span.start : span.end])
         self.span_lengths.append((span.end - span.start, max(span.end, len(span.token_ids))))
         self.positions.extend(range(span.start, span.end))
@@ -153,6 +160,7 @@ class _Builder:
             prompt,
             torch.tensor(self.last_rows, dtype=torch.long, device=self.device),
             self.span_lengths,
+            self.scored,
         )
 
 

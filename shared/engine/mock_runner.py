@@ -18,6 +18,7 @@ from the real model's KV size).
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -101,7 +102,18 @@ class MockRunner:
                 if abandon is not None and abandon():
                     return None
                 time.sleep(min(left, SLICE_S))
+        for s in segments:
+            if s.scores is not None:
+                s.scores.add(partial(self._rows_of, s), s.start, s.end - s.start, s.token_ids)
         return self._pick([self.next_token(s.token_ids[s.end - 1], s.end) for s in segments])
+
+    def _rows_of(self, span: SeqSpan, a: int, b: int) -> torch.Tensor:
+        """The logits of the span's rows [a, b), as its last row's are made (prompt scores)."""
+        positions = range(span.start + a, span.start + b)
+        rows = torch.zeros(b - a, self.vocab.stop)
+        picked = [self.next_token(span.token_ids[p], p + 1) for p in positions]
+        rows[torch.arange(b - a), torch.tensor(picked)] = PICKED
+        return rows
 
     def _pick(self, tokens: list[int]) -> torch.Tensor:
         """Logits [len(tokens), vocab] with each row's token at PICKED, others 0 (one buffer,

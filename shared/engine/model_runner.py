@@ -198,7 +198,8 @@ class ModelRunner:
         """Computes the segments; returns logits [len(segments), vocab] at each segment's last row.
         `abandon`, asked between layers, may stop a long step early (None returned): every
         sequence in it was cancelled, and the KV it wrote so far is of no use to anyone."""
-        if self.graphs is not None and self.graphs.fits(segments):
+        scored = any(s.scores is not None for s in segments)
+        if self.graphs is not None and not scored and self.graphs.fits(segments):
             return self.graphs.run(segments)
         batch = arrange(segments, self.pool, self.paged, self.chunk, self.device, self.prefill)
         return self.compute(batch, abandon)
@@ -223,7 +224,7 @@ class ModelRunner:
             x = self.stack(
                 hidden, cos, sin, self.pool, batch.slots, batch.decode
             )  # all rows decode
-            return self._logits(x.index_select(0, batch.last_rows))
+            return self._scored(batch, x)
         residual, x = self.ops.norm(hidden, None, self.parts[0].input_norm)
         kv_index = self.ops.kv_index(self.pool, batch.slots)  # once, not per layer
         for index, parts in enumerate(self.parts):
@@ -239,6 +240,19 @@ class ModelRunner:
                 self.reduce(out)
             after = self.parts[index + 1].input_norm if index + 1 < len(self.parts) else self.norm
             residual, x = self.ops.norm(residual, out, after)
+        return self._scored(batch, x)
+
+    def _scored(self, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
+        """The logits of each span's last row, once the spans that want every row's scores
+        (prompt logprobs) have them from the same normed rows `x`."""
+        for first, span in batch.scored:
+            rows = span.end - span.start
+            span.scores.add(
+                lambda a, b, f=first: self._logits(x[f + a : f + b]),
+                span.start,
+                rows,
+                span.token_ids,
+            )
         return self._logits(x.index_select(0, batch.last_rows))
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

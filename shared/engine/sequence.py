@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.engine.detokenizer import Detokenizer
+from shared.engine.prompt_scores import PromptScores
 from shared.engine.seq_status import SeqStatus, checked
-from shared.values.sampling import SamplingParams, TokenLogprob
+from shared.values.sampling import PromptLogprobs, SamplingParams, TokenLogprob
 
 
 class WireTask(Protocol):
@@ -31,6 +32,7 @@ class StepOutput:
     text: str
     finished: SeqStatus | None = None  # the FINISHED_* status this token ended it with
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked
 
 
 class Sequence:
@@ -68,6 +70,9 @@ class Sequence:
         # sampled by the remote prefill: the first token of each choice (and its logprob)
         self.first_tokens: list[int] = []
         self.first_logprobs: list[TokenLogprob] = []
+        # prompt logprobs, gathered here or sent by the prefill worker: out with the first token
+        self.prompt_scores = PromptScores.wanted(len(prompt_token_ids), sampling)
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.forked_from: Sequence | None = None  # the choice 0 this choice was forked from
         self.abandoned = False  # nobody wants its output any more: a step of only such stops early
         self.queue_ms = 0.0
@@ -136,6 +141,7 @@ class Sequence:
             "kv_exposed_ms",
             "cached_tokens",
             "prefill_started",
+            "prompt_logprobs",
         ):
             setattr(child, name, getattr(self, name))
         return child
@@ -159,6 +165,12 @@ class Sequence:
         return self._status is SeqStatus.WAITING
 
     @property
+    def reuses_prefix(self) -> bool:
+        """Whether its prompt may start from cached blocks: not when its prompt logprobs are
+        asked for (a cached position has no logits)."""
+        return self.prompt_scores is None
+
+    @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -179,7 +191,10 @@ class Sequence:
             if self.detokenizer is not None:
                 text += self.detokenizer.flush()
             self.move(ended)
-        return StepOutput([token_id], text, ended, [logprob] if logprob else [])
+        out = StepOutput([token_id], text, ended, [logprob] if logprob else [])
+        if len(self.output_ids) == 1:
+            out.prompt_logprobs = self.prompt_logprobs
+        return out
 
     def _ending(self, token_id: int) -> SeqStatus | None:
         if self.prefill_only:

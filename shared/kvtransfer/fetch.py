@@ -147,6 +147,7 @@ class KVFetcher:
         """COMPLETE: what the prefill computed and how the KV came, written into the sequence."""
         result = t.result
         seq.first_tokens, seq.first_logprobs = result.first_tokens, result.first_logprobs
+        seq.prompt_logprobs = result.prompt_logprobs
         seq.queue_ms, seq.prefill_ms = result.queue_ms, result.prefill_ms
         seq.cached_tokens = result.cached_tokens
         seq.kv_transfer_ms, seq.kv_exposed_ms = t.kv_transfer_ms, t.kv_exposed_ms

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from shared.control.failure import Code, Failure, failed, retry_anywhere, worker_failed
-from shared.control.messages import PrefillResult, PrefillTask, TokenLogprob
+from shared.control.messages import PrefillResult, PrefillTask, PromptLogprobs, TokenLogprob
 from shared.dataplane.plane import KVTransferError, PlaneRestarted
 from shared.engine.sequence import Sequence, StepOutput
 from shared.kvtransfer.machine import TransferMachine
@@ -69,6 +69,7 @@ class OutboundTransfer(TransferMachine[OutboundState]):
         self._free_blocks = free_blocks  # the engine's release: between steps only
         self.first_tokens: list[int] = []
         self.first_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.computed_at = 0.0  # unix time the prompt's last chunk was computed
         self.received_at = time.time()
         self.trace = tracing.current()  # the decode worker's, from the task's message headers
@@ -129,7 +130,7 @@ class OutboundTransfer(TransferMachine[OutboundState]):
     def on_prompt_done(self, out: StepOutput) -> None:
         """The prompt is computed: `out` holds the first token of each choice (and logprobs)."""
         self.first_tokens, self.computed_at = out.token_ids, time.time()
-        self.first_logprobs = out.logprobs
+        self.first_logprobs, self.prompt_logprobs = out.logprobs, out.prompt_logprobs
 
     def on_all_staged(self) -> bool:
         """Every segment is on the wire: SENDING (True) unless it ended meanwhile."""
@@ -166,6 +167,7 @@ class OutboundTransfer(TransferMachine[OutboundState]):
             base_tag=self.task.destination.base_tag,
             first_tokens=self.first_tokens,
             first_logprobs=self.first_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             kv_bytes=self.sender.plan.nbytes,
             queue_ms=self.seq.queue_ms,
             prefill_ms=self.seq.prefill_ms,

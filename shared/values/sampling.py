@@ -27,6 +27,9 @@ class SamplingParams:
     logprobs: bool = False  # return each sampled token's log-probability
     top_logprobs: int = 0  # and this many most likely alternatives at each position
     n: int = 1  # choices: the prompt computed once, each choice sampled with seed + its index
+    # each prompt token's log-probability (and top_logprobs alternatives) from the position before
+    # it, computed where the prompt is computed: OpenAI's echo with logprobs
+    prompt_logprobs: bool = False
 
 
 @dataclass
@@ -37,6 +40,25 @@ class TokenLogprob:
     logprob: float
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class PromptLogprobs:
+    """The log-probability of each prompt token after the first, under the raw logits of the
+    position before it, and the `top` most likely tokens there: one column per field (row i is
+    prompt token i + 1), so a long prompt's travel as four lists, not a map per position."""
+
+    top: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[int] = field(default_factory=list)  # row i's are [i * top, (i + 1) * top)
+    top_logprobs: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def row(self, i: int) -> TokenLogprob:
+        span = slice(i * self.top, (i + 1) * self.top)
+        return TokenLogprob(self.logprobs[i], self.top_ids[span], self.top_logprobs[span])
 
 
 def choice_id(group_id: str, index: int) -> str:

@@ -8,8 +8,9 @@ from shared.engine.block_manager import BlockManager
 class FakeSeq:
     """The Paged protocol, nothing more."""
 
-    def __init__(self, tokens):
+    def __init__(self, tokens, reuses_prefix: bool = True):
         self.token_ids = list(tokens)
+        self.reuses_prefix = reuses_prefix
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.num_hashed_blocks = 0

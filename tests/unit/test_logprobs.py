@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from shared.control import wire
-from shared.control.messages import GenerateTask, PrefillResult, SamplingParams, TokenChunk
+from shared.control.messages import (
+    GenerateTask,
+    PrefillResult,
+    PromptLogprobs,
+    SamplingParams,
+    TokenChunk,
+)
 from shared.control.messages import TokenLogprob as TL
 from shared.engine.sampler import LOWEST_LOGPROB, logprob_of, sample
 from shared.engine.sequence import Sequence
@@ -118,3 +124,21 @@ def test_top_logprobs_beyond_twenty_is_out_of_range():
     task = GenerateTask("a", [1], SamplingParams(logprobs=True, top_logprobs=21), "r", 0.0)
     with pytest.raises(wire.MessageError, match="sampling"):
         wire.decode(wire.encode(task), GenerateTask)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        PromptLogprobs(1, [-0.5, -1.0], [3], [-0.5]),  # two rows, one alternative
+        PromptLogprobs(21, [-0.5], list(range(21)), [-1.0] * 21),  # over OpenAI's 20
+        PromptLogprobs(0, [float("nan")]),
+        PromptLogprobs(20, [-0.5] * 3000, [1] * 60000, [-1.0] * 60000),  # more than one message
+    ],
+)
+def test_malformed_prompt_logprobs_are_refused_on_receipt(bad):
+    result = PrefillResult("a", 1, first_tokens=[5], prompt_logprobs=bad)
+    with pytest.raises(wire.MessageError, match="prompt logprobs"):
+        wire.decode(wire.encode(result), PrefillResult)
+    fine = PromptLogprobs(1, [-0.5, -1.0], [3, 4], [-0.5, -0.25])
+    result = PrefillResult("a", 1, first_tokens=[5], prompt_logprobs=fine)
+    assert wire.decode(wire.encode(result), PrefillResult).prompt_logprobs == fine

@@ -88,7 +88,9 @@ def test_completion_prompts_and_logprobs():
         ("chat", chat(modalities=["text", "audio"]), "modalities"),
         ("chat", chat(n=0), "n"),
         ("chat", chat(n=65), "n"),
-        ("completion", {"prompt": "x", "echo": True}, "echo"),
+        ("completion", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("completion", {"prompt": ["a"] * 257}, "prompt"),
+        ("completion", {"prompt": ["a", []]}, "prompt"),
         ("completion", {"prompt": "x", "best_of": 3}, "best_of"),
         ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("chat", chat(messages=[]), "messages"),
@@ -111,7 +113,6 @@ def test_completion_prompts_and_logprobs():
         ("chat", chat(stream=1), "stream"),
         ("chat", chat(stop=[1]), "stop"),
         ("chat", chat(model=5), "model"),
-        ("completion", {"prompt": ["a", "b"]}, "prompt"),
         ("completion", {"prompt": [1, -2]}, "prompt"),
         ("completion", {"prompt": "x", "logprobs": 21}, "logprobs"),
         ("completion", {}, "prompt"),
@@ -199,11 +200,12 @@ def test_chunks_and_the_whole_answer_in_openais_shape(tokenizer):
     )
     f = Formatter(req, "abc", TokenText(tokenizer))
     lp = pb.TokenLogprob(token_id=42, logprob=-0.5, top=[pb.TopLogprob(token_id=42, logprob=-0.5)])
-    first = f.chunk(_response("Hi", [42], logprobs=[lp]), 0, first=True)
+    first = f.chunk(_response("Hi", [42], logprobs=[lp]))
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
     assert first["usage"] is None and first["object"] == "chat.completion.chunk"
     assert first["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.5
-    last = f.chunk(_response("!", [43], finish=pb.FINISH_REASON_LENGTH), 2)
+    last = f.chunk(_response("!", [43], finish=pb.FINISH_REASON_LENGTH))
+    assert last["choices"][0]["delta"] == {"content": "!"}
     assert last["choices"][0]["finish_reason"] == "length" and last["timing"]["path"] == "local"
     usage = f.usage_chunk([_response("", [], finish=pb.FINISH_REASON_STOP)])
     assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
@@ -299,3 +301,74 @@ async def test_while_others_are_served_a_clients_next_body_waits_as_long_as_its_
         async with turns.turn(client) as bill:
             bill.seconds = 0.004  # as Bill.timing() adds a decode's time
     assert waits == [0.004]  # A's, beside B; B alone waits for nothing
+
+
+def test_several_prompts_are_requests_of_their_own_and_echo_asks_for_prompt_logprobs():
+    req = parse(
+        "completion",
+        {"prompt": [[1, 2, 3], "text"], "echo": True, "logprobs": 1, "max_tokens": 0, "n": 2},
+        MODEL,
+    )
+    first, second = req.requests
+    assert list(first.prompt_token_ids) == [1, 2, 3] and second.prompt == "text"
+    for each in req.requests:
+        s = each.sampling
+        assert (s.prompt_logprobs, s.logprobs, s.top_logprobs, s.max_tokens, s.n) == (
+            True,
+            True,
+            1,
+            1,  # max_tokens 0: one token computed, left out of the answer
+            2,
+        )
+    assert req.echo == [[1, 2, 3], "text"] and req.echo_only
+    plain = parse("completion", {"prompt": "x", "echo": True}, MODEL)
+    assert plain.echo == ["x"] and not plain.request.sampling.prompt_logprobs
+    assert not parse(
+        "completion", {"prompt": "x", "logprobs": 1}, MODEL
+    ).request.sampling.prompt_logprobs
+
+
+def _echoed(prompt_ids, text, ids, logprob, finish=0):
+    response = _response(text, ids, finish, [pb.TokenLogprob(token_id=ids[0], logprob=logprob)])
+    response.prompt_token_ids.extend(prompt_ids)
+    for token, value in zip(prompt_ids[1:], (-1.0, -2.0)):
+        response.prompt_logprobs.append(
+            pb.TokenLogprob(
+                token_id=token, logprob=value, top=[pb.TopLogprob(token_id=7, logprob=-0.5)]
+            )
+        )
+    return response
+
+
+def test_an_echo_starts_each_choice_with_its_prompt_and_its_prompts_logprobs(tokenizer):
+    text_of = TokenText(tokenizer)
+    prompt = tokenizer.encode("The cat sat")[:3]
+    body = {"prompt": [prompt], "echo": True, "logprobs": 1}
+    for only in (False, True):
+        req = parse("completion", body | {"max_tokens": 0 if only else 4}, MODEL)
+        f = Formatter(req, "abc", text_of)
+        log = f.choice_log()
+        last = _echoed(prompt, " on", [42], -0.25, finish=pb.FINISH_REASON_LENGTH)
+        log.add(last)
+        choice = f.response({0: log}, [last])["choices"][0]
+        words = tokenizer.decode(prompt)
+        lp = choice["logprobs"]
+        assert choice["text"] == (words if only else words + " on")
+        assert lp["token_logprobs"] == [None, -1.0, -2.0] + ([] if only else [-0.25])
+        assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {text_of(7)[0]: -0.5}
+        assert lp["tokens"][:3] == [text_of(t)[0] for t in prompt]
+        assert lp["text_offset"][1] == len(text_of(prompt[0])[0])
+        assert f.response({0: log}, [last])["usage"]["completion_tokens"] == (0 if only else 2)
+        streamed = Formatter(req, "abc", text_of).chunk(last)["choices"][0]
+        assert (streamed["text"], streamed["logprobs"]) == (choice["text"], choice["logprobs"])
+
+
+def test_the_usage_of_several_prompts_counts_each_prompt_once(tokenizer):
+    req = parse("completion", {"prompt": ["a", "b"], "n": 2}, MODEL)
+    f = Formatter(req, "abc", TokenText(tokenizer))
+    lasts = []
+    for index in range(4):
+        last = _response("x", [42], finish=pb.FINISH_REASON_LENGTH)
+        last.index = index
+        lasts.append(last)
+    assert f.response({}, lasts)["usage"]["prompt_tokens"] == 10  # two prompts of 5

@@ -10,6 +10,7 @@ from services.gateway.streams import StreamRouter
 from shared.control import wire
 from shared.control.messages import (
     DecodeAssignment,
+    PromptLogprobs,
     TaskAck,
     Timing,
     TokenBatch,
@@ -57,18 +58,22 @@ async def test_one_message_per_step_carries_every_stream_of_a_gateway(tiny_model
 
 def test_the_size_estimate_bounds_chunks_with_logprobs_and_timing():
     top = TokenLogprob(-0.5, list(range(1 << 20, (1 << 20) + 20)), [-1.0 / 3] * 20)
+    rows = 1000  # a prompt's logprobs, 5 alternatives each
+    prompt = PromptLogprobs(5, [-1.0 / 3] * rows, [1 << 30] * 5 * rows, [-1.0 / 7] * 5 * rows)
     chunk = TokenChunk(
         "a" * 64,
         1 << 30,
         [1 << 30] * 8,
         "x",
         [top] * 8,
-        "length",
-        1 << 20,
-        1 << 20,
-        Timing(1.5, 2.5, 3.5, 4.5, "p" * 64, "d" * 64, "disaggregated", 1 << 20),
+        prompt_logprobs=prompt,
+        finish_reason="length",
+        prompt_tokens=1 << 20,
+        completion_tokens=1 << 20,
+        timing=Timing(1.5, 2.5, 3.5, 4.5, "p" * 64, "d" * 64, "disaggregated", 1 << 20),
     )
     assert len(wire.encode(chunk)) <= _size(chunk)
+    assert wire.decode(wire.encode(chunk), TokenChunk).prompt_logprobs == prompt
 
 
 def test_batches_are_cut_below_the_wire_cap():

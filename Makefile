@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-ab bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane bench-front-door bench-aiperf clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-ab bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane bench-front-door bench-aiperf bench-lm-eval clean
 
 install: $(STAMP)
 
@@ -178,6 +178,14 @@ bench-aiperf: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	test -x .venv-aiperf/bin/aiperf || ($(PYTHON) -m venv .venv-aiperf && .venv-aiperf/bin/pip install --quiet aiperf==0.13.0)
 	$(PY) bench/aiperf_front_door.py
+
+# lm-eval (its own venv, .venv-lmeval: a peer tool, never a dependency) scoring a local
+# multiple-choice task through `tandem up` (local-completions: echo + logprobs) against its own
+# `hf` model on the checkpoint: bench/results/lm-eval-parity.*
+bench-lm-eval: kernels
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
+	test -x .venv-lmeval/bin/lm_eval || ($(PYTHON) -m venv .venv-lmeval && .venv-lmeval/bin/pip install --quiet lm-eval==0.4.13 torch transformers accelerate)
+	$(PY) bench/lm_eval_parity.py
 
 # The mock engine's timing model, fitted from the real engine's profile on this machine:
 # shared/engine/timing/smollm2-135m-cpu.json and bench/results/timing-model.md.

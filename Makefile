@@ -184,7 +184,7 @@ bench-aiperf: kernels
 # `hf` model on the checkpoint: bench/results/lm-eval-parity.*
 bench-lm-eval: kernels
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
-	test -x .venv-lmeval/bin/lm_eval || ($(PYTHON) -m venv .venv-lmeval && .venv-lmeval/bin/pip install --quiet lm-eval==0.4.13 torch transformers accelerate)
+	test -x .venv-lmeval/bin/lm_eval || ($(PYTHON) -m venv .venv-lmeval && .venv-lmeval/bin/pip install --quiet "lm-eval[api]==0.4.13" torch transformers accelerate)
 	$(PY) bench/lm_eval_parity.py
 
 # The mock engine's timing model, fitted from the real engine's profile on this machine:

@@ -12,6 +12,8 @@ request with n = 1 and that seed gives the same choice.
 import dataclasses
 from dataclasses import dataclass, field
 
+from shared.values.constraint import Constraint
+
 SEED_SPACE = 1 << 64
 
 
@@ -30,6 +32,7 @@ class SamplingParams:
     # each prompt token's log-probability (and top_logprobs alternatives) from the position before
     # it, computed where the prompt is computed: OpenAI's echo with logprobs
     prompt_logprobs: bool = False
+    constraint: Constraint | None = None  # structured output: what the output must match
 
 
 @dataclass

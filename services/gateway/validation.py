@@ -108,6 +108,8 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         )
     if s.n > rules.MAX_N:
         raise InvalidRequest(f"n must be at most {rules.MAX_N}")
+    if s.HasField("structured_output"):
+        raise InvalidRequest("structured_output is not served by this build")
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
     return SamplingParams(
         max_tokens=max_tokens,

@@ -17,6 +17,7 @@ from typing import Any
 from services.gateway.body_fields import BadRequest, fits, flag, integer, number
 from services.gateway.chat_messages import messages_into
 from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
+from services.gateway.structured_request import structured_output
 from services.gateway.validation import Limits
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
@@ -27,7 +28,6 @@ UNSUPPORTED = {
     "tool_choice": "none",
     "functions": None,
     "function_call": "none",
-    "response_format": {"type": "text"},
     "logit_bias": {},
     "presence_penalty": 0,
     "frequency_penalty": 0,
@@ -150,6 +150,9 @@ def _sampling(body: dict, defaults: SamplingDefaults) -> pb.SamplingParams:
     if body.get("seed") is not None:
         s.seed = integer(body, "seed", 0, -(1 << 63), (1 << 64) - 1) % (1 << 64)
     s.stop.extend(_stops(body.get("stop")))
+    structured = structured_output(body)
+    if structured is not None:
+        s.structured_output.CopyFrom(structured)
     return s
 
 

@@ -12,6 +12,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from services.gateway.constraints import Grammars, constraint_of
+from services.gateway.invalid import InvalidRequest
 from services.gateway.prompt_tokenizer import PromptTokenizer
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
@@ -20,10 +22,6 @@ from shared.control.messages import SamplingParams
 ROLES = ("system", "user", "assistant")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOP_CHARS = 256
-
-
-class InvalidRequest(ValueError):
-    pass
 
 
 @dataclass
@@ -108,8 +106,6 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         )
     if s.n > rules.MAX_N:
         raise InvalidRequest(f"n must be at most {rules.MAX_N}")
-    if s.HasField("structured_output"):
-        raise InvalidRequest("structured_output is not served by this build")
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -123,6 +119,7 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         top_logprobs=int(s.top_logprobs),
         n=max(1, int(s.n)),
         prompt_logprobs=s.prompt_logprobs,
+        constraint=constraint_of(s.structured_output) if s.HasField("structured_output") else None,
     )
 
 
@@ -176,9 +173,20 @@ def refuse_oversized(messages: int, chars: int, limits: Limits) -> None:
         )
 
 
-def validate(request: pb.GenerateRequest, tokens: PromptTokenizer, limits: Limits) -> ValidRequest:
+def validate(
+    request: pb.GenerateRequest,
+    tokens: PromptTokenizer,
+    limits: Limits,
+    grammars: Grammars | None = None,
+) -> ValidRequest:
+    """The request's id, sampling and prompt ids; InvalidRequest with what is wrong. `grammars`
+    compiles a constraint (structured output) to refuse one that cannot be used."""
     request_id = request_id_of(request)
     sampling = sampling_of(request, limits)
+    if sampling.constraint is not None:
+        if grammars is None:
+            raise InvalidRequest("structured outputs are not served here")
+        grammars.check(sampling.constraint)
     bounded(request, limits)
     began = time.time()
     ids = prompt_ids_of(request, tokens)

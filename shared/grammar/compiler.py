@@ -22,9 +22,14 @@ from shared.grammar.state import GrammarState
 from shared.values.constraint import Constraint, ConstraintKind
 
 CACHE = 256  # compiled grammars kept, least recently used out first
-# JSON as the model writes it: any whitespace between tokens (compact only, a model that spaces
-# its JSON would be forced off its habits); escapes of any code point
-JSON_OPTIONS = {"whitespace_flexible": True, "json_allow_general_unicode_escapes": True}
+# JSON as models write it: compact, spaced or indented (compact only would force a model that
+# spaces its JSON off its habits), with at most 32 whitespace characters in a row, so a model
+# cannot loop on whitespace; escapes of any code point
+JSON_OPTIONS = {
+    "whitespace_flexible": True,
+    "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}",
+    "json_allow_general_unicode_escapes": True,
+}
 
 
 class BadConstraint(ValueError):
@@ -107,6 +112,8 @@ def _schema(spec: str) -> dict | bool:
         schema = json.loads(spec)
     except ValueError as err:
         raise BadConstraint(f"the json_schema is not JSON: {err}") from None
+    except RecursionError:
+        raise BadConstraint("the json_schema is nested too deeply") from None
     if not isinstance(schema, (dict, bool)):
         raise BadConstraint("the json_schema must be a JSON object")
     return schema

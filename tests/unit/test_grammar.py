@@ -132,3 +132,31 @@ def test_bad_and_hostile_constraints_are_refused_within_a_second(compiler, const
     with pytest.raises(BadConstraint):
         compiler.check(constraint)
     assert time.perf_counter() - started < 1.0
+
+
+def test_the_gateway_maps_each_structured_output_and_refuses_what_cannot_compile(tokenizer):
+    from services.gateway.constraints import Grammars, constraint_of
+    from services.gateway.invalid import InvalidRequest
+    from shared.api import tandem_pb2 as pb
+
+    grammars = Grammars(tokenizer)
+    made = [
+        constraint_of(pb.StructuredOutput(json_schema='{"type": "integer"}')),
+        constraint_of(pb.StructuredOutput(json_object=True)),
+        constraint_of(pb.StructuredOutput(regex="[ab]+")),
+        constraint_of(pb.StructuredOutput(grammar='start: "x" | "y"')),
+        constraint_of(pb.StructuredOutput(choice=pb.ChoiceList(choices=["a", "b"]))),
+    ]
+    assert [c.kind for c in made] == list(ConstraintKind)
+    for constraint in made:
+        grammars.check(constraint)
+    for bad in (
+        pb.StructuredOutput(json_object=False),
+        pb.StructuredOutput(regex=""),
+        pb.StructuredOutput(choice=pb.ChoiceList(choices=["a", ""])),
+        pb.StructuredOutput(),
+    ):
+        with pytest.raises(InvalidRequest):
+            constraint_of(bad)
+    with pytest.raises(InvalidRequest, match="regex"):
+        grammars.check(constraint_of(pb.StructuredOutput(regex="(a")))

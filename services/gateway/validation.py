@@ -3,7 +3,9 @@
 What a request may cost is bounded before any tokenizer work (`bounded`, on the event loop, a
 count and a sum): its messages are counted, each chat message adds at least the frame its
 template wraps it in (`Limits.message_tokens`), and its characters cannot exceed what the context
-holds. Rendering and tokenizing (`validate`) run on the tokenizer thread only."""
+holds. Rendering and tokenizing (`validate`) run on the tokenizer thread only. A request's tools
+are checked, rendered and turned into a constraint by the tool_* modules (docs/api.md#tool-calls).
+"""
 
 import math
 import re
@@ -13,11 +15,15 @@ import uuid
 from dataclasses import dataclass
 
 from services.gateway.prompt_tokenizer import PromptTokenizer
+from services.gateway.tool_render import chat_of
+from services.gateway.tool_request import InvalidTools, ToolPlan, check_tools, plan_of, tool_chars
+from services.gateway.tool_schema import tool_constraint
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
 from shared.control.messages import SamplingParams
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant")  # each role's frame bounds a request's messages
+CHAT_ROLES = (*ROLES, "tool")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOP_CHARS = 256
 
@@ -47,6 +53,7 @@ class ValidRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     tokenized: tuple[float, float] = (0.0, 0.0)  # unix times the tokenizer's work began, ended
+    tools: ToolPlan | None = None  # how its output becomes tool calls (None: it does not)
 
 
 def max_prompt_chars(tokenizer, max_tokens: int) -> int:
@@ -138,9 +145,9 @@ def prompt_ids_of(request: pb.GenerateRequest, tokens: PromptTokenizer) -> list[
         return list(request.prompt_token_ids)
     if request.messages:
         for m in request.messages:
-            if m.role not in ROLES:
-                raise InvalidRequest(f"unknown role {m.role!r}: use one of {', '.join(ROLES)}")
-        return tokens.chat_ids([{"role": m.role, "content": m.content} for m in request.messages])
+            if m.role not in CHAT_ROLES:
+                raise InvalidRequest(f"unknown role {m.role!r}: use one of {', '.join(CHAT_ROLES)}")
+        return tokens.chat_ids(*chat_of(request, tokens.tool_format.native))
     if not request.prompt:
         raise InvalidRequest("prompt is empty: give a prompt, messages or prompt_token_ids")
     ids = tokens.text_ids(request.prompt, special_tokens=True)
@@ -155,6 +162,7 @@ def bounded(request: pb.GenerateRequest, limits: Limits) -> None:
     if len(request.messages) > rules.MAX_MESSAGES:
         raise InvalidRequest(f"at most {rules.MAX_MESSAGES} messages")
     chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    chars += tool_chars(request)
     refuse_oversized(len(request.messages), chars, limits)
 
 
@@ -176,12 +184,31 @@ def refuse_oversized(messages: int, chars: int, limits: Limits) -> None:
         )
 
 
+def _constrain_tools(request: pb.GenerateRequest, sampling: SamplingParams) -> None:
+    """The request's tools checked; with tool_choice required or a named function, the output
+    constrained to its calls' JSON (one constraint per request: not beside a structured_output)."""
+    check_tools(request)
+    constraint = tool_constraint(request)
+    if constraint is None:
+        return
+    if sampling.constraint is not None:
+        raise InvalidTools(
+            "tool_choice required or a named function constrains the output itself: "
+            "it cannot go with structured_output"
+        )
+    sampling.constraint = constraint
+
+
 def validate(request: pb.GenerateRequest, tokens: PromptTokenizer, limits: Limits) -> ValidRequest:
     request_id = request_id_of(request)
     sampling = sampling_of(request, limits)
     bounded(request, limits)
     began = time.time()
-    ids = prompt_ids_of(request, tokens)
+    try:
+        _constrain_tools(request, sampling)
+        ids = prompt_ids_of(request, tokens)
+    except InvalidTools as err:
+        raise InvalidRequest(str(err)) from None
     tokenized = (began, time.time())
     if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequest(
@@ -197,4 +224,5 @@ def validate(request: pb.GenerateRequest, tokens: PromptTokenizer, limits: Limit
             f"prompt logprobs of {len(ids)} tokens with {sampling.top_logprobs} alternatives each "
             "are more than one answer may carry: ask for fewer alternatives or a shorter prompt"
         )
-    return ValidRequest(request_id, ids, sampling, tokenized)
+    plan = plan_of(request, tokens.tool_format.parser)
+    return ValidRequest(request_id, ids, sampling, tokenized, plan)

@@ -14,6 +14,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import jinja2
+
 from services.gateway.prompt_tokenizer import PromptTokenizer
 from services.gateway.tool_render import chat_of
 from services.gateway.tool_request import InvalidTools, ToolPlan, check_tools, plan_of, tool_chars
@@ -147,7 +149,11 @@ def prompt_ids_of(request: pb.GenerateRequest, tokens: PromptTokenizer) -> list[
         for m in request.messages:
             if m.role not in CHAT_ROLES:
                 raise InvalidRequest(f"unknown role {m.role!r}: use one of {', '.join(CHAT_ROLES)}")
-        return tokens.chat_ids(*chat_of(request, tokens.tool_format.native))
+        try:
+            return tokens.chat_ids(*chat_of(request, tokens.tool_format.native))
+        except jinja2.TemplateError as err:  # a template's raise_exception: messages it refuses
+            message = f"the model's chat template refuses these messages: {err}"
+            raise InvalidRequest(message) from None
     if not request.prompt:
         raise InvalidRequest("prompt is empty: give a prompt, messages or prompt_token_ids")
     ids = tokens.text_ids(request.prompt, special_tokens=True)

@@ -141,10 +141,12 @@ class ToolStream:
 
     def _start(self) -> bool:
         text = self.pending.lstrip()
-        skip = self.format.skip
-        if not text or skip and skip.startswith(text):
-            return False  # whitespace, or maybe the skipped marker: held
-        if skip and text.startswith(skip):
+        skip, marker = self.format.skip, self.format.marker
+        if not text or any(m.startswith(text) for m in (skip, marker) if m):
+            return False  # whitespace, or maybe a marker: held
+        if marker and text.startswith(marker):
+            self.mode = Mode.TEXT
+        elif skip and text.startswith(skip):
             self.pending, self.mode = text[len(skip) :], Mode.OPEN
         elif text[0] == self.format.at_start:
             self.pending, self.mode = text, Mode.OPEN

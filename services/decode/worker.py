@@ -32,7 +32,7 @@ from shared.kvtransfer.plan import PlanError
 from shared.telemetry import tracing
 from shared.worker.announcer import Announcer
 from shared.worker.heartbeat import heartbeat, leaked_blocks
-from shared.worker.runtime import WorkerRuntime
+from shared.worker.runtime import WorkerRuntime, constrained
 from shared.worker.serve import WorkerLifecycle
 from shared.worker.settings import WorkerSettings
 
@@ -165,14 +165,16 @@ class DecodeWorker:
 
     async def _admit(self, assignment: DecodeAssignment, respond) -> None:
         task = assignment.task
-        refusal = self._refusal(assignment)
+        refusal, mask = self._refusal(assignment), None
         if refusal is None:
-            detokenizer = Detokenizer(self.rt.tokenizer, task.sampling.stop)
-            detokenizer.prime(
-                task.prompt_token_ids[len(task.prompt_token_ids) - task.resume_tokens :]
+            mask, refusal = constrained(self.rt, task)
+        if refusal is None:
+            engine, rt, ids = self.rt.engine, self.rt, task.prompt_token_ids
+            detokenizer = Detokenizer(rt.tokenizer, task.sampling.stop)
+            detokenizer.prime(ids[len(ids) - task.resume_tokens :])
+            seq = Sequence.from_task(
+                task, detokenizer, rt.eos_token_ids, rt.max_model_len, mask=mask
             )
-            engine, rt = self.rt.engine, self.rt
-            seq = Sequence.from_task(task, detokenizer, rt.eos_token_ids, rt.max_model_len)
             self.out.open(task)
             if not assignment.prefill_worker:
                 req = DecodeRequest(seq, task, engine, self.rt.worker_id)

@@ -18,6 +18,7 @@ from services.gateway.body_fields import BadRequest, fits, flag, integer, number
 from services.gateway.chat_messages import messages_into
 from services.gateway.openai_tools import tools_into
 from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
+from services.gateway.structured_request import structured_output
 from services.gateway.validation import Limits
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
@@ -26,7 +27,6 @@ from shared.control import rules
 UNSUPPORTED = {
     "functions": None,  # the deprecated form of tools
     "function_call": "none",
-    "response_format": {"type": "text"},
     "logit_bias": {},
     "presence_penalty": 0,
     "frequency_penalty": 0,
@@ -150,6 +150,9 @@ def _sampling(body: dict, defaults: SamplingDefaults) -> pb.SamplingParams:
     if body.get("seed") is not None:
         s.seed = integer(body, "seed", 0, -(1 << 63), (1 << 64) - 1) % (1 << 64)
     s.stop.extend(_stops(body.get("stop")))
+    structured = structured_output(body)
+    if structured is not None:
+        s.structured_output.CopyFrom(structured)
     return s
 
 

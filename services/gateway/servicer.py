@@ -20,6 +20,7 @@ from services.gateway.clients import (
     Unauthenticated,
     cert_subject,
 )
+from services.gateway.constraints import Grammars
 from services.gateway.fair_tokenizer import FairTokenizer
 from services.gateway.merge import merged
 from services.gateway.metrics import GatewayMetrics, RecordingContext
@@ -104,6 +105,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.streams = streams
         self.tokenizer = tokenizer
         self.prompts = PromptTokenizer(tokenizer, settings.tool_call_parser)
+        self.grammars = Grammars(tokenizer) if tokenizer is not None else None
         self.limits = limits
         self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
@@ -260,7 +262,7 @@ class TandemServicer(pb_grpc.TandemServicer):
     ) -> ValidRequest:
         try:
             return await self._tokenize.run(
-                client.name, validate, request, self.prompts, self.limits
+                client.name, validate, request, self.prompts, self.limits, self.grammars
             )
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

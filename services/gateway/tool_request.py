@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from services.gateway.invalid import InvalidRequest
 from shared.api import tandem_pb2 as pb
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -20,10 +21,6 @@ MAX_CALLS = 128  # calls in one assistant message
 MAX_CALL_ID = 256  # characters of a call's id
 AUTO, NONE = pb.TOOL_CHOICE_AUTO, pb.TOOL_CHOICE_NONE
 REQUIRED, FUNCTION = pb.TOOL_CHOICE_REQUIRED, pb.TOOL_CHOICE_FUNCTION
-
-
-class InvalidTools(ValueError):
-    """Tools, a tool choice or a tool message that cannot be served (INVALID_ARGUMENT)."""
 
 
 @dataclass(frozen=True)
@@ -51,44 +48,44 @@ def plan_of(request: pb.GenerateRequest, template_parser: str) -> ToolPlan | Non
 
 
 def check_tools(request: pb.GenerateRequest) -> None:
-    """InvalidTools unless the request's tools, tool choice and tool messages can be served."""
+    """InvalidRequest unless the request's tools, tool choice and tool messages can be served."""
     tools, choice = request.tools, request.tool_choice
     if tools and not request.messages:
-        raise InvalidTools("tools need messages (a chat); a raw prompt or token ids take none")
+        raise InvalidRequest("tools need messages (a chat); a raw prompt or token ids take none")
     if len(tools) > MAX_TOOLS:
-        raise InvalidTools(f"at most {MAX_TOOLS} tools")
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools")
     names = [tool.name for tool in tools]
     for name in names:
         _check_name(name, "tools")
     if len(set(names)) < len(names):
-        raise InvalidTools("tools: each function needs a name of its own")
+        raise InvalidRequest("tools: each function needs a name of its own")
     for tool in tools:
         parameters_of(tool)
     if choice.mode in (REQUIRED, FUNCTION) and not tools:
-        raise InvalidTools("tool_choice required or a function needs tools")
+        raise InvalidRequest("tool_choice required or a function needs tools")
     if choice.mode == FUNCTION and choice.function not in names:
-        raise InvalidTools(f"tool_choice names {choice.function!r}, which is none of the tools")
+        raise InvalidRequest(f"tool_choice names {choice.function!r}, which is none of the tools")
     if choice.function and choice.mode != FUNCTION:
-        raise InvalidTools("tool_choice.function is for the mode TOOL_CHOICE_FUNCTION")
+        raise InvalidRequest("tool_choice.function is for the mode TOOL_CHOICE_FUNCTION")
     for i, message in enumerate(request.messages):
         _check_message(message, f"messages[{i}]")
 
 
 def parameters_of(tool: pb.Tool) -> dict | None:
-    """The tool's parameters schema (None: it has none), or InvalidTools."""
+    """The tool's parameters schema (None: it has none), or InvalidRequest."""
     if not tool.parameters:
         return None
     schema = _json(tool.parameters, f"tools: {tool.name}'s parameters")
     if not isinstance(schema, dict):
-        raise InvalidTools(f"tools: {tool.name}'s parameters must be a JSON schema object")
+        raise InvalidRequest(f"tools: {tool.name}'s parameters must be a JSON schema object")
     return schema
 
 
 def arguments_of(call: pb.ToolCall, where: str) -> dict:
-    """A call's arguments as the object they encode, or InvalidTools."""
+    """A call's arguments as the object they encode, or InvalidRequest."""
     arguments = _json(call.arguments or "{}", f"{where}.arguments")
     if not isinstance(arguments, dict):
-        raise InvalidTools(f"{where}.arguments must encode a JSON object")
+        raise InvalidRequest(f"{where}.arguments must encode a JSON object")
     return arguments
 
 
@@ -102,30 +99,30 @@ def tool_chars(request: pb.GenerateRequest) -> int:
 
 def _check_message(message: pb.ChatMessage, where: str) -> None:
     if message.tool_calls and message.role != "assistant":
-        raise InvalidTools(f"{where}: only an assistant's message has tool_calls")
+        raise InvalidRequest(f"{where}: only an assistant's message has tool_calls")
     if (message.tool_call_id or message.name) and message.role != "tool":
-        raise InvalidTools(f"{where}: only a tool's message has tool_call_id and name")
+        raise InvalidRequest(f"{where}: only a tool's message has tool_call_id and name")
     if message.role == "tool" and not 0 < len(message.tool_call_id) <= MAX_CALL_ID:
-        raise InvalidTools(f"{where}.tool_call_id must be 1-{MAX_CALL_ID} characters")
+        raise InvalidRequest(f"{where}.tool_call_id must be 1-{MAX_CALL_ID} characters")
     if len(message.tool_calls) > MAX_CALLS:
-        raise InvalidTools(f"{where}: at most {MAX_CALLS} tool_calls")
+        raise InvalidRequest(f"{where}: at most {MAX_CALLS} tool_calls")
     for j, call in enumerate(message.tool_calls):
         at = f"{where}.tool_calls[{j}]"
         _check_name(call.name, f"{at}.function.name")
         if len(call.id) > MAX_CALL_ID:
-            raise InvalidTools(f"{at}.id must be at most {MAX_CALL_ID} characters")
+            raise InvalidRequest(f"{at}.id must be at most {MAX_CALL_ID} characters")
         arguments_of(call, f"{at}.function")
 
 
 def _check_name(name: str, where: str) -> None:
     if not NAME.fullmatch(name):
-        raise InvalidTools(f"{where}: a function's name is 1-64 of A-Z a-z 0-9 _ -, got {name!r}")
+        raise InvalidRequest(f"{where}: a function's name is 1-64 of A-Z a-z 0-9 _ -, got {name!r}")
 
 
 def _json(text: str, where: str):
     try:
         return json.loads(text)
     except RecursionError:
-        raise InvalidTools(f"{where} is nested too deeply") from None
+        raise InvalidRequest(f"{where} is nested too deeply") from None
     except ValueError as err:
-        raise InvalidTools(f"{where} is not JSON: {err}") from None
+        raise InvalidRequest(f"{where} is not JSON: {err}") from None

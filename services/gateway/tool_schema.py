@@ -13,7 +13,8 @@ refused).
 
 import json
 
-from services.gateway.tool_request import FUNCTION, REQUIRED, InvalidTools, parameters_of
+from services.gateway.invalid import InvalidRequest
+from services.gateway.tool_request import FUNCTION, REQUIRED, parameters_of
 from shared.api import tandem_pb2 as pb
 from shared.values.constraint import Constraint, ConstraintKind
 
@@ -61,5 +62,5 @@ def calls_schema(tools: list[pb.Tool], parallel: bool) -> dict:
 def _move_defs(parameters: dict, defs: dict, name: str) -> None:
     for key, value in (parameters.pop("$defs", None) or {}).items():
         if key in defs and defs[key] != value:
-            raise InvalidTools(f"tools: {name} defines $defs {key!r} unlike another tool does")
+            raise InvalidRequest(f"tools: {name} defines $defs {key!r} unlike another tool does")
         defs[key] = value

@@ -16,22 +16,21 @@ from dataclasses import dataclass
 
 import jinja2
 
+from services.gateway.constraints import Grammars, constraint_of
+from services.gateway.invalid import InvalidRequest
 from services.gateway.prompt_tokenizer import PromptTokenizer
 from services.gateway.tool_render import chat_of
-from services.gateway.tool_request import InvalidTools, ToolPlan, check_tools, plan_of, tool_chars
+from services.gateway.tool_request import ToolPlan, check_tools, plan_of, tool_chars
 from services.gateway.tool_schema import tool_constraint
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
 from shared.control.messages import SamplingParams
+from shared.values.constraint import Constraint
 
 ROLES = ("system", "user", "assistant")  # each role's frame bounds a request's messages
 CHAT_ROLES = (*ROLES, "tool")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOP_CHARS = 256
-
-
-class InvalidRequest(ValueError):
-    pass
 
 
 @dataclass
@@ -117,8 +116,6 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         )
     if s.n > rules.MAX_N:
         raise InvalidRequest(f"n must be at most {rules.MAX_N}")
-    if s.HasField("structured_output"):
-        raise InvalidRequest("structured_output is not served by this build")
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -132,6 +129,7 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         top_logprobs=int(s.top_logprobs),
         n=max(1, int(s.n)),
         prompt_logprobs=s.prompt_logprobs,
+        constraint=constraint_of(s.structured_output) if s.HasField("structured_output") else None,
     )
 
 
@@ -190,31 +188,40 @@ def refuse_oversized(messages: int, chars: int, limits: Limits) -> None:
         )
 
 
-def _constrain_tools(request: pb.GenerateRequest, sampling: SamplingParams) -> None:
-    """The request's tools checked; with tool_choice required or a named function, the output
-    constrained to its calls' JSON (one constraint per request: not beside a structured_output)."""
+def _with_tools(request: pb.GenerateRequest, structured: Constraint | None) -> Constraint | None:
+    """What the output must match: its structured output, or the calls' JSON a tool_choice of
+    required or a named function asks for (tool_schema.py); not both."""
     check_tools(request)
-    constraint = tool_constraint(request)
-    if constraint is None:
-        return
-    if sampling.constraint is not None:
-        raise InvalidTools(
+    tools = tool_constraint(request)
+    if tools is None:
+        return structured
+    if structured is not None:
+        raise InvalidRequest(
             "tool_choice required or a named function constrains the output itself: "
-            "it cannot go with structured_output"
+            "it cannot go with a structured output"
         )
-    sampling.constraint = constraint
+    return tools
 
 
-def validate(request: pb.GenerateRequest, tokens: PromptTokenizer, limits: Limits) -> ValidRequest:
+def validate(
+    request: pb.GenerateRequest,
+    tokens: PromptTokenizer,
+    limits: Limits,
+    grammars: Grammars | None = None,
+) -> ValidRequest:
+    """The request's id, sampling and prompt ids; InvalidRequest with what is wrong. `grammars`
+    compiles a constraint (structured output, or tool calls' JSON) to refuse one that cannot be
+    used."""
     request_id = request_id_of(request)
     sampling = sampling_of(request, limits)
+    sampling.constraint = _with_tools(request, sampling.constraint)
+    if sampling.constraint is not None:
+        if grammars is None:
+            raise InvalidRequest("structured outputs are not served here")
+        grammars.check(sampling.constraint)
     bounded(request, limits)
     began = time.time()
-    try:
-        _constrain_tools(request, sampling)
-        ids = prompt_ids_of(request, tokens)
-    except InvalidTools as err:
-        raise InvalidRequest(str(err)) from None
+    ids = prompt_ids_of(request, tokens)
     tokenized = (began, time.time())
     if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequest(

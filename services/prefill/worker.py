@@ -31,7 +31,7 @@ from shared.kvtransfer.ship import KVShipper
 from shared.worker import steps
 from shared.worker.announcer import Announcer
 from shared.worker.heartbeat import heartbeat, leaked_blocks
-from shared.worker.runtime import WorkerRuntime
+from shared.worker.runtime import WorkerRuntime, constrained
 from shared.worker.serve import WorkerLifecycle
 from shared.worker.settings import WorkerSettings
 
@@ -123,14 +123,16 @@ class PrefillWorker:
     # -- inputs ---------------------------------------------------------------------------------
 
     async def on_task(self, task: PrefillTask, respond) -> None:
-        refusal = self._refusal(task)
+        refusal, mask = self._refusal(task), None
+        if refusal is None:
+            mask, refusal = constrained(self.rt, task.task)
         if refusal is None:
             try:
                 sender = self.ship.sender(task)
             except PlanError as err:
                 refusal = failed(Code.INVALID_ARGUMENT, f"bad KV destination: {err}")
         if refusal is None:
-            seq = Sequence.from_task(task.task, None, set(), self.rt.max_model_len, True)
+            seq = Sequence.from_task(task.task, None, set(), self.rt.max_model_len, True, mask)
             self.ship.hold(task, seq, sender)
             self.engine.add(seq)
             self.wakeup.set()

@@ -189,9 +189,9 @@ class Engine:
         choices = (
             [choice_sampling(params, i) for i in range(params.n)] if params.n > 1 else [params]
         )
-        draws = []
+        draws, scores = [], shaped(seq, logits)
         for choice in choices:
-            token = sample(logits, choice, seq.position)
+            token = sample(scores, choice, seq.position)
             logprob = logprob_of(logits, token, choice.top_logprobs) if choice.logprobs else None
             draws.append((token, logprob))
         return self._first_of_each(seq, draws)
@@ -228,6 +228,15 @@ class Engine:
         out = seq.append(token, logprob)
         self.scheduler.sampled(seq)
         return out
+
+
+def shaped(seq: Sequence, logits):
+    """The one place a sequence's logits row [vocab] is shaped before its token is drawn: its
+    constraint's mask (structured outputs). A new row where anything changes: the raw one is what
+    logprobs report."""
+    if seq.mask is None:
+        return logits
+    return seq.mask.apply(logits)
 
 
 def _rows(work: list[Work]) -> tuple[int, int]:

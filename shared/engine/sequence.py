@@ -11,6 +11,7 @@ from typing import Protocol
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.prompt_scores import PromptScores
 from shared.engine.seq_status import SeqStatus, checked
+from shared.engine.token_mask import TokenMask
 from shared.values.sampling import PromptLogprobs, SamplingParams, TokenLogprob
 
 
@@ -45,6 +46,7 @@ class Sequence:
         eos_token_ids: set[int],
         max_model_len: int,
         prefill_only: bool = False,
+        mask: TokenMask | None = None,
     ):
         self.attempt_id = attempt_id
         self.group_id = attempt_id  # the id it was taken on under (n > 1: the group's)
@@ -55,28 +57,26 @@ class Sequence:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.prefill_only = prefill_only  # stop after the first token; keep the KV for transfer
+        self.mask = mask  # structured output: the tokens its constraint allows next
         self._status = SeqStatus.WAITING
         self.output_ids: list[int] = []
         self.resume_tokens = 0  # output the client had before this (moved) attempt
         self.arrival_time = 0.0  # unix time the gateway accepted it
         self.deadline = 0.0  # unix time after which nobody should work on it; 0 = none
         self.priority = 0  # higher first
-        # Paged KV state (see BlockManager and KVPool).
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # paged KV state, down to last_block_hash: BlockManager
         self.num_cached_tokens = 0  # served from the prefix cache at allocation
         self.num_computed_tokens = 0  # tokens whose K/V are in the pool
         self.num_hashed_blocks = 0
         self.last_block_hash = b""
-        # sampled by the remote prefill: the first token of each choice (and its logprob)
-        self.first_tokens: list[int] = []
-        self.first_logprobs: list[TokenLogprob] = []
+        self.first_tokens: list[int] = []  # sampled by the remote prefill: one per choice
+        self.first_logprobs: list[TokenLogprob] = []  # and their logprobs
         # prompt logprobs, gathered here or sent by the prefill worker: out with the first token
         self.prompt_scores = PromptScores.wanted(len(prompt_token_ids), sampling)
         self.prompt_logprobs: PromptLogprobs | None = None
         self.forked_from: Sequence | None = None  # the choice 0 this choice was forked from
         self.abandoned = False  # nobody wants its output any more: a step of only such stops early
-        self.queue_ms = 0.0
-        self.prefill_ms = 0.0
+        self.queue_ms = self.prefill_ms = 0.0
         self.kv_transfer_ms = 0.0  # first KV piece sent -> last one landed
         self.kv_exposed_ms = 0.0  # prefill finished -> last KV piece landed
         self.cached_tokens = 0  # prompt tokens a prefix cache served, for Timing
@@ -90,7 +90,10 @@ class Sequence:
         eos_token_ids: set[int],
         max_model_len: int,
         prefill_only: bool = False,
+        mask: TokenMask | None = None,
     ) -> "Sequence":
+        """`mask`: the state of its constraint (task.sampling.constraint) after the output the
+        task resumes from, made by the worker, which has the grammar engine."""
         seq = cls(
             task.attempt_id,
             task.prompt_token_ids,
@@ -99,6 +102,7 @@ class Sequence:
             eos_token_ids,
             max_model_len,
             prefill_only,
+            mask,
         )
         seq.resume_tokens, seq.priority = task.resume_tokens, task.priority
         seq.arrival_time, seq.deadline = task.arrival_time, task.deadline
@@ -127,6 +131,7 @@ class Sequence:
             detokenizer,
             self.eos_token_ids,
             self.max_model_len,
+            mask=self.mask.fork() if self.mask is not None else None,
         )
         child.group_id, child.choice, child.forked_from = self.group_id, choice, self
         child.num_computed_tokens = self.num_computed_tokens
@@ -185,6 +190,8 @@ class Sequence:
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> StepOutput:
         """Records a sampled token; finishes the sequence when it is done."""
         self.output_ids.append(token_id)
+        if self.mask is not None:
+            self.mask.accept(token_id)
         text = self.detokenizer.add(token_id) if self.detokenizer else ""
         ended = self._ending(token_id)
         if ended is not None:
@@ -199,6 +206,8 @@ class Sequence:
     def _ending(self, token_id: int) -> SeqStatus | None:
         if self.prefill_only:
             return SeqStatus.FINISHED_LENGTH
+        if self.mask is not None and self.mask.finished:  # its constrained output is complete
+            return SeqStatus.FINISHED_STOPPED
         if (
             self.detokenizer is not None
             and self.detokenizer.stopped

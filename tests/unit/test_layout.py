@@ -27,6 +27,7 @@ RUNTIME = {
     "shared.kvtransfer",
     "shared.worker",
     "shared.api",
+    "shared.grammar",
 }
 # package -> the packages of ours it may import (itself always)
 ALLOWED = {
@@ -39,6 +40,7 @@ ALLOWED = {
     "shared.model_store": set(),
     "shared.telemetry": set(),
     "shared.engine": {"shared.values"},  # no wire message
+    "shared.grammar": {"shared.values"},  # structured outputs' grammars (llguidance)
     "shared.dataplane": {"shared.engine"},  # transports only: no control message
     "shared.kvtransfer": {
         "shared.control",
@@ -51,6 +53,7 @@ ALLOWED = {
         "shared.control",
         "shared.engine",
         "shared.dataplane",
+        "shared.grammar",
         "shared.kvtransfer",
         "shared.parallel",
     }

@@ -374,3 +374,42 @@ def test_the_usage_of_several_prompts_counts_each_prompt_once(tokenizer):
         last.index = index
         lasts.append(last)
     assert f.response({}, lasts)["usage"]["prompt_tokens"] == 10  # two prompts of 5
+
+
+def test_structured_outputs_asked_every_way_become_one_structured_output():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+            "json_schema",
+        ),
+        ({"response_format": {"type": "json_object"}}, "json_object"),
+        ({"response_format": {"type": "text"}}, None),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, "regex"),
+        ({"structured_outputs": {"json": schema}}, "json_schema"),
+        ({"guided_grammar": 'start: "a"'}, "grammar"),
+        ({"guided_choice": ["a", "b"]}, "choice"),
+    ]
+    for extra, kind in cases:
+        s = parse("chat", chat(**extra), MODEL).request.sampling
+        assert s.structured_output.WhichOneof("kind") == kind, extra
+    s = parse("chat", chat(guided_json=json.dumps(schema)), MODEL).request.sampling
+    assert json.loads(s.structured_output.json_schema) == schema
+    completion = parse("completion", {"prompt": ["a", "b"], "guided_regex": "x"}, MODEL)
+    assert all(r.sampling.structured_output.regex == "x" for r in completion.requests)
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ],
+)
+def test_a_structured_output_asked_wrongly_is_a_400_naming_it(extra, named):
+    with pytest.raises(BadRequest) as err:
+        parse("chat", chat(**extra), MODEL)
+    assert err.value.param == named

@@ -7,6 +7,7 @@ import json
 import jsonschema
 import pytest
 
+from services.gateway.constraints import Grammars
 from services.gateway.openai_request import BadRequest, parse
 from services.gateway.prompt_tokenizer import PromptTokenizer
 from services.gateway.tool_request import ToolPlan, plan_of
@@ -112,6 +113,11 @@ def prompts(tokenizer):
     return PromptTokenizer(tokenizer)
 
 
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer)
+
+
 def grpc_request(*messages, tools=TOOLS, mode=pb.TOOL_CHOICE_AUTO, function="", **fields):
     """A GenerateRequest as a gRPC client builds it."""
     return pb.GenerateRequest(
@@ -157,24 +163,28 @@ USER = pb.ChatMessage(role="user", content="hi")
         grpc_request(USER, assistant_call("{}", name="bad name")),
         grpc_request(pb.ChatMessage(role="user", content="hi", tool_call_id="x")),
         grpc_request(USER, pb.ChatMessage(role="user", tool_calls=[pb.ToolCall(name="f")])),
+        grpc_request(  # one constraint per request
+            mode=pb.TOOL_CHOICE_REQUIRED,
+            sampling=pb.SamplingParams(structured_output=pb.StructuredOutput(json_object=True)),
+        ),
     ],
     ids=lambda r: str(r).replace("\n", " ")[:70],
 )
-def test_the_request_path_refuses_what_cannot_be_served(prompts, request_):
+def test_the_request_path_refuses_what_cannot_be_served(prompts, grammars, request_):
     with pytest.raises(InvalidRequest):
-        validate(request_, prompts, LIMITS)
+        validate(request_, prompts, LIMITS, grammars)
 
 
-def test_auto_and_none_constrain_nothing_required_and_a_function_do(prompts):
+def test_auto_and_none_constrain_nothing_required_and_a_function_do(prompts, grammars):
     for mode in (pb.TOOL_CHOICE_AUTO, pb.TOOL_CHOICE_NONE):
         assert validate(grpc_request(mode=mode), prompts, LIMITS).sampling.constraint is None
     assert validate(grpc_request(mode=pb.TOOL_CHOICE_NONE), prompts, LIMITS).tools is None
     assert validate(grpc_request(), prompts, LIMITS).tools == ToolPlan("hermes")
-    valid = validate(grpc_request(mode=pb.TOOL_CHOICE_REQUIRED), prompts, LIMITS)
+    valid = validate(grpc_request(mode=pb.TOOL_CHOICE_REQUIRED), prompts, LIMITS, grammars)
     assert valid.sampling.constraint.kind == ConstraintKind.JSON_SCHEMA
     assert valid.tools == ToolPlan("required")
     named = grpc_request(mode=pb.TOOL_CHOICE_FUNCTION, function="get_weather")
-    valid = validate(named, prompts, LIMITS)
+    valid = validate(named, prompts, LIMITS, grammars)
     assert json.loads(valid.sampling.constraint.spec) == WEATHER
     assert valid.tools == ToolPlan("function", function="get_weather")
 

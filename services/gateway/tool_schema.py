@@ -2,8 +2,8 @@
 vLLM builds it, so the grammar engine makes every call's arguments valid for its tool's schema.
 
 - `required`: an array of at least one call (at most one when parallel_tool_calls is false),
-  each `{"name": <one tool's name>, "parameters": <that tool's parameters>}`: one alternative
-  (anyOf) per tool, so a name goes with its own tool's parameters.
+  each `{"name": <one tool's name>, "parameters": <that tool's parameters>}` and nothing else:
+  one alternative (anyOf) per tool, so a name goes with its own tool's parameters.
 - a named function: that function's parameters object alone (its arguments).
 
 A tool without parameters takes an object of any properties. The tools' `$defs` move to the
@@ -49,6 +49,7 @@ def calls_schema(tools: list[pb.Tool], parallel: bool) -> dict:
                     "parameters": parameters,
                 },
                 "required": ["name", "parameters"],
+                "additionalProperties": False,  # else a grammar lets the model add keys forever
             }
         )
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}

@@ -1,7 +1,8 @@
-"""Tool calls through the official `openai` client against a real stack (the default model,
+"""Tool calls through the official `openai` client against real stacks (the default model,
 SmolLM2, whose template has no tools: the Hermes default): tool_choice required gives calls whose
-arguments validate against the tool's schema; auto, none, n > 1 and the tool messages are
-served; a streamed answer's calls are the whole answer's, and gRPC's last response has them."""
+arguments validate against the tool's schema (50 of 50, disaggregated), a named function streams
+its calls (colocated, n 3); auto, none, n > 1 and the tool messages are served; a streamed
+answer's calls are the whole answer's, and gRPC's last response has them."""
 
 import json
 
@@ -59,11 +60,6 @@ def ask(stack, **fields):
     return client(stack).chat.completions.create(**(kw | fields))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the workers to mask the logits with the constraint (structured outputs, being "
-    "built on main): unmasked, SmolLM2 writes no call",
-)
 def test_required_gives_calls_whose_arguments_fit_the_schema_50_of_50(disagg):
     answer = ask(
         disagg,
@@ -82,6 +78,30 @@ def test_required_gives_calls_whose_arguments_fit_the_schema_50_of_50(disagg):
             valid += 1
     assert valid == 50
     assert all(choice.finish_reason == "tool_calls" for choice in answer.choices)
+
+
+def test_a_named_function_streams_its_calls_colocated_each_of_n(colocated):
+    chunks = ask(
+        colocated,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        n=3,
+        temperature=1.0,
+        seed=11,
+        stream=True,
+    )
+    calls: dict[int, list[str]] = {}
+    finish = {}
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        for call in choice.delta.tool_calls or []:
+            assert call.index == 0 and (call.id is None) == (choice.index in calls)
+            entry = calls.setdefault(choice.index, [call.function.name, ""])
+            entry[1] += call.function.arguments or ""
+        finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert sorted(calls) == [0, 1, 2] and set(finish.values()) == {"tool_calls"}
+    for name, arguments in calls.values():
+        assert name == "get_weather"
+        jsonschema.validate(json.loads(arguments), WEATHER)
 
 
 def test_auto_is_served_and_streams_the_whole_answers_calls(disagg):

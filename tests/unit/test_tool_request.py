@@ -213,6 +213,7 @@ def test_requireds_schema_takes_calls_of_the_tools_with_their_own_parameters():
         [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "kelvin"}}],
         [{"name": "other", "parameters": {}}],
         [{"name": "now"}],
+        [{"name": "now", "parameters": {}, "more": 1}],  # a call has nothing else
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)

@@ -69,27 +69,28 @@ def _tool(tool: Any, where: str) -> pb.Tool:
 
 
 def _choice_into(request: pb.GenerateRequest, choice: Any) -> None:
+    """none, auto (also when left out), required, or a function of the tools by name."""
     names = {tool.name for tool in request.tools}
     name = _named(choice)
-    if (
-        choice is not None
-        and name is None
-        and (not isinstance(choice, str) or choice not in CHOICES)
-    ):
+    if name is not None:
+        if name not in names:
+            raise BadRequest(f"tool_choice names {name!r}, none of the tools", "tool_choice")
+        request.tool_choice.mode, request.tool_choice.function = pb.TOOL_CHOICE_FUNCTION, name
+        return
+    mode = (
+        CHOICES.get("auto" if choice is None else choice)
+        if isinstance(choice, str | None)
+        else None
+    )
+    if mode is None:
         raise BadRequest(
             'tool_choice must be none, auto, required or {"type": "function", "function": '
             '{"name": ...}}',
             "tool_choice",
         )
-    if name is None:
-        request.tool_choice.mode = CHOICES[choice or "auto"]
-        if choice == "required" and not names:
-            raise BadRequest("tool_choice required needs tools", "tool_choice")
-        return
-    if name not in names:
-        raise BadRequest(f"tool_choice names {name!r}, which is none of the tools", "tool_choice")
-    request.tool_choice.mode = pb.TOOL_CHOICE_FUNCTION
-    request.tool_choice.function = name
+    if mode == pb.TOOL_CHOICE_REQUIRED and not names:
+        raise BadRequest("tool_choice required needs tools", "tool_choice")
+    request.tool_choice.mode = mode
 
 
 def _named(choice: Any) -> str | None:

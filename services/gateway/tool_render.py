@@ -75,22 +75,19 @@ def hermes_chat(messages: Sequence[pb.ChatMessage], tools: Sequence[pb.Tool]) ->
     for i, m in enumerate(messages):
         if m.role == "tool":
             answer = f"<tool_response>\n{m.content}\n</tool_response>"
-            if chat and chat[-1].get("tool_answers"):
+            if i and messages[i - 1].role == "tool":  # a run of answers is one user turn
                 chat[-1]["content"] += "\n" + answer
             else:
-                chat.append({"role": "user", "content": answer, "tool_answers": True})
+                chat.append({"role": "user", "content": answer})
         elif m.tool_calls:
             calls = [
                 _hermes_call(call, f"messages[{i}].tool_calls[{j}]")
                 for j, call in enumerate(m.tool_calls)
             ]
-            chat.append(
-                {"role": m.role, "content": "\n".join([m.content] * bool(m.content) + calls)}
-            )
+            text = "\n".join([m.content] * bool(m.content) + calls)
+            chat.append({"role": m.role, "content": text})
         else:
             chat.append({"role": m.role, "content": m.content})
-    for entry in chat:
-        entry.pop("tool_answers", None)
     if tools:
         _with_hermes_system(chat, tools)
     return chat

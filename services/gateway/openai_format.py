@@ -200,7 +200,9 @@ class Formatter:
         """What the response adds to its choice's content and tool calls."""
         if self.tools is None:
             return StreamDelta(response.text), False
-        stream = self._tool_streams.setdefault(response.index, ToolStream(self.tools))
+        stream = self._tool_streams.get(response.index)
+        if stream is None:
+            stream = self._tool_streams[response.index] = ToolStream(self.tools)
         delta = stream.feed(response.text)
         if response.finish_reason:
             tail = stream.finish()

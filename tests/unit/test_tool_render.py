@@ -1,5 +1,6 @@
 """Tools rendered into the prompt: a template that renders tools itself (Qwen2.5's, Llama 3.1's:
-their real chat templates, in chat_templates/) gets them in Hugging Face's shape; SmolLM2's, which
+their published chat templates, transcribed into chat_templates/: no hub is reachable here, and no
+installed package ships them) gets them in Hugging Face's shape; SmolLM2's, which
 cannot, gets the documented Hermes default in its system turn, written as Qwen2.5's template
 writes it; and which format each template's calls are read in."""
 

@@ -1,14 +1,23 @@
 """A chat request's messages as the GenerateRequest's: roles mapped to the chat template's,
-text parts joined; counted and measured before any is copied."""
+text parts joined, an assistant's tool_calls and a tool's answer (tool_call_id, name) kept;
+counted and measured before any is copied."""
 
+import json
 from typing import Any
 
 from services.gateway.body_fields import BadRequest, fits
+from services.gateway.openai_tools import calls_into
 from services.gateway.validation import Limits
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 def messages_into(request: pb.GenerateRequest, messages: Any, limits: Limits | None) -> None:
@@ -33,9 +42,27 @@ def messages_into(request: pb.GenerateRequest, messages: Any, limits: Limits | N
                 f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}",
                 f"{where}.role",
             )
-        if m.get("tool_calls") or m.get("function_call"):
-            raise BadRequest(f"{where}: tool calls are not supported", f"{where}.tool_calls")
-        request.messages.add(role=role, content=_content(m.get("content"), where))
+        if m.get("function_call"):  # the deprecated form of tool_calls
+            raise BadRequest(
+                f"{where}: use tool_calls, not function_call", f"{where}.function_call"
+            )
+        message = request.messages.add(role=role, content=_content(m.get("content"), where))
+        if role == "assistant" and m.get("tool_calls") is not None:
+            calls_into(message, m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            _answer_into(message, m, where)
+
+
+def _answer_into(message: pb.ChatMessage, m: dict, where: str) -> None:
+    """A tool message's tool_call_id (the call it answers) and its optional name."""
+    call_id, name = m.get("tool_call_id"), m.get("name")
+    if not isinstance(call_id, str) or not call_id:
+        raise BadRequest(
+            f"{where}.tool_call_id must name the call answered", f"{where}.tool_call_id"
+        )
+    if not isinstance(name, str | None):
+        raise BadRequest(f"{where}.name must be a string", f"{where}.name")
+    message.tool_call_id, message.name = call_id, name or ""
 
 
 def _parts(message: dict) -> bool:
@@ -43,8 +70,12 @@ def _parts(message: dict) -> bool:
 
 
 def _chars(message: Any) -> int:
-    """The characters of a message's text (what is not text is refused later, by name)."""
+    """The characters of a message's text and tool calls (what is neither is refused later, by
+    name)."""
     content = message.get("content") if isinstance(message, dict) else None
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if isinstance(calls, list):
+        return _chars({"content": content}) + sum(len(json.dumps(call)) for call in calls)
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):

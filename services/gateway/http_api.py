@@ -44,6 +44,7 @@ from services.gateway.openai_format import ChoiceLog, Formatter, TokenText
 from services.gateway.openai_request import BadRequest, OpenAIRequest, parse
 from services.gateway.prompts_answered import answers
 from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
+from services.gateway.tool_request import plan_of
 
 log = logging.getLogger("gateway.http")
 
@@ -148,7 +149,8 @@ class OpenAIApi:
                 return req
             request_id = self._request_id(request)
             responses = answers(self.servicer, req, request_id, context, seat)
-            formatter = Formatter(req, request_id, self.text_of)
+            tools = plan_of(req.request, self.servicer.prompts.tool_format.parser)
+            formatter = Formatter(req, request_id, self.text_of, tools)
             async with contextlib.aclosing(responses):
                 if req.stream:
                     return await self._stream(request, req, responses, context, formatter)

@@ -1,5 +1,8 @@
 """Tandem's GenerateResponses in OpenAI's shapes: chat.completion(.chunk) and text_completion,
-with their logprobs, usage (cached prompt tokens included) and our `timing` as an extension."""
+with their logprobs, usage (cached prompt tokens included) and our `timing` as an extension. A
+chat with tools gets its calls as OpenAI gives them: `message.tool_calls` beside the content
+left (tool_parsers.py), or streamed as `delta.tool_calls` (tool_stream.py); finish_reason
+`tool_calls` when calls were made and the model stopped by itself."""
 
 import time
 
@@ -8,6 +11,9 @@ from google.protobuf import json_format
 from services.gateway.echo import Echo, joined
 from services.gateway.openai_request import OpenAIRequest
 from services.gateway.token_text import TokenText
+from services.gateway.tool_parsers import parse_output
+from services.gateway.tool_request import ToolPlan
+from services.gateway.tool_stream import CallDelta, StreamDelta, ToolStream, call_id
 from shared.api import tandem_pb2 as pb
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
@@ -79,11 +85,32 @@ def timing(last: pb.GenerateResponse) -> dict:
     )
 
 
-class Formatter:
-    """The response objects of one OpenAI request."""
+def delta_call(delta: CallDelta) -> dict:
+    """One entry of a streamed chunk's delta.tool_calls: a call's first names it."""
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    function = {"name": delta.name, "arguments": delta.arguments}
+    return {"index": delta.index, "id": delta.id, "type": "function", "function": function}
 
-    def __init__(self, req: OpenAIRequest, request_id: str, text_of: TokenText):
-        self.req, self.text_of = req, text_of
+
+def with_calls(finish: str | None, called: bool) -> str | None:
+    """A choice that made calls and stopped by itself finishes with `tool_calls`."""
+    return "tool_calls" if called and finish == "stop" else finish
+
+
+class Formatter:
+    """The response objects of one OpenAI request; `tools`: how a chat's output becomes tool
+    calls (None: it does not)."""
+
+    def __init__(
+        self,
+        req: OpenAIRequest,
+        request_id: str,
+        text_of: TokenText,
+        tools: ToolPlan | None = None,
+    ):
+        self.req, self.text_of, self.tools = req, text_of, tools
+        self._tool_streams: dict[int, ToolStream] = {}  # each streamed choice's
         chat = req.kind == "chat"
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.object = "chat.completion" if chat else "text_completion"
@@ -126,19 +153,63 @@ class Formatter:
         for index, choice in sorted(choices.items()):
             logprobs = self._logprobs(choice.logprobs, choice.offsets)
             body = {"index": index, "logprobs": logprobs}
+            finish = choice.finish_reason
             if self.req.kind == "chat":
-                body["message"] = {"role": "assistant", "content": choice.text}
+                body["message"], finish = self._message(choice)
             else:
                 body["text"], body["logprobs"] = self._echoed(
                     index, choice.text, logprobs, choice.first
                 )
-            bodies.append(body | {"finish_reason": choice.finish_reason})
+            bodies.append(body | {"finish_reason": finish})
         return self._head(self.object) | {
             "choices": bodies,
             "usage": self._usage(lasts),
             "system_fingerprint": None,
             "timing": timing(lasts[0]),
         }
+
+    def _message(self, choice: ChoiceLog) -> tuple[dict, str | None]:
+        """A whole chat choice's message, its calls parsed out, and its finish reason."""
+        if self.tools is None:
+            return {"role": "assistant", "content": choice.text}, choice.finish_reason
+        parsed = parse_output(self.tools, choice.text)
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = [
+                {
+                    "id": call_id(),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in parsed.calls
+            ]
+        return message, with_calls(choice.finish_reason, bool(parsed.calls))
+
+    def _chat_delta(self, response: pb.GenerateResponse, first: bool, finish: str | None):
+        """A streamed chat chunk's delta (a choice's first names the role), and its finish
+        reason."""
+        delta, called = self._streamed(response)
+        body = {"role": "assistant"} if first else {}
+        if delta.content or first and not delta.calls:
+            body["content"] = delta.content
+        if delta.calls:
+            body["tool_calls"] = [delta_call(call) for call in delta.calls]
+        return body, with_calls(finish, called)
+
+    def _streamed(self, response: pb.GenerateResponse) -> tuple[StreamDelta, bool]:
+        """What the response adds to its choice's content and tool calls."""
+        if self.tools is None:
+            return StreamDelta(response.text), False
+        stream = self._tool_streams.get(response.index)
+        if stream is None:
+            stream = self._tool_streams[response.index] = ToolStream(self.tools)
+        delta = stream.feed(response.text)
+        if response.finish_reason:
+            tail = stream.finish()
+            delta.content += tail.content
+            for call in tail.calls:
+                delta.add(call)
+        return delta, stream.called
 
     def chunk(self, response: pb.GenerateResponse) -> dict:
         """One streamed chunk: the response's new text (a chat stream's first names the role; a
@@ -150,9 +221,7 @@ class Formatter:
         logprobs = self._logprobs(response.logprobs, offsets)
         body = {"index": index}
         if self.req.kind == "chat":
-            body["delta"] = {"role": "assistant", "content": response.text} if first else {}
-            if response.text and not first:
-                body["delta"]["content"] = response.text
+            body["delta"], finish = self._chat_delta(response, first, finish)
             self._offsets[index] = offset + len(response.text)
         else:
             text = response.text if self.echo is None or not self.echo.only else ""

@@ -3,8 +3,8 @@
 The body becomes the same GenerateRequest a gRPC client sends, so both APIs share one path:
 validation, limits, keys, placement. Fields outside OpenAI's API that peers (vLLM, SGLang) also
 take are extensions here: top_k, ignore_eos, priority. Unknown fields are ignored, as the peers
-do; fields whose meaning we cannot honour (tools, response formats, images, penalties) are
-refused with a 400 that names them, never silently dropped. With n > 1 the choices' seeds are the
+do; fields whose meaning we cannot honour (response formats, images, penalties) are refused with
+a 400 that names them, never silently dropped. A chat's tools (openai_tools.py) go with it. With n > 1 the choices' seeds are the
 request's seed + their index. A completion may hold several prompts (as lm-eval sends them): each
 becomes a request of its own, its choices numbered after the previous prompt's. `echo` starts
 each choice with its prompt; with `logprobs`, each prompt token's log-probability too (computed
@@ -16,6 +16,7 @@ from typing import Any
 
 from services.gateway.body_fields import BadRequest, fits, flag, integer, number
 from services.gateway.chat_messages import messages_into
+from services.gateway.openai_tools import tools_into
 from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
 from services.gateway.structured_request import structured_output
 from services.gateway.validation import Limits
@@ -24,9 +25,7 @@ from shared.control import rules
 
 # fields we cannot honour, with the value that means "not used" (None: any value is refused)
 UNSUPPORTED = {
-    "tools": None,
-    "tool_choice": "none",
-    "functions": None,
+    "functions": None,  # the deprecated form of tools
     "function_call": "none",
     "logit_bias": {},
     "presence_penalty": 0,
@@ -82,6 +81,7 @@ def parse(
     echo, prompts = None, []
     if kind == "chat":
         messages_into(request, body.get("messages"), limits)
+        tools_into(request, body)
         logprobs, top = _chat_logprobs(body)
     else:
         prompts = _prompts(body.get("prompt"), limits)

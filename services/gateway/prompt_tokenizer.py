@@ -8,13 +8,20 @@ template writes is Hugging Face's. Anything else (a slow tokenizer, an overridde
 backend set to truncate, pad or split special tokens) takes Hugging Face's own path.
 """
 
+from services.gateway.tool_format import ToolFormat
+
 _HF_FAST = "transformers.tokenization_utils_tokenizers"
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer):
+    """`tool_parser`: the gateway's --tool-call-parser (`tool_format` says which tool format the
+    chat template speaks)."""
+
+    def __init__(self, tokenizer, tool_parser: str = "auto"):
         self.tokenizer = tokenizer
         self._backend = _plain_backend(tokenizer)
+        template = getattr(tokenizer, "chat_template", None)  # None: the tokenizer has none
+        self.tool_format = ToolFormat.of(template, tool_parser)
 
     @property
     def vocab_size(self) -> int:
@@ -26,12 +33,14 @@ class PromptTokenizer:
             return self._backend.encode(text, add_special_tokens=special_tokens).ids
         return list(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
 
-    def chat_ids(self, chat: list[dict]) -> list[int]:
-        """tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)."""
+    def chat_ids(self, chat: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True,
+        tokenize=True)."""
+        render = self.tokenizer.apply_chat_template
         if self._backend is None:
-            ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+            ids = render(chat, tools=tools, add_generation_prompt=True)
             return list(ids if isinstance(ids, list) else ids["input_ids"])  # or a BatchEncoding
-        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        text = render(chat, tools=tools, add_generation_prompt=True, tokenize=False)
         return self._backend.encode(text, add_special_tokens=False).ids
 
 

@@ -20,8 +20,8 @@ async def answers(servicer, req: OpenAIRequest, request_id: str, context, seat):
     """The responses to every prompt of `req`; the first prompt's in `seat`."""
     first, *more = req.requests
     first.request_id = request_id
-    if not more:
-        async for response in servicer.Generate(first, context, context.api, seat):
+    if not more:  # a chat's tool calls stream from openai_format, not the last response
+        async for response in servicer.Generate(first, context, context.api, seat, False):
             yield response
         return
     n = max(1, first.sampling.n)

@@ -33,6 +33,7 @@ from services.gateway.seats import Refused, Seat, Seats, SeatState
 from services.gateway.settings import GatewaySettings
 from services.gateway.status_asks import ask_wait, status_pages
 from services.gateway.streams import StreamRouter
+from services.gateway.tool_results import with_tool_calls
 from services.gateway.validation import InvalidRequest, Limits, ValidRequest, validate
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
@@ -103,7 +104,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.bus = bus
         self.streams = streams
         self.tokenizer = tokenizer
-        self.prompts = PromptTokenizer(tokenizer)
+        self.prompts = PromptTokenizer(tokenizer, settings.tool_call_parser)
         self.grammars = Grammars(tokenizer) if tokenizer is not None else None
         self.limits = limits
         self.liveness = liveness
@@ -119,11 +120,14 @@ class TandemServicer(pb_grpc.TandemServicer):
         context: grpc.aio.ServicerContext,
         api: str = "grpc",
         seat: Seat | None = None,
+        tool_calls: bool = True,
     ):
         """The request's responses, counted in the metrics once it ends, however it ends, under
         its trace's root span (passed down, not made current: this generator's steps may each
         run in a task of their own). `api`: which one it came by (the HTTP API's says its own);
-        `seat`: the one its caller took for it (seated), else it takes its own."""
+        `seat`: the one its caller took for it (seated), else it takes its own; `tool_calls`:
+        whether each choice's last response carries the tool calls parsed out of its text (the
+        HTTP API streams them itself)."""
         observer, span = self.metrics.request(api), tracing.tracer().start_span("gateway.request")
         span.set_attribute("api", api)
         context, finished = RecordingContext(context), False
@@ -132,7 +136,7 @@ class TandemServicer(pb_grpc.TandemServicer):
             async with contextlib.AsyncExitStack() as stack:
                 if seat is None:
                     seat = await stack.enter_async_context(self.seated(context))
-                observed = self._observed(request, context, root, seat, observer)
+                observed = self._observed(request, context, root, seat, observer, tool_calls)
                 async for response in await stack.enter_async_context(
                     contextlib.aclosing(observed)
                 ):
@@ -149,8 +153,8 @@ class TandemServicer(pb_grpc.TandemServicer):
             span.set_attribute("status", code.name if code else "OK" if finished else "CANCELLED")
             span.end()
 
-    async def _observed(self, request, context, root, seat: Seat, observer):
-        calling = self._generate_call(request, context, root, seat)
+    async def _observed(self, request, context, root, seat: Seat, observer, tool_calls: bool):
+        calling = self._generate_call(request, context, root, seat, tool_calls)
         async with contextlib.aclosing(calling) as responses:
             async for response in responses:
                 observer.on_response(response)
@@ -171,7 +175,9 @@ class TandemServicer(pb_grpc.TandemServicer):
         finally:
             self.seats.release(seat)
 
-    async def _generate_call(self, request: pb.GenerateRequest, context, root, seat: Seat):
+    async def _generate_call(
+        self, request: pb.GenerateRequest, context, root, seat: Seat, tool_calls: bool
+    ):
         arrival = time.time()
         if isinstance(request, Undecodable):
             await context.abort(
@@ -191,6 +197,8 @@ class TandemServicer(pb_grpc.TandemServicer):
             await _refuse(context, err)
         priority = min(request.priority, client.policy.max_priority)
         generating = self._generate(valid, priority, client, context, arrival, root)
+        if tool_calls and valid.tools is not None:
+            generating = with_tool_calls(generating, valid.tools)
         async with contextlib.aclosing(generating) as responses:
             async for response in responses:  # closed on every exit: its cancel always runs now
                 if seat.state is SeatState.WAITING and response.token_ids:

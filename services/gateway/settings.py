@@ -4,6 +4,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from services.gateway.clients import TrustedProxies
+from services.gateway.tool_format import PARSER_CHOICES
 from shared.control import rules
 from shared.settings import CommonSettings
 
@@ -240,6 +241,12 @@ class GatewaySettings(CommonSettings):
             "help": "a request being moved that no scheduler can place (no live worker could take it, or no scheduler listens: a NATS node cut off, a worker restarting) asks again for this long before it fails with UNAVAILABLE"
         },
     )
+    tool_call_parser: str = field(
+        default="auto",
+        metadata={
+            "help": "the format tool calls are read in with tool_choice auto: auto (the chat template's: Hermes <tool_call>, Llama 3.1 JSON or Mistral [TOOL_CALLS]; Hermes for a template without tools), hermes, llama3_json or mistral"
+        },
+    )
     gateway_id: str = field(default="", metadata={"help": "unique id; empty = random"})
 
     def __post_init__(self) -> None:
@@ -259,6 +266,8 @@ class GatewaySettings(CommonSettings):
                 "grpc_tls_cert and grpc_tls_key go together; grpc_tls_client_ca needs them"
             )
         self._check_published()
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}")
         if not 0 <= self.max_migrations <= 16:
             raise ValueError("max_migrations must be in 0..16")
         if not 0 <= self.move_wait_s <= MAX_TIMEOUT_S:

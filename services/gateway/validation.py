@@ -3,7 +3,9 @@
 What a request may cost is bounded before any tokenizer work (`bounded`, on the event loop, a
 count and a sum): its messages are counted, each chat message adds at least the frame its
 template wraps it in (`Limits.message_tokens`), and its characters cannot exceed what the context
-holds. Rendering and tokenizing (`validate`) run on the tokenizer thread only."""
+holds. Rendering and tokenizing (`validate`) run on the tokenizer thread only. A request's tools
+are checked, rendered and turned into a constraint by the tool_* modules (docs/api.md#tool-calls).
+"""
 
 import math
 import re
@@ -12,14 +14,21 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import jinja2
+
 from services.gateway.constraints import Grammars, constraint_of
 from services.gateway.invalid import InvalidRequest
 from services.gateway.prompt_tokenizer import PromptTokenizer
+from services.gateway.tool_render import chat_of
+from services.gateway.tool_request import ToolPlan, check_tools, plan_of, tool_chars
+from services.gateway.tool_schema import tool_constraint
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
 from shared.control.messages import SamplingParams
+from shared.values.constraint import Constraint
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant")  # each role's frame bounds a request's messages
+CHAT_ROLES = (*ROLES, "tool")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOP_CHARS = 256
 
@@ -45,6 +54,7 @@ class ValidRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     tokenized: tuple[float, float] = (0.0, 0.0)  # unix times the tokenizer's work began, ended
+    tools: ToolPlan | None = None  # how its output becomes tool calls (None: it does not)
 
 
 def max_prompt_chars(tokenizer, max_tokens: int) -> int:
@@ -135,9 +145,13 @@ def prompt_ids_of(request: pb.GenerateRequest, tokens: PromptTokenizer) -> list[
         return list(request.prompt_token_ids)
     if request.messages:
         for m in request.messages:
-            if m.role not in ROLES:
-                raise InvalidRequest(f"unknown role {m.role!r}: use one of {', '.join(ROLES)}")
-        return tokens.chat_ids([{"role": m.role, "content": m.content} for m in request.messages])
+            if m.role not in CHAT_ROLES:
+                raise InvalidRequest(f"unknown role {m.role!r}: use one of {', '.join(CHAT_ROLES)}")
+        try:
+            return tokens.chat_ids(*chat_of(request, tokens.tool_format.native))
+        except jinja2.TemplateError as err:  # a template's raise_exception: messages it refuses
+            message = f"the model's chat template refuses these messages: {err}"
+            raise InvalidRequest(message) from None
     if not request.prompt:
         raise InvalidRequest("prompt is empty: give a prompt, messages or prompt_token_ids")
     ids = tokens.text_ids(request.prompt, special_tokens=True)
@@ -152,6 +166,7 @@ def bounded(request: pb.GenerateRequest, limits: Limits) -> None:
     if len(request.messages) > rules.MAX_MESSAGES:
         raise InvalidRequest(f"at most {rules.MAX_MESSAGES} messages")
     chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    chars += tool_chars(request)
     refuse_oversized(len(request.messages), chars, limits)
 
 
@@ -173,6 +188,21 @@ def refuse_oversized(messages: int, chars: int, limits: Limits) -> None:
         )
 
 
+def _with_tools(request: pb.GenerateRequest, structured: Constraint | None) -> Constraint | None:
+    """What the output must match: its structured output, or the calls' JSON a tool_choice of
+    required or a named function asks for (tool_schema.py); not both."""
+    check_tools(request)
+    tools = tool_constraint(request)
+    if tools is None:
+        return structured
+    if structured is not None:
+        raise InvalidRequest(
+            "tool_choice required or a named function constrains the output itself: "
+            "it cannot go with a structured output"
+        )
+    return tools
+
+
 def validate(
     request: pb.GenerateRequest,
     tokens: PromptTokenizer,
@@ -180,9 +210,11 @@ def validate(
     grammars: Grammars | None = None,
 ) -> ValidRequest:
     """The request's id, sampling and prompt ids; InvalidRequest with what is wrong. `grammars`
-    compiles a constraint (structured output) to refuse one that cannot be used."""
+    compiles a constraint (structured output, or tool calls' JSON) to refuse one that cannot be
+    used."""
     request_id = request_id_of(request)
     sampling = sampling_of(request, limits)
+    sampling.constraint = _with_tools(request, sampling.constraint)
     if sampling.constraint is not None:
         if grammars is None:
             raise InvalidRequest("structured outputs are not served here")
@@ -205,4 +237,5 @@ def validate(
             f"prompt logprobs of {len(ids)} tokens with {sampling.top_logprobs} alternatives each "
             "are more than one answer may carry: ask for fewer alternatives or a shorter prompt"
         )
-    return ValidRequest(request_id, ids, sampling, tokenized)
+    plan = plan_of(request, tokens.tool_format.parser)
+    return ValidRequest(request_id, ids, sampling, tokenized, plan)

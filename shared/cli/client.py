@@ -19,6 +19,7 @@ FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_CANCELLED: "cancelled",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 

@@ -181,8 +181,8 @@ def test_completion_logprobs_in_the_legacy_shape(disagg):
 @pytest.mark.parametrize(
     "extra, named",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"temperature": -1}, "temperature"),
         ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),

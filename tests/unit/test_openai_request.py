@@ -80,8 +80,9 @@ def test_completion_prompts_and_logprobs():
 @pytest.mark.parametrize(
     "kind, body, named",
     [
-        ("chat", chat(tools=[{}]), "tools"),
-        ("chat", chat(tool_choice="auto"), "tool_choice"),
+        ("chat", chat(tools=[{}]), "tools[0]"),
+        ("chat", chat(tool_choice="required"), "tool_choice"),
+        ("chat", chat(functions=[{"name": "f"}]), "functions"),
         ("chat", chat(response_format={"type": "json_schema"}), "response_format"),
         ("chat", chat(logit_bias={"1": 5}), "logit_bias"),
         ("chat", chat(frequency_penalty=1), "frequency_penalty"),
@@ -100,7 +101,8 @@ def test_completion_prompts_and_logprobs():
             chat(messages=[{"role": "user", "content": [{"type": "text", "text": ""}] * 2049}] * 2),
             "messages",
         ),
-        ("chat", chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+        ("chat", chat(messages=[{"role": "function", "content": "x"}]), "messages[0].role"),
+        ("chat", chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
         (
             "chat",
             chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),

@@ -88,7 +88,7 @@ class SlowStandIn:
     def __call__(self, text: str, add_special_tokens: bool):
         return {"input_ids": [ord(c) % 100 for c in text] + ([1] if add_special_tokens else [])}
 
-    def apply_chat_template(self, chat, add_generation_prompt: bool):
+    def apply_chat_template(self, chat, add_generation_prompt: bool, tools=None):
         return {"input_ids": [len(m["content"]) for m in chat] + [int(add_generation_prompt)]}
 
 

@@ -213,9 +213,9 @@ class CountingTokenizer(PromptTokenizer):
         super().__init__(tokenizer)
         self.rendered = 0
 
-    def chat_ids(self, messages):
+    def chat_ids(self, messages, tools=None):
         self.rendered += 1
-        return super().chat_ids(messages)
+        return super().chat_ids(messages, tools)
 
 
 def test_a_flood_of_empty_messages_is_refused_by_its_count_before_any_rendering(tokenizer):

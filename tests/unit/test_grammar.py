@@ -160,3 +160,36 @@ def test_the_gateway_maps_each_structured_output_and_refuses_what_cannot_compile
             constraint_of(bad)
     with pytest.raises(InvalidRequest, match="regex"):
         grammars.check(constraint_of(pb.StructuredOutput(regex="(a")))
+
+
+def test_a_constrained_stream_moved_mid_answer_goes_on_token_identical(model_dir, tokenizer):
+    """As after its decode worker died: a new engine gets the prompt plus the output so far
+    (resume_tokens of it), rebuilds the grammar's state from those tokens, and the rest of the
+    answer is what the undisturbed run produced (greedy, batch-invariant)."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from shared.control.messages import GenerateTask, SamplingParams
+    from shared.engine.sequence import Sequence
+    from tests.unit.test_engine import make_engine, run_to_end
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    compiler = GrammarCompiler(tokenizer, [tokenizer.eos_token_id])
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    prompt = tokenizer.encode("A JSON record of a small city:")
+    sampling = dataclasses.replace(SamplingParams(max_tokens=120), constraint=constraint)
+
+    def run(ids: list[int], resume: int) -> list[int]:
+        task = GenerateTask("s", ids, sampling, "reply", time.time(), resume_tokens=resume)
+        mask = compiler.state(constraint, ids[len(ids) - resume :])
+        seq = Sequence.from_task(task, None, {tokenizer.eos_token_id}, 4096, mask=mask)
+        engine = make_engine(model, num_blocks=64)
+        engine.add(seq)
+        run_to_end(engine)
+        return seq.output_ids
+
+    whole = run(prompt, 0)
+    cut = len(whole) // 2
+    assert cut > 3 and run(prompt + whole[:cut], cut) == whole[cut:]
+    jsonschema.validate(json.loads(tokenizer.decode(whole, skip_special_tokens=True)), SCHEMA)

@@ -167,7 +167,9 @@ class DecodeWorker:
         task = assignment.task
         refusal = self._refusal(assignment)
         if refusal is None:
-            detokenizer = Detokenizer(self.rt.tokenizer, task.sampling.stop)
+            detokenizer = Detokenizer(
+                self.rt.tokenizer, task.sampling.stop, task.sampling.min_tokens
+            )
             detokenizer.prime(
                 task.prompt_token_ids[len(task.prompt_token_ids) - task.resume_tokens :]
             )

@@ -2,16 +2,17 @@
 
 The body becomes the same GenerateRequest a gRPC client sends, so both APIs share one path:
 validation, limits, keys, placement. Fields outside OpenAI's API that peers (vLLM, SGLang) also
-take are extensions here: top_k, ignore_eos, priority. Unknown fields are ignored, as the peers
-do; fields whose meaning we cannot honour (tools, response formats, images, penalties) are
-refused with a 400 that names them, never silently dropped. With n > 1 the choices' seeds are the
-request's seed + their index.
+take are extensions here: top_k, ignore_eos, priority, repetition_penalty, min_tokens. Unknown
+fields are ignored, as the peers do; fields whose meaning we cannot honour (tools, response
+formats, images) are refused with a 400 that names them, never silently dropped. With n > 1 the
+choices' seeds are the request's seed + their index.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.openai_fields import BadRequest, flag, integer
+from services.gateway.openai_sampling import sampling_message
 from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
 from services.gateway.validation import InvalidRequest, Limits, refuse_oversized
 from shared.api import tandem_pb2 as pb
@@ -24,9 +25,6 @@ UNSUPPORTED = {
     "functions": None,
     "function_call": "none",
     "response_format": {"type": "text"},
-    "logit_bias": {},
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
     "audio": None,
     "prediction": None,
     "web_search_options": None,
@@ -37,14 +35,6 @@ UNSUPPORTED = {
 MODALITIES = ["text"]
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_COMPLETION_LOGPROBS = 20  # OpenAI allows 5; top_logprobs (chat) allows 20, as here
-
-
-class BadRequest(ValueError):
-    """An invalid body: a 400 with OpenAI's error body; `param` names the field at fault."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -74,21 +64,21 @@ def parse(
     model = body.get("model", served_model)
     if not isinstance(model, str):
         raise BadRequest("model must be a string", "model")
-    request = pb.GenerateRequest(sampling=_sampling(body, defaults))
+    request = pb.GenerateRequest(sampling=sampling_message(body, defaults))
     if kind == "chat":
         _messages_into(request, body.get("messages"), limits)
-        logprobs = _flag(body, "logprobs")
-        top = _int(body, "top_logprobs", 0, 0, 20)
+        logprobs = flag(body, "logprobs")
+        top = integer(body, "top_logprobs", 0, 0, 20)
         if top and not logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     else:
         _prompt_into(request, body.get("prompt"), limits)
         given = body.get("logprobs")
-        top = _int(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
+        top = integer(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS)
         logprobs = given is not None
     request.sampling.logprobs, request.sampling.top_logprobs = logprobs, top
-    request.priority = _int(body, "priority", 0, -(1 << 31), (1 << 31) - 1)
-    request.sampling.n = _int(body, "n", 1, 1, rules.MAX_N)
+    request.priority = integer(body, "priority", 0, -(1 << 31), (1 << 31) - 1)
+    request.sampling.n = integer(body, "n", 1, 1, rules.MAX_N)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
@@ -96,7 +86,7 @@ def parse(
         kind,
         request,
         model,
-        stream=_flag(body, "stream"),
+        stream=flag(body, "stream"),
         include_usage=bool(options.get("include_usage")),
         logprobs=logprobs,
         top_logprobs=top,
@@ -115,32 +105,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise BadRequest(
             f"not supported by this server: {', '.join(found)} (leave them out)", found[0]
         )
-
-
-def _sampling(body: dict, defaults: SamplingDefaults) -> pb.SamplingParams:
-    s = pb.SamplingParams(
-        temperature=_float(body, "temperature", defaults.temperature),  # OpenAI's: 1, sampled
-        top_p=_float(body, "top_p", defaults.top_p),
-        top_k=max(0, _int(body, "top_k", defaults.top_k, -1, 1 << 20)),  # -1: off, as in vLLM
-        ignore_eos=_flag(body, "ignore_eos"),
-    )
-    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
-        if body.get(name) is not None:
-            s.max_tokens = _int(body, name, 0, 1, 1 << 31)
-            break
-    if body.get("seed") is not None:
-        s.seed = _int(body, "seed", 0, -(1 << 63), (1 << 64) - 1) % (1 << 64)
-    s.stop.extend(_stops(body.get("stop")))
-    return s
-
-
-def _stops(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
-        raise BadRequest("stop must be a string or a list of strings", "stop")
-    return stops
 
 
 def _messages_into(request: pb.GenerateRequest, messages: Any, limits: Limits | None) -> None:
@@ -231,30 +195,3 @@ def _prompt_into(request: pb.GenerateRequest, prompt: Any, limits: Limits | None
         raise BadRequest(
             "prompt must be a string or a list of token ids (one prompt per request)", "prompt"
         )
-
-
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false", name)
-    return value
-
-
-def _int(body: dict, name: str, default: int, low: int, high: int) -> int:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadRequest(f"{name} must be an integer in [{low}, {high}]", name)
-    return value
-
-
-def _float(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a number", name)
-    return float(value)

@@ -24,37 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xeb\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\t\n\x01n\x18\n \x01(\rB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe8\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x15\n\rkv_exposed_ms\x18\x08 \x01(\x01\x12\x0c\n\x04path\x18\t \x01(\t\x12\x15\n\rcached_tokens\x18\n \x01(\r\x12\x12\n\nmigrations\x18\x0b \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xf5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12!\n\x06timing\x18\x06 \x01(\x0b\x32\x11.tandem.v1.Timing\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\xb2\x03\n\x0cWorkerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0e\n\x06queued\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x17\n\x0frequests_served\x18\t \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x0b \x01(\x04\x12\x1b\n\x13kv_transfers_failed\x18\x0c \x01(\x04\x12\x18\n\x10kv_blocks_leaked\x18\r \x01(\r\x12\x14\n\x0ckv_transport\x18\x0e \x01(\t\x12\x0c\n\x04zone\x18\x0f \x01(\t\x12\x18\n\x10messages_dropped\x18\x10 \x01(\x04\x12\x0f\n\x07kernels\x18\x11 \x01(\t\x12\r\n\x05model\x18\x13 \x01(\t\x12\x1d\n\x15kv_blocks_quarantined\x18\x12 \x01(\r\x12\n\n\x02tp\x18\x14 \x01(\r\x12\x10\n\x08tp_ranks\x18\x15 \x03(\t\"\x95\x01\n\x15\x43lusterStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\"\n\x1ascheduler_messages_dropped\x18\x03 \x01(\x04\x12 \n\x18gateway_messages_dropped\x18\x04 \x01(\x04*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xa3\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12R\n\rClusterStatus\x12\x1f.tandem.v1.ClusterStatusRequest\x1a .tandem.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdc\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\t\n\x01n\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x03\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xb8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe8\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x15\n\rkv_exposed_ms\x18\x08 \x01(\x01\x12\x0c\n\x04path\x18\t \x01(\t\x12\x15\n\rcached_tokens\x18\n \x01(\r\x12\x12\n\nmigrations\x18\x0b \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xf5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12!\n\x06timing\x18\x06 \x01(\x0b\x32\x11.tandem.v1.Timing\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\xb2\x03\n\x0cWorkerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0e\n\x06queued\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x17\n\x0frequests_served\x18\t \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x0b \x01(\x04\x12\x1b\n\x13kv_transfers_failed\x18\x0c \x01(\x04\x12\x18\n\x10kv_blocks_leaked\x18\r \x01(\r\x12\x14\n\x0ckv_transport\x18\x0e \x01(\t\x12\x0c\n\x04zone\x18\x0f \x01(\t\x12\x18\n\x10messages_dropped\x18\x10 \x01(\x04\x12\x0f\n\x07kernels\x18\x11 \x01(\t\x12\r\n\x05model\x18\x13 \x01(\t\x12\x1d\n\x15kv_blocks_quarantined\x18\x12 \x01(\r\x12\n\n\x02tp\x18\x14 \x01(\r\x12\x10\n\x08tp_ranks\x18\x15 \x03(\t\"\x95\x01\n\x15\x43lusterStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\"\n\x1ascheduler_messages_dropped\x18\x03 \x01(\x04\x12 \n\x18gateway_messages_dropped\x18\x04 \x01(\x04*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xa3\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12R\n\rClusterStatus\x12\x1f.tandem.v1.ClusterStatusRequest\x1a .tandem.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.tandem_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1799
-  _globals['_FINISHREASON']._serialized_end=1923
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2040
+  _globals['_FINISHREASON']._serialized_end=2164
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=81
   _globals['_SAMPLINGPARAMS']._serialized_start=84
-  _globals['_SAMPLINGPARAMS']._serialized_end=319
-  _globals['_GENERATEREQUEST']._serialized_start=322
-  _globals['_GENERATEREQUEST']._serialized_end=506
-  _globals['_USAGE']._serialized_start=508
-  _globals['_USAGE']._serialized_end=565
-  _globals['_TIMING']._serialized_start=568
-  _globals['_TIMING']._serialized_end=800
-  _globals['_TOPLOGPROB']._serialized_start=802
-  _globals['_TOPLOGPROB']._serialized_end=849
-  _globals['_TOKENLOGPROB']._serialized_start=851
-  _globals['_TOKENLOGPROB']._serialized_end=936
-  _globals['_GENERATERESPONSE']._serialized_start=939
-  _globals['_GENERATERESPONSE']._serialized_end=1184
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1186
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1208
-  _globals['_WORKERSTATUS']._serialized_start=1211
-  _globals['_WORKERSTATUS']._serialized_end=1645
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1648
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1797
-  _globals['_TANDEM']._serialized_start=1926
-  _globals['_TANDEM']._serialized_end=2089
+  _globals['_SAMPLINGPARAMS']._serialized_end=560
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=455
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=503
+  _globals['_GENERATEREQUEST']._serialized_start=563
+  _globals['_GENERATEREQUEST']._serialized_end=747
+  _globals['_USAGE']._serialized_start=749
+  _globals['_USAGE']._serialized_end=806
+  _globals['_TIMING']._serialized_start=809
+  _globals['_TIMING']._serialized_end=1041
+  _globals['_TOPLOGPROB']._serialized_start=1043
+  _globals['_TOPLOGPROB']._serialized_end=1090
+  _globals['_TOKENLOGPROB']._serialized_start=1092
+  _globals['_TOKENLOGPROB']._serialized_end=1177
+  _globals['_GENERATERESPONSE']._serialized_start=1180
+  _globals['_GENERATERESPONSE']._serialized_end=1425
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1427
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1449
+  _globals['_WORKERSTATUS']._serialized_start=1452
+  _globals['_WORKERSTATUS']._serialized_end=1886
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1889
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2038
+  _globals['_TANDEM']._serialized_start=2167
+  _globals['_TANDEM']._serialized_end=2330
 # @@protoc_insertion_point(module_scope)

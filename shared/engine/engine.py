@@ -2,7 +2,8 @@
 postprocess.
 
 The Scheduler decides which sequences run in a step (and preempts); the ModelRunner computes the
-batch; the Engine samples each row's next token, forks the choices of a request of n > 1 at its
+batch; the Engine shapes each row's logits (`shaped`: penalties, bias, min_tokens) and samples its
+next token, forks the choices of a request of n > 1 at its
 first token (fork), and lands prompts computed on another worker once their KV is in their blocks.
 
 `step()` runs in the engine thread; `admit`, `add`, `kv_arrived` and `abort` may come from the
@@ -180,9 +181,9 @@ class Engine:
         choices = (
             [choice_sampling(params, i) for i in range(params.n)] if params.n > 1 else [params]
         )
-        draws = []
+        draws, scores = [], shaped(seq, logits)
         for choice in choices:
-            token = sample(logits, choice, seq.position)
+            token = sample(scores, choice, seq.position)
             logprob = logprob_of(logits, token, choice.top_logprobs) if choice.logprobs else None
             draws.append((token, logprob))
         return self._first_of_each(seq, draws)
@@ -219,6 +220,15 @@ class Engine:
         out = seq.append(token, logprob)
         self.scheduler.sampled(seq)
         return out
+
+
+def shaped(seq: Sequence, logits):
+    """The one place a sequence's logits row [vocab] is shaped before its token is drawn: its
+    penalties, logit bias and min_tokens (penalties.py; a grammar's mask would go here too).
+    Returns a new tensor where anything changes: the raw row is what logprobs report."""
+    if seq.penalties is None:
+        return logits
+    return seq.penalties.apply(logits, seq.prompt_token_ids, seq.resume_tokens, seq.output_ids)
 
 
 def _rows(work: list[Work]) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.engine.detokenizer import Detokenizer
+from shared.engine.penalties import Penalties
 from shared.engine.seq_status import SeqStatus, checked
 from shared.values.sampling import SamplingParams, TokenLogprob
 
@@ -48,6 +49,7 @@ class Sequence:
         self.group_id = attempt_id  # the id it was taken on under (n > 1: the group's)
         self.choice = 0  # which choice of its group it is (n > 1)
         self.sampling = sampling
+        self.penalties = Penalties.of(sampling, eos_token_ids)  # None: it asks for none
         self.prompt_token_ids = prompt_token_ids
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
@@ -124,6 +126,7 @@ class Sequence:
             self.max_model_len,
         )
         child.group_id, child.choice, child.forked_from = self.group_id, choice, self
+        child.penalties = self.penalties.copy() if self.penalties is not None else None
         child.num_computed_tokens = self.num_computed_tokens
         for name in (
             "resume_tokens",
@@ -173,6 +176,8 @@ class Sequence:
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> StepOutput:
         """Records a sampled token; finishes the sequence when it is done."""
         self.output_ids.append(token_id)
+        if self.penalties is not None:
+            self.penalties.add(token_id)
         text = self.detokenizer.add(token_id) if self.detokenizer else ""
         ended = self._ending(token_id)
         if ended is not None:

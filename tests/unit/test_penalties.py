@@ -77,19 +77,22 @@ def test_the_shaped_row_is_the_reference_s(sampling, resumed):
     params = SamplingParams(max_tokens=16, **sampling)
     penalties = Penalties.of(params, {END, 3})
     for i in range(len(output) + 1):  # built at the first draw, then kept up to date
-        mine = penalties.apply(logits, prompt, resumed, output[:i])
+        mine = penalties.apply(logits.clone(), prompt, resumed, output[:i])
         assert_close(mine, reference(logits, params, prompt, resumed, output[:i], {END, 3}))
         if i < len(output):
             penalties.add(output[i])
-    fresh = Penalties.of(params, {END, 3}).apply(logits, prompt, resumed, output)
-    assert torch.equal(fresh, penalties.apply(logits, prompt, resumed, output))
+    fresh = Penalties.of(params, {END, 3}).apply(logits.clone(), prompt, resumed, output)
+    assert torch.equal(fresh, penalties.apply(logits.clone(), prompt, resumed, output))
 
 
-def test_the_raw_row_is_left_as_it_is_and_a_request_without_any_pays_nothing():
+def test_the_row_is_shaped_in_place_unless_logprobs_need_it_raw_and_without_any_is_left():
     logits = torch.randn(64)
     raw = logits.clone()
-    seq = make_seq([5, 6, 7], **PENALISED)
+    seq = make_seq([5, 6, 7], logprobs=True, **PENALISED)
     assert not torch.equal(shaped(seq, logits), raw) and torch.equal(logits, raw)
+    seq = make_seq([5, 6, 7], **PENALISED)
+    assert shaped(seq, logits) is logits and not torch.equal(logits, raw)
+    logits = raw.clone()
     plain = make_seq([5, 6, 7], temperature=0.0)
     assert plain.penalties is None and shaped(plain, logits) is logits
     assert plain_greedy(plain.sampling) and not plain_greedy(seq.sampling)
@@ -169,14 +172,13 @@ def test_each_choice_counts_its_own_tokens(tiny_model, rand_tokens):
 
 def test_a_fork_copies_the_counts_and_then_goes_its_own_way():
     seq = make_seq([5, 6, 7], frequency_penalty=1.0)
-    logits = torch.zeros(16)
     seq.append(8)
-    shaped(seq, logits)  # built now
+    shaped(seq, torch.zeros(16))  # built now
     child = seq.fork("r.abc~1", seq.sampling, 1)
     seq.append(8)
     child.append(9)
-    assert shaped(seq, logits)[8] == -2.0 and shaped(seq, logits)[9] == 0.0
-    assert shaped(child, logits)[8] == -1.0 and shaped(child, logits)[9] == -1.0
+    assert shaped(seq, torch.zeros(16))[8:10].tolist() == [-2.0, 0.0]
+    assert shaped(child, torch.zeros(16))[8:10].tolist() == [-1.0, -1.0]
 
 
 def test_a_resumed_sequence_counts_the_tokens_it_was_sent_as_output(tiny_model):

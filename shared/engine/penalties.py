@@ -82,7 +82,7 @@ class Penalties:
         self.repetition, self.min_tokens = params.repetition_penalty, params.min_tokens
         self._bias = dict(zip(params.bias_token_ids, params.bias_values))
         self._ends = [] if params.ignore_eos else sorted(end_ids)
-        self._built = False
+        self._built, self._width = False, 0
         self._end_ids = self._bias_ids = self._bias_values = None
         self._seen: _Tokens | None = None  # prompt and output: repetition
         self._counted: _Tokens | None = None  # output, each with -(f x count + p)
@@ -118,7 +118,7 @@ class Penalties:
     def add(self, token: int) -> None:
         """`token` was appended to the output (before the state is built: nothing to do, the
         build reads the output)."""
-        if not self._built:
+        if not self._built or not 0 <= token < self._width:
             return
         if self._seen is not None and token not in self._seen.index:
             self._seen.put(token)
@@ -140,6 +140,7 @@ class Penalties:
 
     def _build(self, logits, prompt: list[int], resumed: int, output: list[int]) -> None:
         width, device = logits.shape[-1], logits.device
+        self._width = width
 
         def within(tokens) -> list[int]:  # a model's rows may be narrower than the tokenizer's
             return [t for t in tokens if 0 <= t < width]

@@ -99,10 +99,17 @@ def test_the_row_is_shaped_in_place_unless_logprobs_need_it_raw_and_without_any_
     assert Penalties.of(SamplingParams(repetition_penalty=1.0, presence_penalty=0.0), {2}) is None
 
 
-def test_a_bias_or_an_end_token_beyond_the_model_s_rows_is_left_out():
-    params = SamplingParams(bias_token_ids=[3, 200], bias_values=[1.0, 5.0], min_tokens=1)
-    row = Penalties.of(params, {END, 500}).apply(torch.zeros(64), [1, 2], 0, [])
+def test_a_token_beyond_the_model_s_rows_is_left_out():
+    """A model's rows may be narrower than its tokenizer's vocabulary (the mock engine's are)."""
+    params = SamplingParams(
+        bias_token_ids=[3, 200], bias_values=[1.0, 5.0], min_tokens=1, frequency_penalty=1.0
+    )
+    penalties = Penalties.of(params, {END, 500})
+    row = penalties.apply(torch.zeros(64), [1, 2, 300], 1, [])
     assert row[3] == 1.0 and row[END] == -math.inf and int(torch.isinf(row).sum()) == 1
+    penalties.add(400)
+    penalties.add(4)
+    assert penalties.apply(torch.zeros(64), [1, 2, 300], 1, [400, 4])[4] == -1.0
 
 
 def test_the_engine_draws_each_greedy_token_from_the_reference_row(tiny_model, rand_tokens):

@@ -15,7 +15,8 @@ The cost per step is the penalised arm's postprocess minus the plain arm's: the 
 drawing each row on its own instead of one batched argmax. It is given in ms and as a share of
 the plain arm's step, measured in the same run; the step times of both arms are given too (their
 difference is that cost plus the noise of the forward pass). Medians over the steps of a run,
-then over the rounds. Writes bench/results/penalties.{json,md,png}.
+then over the rounds; a step time is the fastest round's (on a shared machine other work only
+adds to it, so the share is not understated). Writes bench/results/penalties.{json,md,png}.
 """
 
 import argparse
@@ -130,10 +131,13 @@ def summary(runs: dict) -> dict:
         }
         shape = statistics.median(r["shape_ms"] for r in arms["penalised"])
         cost = med["penalised"]["postprocess_ms"] - med["plain"]["postprocess_ms"]
-        step = med["plain"]["step_ms"]
+        step = min(
+            r["step_ms"] for r in arms["plain"]
+        )  # the least disturbed: a share not understated
         out[n] = {
             "plain_step_ms": step,
-            "penalised_step_ms": med["penalised"]["step_ms"],
+            "plain_step_median_ms": med["plain"]["step_ms"],
+            "penalised_step_ms": min(r["step_ms"] for r in arms["penalised"]),
             "plain_postprocess_ms": med["plain"]["postprocess_ms"],
             "penalised_postprocess_ms": med["penalised"]["postprocess_ms"],
             "shape_ms": shape,
@@ -214,7 +218,8 @@ def main() -> int:
     notes = (
         f"{result['model']}, {args.dtype}, {result['threads']} threads; kernels: "
         f"{result['kernels']}; {args.new_tokens} new tokens per stream, greedy; medians over "
-        f"the decode steps of a run, then over {args.rounds} rounds (arms alternating)."
+        f"the decode steps of a run, then over {args.rounds} rounds (arms alternating); step "
+        f"times: the fastest round's."
     )
     (args.out / "penalties.md").write_text(
         "# Penalties per decode step\n\n" + table(result) + "\n\n" + notes + "\n"

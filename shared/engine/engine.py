@@ -224,13 +224,12 @@ class Engine:
 
 def shaped(seq: Sequence, logits):
     """The one place a sequence's logits row [vocab] is shaped before its token is drawn: its
-    penalties, logit bias and min_tokens (penalties.py; a grammar's mask would go here too). In
-    place: nothing reads this step's row after its token is drawn, but its logprobs, which are the
-    raw row's: a request that asks for them has its row copied first."""
+    penalties, logit bias and min_tokens (penalties.py; a grammar's mask would go here too).
+    Returns a new row where anything changes: the raw row is what logprobs report, and the
+    runner's (the mock's buffer lives on)."""
     if seq.penalties is None:
         return logits
-    row = logits.clone() if seq.sampling.logprobs else logits
-    return seq.penalties.apply(row, seq.prompt_token_ids, seq.resume_tokens, seq.output_ids)
+    return seq.penalties.apply(logits, seq.prompt_token_ids, seq.resume_tokens, seq.output_ids)
 
 
 def _rows(work: list[Work]) -> tuple[int, int]:

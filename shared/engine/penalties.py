@@ -15,10 +15,10 @@ already sent, and they count as output (for repetition they are in the prompt an
 
 A sequence's row is shaped from its own state only: batch-invariant by construction. The state is
 built from the tokens the first time a token is drawn (the prompt read once), then kept up to date
-as each token is appended (a dict look-up and a scalar write). A step costs a few vectorised ops
-over the tokens the sequence has seen, in place on its row (a copy of the row first only where
-logprobs are asked: they are the model's own); never a pass over the vocabulary, nor a loop over
-its output. Nothing of it travels: the prefill
+as each token is appended (a dict look-up and a scalar write). A step costs a copy of the row
+(the raw row stays as it is: returned logprobs are the model's own, and a runner may reuse its
+buffer) and a few vectorised ops over the tokens the sequence has seen; never a loop over its
+output. Nothing of it travels: the prefill
 worker that draws a first token and the decode worker that draws the rest (or the one a request
 moved to) each build it from the same tokens, the prompt and what the sequence was handed.
 """
@@ -96,12 +96,13 @@ class Penalties:
     def apply(
         self, logits: torch.Tensor, prompt: list[int], resumed: int, output: list[int]
     ) -> torch.Tensor:
-        """The next token's logits [vocab], shaped: in place where they are float32 (the caller
-        copies them first if it needs them raw). `prompt` (its last `resumed` tokens output the
-        client had) and `output` are the sequence's tokens: read the first time only."""
+        """The next token's logits [vocab], shaped: a copy, `logits` left as they are (they are
+        the runner's: its buffer, perhaps, and logprobs read them raw). `prompt` (its last
+        `resumed` tokens output the client had) and `output` are the sequence's tokens: read the
+        first time only."""
         if not self._built:
             self._build(logits, prompt, resumed, output)
-        row = logits.float()
+        row = logits.to(torch.float32, copy=True)
         if len(output) < self.min_tokens and self._end_ids is not None:
             row.index_fill_(0, self._end_ids, -math.inf)
         if self._bias_ids is not None:

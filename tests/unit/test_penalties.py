@@ -85,14 +85,13 @@ def test_the_shaped_row_is_the_reference_s(sampling, resumed):
     assert torch.equal(fresh, penalties.apply(logits.clone(), prompt, resumed, output))
 
 
-def test_the_row_is_shaped_in_place_unless_logprobs_need_it_raw_and_without_any_is_left():
+def test_the_raw_row_is_left_as_it_is_and_a_request_without_any_pays_nothing():
+    """The runner's logits are never written: logprobs read them raw, and a runner may keep
+    them (the mock engine's buffer lives on from step to step)."""
     logits = torch.randn(64)
     raw = logits.clone()
-    seq = make_seq([5, 6, 7], logprobs=True, **PENALISED)
-    assert not torch.equal(shaped(seq, logits), raw) and torch.equal(logits, raw)
     seq = make_seq([5, 6, 7], **PENALISED)
-    assert shaped(seq, logits) is logits and not torch.equal(logits, raw)
-    logits = raw.clone()
+    assert not torch.equal(shaped(seq, logits), raw) and torch.equal(logits, raw)
     plain = make_seq([5, 6, 7], temperature=0.0)
     assert plain.penalties is None and shaped(plain, logits) is logits
     assert plain_greedy(plain.sampling) and not plain_greedy(seq.sampling)
@@ -267,3 +266,21 @@ def test_logprobs_stay_the_model_s_own(tiny_model, rand_tokens):
         reported += [lp for s, out in engine.step() or [] if s is seq for lp in out.logprobs]
     for lp, logits, token in zip(reported, captured, seq.output_ids, strict=True):
         assert lp.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[token]), abs=1e-5)
+
+
+def test_a_penalised_neighbour_leaves_the_mock_engine_s_answers_alone():
+    """The mock runner hands out one buffer step after step: a neighbour's shaping written into
+    it would change what the others draw next."""
+    from tests.unit.test_mock_engine import engine_of, expected, runner
+
+    mock = runner()
+    engine = engine_of(mock)
+    plain = make_seq(list(range(10, 40)), 12, temperature=0.0, ignore_eos=True)
+    bias = dict(
+        bias_token_ids=list(range(10, 500, 7)), bias_values=[100.0] * 70
+    )  # to leak if it can
+    neighbour = make_seq(list(range(50, 70)), 4, temperature=0.0, attempt_id="n", **bias)
+    for seq in (neighbour, plain):  # its row first: the plain one's, once it has finished
+        engine.add(seq)
+    run_to_end(engine)
+    assert plain.output_ids == expected(mock, list(range(10, 40)), 12)

@@ -9,12 +9,12 @@ penalised (presence_penalty, frequency_penalty, repetition_penalty, a 16-token l
 min_tokens = the length, which holds the end tokens back on every step; each stream keeps its
 own counts). For each decode step (one where all n streams decode) it times the step, its
 postprocess (where each row's token is drawn: the only part penalties touch) and, within that,
-`shaped` (penalties.py applied to each row).
+the shaping (`Penalties.apply` on each row; putting the row back after the draw is not in it).
 
-The cost per step is the penalised arm's postprocess minus the plain arm's: the shaping plus
-drawing each row on its own instead of one batched argmax. It is given in ms and as a share of
-the plain arm's step, measured in the same run; the step times of both arms are given too (their
-difference is that cost plus the noise of the forward pass). Medians over the steps of a run,
+The cost per step is the penalised arm's postprocess minus the plain arm's: the shaping, putting
+each row back, and drawing each row on its own instead of one batched argmax. It is given in ms
+and as a share of the plain arm's step, measured in the same run; the step times of both arms
+are given too (their difference is that cost plus the noise of the forward pass). Medians over the steps of a run,
 then over the rounds; a step time is the fastest round's (on a shared machine other work only
 adds to it, so the share is not understated). Writes bench/results/penalties.{json,md,png}.
 """
@@ -36,7 +36,7 @@ import engine as eb  # noqa: E402  (bench/engine.py)
 
 from shared import model_store  # noqa: E402
 from shared.control.messages import GenerateTask, SamplingParams  # noqa: E402
-from shared.engine import engine as engine_module  # noqa: E402
+from shared.engine.penalties import Penalties  # noqa: E402
 from shared.engine.sequence import Sequence  # noqa: E402
 from shared.worker.end_tokens import eos_token_ids  # noqa: E402
 
@@ -57,18 +57,17 @@ def penalised(new_tokens: int) -> dict:
     )
 
 
-class Timed:
-    """Wraps a callable and keeps how long each call took."""
+def timed(call, seconds: list[float]):
+    """`call`, keeping how long each call took in `seconds` (a function: a method stays one)."""
 
-    def __init__(self, call):
-        self.call, self.seconds = call, []
-
-    def __call__(self, *args, **kwargs):
+    def wrapper(*args, **kwargs):
         started = time.perf_counter()
         try:
-            return self.call(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
-            self.seconds.append(time.perf_counter() - started)
+            seconds.append(time.perf_counter() - started)
+
+    return wrapper
 
 
 def run_arm(bench, prompts: list[list[int]], new_tokens: int, ends: set[int], asked: dict) -> dict:
@@ -82,20 +81,20 @@ def run_arm(bench, prompts: list[list[int]], new_tokens: int, ends: set[int], as
         seqs.append(Sequence.from_task(task, None, ends, 8192))
     for seq in seqs:
         engine.add(seq)
-    post, shape = Timed(engine._postprocess), Timed(engine_module.shaped)
-    engine._postprocess, engine_module.shaped = post, shape
+    post, shape, apply = [], [], Penalties.apply
+    engine._postprocess = timed(engine._postprocess, post)
+    Penalties.apply = timed(apply, shape)
     steps = []
     try:
         while engine.has_work():
             decoding = len(engine.scheduler.running) == len(seqs)
-            done_shaping, started = len(shape.seconds), time.perf_counter()
+            done_shaping, started = len(shape), time.perf_counter()
             engine.step()
-            if decoding and post.seconds:
-                shaping = sum(shape.seconds[done_shaping:])
-                steps.append((time.perf_counter() - started, post.seconds[-1], shaping))
+            if decoding and post:
+                steps.append((time.perf_counter() - started, post[-1], sum(shape[done_shaping:])))
     finally:
         del engine._postprocess
-        engine_module.shaped = shape.call
+        Penalties.apply = apply
     for seq in seqs:
         assert len(seq.output_ids) == new_tokens, "a stream ended early"
         engine.release(seq)

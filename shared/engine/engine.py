@@ -15,6 +15,7 @@ Only prompt-pass blocks (here or on a prefill worker) enter the prefix cache: a 
 differ slightly from a prompt row's; a hit on decode-filled blocks would differ from a cold run.
 """
 
+import contextlib
 import threading
 import time
 
@@ -181,11 +182,12 @@ class Engine:
         choices = (
             [choice_sampling(params, i) for i in range(params.n)] if params.n > 1 else [params]
         )
-        draws, scores = [], shaped(seq, logits)
-        for choice in choices:
-            token = sample(scores, choice, seq.position)
-            logprob = logprob_of(logits, token, choice.top_logprobs) if choice.logprobs else None
-            draws.append((token, logprob))
+        with shaped(seq, logits) as scores:
+            tokens = [sample(scores, choice, seq.position) for choice in choices]
+        draws = [
+            (token, logprob_of(logits, token, choice.top_logprobs) if choice.logprobs else None)
+            for token, choice in zip(tokens, choices)
+        ]
         return self._first_of_each(seq, draws)
 
     def _first_of_each(self, seq: Sequence, draws: list) -> Outputs:
@@ -222,14 +224,22 @@ class Engine:
         return out
 
 
+@contextlib.contextmanager
 def shaped(seq: Sequence, logits):
     """The one place a sequence's logits row [vocab] is shaped before its token is drawn: its
     penalties, logit bias and min_tokens (penalties.py; a grammar's mask would go here too).
-    Returns a new row where anything changes: the raw row is what logprobs report, and the
-    runner's (the mock's buffer lives on)."""
+    Shaped in place for the draw and put back after it: logprobs report the raw row, and a
+    runner may keep its buffer (the mock's lives from step to step)."""
     if seq.penalties is None:
-        return logits
-    return seq.penalties.apply(logits, seq.prompt_token_ids, seq.resume_tokens, seq.output_ids)
+        yield logits
+        return
+    row, put_back = seq.penalties.apply(
+        logits, seq.prompt_token_ids, seq.resume_tokens, seq.output_ids
+    )
+    try:
+        yield row
+    finally:
+        put_back()
 
 
 def _rows(work: list[Work]) -> tuple[int, int]:

@@ -15,17 +15,19 @@ already sent, and they count as output (for repetition they are in the prompt an
 
 A sequence's row is shaped from its own state only: batch-invariant by construction. The state is
 built from the tokens the first time a token is drawn (the prompt read once), then kept up to date
-as each token is appended (a dict look-up and a scalar write). A step costs a copy of the row
-(the raw row stays as it is: returned logprobs are the model's own, and a runner may reuse its
-buffer) and a few vectorised ops over the tokens the sequence has seen; never a loop over its
-output. Nothing of it travels: the prefill
+as each token is appended (a dict look-up and a scalar write). A step costs a few vectorised ops
+over the tokens the sequence has seen, in place on its row, and as many to put them back once its
+token is drawn (returned logprobs are the model's own, and a runner may keep its buffer: a copy
+of the row would cost more than the rest, ~50 us at 49k tokens); never a loop over its output. Nothing of it travels: the prefill
 worker that draws a first token and the decode worker that draws the rest (or the one a request
 moved to) each build it from the same tokens, the prompt and what the sequence was handed.
 """
 
 import copy
+import functools
 import math
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -82,7 +84,7 @@ class Penalties:
         self.repetition, self.min_tokens = params.repetition_penalty, params.min_tokens
         self._bias = dict(zip(params.bias_token_ids, params.bias_values))
         self._ends = [] if params.ignore_eos else sorted(end_ids)
-        self._built, self._width = False, 0
+        self._built, self._width, self._none = False, 0, None
         self._end_ids = self._bias_ids = self._bias_values = None
         self._seen: _Tokens | None = None  # prompt and output: repetition
         self._counted: _Tokens | None = None  # output, each with -(f x count + p)
@@ -95,15 +97,17 @@ class Penalties:
     @torch.inference_mode()  # a forward pass's logits are inference tensors
     def apply(
         self, logits: torch.Tensor, prompt: list[int], resumed: int, output: list[int]
-    ) -> torch.Tensor:
-        """The next token's logits [vocab], shaped: a copy, `logits` left as they are (they are
-        the runner's: its buffer, perhaps, and logprobs read them raw). `prompt` (its last
-        `resumed` tokens output the client had) and `output` are the sequence's tokens: read the
-        first time only."""
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """The next token's logits [vocab], shaped in place (a float32 copy of others), and what
+        puts them back as they were (logprobs read the raw row, and a runner may keep its
+        buffer). `prompt` (its last `resumed` tokens output the client had) and `output` are the
+        sequence's tokens: read the first time only."""
         if not self._built:
             self._build(logits, prompt, resumed, output)
-        row = logits.to(torch.float32, copy=True)
-        if len(output) < self.min_tokens and self._end_ids is not None:
+        row, masking = logits.float(), len(output) < self.min_tokens
+        touched = self._touched(masking)
+        saved = row.index_select(0, touched) if row is logits else None
+        if masking and self._end_ids is not None:
             row.index_fill_(0, self._end_ids, -math.inf)
         if self._bias_ids is not None:
             row.index_add_(0, self._bias_ids, self._bias_values)
@@ -113,7 +117,7 @@ class Penalties:
             row.index_copy_(0, ids, torch.where(seen > 0, seen / r, seen * r))
         if self._counted is not None:
             row.index_add_(0, self._counted.ids, self._counted.values)
-        return row
+        return row, functools.partial(_put_back, row, touched, saved)
 
     @torch.inference_mode()
     def add(self, token: int) -> None:
@@ -136,12 +140,19 @@ class Penalties:
         twin._counts = dict(self._counts)
         return twin
 
+    def _touched(self, masking: bool) -> torch.Tensor:
+        """The ids this step's shaping writes (some twice, perhaps)."""
+        tables = (self._seen, self._counted)
+        parts = [t.ids for t in tables if t is not None] + [self._bias_ids]
+        parts.append(self._end_ids if masking else None)
+        return torch.cat([p for p in parts if p is not None] or [self._none])
+
     def _shift(self, count: int) -> float:
         return -(self.frequency * count + self.presence)
 
     def _build(self, logits, prompt: list[int], resumed: int, output: list[int]) -> None:
         width, device = logits.shape[-1], logits.device
-        self._width = width
+        self._width, self._none = width, torch.zeros(0, dtype=torch.long, device=device)
 
         def within(tokens) -> list[int]:  # a model's rows may be narrower than the tokenizer's
             return [t for t in tokens if 0 <= t < width]
@@ -159,3 +170,10 @@ class Penalties:
             shifts = {t: self._shift(c) for t, c in self._counts.items()}
             self._counted = _Tokens(shifts, device)
         self._built = True
+
+
+@torch.inference_mode()
+def _put_back(row: torch.Tensor, ids: torch.Tensor, saved: torch.Tensor | None) -> None:
+    """The row as it was before it was shaped (a copy was shaped: nothing to do)."""
+    if saved is not None:
+        row.index_copy_(0, ids, saved)  # an id twice: the same value twice

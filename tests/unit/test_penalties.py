@@ -77,23 +77,33 @@ def test_the_shaped_row_is_the_reference_s(sampling, resumed):
     params = SamplingParams(max_tokens=16, **sampling)
     penalties = Penalties.of(params, {END, 3})
     for i in range(len(output) + 1):  # built at the first draw, then kept up to date
-        mine = penalties.apply(logits.clone(), prompt, resumed, output[:i])
+        mine, _ = penalties.apply(logits.clone(), prompt, resumed, output[:i])
         assert_close(mine, reference(logits, params, prompt, resumed, output[:i], {END, 3}))
         if i < len(output):
             penalties.add(output[i])
-    fresh = Penalties.of(params, {END, 3}).apply(logits.clone(), prompt, resumed, output)
-    assert torch.equal(fresh, penalties.apply(logits.clone(), prompt, resumed, output))
+    fresh, _ = Penalties.of(params, {END, 3}).apply(logits.clone(), prompt, resumed, output)
+    assert torch.equal(fresh, penalties.apply(logits.clone(), prompt, resumed, output)[0])
 
 
-def test_the_raw_row_is_left_as_it_is_and_a_request_without_any_pays_nothing():
-    """The runner's logits are never written: logprobs read them raw, and a runner may keep
-    them (the mock engine's buffer lives on from step to step)."""
+def shape(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+    with shaped(seq, logits) as row:
+        return row.clone()
+
+
+def test_the_row_is_put_back_after_the_draw_and_a_request_without_any_pays_nothing():
+    """The runner's logits are as they came once the token is drawn: logprobs read them raw,
+    and a runner may keep them (the mock engine's buffer lives on from step to step)."""
     logits = torch.randn(64)
     raw = logits.clone()
-    seq = make_seq([5, 6, 7], **PENALISED)
-    assert not torch.equal(shaped(seq, logits), raw) and torch.equal(logits, raw)
+    seq = make_seq([5, 6, 7], **dict(PENALISED, min_tokens=2))
+    with shaped(seq, logits) as row:
+        assert row is logits and not torch.equal(logits, raw)  # in place, for the draw
+    assert torch.equal(logits, raw)
+    as_bf16 = raw.to(torch.bfloat16)
+    assert shape(seq, as_bf16).dtype == torch.float32 and torch.equal(as_bf16, raw.bfloat16())
     plain = make_seq([5, 6, 7], temperature=0.0)
-    assert plain.penalties is None and shaped(plain, logits) is logits
+    with shaped(plain, logits) as row:
+        assert plain.penalties is None and row is logits
     assert plain_greedy(plain.sampling) and not plain_greedy(seq.sampling)
     assert Penalties.of(SamplingParams(repetition_penalty=1.0, presence_penalty=0.0), {2}) is None
 
@@ -104,11 +114,11 @@ def test_a_token_beyond_the_model_s_rows_is_left_out():
         bias_token_ids=[3, 200], bias_values=[1.0, 5.0], min_tokens=1, frequency_penalty=1.0
     )
     penalties = Penalties.of(params, {END, 500})
-    row = penalties.apply(torch.zeros(64), [1, 2, 300], 1, [])
+    row, _ = penalties.apply(torch.zeros(64), [1, 2, 300], 1, [])
     assert row[3] == 1.0 and row[END] == -math.inf and int(torch.isinf(row).sum()) == 1
     penalties.add(400)
     penalties.add(4)
-    assert penalties.apply(torch.zeros(64), [1, 2, 300], 1, [400, 4])[4] == -1.0
+    assert penalties.apply(torch.zeros(64), [1, 2, 300], 1, [400, 4])[0][4] == -1.0
 
 
 def test_the_engine_draws_each_greedy_token_from_the_reference_row(tiny_model, rand_tokens):
@@ -179,12 +189,12 @@ def test_each_choice_counts_its_own_tokens(tiny_model, rand_tokens):
 def test_a_fork_copies_the_counts_and_then_goes_its_own_way():
     seq = make_seq([5, 6, 7], frequency_penalty=1.0)
     seq.append(8)
-    shaped(seq, torch.zeros(16))  # built now
+    shape(seq, torch.zeros(16))  # built now
     child = seq.fork("r.abc~1", seq.sampling, 1)
     seq.append(8)
     child.append(9)
-    assert shaped(seq, torch.zeros(16))[8:10].tolist() == [-2.0, 0.0]
-    assert shaped(child, torch.zeros(16))[8:10].tolist() == [-1.0, -1.0]
+    assert shape(seq, torch.zeros(16))[8:10].tolist() == [-2.0, 0.0]
+    assert shape(child, torch.zeros(16))[8:10].tolist() == [-1.0, -1.0]
 
 
 def test_a_resumed_sequence_counts_the_tokens_it_was_sent_as_output(tiny_model):

@@ -9,10 +9,11 @@ penalised (presence_penalty, frequency_penalty, repetition_penalty, a 16-token l
 min_tokens = the length, which holds the end tokens back on every step; each stream keeps its
 own counts). For each decode step (one where all n streams decode) it times the step, its
 postprocess (where each row's token is drawn: the only part penalties touch) and, within that,
-the shaping (`Penalties.apply` on each row; putting the row back after the draw is not in it).
+the shaping (`penalties.shape`, every row at once; putting the rows back after the draw is not in
+it).
 
-The cost per step is the penalised arm's postprocess minus the plain arm's: the shaping, putting
-each row back, and drawing each row on its own instead of one batched argmax. It is given in ms
+The cost per step is the penalised arm's postprocess minus the plain arm's: each sequence's stages
+(`Penalties.stages`), the shaping and putting the rows back. It is given in ms
 and as a share of the plain arm's step, measured in the same run; the step times of both arms
 are given too (their difference is that cost plus the noise of the forward pass). Medians over the steps of a run,
 then over the rounds; a step time is the fastest round's (on a shared machine other work only
@@ -36,7 +37,8 @@ import engine as eb  # noqa: E402  (bench/engine.py)
 
 from shared import model_store  # noqa: E402
 from shared.control.messages import GenerateTask, SamplingParams  # noqa: E402
-from shared.engine.penalties import Penalties  # noqa: E402
+from shared.engine import engine as engine_module  # noqa: E402
+from shared.engine import penalties  # noqa: E402
 from shared.engine.sequence import Sequence  # noqa: E402
 from shared.worker.end_tokens import eos_token_ids  # noqa: E402
 
@@ -81,9 +83,9 @@ def run_arm(bench, prompts: list[list[int]], new_tokens: int, ends: set[int], as
         seqs.append(Sequence.from_task(task, None, ends, 8192))
     for seq in seqs:
         engine.add(seq)
-    post, shape, apply = [], [], Penalties.apply
+    post, shape = [], []
     engine._postprocess = timed(engine._postprocess, post)
-    Penalties.apply = timed(apply, shape)
+    engine_module.shape = timed(penalties.shape, shape)
     steps = []
     try:
         while engine.has_work():
@@ -94,7 +96,7 @@ def run_arm(bench, prompts: list[list[int]], new_tokens: int, ends: set[int], as
                 steps.append((time.perf_counter() - started, post[-1], sum(shape[done_shaping:])))
     finally:
         del engine._postprocess
-        Penalties.apply = apply
+        engine_module.shape = penalties.shape
     for seq in seqs:
         assert len(seq.output_ids) == new_tokens, "a stream ended early"
         engine.release(seq)

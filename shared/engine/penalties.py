@@ -15,10 +15,11 @@ already sent, and they count as output (for repetition they are in the prompt an
 
 A sequence's row is shaped from its own state only: batch-invariant by construction. The state is
 built from the tokens the first time a token is drawn (the prompt read once), then kept up to date
-as each token is appended (a dict look-up and a scalar write). A step costs a few vectorised ops
-over the tokens the sequence has seen, in place on its row, and as many to put them back once its
-token is drawn (returned logprobs are the model's own, and a runner may keep its buffer: a copy
-of the row would cost more than the rest, ~50 us at 49k tokens); never a loop over its output. Nothing of it travels: the prefill
+as each token is appended (a dict look-up and a scalar write). A step shapes the rows of every
+sequence that asks in place, each stage one op over all of them (per-row ops cost more in
+dispatch than in work), and puts them back once the tokens are drawn (returned logprobs are the
+model's own, and a runner may keep its buffer: a copy of each row would cost more than the rest,
+~50 us at 49k tokens); never a loop over a sequence's output. Nothing of it travels: the prefill
 worker that draws a first token and the decode worker that draws the rest (or the one a request
 moved to) each build it from the same tokens, the prompt and what the sequence was handed.
 """
@@ -28,6 +29,7 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -94,30 +96,19 @@ class Penalties:
     def of(cls, params: SamplingParams, end_ids: set[int]) -> "Penalties | None":
         return cls(params, end_ids) if params.shapes_logits() else None
 
-    @torch.inference_mode()  # a forward pass's logits are inference tensors
-    def apply(
-        self, logits: torch.Tensor, prompt: list[int], resumed: int, output: list[int]
-    ) -> tuple[torch.Tensor, Callable[[], None]]:
-        """The next token's logits [vocab], shaped in place (a float32 copy of others), and what
-        puts them back as they were (logprobs read the raw row, and a runner may keep its
-        buffer). `prompt` (its last `resumed` tokens output the client had) and `output` are the
-        sequence's tokens: read the first time only."""
+    def stages(self, row: torch.Tensor, prompt: list[int], resumed: int, output: list[int]):
+        """This step's shaping of the sequence's logits `row` [vocab], stage by stage (`shape`
+        applies them). `prompt` (its last `resumed` tokens output the client had) and `output`
+        are the sequence's tokens: read the first time only, to build the state."""
         if not self._built:
-            self._build(logits, prompt, resumed, output)
-        row, masking = logits.float(), len(output) < self.min_tokens
-        touched = self._touched(masking)
-        saved = row.index_select(0, touched) if row is logits else None
-        if masking and self._end_ids is not None:
-            row.index_fill_(0, self._end_ids, -math.inf)
-        if self._bias_ids is not None:
-            row.index_add_(0, self._bias_ids, self._bias_values)
-        if self._seen is not None:
-            ids, r = self._seen.ids, self.repetition
-            seen = row.index_select(0, ids)
-            row.index_copy_(0, ids, torch.where(seen > 0, seen / r, seen * r))
-        if self._counted is not None:
-            row.index_add_(0, self._counted.ids, self._counted.values)
-        return row, functools.partial(_put_back, row, touched, saved)
+            self._build(row, prompt, resumed, output)
+        seen, counted = self._seen, self._counted
+        return _Stages(
+            self._end_ids if len(output) < self.min_tokens else None,
+            (self._bias_ids, self._bias_values),
+            (seen.ids if seen is not None else None, self.repetition),
+            (counted.ids, counted.values) if counted is not None else (None, None),
+        )
 
     @torch.inference_mode()
     def add(self, token: int) -> None:
@@ -139,13 +130,6 @@ class Penalties:
         twin._counted = self._counted.copy() if self._counted is not None else None
         twin._counts = dict(self._counts)
         return twin
-
-    def _touched(self, masking: bool) -> torch.Tensor:
-        """The ids this step's shaping writes (some twice, perhaps)."""
-        tables = (self._seen, self._counted)
-        parts = [t.ids for t in tables if t is not None] + [self._bias_ids]
-        parts.append(self._end_ids if masking else None)
-        return torch.cat([p for p in parts if p is not None] or [self._none])
 
     def _shift(self, count: int) -> float:
         return -(self.frequency * count + self.presence)
@@ -172,8 +156,99 @@ class Penalties:
         self._built = True
 
 
+@dataclass
+class _Stages:
+    """One sequence's shaping in one step: ids (and values) per stage, None where it skips one."""
+
+    ends: torch.Tensor | None  # masked with -inf
+    bias: tuple  # (ids, values): added
+    repetition: tuple  # (ids, r): divided by r where positive, multiplied where not
+    counted: tuple  # (ids, -(f x count + p)): added
+
+
+@dataclass
+class _Positions:
+    """Where one stage writes in a batch's flattened logits, and a value for each position."""
+
+    at: torch.Tensor
+    values: torch.Tensor | None
+
+
+def _positions(entries: list[tuple], width: int, device: torch.device) -> _Positions | None:
+    """One stage's (row, ids, values) of each sequence as one set of positions; values: a tensor
+    (one per id), a number (for every id of the row) or None."""
+    entries = [e for e in entries if e[1] is not None and len(e[1])]
+    if not entries:
+        return None
+    sizes = [len(ids) for _, ids, _ in entries]
+    spread = functools.partial(_spread, sizes=sizes, device=device)
+    at = torch.cat([ids for _, ids, _ in entries]) + spread([e[0] * width for e in entries])
+    values = [v for *_, v in entries]
+    if values[0] is None:
+        return _Positions(at, None)
+    if isinstance(values[0], float):
+        return _Positions(at, spread(values))
+    return _Positions(at, torch.cat(values))
+
+
+def _spread(each: list, sizes: list[int], device: torch.device):
+    """each[i] repeated sizes[i] times, as one tensor (a number, where there is one)."""
+    if len(each) == 1:
+        return each[0]
+    return torch.repeat_interleave(
+        torch.tensor(each, device=device),
+        torch.tensor(sizes, device=device),
+        output_size=sum(sizes),
+    )
+
+
+@torch.inference_mode()  # a forward pass's logits are inference tensors
+def shape(logits: torch.Tensor, staged: list[tuple[int, _Stages]]) -> Callable[[], None]:
+    """Shapes rows of `logits` [rows, vocab] (float32, contiguous: the runner's) in place, each row
+    by its own stages, and returns what puts them back as they were (logprobs read the raw rows,
+    and a runner may keep its buffer). Each stage is one op over every row it touches, on unique
+    positions: a position's new value depends on its own value and its own sequence's state
+    only, so a row comes out bit for bit as it would alone (batch-invariant), in vLLM's order."""
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        raise TypeError(f"logits to shape must be float32 and contiguous, not {logits.dtype}")
+    flat, width, device = logits.view(-1), logits.shape[-1], logits.device
+    ends, bias, seen, counted = (
+        _positions([(row, *stage(s)) for row, s in staged], width, device)
+        for stage in (lambda s: (s.ends, None), _bias, _repetition, _counted)
+    )
+    touched = [p.at for p in (ends, bias, seen, counted) if p is not None]
+    if not touched:
+        return _nothing
+    at = torch.cat(touched) if len(touched) > 1 else touched[0]
+    saved = flat.index_select(0, at)
+    if ends is not None:
+        flat.index_fill_(0, ends.at, -math.inf)
+    if bias is not None:
+        flat.index_add_(0, bias.at, bias.values)
+    if seen is not None:
+        scores, r = flat.index_select(0, seen.at), seen.values
+        flat.index_copy_(0, seen.at, torch.where(scores > 0, scores / r, scores * r))
+    if counted is not None:
+        flat.index_add_(0, counted.at, counted.values)
+    return functools.partial(_put_back, flat, at, saved)
+
+
+def _bias(s: _Stages) -> tuple:
+    return s.bias
+
+
+def _repetition(s: _Stages) -> tuple:
+    return s.repetition
+
+
+def _counted(s: _Stages) -> tuple:
+    return s.counted
+
+
 @torch.inference_mode()
-def _put_back(row: torch.Tensor, ids: torch.Tensor, saved: torch.Tensor | None) -> None:
-    """The row as it was before it was shaped (a copy was shaped: nothing to do)."""
-    if saved is not None:
-        row.index_copy_(0, ids, saved)  # an id twice: the same value twice
+def _put_back(flat: torch.Tensor, at: torch.Tensor, saved: torch.Tensor) -> None:
+    flat.index_copy_(0, at, saved)  # a position twice: the same value twice
+
+
+def _nothing() -> None:
+    pass

@@ -10,7 +10,7 @@ import torch
 from shared.control.choices import choice_id
 from shared.control.messages import GenerateTask, SamplingParams
 from shared.engine.engine import shaped
-from shared.engine.penalties import Penalties
+from shared.engine.penalties import Penalties, shape
 from shared.engine.sampler import plain_greedy
 from shared.engine.seq_status import SeqStatus
 from shared.engine.sequence import Sequence
@@ -58,6 +58,13 @@ def make_seq(prompt, max_tokens=8, ends=(END,), attempt_id="r.abc", **sampling) 
     return Sequence.from_task(task, None, set(ends), 512)
 
 
+def alone(penalties: Penalties, logits, prompt, resumed: int, output) -> torch.Tensor:
+    """`logits` [vocab] shaped by `penalties`, in a batch of its own (a copy)."""
+    batch = logits[None].clone()
+    shape(batch, [(0, penalties.stages(batch[0], prompt, resumed, output))])
+    return batch[0]
+
+
 @pytest.mark.parametrize(
     "sampling, resumed",
     [
@@ -77,34 +84,59 @@ def test_the_shaped_row_is_the_reference_s(sampling, resumed):
     params = SamplingParams(max_tokens=16, **sampling)
     penalties = Penalties.of(params, {END, 3})
     for i in range(len(output) + 1):  # built at the first draw, then kept up to date
-        mine, _ = penalties.apply(logits.clone(), prompt, resumed, output[:i])
+        mine = alone(penalties, logits, prompt, resumed, output[:i])
         assert_close(mine, reference(logits, params, prompt, resumed, output[:i], {END, 3}))
         if i < len(output):
             penalties.add(output[i])
-    fresh, _ = Penalties.of(params, {END, 3}).apply(logits.clone(), prompt, resumed, output)
-    assert torch.equal(fresh, penalties.apply(logits.clone(), prompt, resumed, output)[0])
+    fresh = alone(Penalties.of(params, {END, 3}), logits, prompt, resumed, output)
+    assert torch.equal(fresh, alone(penalties, logits, prompt, resumed, output))
 
 
-def shape(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-    with shaped(seq, logits) as row:
-        return row.clone()
+def test_rows_shaped_together_are_each_bit_for_bit_the_row_shaped_alone():
+    """Each stage is one op over every row: a row's values depend on its own state only."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 64, generator=generator) * 4
+    asks = [
+        PENALISED,
+        dict(repetition_penalty=0.6),
+        dict(frequency_penalty=-1.0, bias_token_ids=[9, 5], bias_values=[7.0, -3.0]),
+        PENALISED,  # the same as row 0, other tokens
+        dict(min_tokens=1, presence_penalty=1.5),
+    ]
+    states = []
+    for i, asked in enumerate(asks):
+        prompt = torch.randint(0, 64, (20 + i,), generator=generator).tolist()
+        output = torch.randint(0, 64, (i * 3,), generator=generator).tolist()
+        params = SamplingParams(max_tokens=32, **asked)
+        states.append((Penalties.of(params, {END}), prompt, i % 2, output))
+    rows = [1, 2, 3, 5, 0]  # row 4 asks for nothing
+    batch = logits.clone()
+    put_back = shape(batch, [(r, p.stages(batch[r], *rest)) for r, (p, *rest) in zip(rows, states)])
+    for row, (penalties, *rest) in zip(rows, states):
+        assert torch.equal(batch[row], alone(penalties, logits[row], *rest))
+    assert torch.equal(batch[4], logits[4])
+    put_back()
+    assert torch.equal(batch, logits)
+
+
+def shape_of(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+    with shaped(logits[None], [(0, seq)]) as rows:
+        return rows[0].clone()
 
 
 def test_the_row_is_put_back_after_the_draw_and_a_request_without_any_pays_nothing():
     """The runner's logits are as they came once the token is drawn: logprobs read them raw,
     and a runner may keep them (the mock engine's buffer lives on from step to step)."""
-    logits = torch.randn(64)
+    logits = torch.randn(2, 64)
     raw = logits.clone()
-    seq = make_seq([5, 6, 7], **dict(PENALISED, min_tokens=2))
-    with shaped(seq, logits) as row:
-        assert row is logits and not torch.equal(logits, raw)  # in place, for the draw
-    assert torch.equal(logits, raw)
-    as_bf16 = raw.to(torch.bfloat16)
-    assert shape(seq, as_bf16).dtype == torch.float32 and torch.equal(as_bf16, raw.bfloat16())
-    plain = make_seq([5, 6, 7], temperature=0.0)
-    with shaped(plain, logits) as row:
-        assert plain.penalties is None and row is logits
-    assert plain_greedy(plain.sampling) and not plain_greedy(seq.sampling)
+    seq, plain = make_seq([5, 6, 7], **PENALISED), make_seq([5, 6, 7], temperature=0.0)
+    with shaped(logits, [(0, plain), (1, seq)]) as rows:
+        assert rows is logits and torch.equal(logits[0], raw[0])
+        assert not torch.equal(logits[1], raw[1])  # in place, for the draw
+    assert torch.equal(logits, raw) and plain.penalties is None
+    with pytest.raises(TypeError, match="float32"):
+        shape_of(seq, raw[0].bfloat16())
+    assert plain_greedy(seq.sampling)  # its argmax is taken with the others', once shaped
     assert Penalties.of(SamplingParams(repetition_penalty=1.0, presence_penalty=0.0), {2}) is None
 
 
@@ -114,11 +146,11 @@ def test_a_token_beyond_the_model_s_rows_is_left_out():
         bias_token_ids=[3, 200], bias_values=[1.0, 5.0], min_tokens=1, frequency_penalty=1.0
     )
     penalties = Penalties.of(params, {END, 500})
-    row, _ = penalties.apply(torch.zeros(64), [1, 2, 300], 1, [])
+    row = alone(penalties, torch.zeros(64), [1, 2, 300], 1, [])
     assert row[3] == 1.0 and row[END] == -math.inf and int(torch.isinf(row).sum()) == 1
     penalties.add(400)
     penalties.add(4)
-    assert penalties.apply(torch.zeros(64), [1, 2, 300], 1, [400, 4])[0][4] == -1.0
+    assert alone(penalties, torch.zeros(64), [1, 2, 300], 1, [400, 4])[4] == -1.0
 
 
 def test_the_engine_draws_each_greedy_token_from_the_reference_row(tiny_model, rand_tokens):
@@ -189,12 +221,12 @@ def test_each_choice_counts_its_own_tokens(tiny_model, rand_tokens):
 def test_a_fork_copies_the_counts_and_then_goes_its_own_way():
     seq = make_seq([5, 6, 7], frequency_penalty=1.0)
     seq.append(8)
-    shape(seq, torch.zeros(16))  # built now
+    shape_of(seq, torch.zeros(16))  # built now
     child = seq.fork("r.abc~1", seq.sampling, 1)
     seq.append(8)
     child.append(9)
-    assert shape(seq, torch.zeros(16))[8:10].tolist() == [-2.0, 0.0]
-    assert shape(child, torch.zeros(16))[8:10].tolist() == [-1.0, -1.0]
+    assert shape_of(seq, torch.zeros(16))[8:10].tolist() == [-2.0, 0.0]
+    assert shape_of(child, torch.zeros(16))[8:10].tolist() == [-1.0, -1.0]
 
 
 def test_a_resumed_sequence_counts_the_tokens_it_was_sent_as_output(tiny_model):

@@ -170,7 +170,7 @@ class DecodeWorker:
             mask, refusal = constrained(self.rt, task)
         if refusal is None:
             engine, rt, ids = self.rt.engine, self.rt, task.prompt_token_ids
-            detokenizer = Detokenizer(rt.tokenizer, task.sampling.stop)
+            detokenizer = Detokenizer(rt.tokenizer, task.sampling.stop, task.sampling.min_tokens)
             detokenizer.prime(ids[len(ids) - task.resume_tokens :])
             seq = Sequence.from_task(
                 task, detokenizer, rt.eos_token_ids, rt.max_model_len, mask=mask

@@ -39,10 +39,22 @@ def integer(body: dict, name: str, default: int, low: int, high: int) -> int:
     return value
 
 
-def number(body: dict, name: str, default: float) -> float:
+def number_in(
+    body: dict, name: str, default: float, low: float, high: float, param: str = ""
+) -> float:
+    """body[name], a number in [low, high] (`param`: the field to name, when not `name`)."""
+    value = number(body, name, default, param)
+    if not low <= value <= high:
+        where = f"{param}[{name!r}]" if param else name
+        raise BadRequest(f"{where} must be a number in [{low:g}, {high:g}]", param or name)
+    return value
+
+
+def number(body: dict, name: str, default: float, param: str = "") -> float:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a number", name)
+        where = f"{param}[{name!r}]" if param else name
+        raise BadRequest(f"{where} must be a number", param or name)
     return float(value)

@@ -6,8 +6,10 @@ the original prompt plus every token already streamed, with `resume_tokens` sayi
 those are output. The new decode worker re-prefills that (from its prefix cache where it can),
 primes its detokenizer with the output so the text goes on seamlessly, and samples the next
 position; greedy output is the same as an undisturbed run's, and seeded sampling is too (each
-position's draw depends only on the seed and the position). A prefill worker that turns the
-prompt away as full has not failed either: the request is placed again, that worker not avoided.
+position's draw depends only on the seed and the position), penalised or not (the tokens sent
+count as output for the penalties; max_tokens and min_tokens are lowered by as many). A prefill
+worker that turns the prompt away as full has not failed either: the request is placed again,
+that worker not avoided.
 """
 
 import dataclasses
@@ -52,6 +54,7 @@ def resumed(
     sampling = dataclasses.replace(
         task.sampling,
         max_tokens=task.sampling.max_tokens + task.resume_tokens - len(sent),
+        min_tokens=max(0, task.sampling.min_tokens + task.resume_tokens - len(sent)),
         stop=list(task.sampling.stop),
         # the client has them with the first token: the prompt is not scored again
         prompt_logprobs=task.sampling.prompt_logprobs and not sent,

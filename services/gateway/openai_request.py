@@ -2,9 +2,10 @@
 
 The body becomes the same GenerateRequest a gRPC client sends, so both APIs share one path:
 validation, limits, keys, placement. Fields outside OpenAI's API that peers (vLLM, SGLang) also
-take are extensions here: top_k, ignore_eos, priority. Unknown fields are ignored, as the peers
-do; fields whose meaning we cannot honour (response formats, images, penalties) are refused with
-a 400 that names them, never silently dropped. A chat's tools (openai_tools.py) go with it. With n > 1 the choices' seeds are the
+take are extensions here: top_k, ignore_eos, priority, repetition_penalty, min_tokens (the
+sampling fields: openai_sampling.py). Unknown fields are ignored, as the peers do; fields whose
+meaning we cannot honour (images, audio, best_of, suffix) are refused with a 400 that names them,
+never silently dropped. A chat's tools (openai_tools.py) go with it. With n > 1 the choices' seeds are the
 request's seed + their index. A completion may hold several prompts (as lm-eval sends them): each
 becomes a request of its own, its choices numbered after the previous prompt's. `echo` starts
 each choice with its prompt; with `logprobs`, each prompt token's log-probability too (computed
@@ -14,11 +15,11 @@ where the prompt is: SamplingParams.prompt_logprobs), and with max_tokens 0, not
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.body_fields import BadRequest, fits, flag, integer, number
+from services.gateway.body_fields import BadRequest, fits, flag, integer
 from services.gateway.chat_messages import messages_into
+from services.gateway.openai_sampling import sampling_message
 from services.gateway.openai_tools import tools_into
 from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
-from services.gateway.structured_request import structured_output
 from services.gateway.validation import Limits
 from shared.api import tandem_pb2 as pb
 from shared.control import rules
@@ -27,9 +28,6 @@ from shared.control import rules
 UNSUPPORTED = {
     "functions": None,  # the deprecated form of tools
     "function_call": "none",
-    "logit_bias": {},
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
     "audio": None,
     "prediction": None,
     "web_search_options": None,
@@ -77,7 +75,7 @@ def parse(
     model = body.get("model", served_model)
     if not isinstance(model, str):
         raise BadRequest("model must be a string", "model")
-    request = pb.GenerateRequest(sampling=_sampling(body, defaults))
+    request = pb.GenerateRequest(sampling=sampling_message(body, defaults))
     echo, prompts = None, []
     if kind == "chat":
         messages_into(request, body.get("messages"), limits)
@@ -134,35 +132,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise BadRequest(
             f"not supported by this server: {', '.join(found)} (leave them out)", found[0]
         )
-
-
-def _sampling(body: dict, defaults: SamplingDefaults) -> pb.SamplingParams:
-    s = pb.SamplingParams(
-        temperature=number(body, "temperature", defaults.temperature),  # OpenAI's: 1, sampled
-        top_p=number(body, "top_p", defaults.top_p),
-        top_k=max(0, integer(body, "top_k", defaults.top_k, -1, 1 << 20)),  # -1: off, as in vLLM
-        ignore_eos=flag(body, "ignore_eos"),
-    )
-    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
-        if body.get(name) is not None:
-            s.max_tokens = integer(body, name, 0, 0, 1 << 31)  # 0: echo only (_echo_only)
-            break
-    if body.get("seed") is not None:
-        s.seed = integer(body, "seed", 0, -(1 << 63), (1 << 64) - 1) % (1 << 64)
-    s.stop.extend(_stops(body.get("stop")))
-    structured = structured_output(body)
-    if structured is not None:
-        s.structured_output.CopyFrom(structured)
-    return s
-
-
-def _stops(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
-        raise BadRequest("stop must be a string or a list of strings", "stop")
-    return stops
 
 
 def _prompts(prompt: Any, limits: Limits | None) -> list[str | list[int]]:

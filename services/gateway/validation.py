@@ -130,6 +130,38 @@ def sampling_of(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
         n=max(1, int(s.n)),
         prompt_logprobs=s.prompt_logprobs,
         constraint=constraint_of(s.structured_output) if s.HasField("structured_output") else None,
+        **penalties_of(s, max_tokens),
+    )
+
+
+def penalties_of(s: pb.SamplingParams, max_tokens: int) -> dict:
+    """The penalty, logit bias and min_tokens fields of SamplingParams (their token ids are
+    checked against the vocabulary by `validate`, which knows it)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not math.isfinite(value) or not -rules.MAX_PENALTY <= value <= rules.MAX_PENALTY:
+            raise InvalidRequest(f"{name} must be a number in [-2, 2]")
+    repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    if not math.isfinite(repetition) or not 0 < repetition <= rules.MAX_REPETITION_PENALTY:
+        raise InvalidRequest(
+            f"repetition_penalty must be a number in (0, {rules.MAX_REPETITION_PENALTY:.0f}]"
+        )
+    if len(s.logit_bias) > rules.MAX_BIAS_TOKENS:
+        raise InvalidRequest(f"logit_bias may name at most {rules.MAX_BIAS_TOKENS} tokens")
+    bias = sorted(s.logit_bias.items())
+    if not all(-rules.MAX_LOGIT_BIAS <= value <= rules.MAX_LOGIT_BIAS for _, value in bias):
+        raise InvalidRequest("logit_bias values must be numbers in [-100, 100]")
+    if s.min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({s.min_tokens}) must be at most max_tokens ({max_tokens})"
+        )
+    return dict(
+        presence_penalty=float(s.presence_penalty),
+        frequency_penalty=float(s.frequency_penalty),
+        repetition_penalty=float(repetition),
+        bias_token_ids=[int(token) for token, _ in bias],
+        bias_values=[float(value) for _, value in bias],
+        min_tokens=int(s.min_tokens),
     )
 
 
@@ -223,6 +255,10 @@ def validate(
     began = time.time()
     ids = prompt_ids_of(request, tokens)
     tokenized = (began, time.time())
+    if sampling.bias_token_ids and sampling.bias_token_ids[-1] >= tokens.vocab_size:
+        raise InvalidRequest(
+            f"logit_bias token ids must be below the vocabulary size, {tokens.vocab_size}"
+        )
     if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequest(
             f"the prompt is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}"

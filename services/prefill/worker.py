@@ -132,7 +132,11 @@ class PrefillWorker:
             except PlanError as err:
                 refusal = failed(Code.INVALID_ARGUMENT, f"bad KV destination: {err}")
         if refusal is None:
-            seq = Sequence.from_task(task.task, None, set(), self.rt.max_model_len, True, mask)
+            seq = (
+                Sequence.from_task(  # the end tokens: min_tokens may hold them back from the first
+                    task.task, None, self.rt.eos_token_ids, self.rt.max_model_len, True, mask
+                )
+            )
             self.ship.hold(task, seq, sender)
             self.engine.add(seq)
             self.wakeup.set()

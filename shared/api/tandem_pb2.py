@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"G\n\nToolChoice\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.tandem.v1.ToolChoiceMode\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xbc\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\t\n\x01n\x18\n \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x14 \x01(\x08\x12\x36\n\x11structured_output\x18\x15 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutputB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\x95\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xbe\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x1e\n\x05tools\x18\x07 \x03(\x0b\x32\x0f.tandem.v1.Tool\x12*\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x15.tandem.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe8\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x15\n\rkv_exposed_ms\x18\x08 \x01(\x01\x12\x0c\n\x04path\x18\t \x01(\t\x12\x15\n\rcached_tokens\x18\n \x01(\r\x12\x12\n\nmigrations\x18\x0b \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\x8c\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12!\n\x06timing\x18\x06 \x01(\x0b\x32\x11.tandem.v1.Timing\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\n \x03(\r\x12\'\n\ntool_calls\x18\x0b \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x0c \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"\x16\n\x14\x43lusterStatusRequest\"\xb2\x03\n\x0cWorkerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0e\n\x06queued\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x17\n\x0frequests_served\x18\t \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x0b \x01(\x04\x12\x1b\n\x13kv_transfers_failed\x18\x0c \x01(\x04\x12\x18\n\x10kv_blocks_leaked\x18\r \x01(\r\x12\x14\n\x0ckv_transport\x18\x0e \x01(\t\x12\x0c\n\x04zone\x18\x0f \x01(\t\x12\x18\n\x10messages_dropped\x18\x10 \x01(\x04\x12\x0f\n\x07kernels\x18\x11 \x01(\t\x12\r\n\x05model\x18\x13 \x01(\t\x12\x1d\n\x15kv_blocks_quarantined\x18\x12 \x01(\r\x12\n\n\x02tp\x18\x14 \x01(\r\x12\x10\n\x08tp_ranks\x18\x15 \x03(\t\"\x95\x01\n\x15\x43lusterStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\"\n\x1ascheduler_messages_dropped\x18\x03 \x01(\x04\x12 \n\x18gateway_messages_dropped\x18\x04 \x01(\x04*p\n\x0eToolChoiceMode\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x02\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x03*\x9a\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xa3\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12R\n\rClusterStatus\x12\x1f.tandem.v1.ClusterStatusRequest\x1a .tandem.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"G\n\nToolChoice\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.tandem.v1.ToolChoiceMode\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xad\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\t\n\x01n\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x03\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x14 \x01(\x08\x12\x36\n\x11structured_output\x18\x15 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x95\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xbe\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x1e\n\x05tools\x18\x07 \x03(\x0b\x32\x0f.tandem.v1.Tool\x12*\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x15.tandem.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe8\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x15\n\rkv_exposed_ms\x18\x08 \x01(\x01\x12\x0c\n\x04path\x18\t \x01(\t\x12\x15\n\rcached_tokens\x18\n \x01(\r\x12\x12\n\nmigrations\x18\x0b \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\x8c\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12!\n\x06timing\x18\x06 \x01(\x0b\x32\x11.tandem.v1.Timing\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\n \x03(\r\x12\'\n\ntool_calls\x18\x0b \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x0c \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"\x16\n\x14\x43lusterStatusRequest\"\xb2\x03\n\x0cWorkerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0e\n\x06queued\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x17\n\x0frequests_served\x18\t \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x0b \x01(\x04\x12\x1b\n\x13kv_transfers_failed\x18\x0c \x01(\x04\x12\x18\n\x10kv_blocks_leaked\x18\r \x01(\r\x12\x14\n\x0ckv_transport\x18\x0e \x01(\t\x12\x0c\n\x04zone\x18\x0f \x01(\t\x12\x18\n\x10messages_dropped\x18\x10 \x01(\x04\x12\x0f\n\x07kernels\x18\x11 \x01(\t\x12\r\n\x05model\x18\x13 \x01(\t\x12\x1d\n\x15kv_blocks_quarantined\x18\x12 \x01(\r\x12\n\n\x02tp\x18\x14 \x01(\r\x12\x10\n\x08tp_ranks\x18\x15 \x03(\t\"\x95\x01\n\x15\x43lusterStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\"\n\x1ascheduler_messages_dropped\x18\x03 \x01(\x04\x12 \n\x18gateway_messages_dropped\x18\x04 \x01(\x04*p\n\x0eToolChoiceMode\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x02\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x03*\x9a\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xa3\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12R\n\rClusterStatus\x12\x1f.tandem.v1.ClusterStatusRequest\x1a .tandem.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.tandem_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLCHOICEMODE']._serialized_start=2618
-  _globals['_TOOLCHOICEMODE']._serialized_end=2730
-  _globals['_FINISHREASON']._serialized_start=2733
-  _globals['_FINISHREASON']._serialized_end=2887
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_TOOLCHOICEMODE']._serialized_start=2859
+  _globals['_TOOLCHOICEMODE']._serialized_end=2971
+  _globals['_FINISHREASON']._serialized_start=2974
+  _globals['_FINISHREASON']._serialized_end=3128
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=158
   _globals['_TOOL']._serialized_start=160
@@ -44,29 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALL']._serialized_start=296
   _globals['_TOOLCALL']._serialized_end=351
   _globals['_SAMPLINGPARAMS']._serialized_start=354
-  _globals['_SAMPLINGPARAMS']._serialized_end=670
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=673
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=822
-  _globals['_CHOICELIST']._serialized_start=824
-  _globals['_CHOICELIST']._serialized_end=853
-  _globals['_GENERATEREQUEST']._serialized_start=856
-  _globals['_GENERATEREQUEST']._serialized_end=1174
-  _globals['_USAGE']._serialized_start=1176
-  _globals['_USAGE']._serialized_end=1233
-  _globals['_TIMING']._serialized_start=1236
-  _globals['_TIMING']._serialized_end=1468
-  _globals['_TOPLOGPROB']._serialized_start=1470
-  _globals['_TOPLOGPROB']._serialized_end=1517
-  _globals['_TOKENLOGPROB']._serialized_start=1519
-  _globals['_TOKENLOGPROB']._serialized_end=1604
-  _globals['_GENERATERESPONSE']._serialized_start=1607
-  _globals['_GENERATERESPONSE']._serialized_end=2003
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2005
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2027
-  _globals['_WORKERSTATUS']._serialized_start=2030
-  _globals['_WORKERSTATUS']._serialized_end=2464
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2467
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2616
-  _globals['_TANDEM']._serialized_start=2890
-  _globals['_TANDEM']._serialized_end=3053
+  _globals['_SAMPLINGPARAMS']._serialized_end=911
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=806
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=854
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=914
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1063
+  _globals['_CHOICELIST']._serialized_start=1065
+  _globals['_CHOICELIST']._serialized_end=1094
+  _globals['_GENERATEREQUEST']._serialized_start=1097
+  _globals['_GENERATEREQUEST']._serialized_end=1415
+  _globals['_USAGE']._serialized_start=1417
+  _globals['_USAGE']._serialized_end=1474
+  _globals['_TIMING']._serialized_start=1477
+  _globals['_TIMING']._serialized_end=1709
+  _globals['_TOPLOGPROB']._serialized_start=1711
+  _globals['_TOPLOGPROB']._serialized_end=1758
+  _globals['_TOKENLOGPROB']._serialized_start=1760
+  _globals['_TOKENLOGPROB']._serialized_end=1845
+  _globals['_GENERATERESPONSE']._serialized_start=1848
+  _globals['_GENERATERESPONSE']._serialized_end=2244
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2246
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2268
+  _globals['_WORKERSTATUS']._serialized_start=2271
+  _globals['_WORKERSTATUS']._serialized_end=2705
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2708
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2857
+  _globals['_TANDEM']._serialized_start=3131
+  _globals['_TANDEM']._serialized_end=3294
 # @@protoc_insertion_point(module_scope)

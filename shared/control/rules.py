@@ -24,6 +24,10 @@ MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per position, as OpenAI's API allows
 MAX_N = 64  # choices of one request
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's API allows
+MAX_REPETITION_PENALTY = 100.0  # in (0, this]: vLLM takes any positive number; finite here
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100], as OpenAI's API allows
+MAX_BIAS_TOKENS = 1024  # tokens one request's logit bias names
 MAX_MESSAGES = 4096  # chat messages of one request (gateway: counted before any rendering)
 MAX_CONTENT_PARTS = 4096  # text parts of one request's messages, all messages together
 MAX_LABEL = 256  # characters of a worker's descriptive strings (its kernel report)
@@ -33,7 +37,7 @@ MAX_TP = 1024  # tensor-parallel ranks of one worker
 SIGNED = {
     ("GenerateTask", "priority"): INT32,
 }
-TOKEN_LISTS = {"prompt_token_ids", "token_ids", "top_ids", "first_tokens"}
+TOKEN_LISTS = {"prompt_token_ids", "token_ids", "top_ids", "first_tokens", "bias_token_ids"}
 
 
 def _sampling(m) -> str | None:
@@ -48,6 +52,22 @@ def _sampling(m) -> str | None:
         or not 1 <= m.n <= MAX_N
     ):
         return "sampling parameters out of range"
+    return _penalties(m)
+
+
+def _penalties(m) -> str | None:
+    if (
+        not -MAX_PENALTY <= m.presence_penalty <= MAX_PENALTY
+        or not -MAX_PENALTY <= m.frequency_penalty <= MAX_PENALTY
+        or not 0 < m.repetition_penalty <= MAX_REPETITION_PENALTY
+        or m.min_tokens > m.max_tokens
+    ):
+        return "penalties or min_tokens out of range"
+    ids, values = m.bias_token_ids, m.bias_values
+    if len(ids) != len(values) or len(ids) > MAX_BIAS_TOKENS or len(set(ids)) != len(ids):
+        return "bias_token_ids and bias_values differ in length, repeat a token or are too long"
+    if not all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in values):  # NaN fails too
+        return "bias_values has an item out of range"
     return None
 
 

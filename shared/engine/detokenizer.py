@@ -1,4 +1,9 @@
-"""Token ids to streamed text: valid UTF-8 only, stop strings honoured and never shown."""
+"""Token ids to streamed text: valid UTF-8 only, stop strings honoured and never shown.
+
+As in vLLM, no stop string is looked for in the text of the first `min_tokens` output tokens
+(only one that ends after them counts), nor in output a moved request was primed with: the
+worker that streamed it has looked already, or was held back by min_tokens.
+"""
 
 import copy
 from collections.abc import Callable
@@ -33,7 +38,7 @@ class Detokenizer:
     still become the start of a stop string.
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
         self._decode = text_decoder(tokenizer)
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
@@ -45,6 +50,8 @@ class Detokenizer:
         self._text = ""  # the text of tokens [0, _read)
         self._emitted = 0  # characters of _text already shown
         self.stopped = False  # a stop string appeared; nothing more will be shown
+        self._quiet = min_tokens  # tokens still to add before stop strings are looked for
+        self._floor = 0  # a stop string must end past this many characters of _text
 
     def _pending(self) -> str:
         """The text the tokens after _read add (may end in an incomplete character)."""
@@ -60,19 +67,24 @@ class Detokenizer:
     def prime(self, token_ids: list[int]) -> None:
         """Takes in output the client already has (a request resumed on another worker): the same
         state, held-back text included, as the worker that streamed it had, nothing shown again."""
+        self._quiet += len(token_ids)
         for token_id in token_ids:
             self.add(token_id)
 
     def add(self, token_id: int) -> str:
         self._ids.append(token_id)
+        quiet, self._quiet = self._quiet > 0, max(0, self._quiet - 1)
         new = self._pending()
         if new.endswith(REPLACEMENT):
             return ""  # wait for the rest of the character
         self._text += new
         self._prefix, self._read = self._read, len(self._ids)
-        if self._stop:
+        if quiet:
+            self._floor = len(self._text)
+        elif self._stop:
             start = max(0, self._emitted - self._hold)
-            hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
+            found = (self._text.find(s, max(start, self._floor - len(s) + 1)) for s in self._stop)
+            hits = [i for i in found if i >= 0]
             if hits:
                 self.stopped = True
                 return self._take(min(hits))

@@ -2,7 +2,8 @@
 postprocess.
 
 The Scheduler decides which sequences run in a step (and preempts); the ModelRunner computes the
-batch; the Engine samples each row's next token, forks the choices of a request of n > 1 at its
+batch; the Engine shapes the rows' logits (`shaped`: penalties, bias, min_tokens) and samples each
+row's next token, forks the choices of a request of n > 1 at its
 first token (fork), and lands prompts computed on another worker once their KV is in their blocks.
 
 `step()` runs in the engine thread; `admit`, `add`, `kv_arrived` and `abort` may come from the
@@ -14,19 +15,24 @@ Only prompt-pass blocks (here or on a prefill worker) enter the prefix cache: a 
 differ slightly from a prompt row's; a hit on decode-filled blocks would differ from a cold run.
 """
 
+import contextlib
 import threading
 import time
+
+import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.fork import fork
 from shared.engine.forward_batch import SeqSpan
+from shared.engine.penalties import shape
 from shared.engine.sampler import greedy_tokens, logprob_of, plain_greedy, sample
 from shared.engine.scheduler import Scheduler, Work
 from shared.engine.seq_status import SeqStatus
 from shared.engine.sequence import Sequence, StepOutput
 from shared.engine.step_runner import StepRunner
 from shared.engine.step_stats import StepStats
-from shared.values.sampling import choice_sampling
+from shared.engine.token_mask import TokenMask
+from shared.values.sampling import SamplingParams, choice_sampling
 
 Outputs = list[tuple[Sequence, StepOutput]]
 
@@ -154,8 +160,7 @@ class Engine:
             return self._first_of_each(seq, list(zip(seq.first_tokens, logprobs)))
 
     def _postprocess(self, work: list[Work], logits) -> Outputs:
-        ends = [w.end >= w.seq.num_tokens and plain_greedy(w.seq.sampling) for w in work]
-        outputs, greedy = [], greedy_tokens(logits, ends)
+        outputs, drawn = [], self._draw(work, logits)
         for row, w in enumerate(work):
             seq = w.seq
             if seq.status.finished:
@@ -176,25 +181,27 @@ class Engine:
                 seq.queue_ms = (
                     seq.queue_ms or max(0.0, seq.prefill_started - seq.arrival_time) * 1000
                 )
-            outputs += self._sample(seq, logits[row], greedy[row])
+            outputs += self._first_of_each(seq, _scored(seq, logits[row], drawn[row]))
         return outputs
 
-    def _sample(self, seq: Sequence, logits, greedy: int) -> Outputs:
-        """The next token from seq's logits [vocab] (with its logprob when asked); at the end of
-        the prompt of a request of n > 1 choices, the first token of each choice. `greedy`: the
-        row's argmax, when it is all the request asks for (-1: not computed)."""
-        params = seq.sampling
-        if greedy >= 0:
-            return self._first_of_each(seq, [(greedy, None)])
-        choices = (
-            [choice_sampling(params, i) for i in range(params.n)] if params.n > 1 else [params]
-        )
-        draws, scores = [], shaped(seq, logits)
-        for choice in choices:
-            token = sample(scores, choice, seq.position)
-            logprob = logprob_of(logits, token, choice.top_logprobs) if choice.logprobs else None
-            draws.append((token, logprob))
-        return self._first_of_each(seq, draws)
+    def _draw(self, work: list[Work], logits) -> dict[int, list[int]]:
+        """The next token of each row that samples (its prompt done, not aborted), from its
+        shaped logits; at the end of the prompt of a request of n > 1 choices, the first token
+        of each choice. The rows that ask only for the argmax take it in one call."""
+        rows = [
+            row
+            for row, w in enumerate(work)
+            if w.end >= w.seq.num_tokens and not w.seq.status.finished
+        ]
+        plain = [False] * len(work)
+        for row in rows:
+            plain[row] = plain_greedy(work[row].seq.sampling)
+        with shaped(logits, [(row, work[row].seq) for row in rows]):
+            greedy = greedy_tokens(logits, plain)
+            return {
+                row: [greedy[row]] if plain[row] else _sampled(work[row].seq, logits[row])
+                for row in rows
+            }
 
     def _first_of_each(self, seq: Sequence, draws: list) -> Outputs:
         """seq takes draws[0]; the other choices (a prefill worker: the decode worker's to fork;
@@ -230,13 +237,60 @@ class Engine:
         return out
 
 
-def shaped(seq: Sequence, logits):
-    """The one place a sequence's logits row [vocab] is shaped before its token is drawn: its
-    constraint's mask (structured outputs). A new row where anything changes: the raw one is what
-    logprobs report."""
-    if seq.mask is None:
-        return logits
-    return seq.mask.apply(logits)
+@contextlib.contextmanager
+def shaped(logits, rows: list[tuple[int, Sequence]]):
+    """The one place logits are shaped before tokens are drawn from them: each listed row
+    [vocab] by its sequence's penalties, logit bias and min_tokens (penalties.py), then its constraint's mask
+    (structured outputs), in place for the draw and put back after it (logprobs report the raw
+    rows, and a runner may keep its buffer: the mock's lives from step to step)."""
+    staged = [
+        (
+            row,
+            seq.penalties.stages(
+                logits[row], seq.prompt_token_ids, seq.resume_tokens, seq.output_ids
+            ),
+        )
+        for row, seq in rows
+        if seq.penalties is not None
+    ]
+    put_back = shape(logits, staged) if staged else None
+    masked = [(row, seq.mask) for row, seq in rows if seq.mask is not None]
+    restore = _mask(logits, masked) if masked else None
+    try:
+        yield logits
+    finally:
+        if restore is not None:
+            restore()
+        if put_back is not None:
+            put_back()
+
+
+@torch.inference_mode()
+def _mask(logits, masked: list[tuple[int, TokenMask]]):
+    """Each masked row's disallowed tokens at -inf (their constraints', structured outputs), in
+    one op over those rows; returns what puts them back."""
+    index = torch.tensor([row for row, _ in masked], device=logits.device)
+    saved = logits.index_select(0, index)
+    allowed = torch.stack([mask.allowed(logits.shape[-1]) for _, mask in masked])
+    logits.index_copy_(0, index, saved.masked_fill(~allowed.to(logits.device), float("-inf")))
+    return torch.inference_mode()(lambda: logits.index_copy_(0, index, saved))
+
+
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """How each choice samples: the request itself, or (n > 1) each choice's own."""
+    return [choice_sampling(params, i) for i in range(params.n)] if params.n > 1 else [params]
+
+
+def _sampled(seq: Sequence, scores) -> list[int]:
+    return [sample(scores, choice, seq.position) for choice in _choices(seq.sampling)]
+
+
+def _scored(seq: Sequence, logits, tokens: list[int]) -> list[tuple]:
+    """Each choice's token with its logprob under the raw logits [vocab] (None: not asked)."""
+    return [
+        (token, logprob_of(logits, token, choice.top_logprobs) if choice.logprobs else None)
+        for token, choice in zip(tokens, _choices(seq.sampling))
+    ]
 
 
 def _rows(work: list[Work]) -> tuple[int, int]:

@@ -40,14 +40,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
 
 
 def plain_greedy(params: SamplingParams) -> bool:
-    """Greedy, one choice, no logprobs, no constraint: the argmax is all the request asks of its
-    logits."""
-    return (
-        params.temperature < MIN_TEMPERATURE
-        and params.n == 1
-        and not params.logprobs
-        and params.constraint is None
-    )
+    """Greedy, one choice, no logprobs: the argmax of its (shaped) logits is all the request asks
+    of them."""
+    return params.temperature < MIN_TEMPERATURE and params.n == 1 and not params.logprobs
 
 
 def greedy_tokens(logits: torch.Tensor, wanted: list[bool]) -> list[int]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.engine.detokenizer import Detokenizer
+from shared.engine.penalties import Penalties
 from shared.engine.prompt_scores import PromptScores
 from shared.engine.seq_status import SeqStatus, checked
 from shared.engine.token_mask import TokenMask
@@ -52,6 +53,7 @@ class Sequence:
         self.group_id = attempt_id  # the id it was taken on under (n > 1: the group's)
         self.choice = 0  # which choice of its group it is (n > 1)
         self.sampling = sampling
+        self.penalties = Penalties.of(sampling, eos_token_ids)  # None: it asks for none
         self.prompt_token_ids = prompt_token_ids
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
@@ -134,6 +136,7 @@ class Sequence:
             mask=self.mask.fork() if self.mask is not None else None,
         )
         child.group_id, child.choice, child.forked_from = self.group_id, choice, self
+        child.penalties = self.penalties.copy() if self.penalties is not None else None
         child.num_computed_tokens = self.num_computed_tokens
         for name in (
             "resume_tokens",
@@ -192,6 +195,8 @@ class Sequence:
         self.output_ids.append(token_id)
         if self.mask is not None:
             self.mask.accept(token_id)
+        if self.penalties is not None:
+            self.penalties.add(token_id)
         text = self.detokenizer.add(token_id) if self.detokenizer else ""
         ended = self._ending(token_id)
         if ended is not None:

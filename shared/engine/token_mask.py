@@ -11,8 +11,8 @@ class TokenMask(Protocol):
     def finished(self) -> bool:
         """The output is complete (or can go no further): the sequence ends."""
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """A new row of `logits` [vocab] with the tokens not allowed next at -inf."""
+    def allowed(self, width: int) -> torch.Tensor:
+        """Which of the `width` tokens of a logits row may come next: a bool tensor [width]."""
 
     def accept(self, token: int) -> None:
         """The sequence took `token`."""

@@ -3,7 +3,7 @@ engine's TokenMask: the tokens that may come next, each token sampled accepted, 
 choice of a request of n > 1.
 
 The mask is computed for each token the sequence samples, the first included (on whichever
-worker computes the prompt): a row of the logits whose disallowed tokens are -inf. Once the
+worker computes the prompt): the engine sets the disallowed tokens of its logits row to -inf. Once the
 output is complete, only the end tokens are allowed; once one is taken (or the grammar can go no
 further) the state is finished, and the sequence ends there.
 """
@@ -23,15 +23,13 @@ class GrammarState:
         """The output is complete (an end token was taken) or can go no further."""
         return self._matcher.is_stopped() or self._matcher.is_error()
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [vocab] with every token the grammar does not allow next at -inf (a new
-        row: the raw one is what logprobs report). Where it allows none (its output is over),
-        only the end tokens: the sequence ends there."""
-        allowed = self._allowed(logits.shape[-1])
+    def allowed(self, width: int) -> torch.Tensor:
+        """Which of a logits row's `width` tokens the grammar allows next. Where it allows none
+        (its output is over), only the end tokens: the sequence ends there."""
+        allowed = self._allowed(width)
         if not allowed.any():
-            allowed[[t for t in self._eos if t < len(allowed)]] = True
-        mask = torch.from_numpy(allowed).to(logits.device)
-        return logits.float().masked_fill(~mask, float("-inf"))
+            allowed[[t for t in self._eos if t < width]] = True
+        return torch.from_numpy(allowed)
 
     def _allowed(self, width: int) -> np.ndarray:
         if self.finished:

@@ -144,7 +144,9 @@ class KVFetcher:
             await self._abort(t, seq)
 
     def _complete(self, t: InboundTransfer, seq: Sequence) -> None:
-        """COMPLETE: what the prefill computed and how the KV came, written into the sequence."""
+        """COMPLETE: what the prefill computed and how the KV came, written into the sequence.
+        Its penalties need nothing more: appending the first tokens (Engine.kv_arrived) and its
+        prompt are all its counts are made of."""
         result = t.result
         seq.first_tokens, seq.first_logprobs = result.first_tokens, result.first_logprobs
         seq.prompt_logprobs = result.prompt_logprobs

@@ -128,7 +128,10 @@ class OutboundTransfer(TransferMachine[OutboundState]):
         return self.sender.ready(self.seq.num_computed_tokens)
 
     def on_prompt_done(self, out: StepOutput) -> None:
-        """The prompt is computed: `out` holds the first token of each choice (and logprobs)."""
+        """The prompt is computed: `out` holds the first token of each choice (and logprobs),
+        drawn under the request's penalties, bias and min_tokens. Only the tokens travel: the
+        decode worker rebuilds each choice's counts from its prompt (a moved request's resumed
+        tail counted as output) and the first token (shared/engine/penalties.py)."""
         self.first_tokens, self.computed_at = out.token_ids, time.time()
         self.first_logprobs, self.prompt_logprobs = out.logprobs, out.prompt_logprobs
 

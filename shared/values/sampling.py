@@ -7,6 +7,12 @@ KV blocks (the group's own goes on as choice 0). From then on each choice stream
 its own (`<group id>~<index>`, known from the start, so a choice is cancelled alone and its stream
 is there before the fork) and samples with a seed of its own (the request's seed + its index), so a
 request with n = 1 and that seed gives the same choice.
+
+Penalties and biases (presence_penalty, frequency_penalty, repetition_penalty, the logit bias and
+min_tokens) are OpenAI's and vLLM's: shared/engine/penalties.py applies them. The logit bias
+travels as two lists of one length (token ids, values): the wire has no maps of int keys.
+Like max_tokens, min_tokens counts this attempt's output: a moved request's is lowered by what
+the client already has.
 """
 
 import dataclasses
@@ -29,6 +35,23 @@ class SamplingParams:
     logprobs: bool = False  # return each sampled token's log-probability
     top_logprobs: int = 0  # and this many most likely alternatives at each position
     n: int = 1  # choices: the prompt computed once, each choice sampled with seed + its index
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it is in the output
+    frequency_penalty: float = 0.0  # subtracted per time a token is in the output
+    repetition_penalty: float = 1.0  # divides (> 0) or multiplies (< 0) a seen token's logit
+    bias_token_ids: list[int] = field(default_factory=list)  # the logit bias: these tokens'
+    bias_values: list[float] = field(default_factory=list)  # logits get these added
+    min_tokens: int = 0  # no end token (nor stop string) before this many output tokens
+
+    def shapes_logits(self) -> bool:
+        """Whether a penalty, a bias or min_tokens changes its logits before a token is drawn."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.bias_token_ids
+            or self.min_tokens
+        )
+
     # each prompt token's log-probability (and top_logprobs alternatives) from the position before
     # it, computed where the prompt is computed: OpenAI's echo with logprobs
     prompt_logprobs: bool = False

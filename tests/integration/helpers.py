@@ -76,6 +76,50 @@ def hf_greedy(model, tokenizer, request: pb.GenerateRequest) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
+class _OutputPenalties:
+    """OpenAI's frequency and presence penalties as a Hugging Face logits processor (it has none
+    of its own); given to generate(), it runs after its bias and repetition penalty, in vLLM's
+    order."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float):
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(input_ids[0, self.prompt_len :], minlength=scores.shape[-1])
+        counts = counts[None, : scores.shape[-1]].to(scores.dtype)
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def hf_penalised_greedy(model, tokenizer, request: pb.GenerateRequest) -> list[int]:
+    """What Hugging Face generate() answers, greedy, under the request's penalties, logit bias
+    and min_tokens (its repetition_penalty, sequence_bias and min_new_tokens; frequency and
+    presence by _OutputPenalties), stopping on the end tokens a Tandem worker stops on."""
+    from transformers import LogitsProcessorList
+
+    from shared.worker.end_tokens import eos_token_ids
+
+    s = request.sampling
+    ids = prompt_ids(tokenizer, request)
+    inputs = torch.tensor([ids])
+    kw = dict(repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0)
+    if s.logit_bias:
+        kw["sequence_bias"] = {(token,): value for token, value in s.logit_bias.items()}
+    output = _OutputPenalties(len(ids), s.frequency_penalty, s.presence_penalty)
+    with torch.inference_mode():
+        out = model.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            do_sample=False,
+            max_new_tokens=s.max_tokens,
+            min_new_tokens=s.min_tokens,
+            eos_token_id=sorted(eos_token_ids(model.generation_config, tokenizer)),
+            pad_token_id=tokenizer.eos_token_id,
+            logits_processor=LogitsProcessorList([output]),
+            **kw,
+        )
+    return out[0, len(ids) :].tolist()
+
+
 def long_document(approx_tokens: int = 1500) -> str:
     animals = ["fox", "owl", "heron", "badger", "otter", "lynx", "crane", "marten"]
     places = ["river", "forest", "meadow", "ridge", "marsh", "valley", "glacier", "harbor"]

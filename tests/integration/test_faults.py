@@ -8,7 +8,8 @@ One auto-mode stack, 2 prefill and 2 decode workers, killed one after another:
   2. the decode worker streaming a request: the request is re-prefilled on the other decode worker
      from its prompt plus the tokens already sent, and the stream goes on;
   3. the last decode worker: nothing can take the request, and the client gets UNAVAILABLE.
-Every output is token-identical to Hugging Face greedy, and the text is the text of the tokens.
+Every output is token-identical to Hugging Face greedy (part 2's under penalties, a logit bias and
+min_tokens), and the text is the text of the tokens.
 """
 
 import concurrent.futures
@@ -24,6 +25,7 @@ from tests.integration.helpers import (
     chat_request,
     hf_greedy,
     hf_logprobs,
+    hf_penalised_greedy,
     long_document,
     prompt_ids,
 )
@@ -105,11 +107,20 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
             ].usage.completion_tokens == len(ids)
 
         # 2. The decode worker streaming a request of two choices dies after 10 tokens: each
-        # choice moves on its own, and goes on with Hugging Face's tokens and logprobs.
-        story = chat_request("Write a long story about a fox who learns to sail.", 40)
+        # choice moves on its own, and goes on with Hugging Face's tokens and logprobs. It is
+        # penalised: the 10 tokens sent count as output on the next worker (and min_tokens).
+        story = chat_request(
+            "Write a long story about a fox who learns to sail.",
+            40,
+            repetition_penalty=1.2,
+            frequency_penalty=0.3,
+            presence_penalty=0.2,
+            min_tokens=30,
+        )
+        story.sampling.logit_bias[tokenizer.encode(" boat", add_special_tokens=False)[0]] = -100
         story.sampling.logprobs, story.sampling.top_logprobs, story.sampling.n = True, 3, 2
         responses, victim = _stream_and_kill(stack, story, "decode", after_tokens=10)
-        expected = hf_greedy(hf_model, tokenizer, story)
+        expected = hf_penalised_greedy(hf_model, tokenizer, story)
         reference = hf_logprobs(hf_model, prompt_ids(tokenizer, story), expected)
         for index in (0, 1):
             mine = [r for r in responses if r.index == index]

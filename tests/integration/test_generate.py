@@ -5,7 +5,13 @@ import concurrent.futures
 import pytest
 
 from shared.api import tandem_pb2 as pb
-from tests.integration.helpers import chat_request, collect, hf_greedy, long_document
+from tests.integration.helpers import (
+    chat_request,
+    collect,
+    hf_greedy,
+    hf_penalised_greedy,
+    long_document,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +51,32 @@ def test_disaggregated_equals_colocated(disagg, colocated):
         assert remote_ids == local_ids and remote_text == local_text
         assert chunks[-1].timing.prefill_worker == chunks[-1].timing.decode_worker  # no transfer
         assert chunks[-1].timing.kv_transfer_ms == 0
+
+
+def test_penalised_greedy_is_hugging_faces_colocated_and_disaggregated(
+    disagg, colocated, hf_model, tokenizer
+):
+    """Penalties, logit bias and min_tokens: the first token drawn on the prefill worker, the
+    rest on the decode worker, or all on one colocated worker; the same tokens as Hugging Face's
+    processors give, and not the unpenalised ones."""
+    question = "List the days of the week, twice."
+    plain = hf_greedy(hf_model, tokenizer, chat_request(question, 24))
+    request = chat_request(
+        question, 24, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3
+    )
+    request.sampling.logit_bias[plain[1]] = -100.0  # the plain answer's second token: banned
+    short = chat_request("Say only: yes.", 10, min_tokens=6)
+    answers = []
+    for asked in (request, short):
+        expected = hf_penalised_greedy(hf_model, tokenizer, asked)
+        _, remote, _ = collect(disagg.stub(), asked)
+        chunks, local, _ = collect(colocated.stub(), asked)
+        assert remote == local == expected
+        assert chunks[-1].timing.kv_transfer_ms == 0  # colocated: no transfer
+        answers.append(expected)
+    assert answers[0] != plain
+    assert len(hf_greedy(hf_model, tokenizer, chat_request("Say only: yes.", 10))) < 6
+    assert len(answers[1]) >= 6  # its end token held back until then
 
 
 def test_seeded_sampling_is_repeatable(disagg):

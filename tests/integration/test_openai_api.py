@@ -164,6 +164,28 @@ def test_chat_logprobs_are_hugging_faces(disagg, hf_model, tokenizer):
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
 
 
+def test_frequency_penalty_and_logit_bias_as_the_grpc_api_takes_them(disagg, tokenizer):
+    """OpenAI's logit_bias (string keys) and frequency_penalty, and vLLM's min_tokens and
+    repetition_penalty (extra_body), through the official client: the gRPC API's answer."""
+    kw = dict(repetition_penalty=1.2, frequency_penalty=0.8, presence_penalty=0.1, min_tokens=8)
+    grpc_request = chat_request(QUESTION, 16, **kw)
+    banned = collect(disagg.stub(), chat_request(QUESTION, 16))[1][0]  # the plain first token
+    grpc_request.sampling.logit_bias[banned] = -100.0
+    _, ids, text = collect(disagg.stub(), grpc_request)
+    answer = client(disagg).chat.completions.create(
+        model=model_of(disagg),
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=16,
+        temperature=0,
+        frequency_penalty=0.8,
+        presence_penalty=0.1,
+        logit_bias={str(banned): -100},
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 8},
+    )
+    assert answer.choices[0].message.content == text and ids[0] != banned
+    assert answer.usage.completion_tokens == len(ids) >= 8
+
+
 def test_completion_logprobs_in_the_legacy_shape(disagg):
     answer = client(disagg).completions.create(
         model=model_of(disagg), prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2
@@ -183,7 +205,8 @@ def test_completion_logprobs_in_the_legacy_shape(disagg):
     [
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"response_format": {"type": "xml"}}, "response_format"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"temperature": -1}, "temperature"),
         ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
         ({"max_tokens": 10**6}, "max_tokens"),

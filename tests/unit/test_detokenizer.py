@@ -144,6 +144,8 @@ def test_a_primed_detokenizer_goes_on_exactly_where_the_first_left_off(tokenizer
     for k in range(len(ids)):
         first = Detokenizer(tokenizer, stop)
         shown = [first.add(i) for i in ids[:k]]
+        if first.stopped:
+            break  # the stream ended at its stop string: no request moves after that
         second = Detokenizer(tokenizer, stop)
         second.prime(ids[:k])
         rest = []
@@ -171,3 +173,39 @@ def test_the_direct_decoder_gives_hugging_faces_text_and_a_stand_in_keeps_its_ow
             return f"<{len(ids)}>"
 
     assert text_decoder(StandIn())([1, 2]) == "<2>"
+
+
+def shown(detokenizer: Detokenizer, ids: list[int]) -> str:
+    text = ""
+    for i in ids:
+        text += detokenizer.add(i)
+        if detokenizer.stopped:
+            return text
+    return text + detokenizer.flush()
+
+
+@pytest.mark.parametrize(
+    "stop, min_tokens, expected",
+    [
+        (["o"], 0, "Hell"),
+        (["o"], 2, "Hello, w"),  # 'Hello' ',' are the first two: their 'o' does not count
+        (["o"], 3, "Hello, world! H"),
+        ([", world"], 1, "Hello"),  # one that ends after them does
+        (["o"], 9, "Hello, world! How are you today?"),
+    ],
+)
+def test_no_stop_string_within_the_first_min_tokens(tokenizer, stop, min_tokens, expected):
+    """As vLLM: stop strings are looked for from the token after the first min_tokens on."""
+    ids = ids_of(tokenizer, "Hello, world! How are you today?")
+    assert shown(Detokenizer(tokenizer, stop, min_tokens), ids) == expected
+
+
+def test_a_moved_request_s_primed_output_is_not_searched_again(tokenizer):
+    """Moved after 2 tokens with min_tokens 3 (1 left on the new worker): the stream goes on as
+    the undisturbed one, though its primed text holds the stop string."""
+    ids = ids_of(tokenizer, "Hello, world! How are you today?")
+    first = Detokenizer(tokenizer, ["o"], 3)
+    before = "".join(first.add(i) for i in ids[:2])
+    second = Detokenizer(tokenizer, ["o"], 1)
+    second.prime(ids[:2])
+    assert before + shown(second, ids[2:]) == "Hello, world! H" and second.stopped

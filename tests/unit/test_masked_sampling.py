@@ -25,10 +25,10 @@ class OnlySome:
     def finished(self) -> bool:
         return len(self.taken) >= LENGTH
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        row = torch.full_like(logits, float("-inf"))
-        row[ALLOWED] = logits[ALLOWED]
-        return row
+    def allowed(self, width: int) -> torch.Tensor:
+        allowed = torch.zeros(width, dtype=torch.bool)
+        allowed[ALLOWED] = True
+        return allowed
 
     def accept(self, token: int) -> None:
         self.taken.append(token)

@@ -42,6 +42,12 @@ SAMPLING = SamplingParams(
     seed=2**63 - 1,
     stop=["\n\n", "日本"],
     ignore_eos=True,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.1,
+    bias_token_ids=[5, 49151],
+    bias_values=[-100.0, 2.5],
+    min_tokens=3,
 )
 LAYOUT = KVLayout(model="m", dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64)
 TASK = GenerateTask(
@@ -271,6 +277,17 @@ def _with(message, path: str, value) -> bytes:
         (TASK, "sampling.top_p", 1.5),
         (TASK, "sampling.stop", ["x"] * 65),
         (TASK, "sampling.stop", ["x" * 70_000]),
+        (TASK, "sampling.presence_penalty", 2.5),
+        (TASK, "sampling.frequency_penalty", float("nan")),
+        (TASK, "sampling.frequency_penalty", -2.01),
+        (TASK, "sampling.repetition_penalty", 0.0),
+        (TASK, "sampling.repetition_penalty", float("inf")),
+        (TASK, "sampling.min_tokens", 8),  # above max_tokens
+        (TASK, "sampling.bias_token_ids", [5]),  # fewer than its values
+        (TASK, "sampling.bias_token_ids", [5, 5]),  # a token twice
+        (TASK, "sampling.bias_token_ids", [5, 2**31]),
+        (TASK, "sampling.bias_values", [-100.0, 100.5]),
+        (TASK, "sampling.bias_values", [-100.0, float("nan")]),
         (TASK, "prompt_token_ids", []),
         (TASK, "prompt_token_ids", [1, -2]),
         (TASK, "prompt_token_ids", [1, 2**31]),
@@ -339,6 +356,11 @@ def test_a_failure_with_an_unknown_code_or_retry_is_refused(path, value):
 
 
 def test_values_at_the_edges_are_accepted():
+    edge = dict(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=100.0)
+    bias = dict(bias_token_ids=list(range(1024)), bias_values=[100.0, -100.0] * 512)
+    sampling = SamplingParams(max_tokens=7, min_tokens=7, **edge, **bias)
+    task = GenerateTask("r", [1, 2], sampling, "reply", 1.0)
+    assert decode(encode(task), GenerateTask) == task
     assert decode(_with(TASK, "priority", -(2**31))).priority == -(2**31)
     assert decode(_with(TASK, "resume_tokens", 2)).resume_tokens == 2
     assert decode(_with(SAMPLES[5], "first_tokens", [2**31 - 1])).first_tokens == [2**31 - 1]

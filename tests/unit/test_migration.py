@@ -30,3 +30,14 @@ def test_a_resumed_attempt_carries_the_sent_tokens_and_what_is_left_to_generate(
     )  # placed again: it waits ahead of new ones
     # the earlier attempts unchanged
     assert first.sampling.max_tokens == 10 and first.avoid_workers == []
+
+
+def test_min_tokens_counts_what_was_sent_as_max_tokens_does():
+    first = GenerateTask(
+        "req-1.aaaa", [5, 6], SamplingParams(max_tokens=10, min_tokens=4), "g", 1.0
+    )
+    second = resumed(first, [5, 6], [20, 21, 22], "d1")
+    assert (second.sampling.max_tokens, second.sampling.min_tokens) == (7, 1)
+    third = resumed(second, [5, 6], [20, 21, 22, 23, 24], "d2")  # past min_tokens: none left
+    assert (third.sampling.max_tokens, third.sampling.min_tokens) == (5, 0)
+    assert first.sampling.min_tokens == 4

@@ -84,8 +84,23 @@ def test_completion_prompts_and_logprobs():
         ("chat", chat(tool_choice="required"), "tool_choice"),
         ("chat", chat(functions=[{"name": "f"}]), "functions"),
         ("chat", chat(response_format={"type": "json_schema"}), "response_format"),
-        ("chat", chat(logit_bias={"1": 5}), "logit_bias"),
-        ("chat", chat(frequency_penalty=1), "frequency_penalty"),
+        ("chat", chat(logit_bias={"1": 101}), "logit_bias"),
+        ("chat", chat(logit_bias={"1": "up"}), "logit_bias"),
+        ("chat", chat(logit_bias={"1": None}), "logit_bias"),
+        ("chat", chat(logit_bias={"-1": 5}), "logit_bias"),
+        ("chat", chat(logit_bias={"x": 5}), "logit_bias"),
+        ("chat", chat(logit_bias={str(2**31): 5}), "logit_bias"),
+        ("chat", chat(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
+        ("chat", chat(logit_bias=[[1, 5]]), "logit_bias"),
+        ("chat", chat(frequency_penalty=2.5), "frequency_penalty"),
+        ("chat", chat(frequency_penalty="high"), "frequency_penalty"),
+        ("chat", chat(presence_penalty=-2.01), "presence_penalty"),
+        ("chat", chat(repetition_penalty=0), "repetition_penalty"),
+        ("chat", chat(repetition_penalty=-1.1), "repetition_penalty"),
+        ("chat", chat(repetition_penalty=True), "repetition_penalty"),
+        ("chat", chat(min_tokens=-1), "min_tokens"),
+        ("chat", chat(min_tokens=9, max_tokens=8), "min_tokens"),
+        ("completion", {"prompt": "x", "min_tokens": 1.5}, "min_tokens"),
         ("chat", chat(modalities=["text", "audio"]), "modalities"),
         ("chat", chat(n=0), "n"),
         ("chat", chat(n=65), "n"),
@@ -124,6 +139,25 @@ def test_refusals_name_the_field(kind, body, named):
     with pytest.raises(BadRequest) as err:
         parse(kind, body, MODEL)
     assert err.value.param == named
+
+
+def test_penalties_logit_bias_and_min_tokens_are_taken():
+    """OpenAI's presence_penalty, frequency_penalty and logit_bias (string keys of token ids), and
+    vLLM's repetition_penalty and min_tokens, as the gRPC API's fields."""
+    body = chat(
+        presence_penalty=-2,
+        frequency_penalty=0.5,
+        repetition_penalty=1.25,
+        logit_bias={"15": -100, "7": 100, "0": 2.5},
+        min_tokens=4,
+        max_tokens=4,
+    )
+    s = parse("chat", body, MODEL).request.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (-2, 0.5, 1.25)
+    assert dict(s.logit_bias) == {15: -100.0, 7: 100.0, 0: 2.5} and s.min_tokens == 4
+    plain = parse("completion", {"prompt": "x", "logit_bias": None}, MODEL).request.sampling
+    assert not plain.HasField("repetition_penalty") and not plain.logit_bias
+    assert (plain.presence_penalty, plain.frequency_penalty, plain.min_tokens) == (0, 0, 0)
 
 
 def test_fields_left_at_their_unused_values_are_accepted():

@@ -43,6 +43,16 @@ def test_omitted_fields_take_the_defaults_and_given_ones_win():
     assert (s.temperature, s.top_p, s.top_k) == (1, 1, 0)  # OpenAI's own
 
 
+def test_the_generation_config_s_repetition_penalty_is_the_default_as_in_vllm(tmp_path):
+    defaults = SamplingDefaults.of(checkpoint(tmp_path, repetition_penalty=1.05))
+    assert defaults == SamplingDefaults(repetition_penalty=1.05)
+    omitted = parse("chat", BODY, "m", defaults).request.sampling
+    assert omitted.repetition_penalty == pytest.approx(1.05)
+    given = parse("chat", BODY | {"repetition_penalty": 1}, "m", defaults).request.sampling
+    assert not given.HasField("repetition_penalty")  # 1: off, as asked
+    assert SamplingDefaults.of(checkpoint(tmp_path, repetition_penalty=0)) == OPENAI
+
+
 def test_the_gateway_s_http_api_reads_them_from_the_model_directory(tmp_path):
     from services.gateway.__main__ import openai_api
     from services.gateway.settings import GatewaySettings

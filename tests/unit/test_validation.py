@@ -55,6 +55,18 @@ def request(
         request(request_id="tab\there"),
         request(logprobs=True, top_logprobs=21),  # OpenAI's limit is 20
         request(top_logprobs=2),  # alternatives without logprobs
+        request(presence_penalty=2.5),
+        request(frequency_penalty=-2.5),
+        request(frequency_penalty=math.nan),
+        request(repetition_penalty=0.0),  # set to 0: not "unset"
+        request(repetition_penalty=-1.0),
+        request(repetition_penalty=math.inf),
+        request(logit_bias={5: 100.5}),
+        request(logit_bias={5: math.nan}),
+        request(logit_bias={i: 1.0 for i in range(1025)}),
+        request(logit_bias={49152: 1.0}),  # SmolLM2's vocabulary is 49152 tokens
+        request(max_tokens=4, min_tokens=5),
+        request(min_tokens=257),  # above the default max_tokens
     ],
     ids=lambda r: str(r).replace("\n", " ")[:60],
 )
@@ -168,6 +180,40 @@ def test_explicit_values_are_kept(prompts):
     assert validate(request(top_p=1.0, stop=["s"] * 16), prompts, LIMITS).sampling.top_p == 1.0
 
 
+@pytest.mark.parametrize(
+    "sampling, message",
+    [
+        (dict(presence_penalty=3), "presence_penalty must be a number in [-2, 2]"),
+        (dict(frequency_penalty=-3), "frequency_penalty must be a number in [-2, 2]"),
+        (dict(repetition_penalty=0), "repetition_penalty must be a number in (0, 100]"),
+        (dict(logit_bias={1: -101}), "logit_bias values must be numbers in [-100, 100]"),
+        (dict(logit_bias={60000: 1}), "logit_bias token ids must be below the vocabulary size"),
+        (dict(max_tokens=3, min_tokens=4), "min_tokens (4) must be at most max_tokens (3)"),
+    ],
+)
+def test_bad_penalties_are_refused_by_name(prompts, sampling, message):
+    with pytest.raises(InvalidRequest) as err:
+        validate(request(**sampling), prompts, LIMITS)
+    assert str(err.value).startswith(message)
+
+
+def test_penalties_bias_and_min_tokens_become_sampling_params(prompts):
+    asked = request(
+        presence_penalty=-2.0,
+        frequency_penalty=0.5,
+        repetition_penalty=1.25,
+        logit_bias={49151: 100.0, 7: -100.0, 0: 0.5},
+        max_tokens=9,
+        min_tokens=9,
+    )
+    s = validate(asked, prompts, LIMITS).sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (-2, 0.5, 1.25)
+    assert (s.bias_token_ids, s.bias_values) == ([0, 7, 49151], [0.5, -100.0, 100.0])
+    assert s.min_tokens == 9 and s.shapes_logits()
+    plain = validate(request(), prompts, LIMITS).sampling
+    assert plain.repetition_penalty == 1.0 and not plain.shapes_logits()  # unset: 1, off
+
+
 def test_request_id_with_trailing_newline_is_rejected(prompts):
     with pytest.raises(InvalidRequest):
         validate(request(request_id="abc\n"), prompts, LIMITS)
@@ -192,6 +238,11 @@ def test_the_most_a_valid_request_may_ask_passes_the_wire_checks(prompts):
         seed=2**64 - 1,
         stop=["x" * 256] * 16,
         ignore_eos=True,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=100.0,
+        logit_bias={i * 48: (-100.0 if i % 2 else 100.0) for i in range(1024)},
+        min_tokens=4096,
     )
     edge.priority = -(2**31)
     valid = validate(edge, prompts, LIMITS)

@@ -117,6 +117,39 @@ async def test_n_choices_stream_on_their_own_ids_from_one_prefill(tiny_model, re
         assert pair.decode.snapshot().kv_blocks_leaked == 0
 
 
+@pytest.mark.parametrize("n, temperature", [(1, 0.0), (3, 1.0)])
+async def test_penalties_hold_across_the_handoff(tiny_model, n, temperature):
+    """The prefill worker draws each choice's first token under the penalties and the bias; the
+    decode worker rebuilds each choice's counts from the tokens (nothing else travels): a remote
+    prefill streams what a local one does."""
+    penalised = dict(
+        n=n,
+        temperature=temperature,
+        seed=3,
+        repetition_penalty=1.4,
+        frequency_penalty=1.0,
+        presence_penalty=0.5,
+        bias_token_ids=[7, 50],
+        bias_values=[4.0, -100.0],
+    )
+    async with Pair(tiny_model) as pair:
+        streamed = {}
+        for remote, name in ((True, "remote"), (False, "local"), (False, "plain")):
+            task = make_task(name, 70, max_tokens=8)
+            asked = penalised if name != "plain" else dict(n=n, temperature=temperature, seed=3)
+            task.sampling = dataclasses.replace(task.sampling, **asked)
+            assert (await pair.submit(task, remote=remote)).ok
+            if n == 1:
+                await pair.outcome(name)
+                streamed[name] = [pair.tokens(name)]
+            else:
+                chunks = await _choices(pair, task)
+                streamed[name] = [[t for c in cs for t in c.token_ids] for cs in chunks.values()]
+        assert streamed["remote"] == streamed["local"] != streamed["plain"]
+        await pair.idle()
+        assert pair.decode.snapshot().kv_blocks_leaked == 0
+
+
 async def test_a_group_that_fails_before_its_first_token_fails_every_choice(tiny_model):
     async with Pair(tiny_model) as pair:
         pair.decode_plane.hold = True

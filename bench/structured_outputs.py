@@ -130,7 +130,9 @@ def family_schemas(args, tokenizer, model_dir: Path) -> dict:
         engine = Engine(runner, BlockManager(512, 16, cache_granularity=64), 64, 512)
         seqs = []
         for i in range(args.requests):
-            sampling = SamplingParams(max_tokens=48, temperature=0.0 if i % 2 == 0 else 1.0, seed=i)
+            sampling = SamplingParams(
+                max_tokens=256, temperature=0.0 if i % 2 == 0 else 1.0, seed=i
+            )
             sampling = dataclasses.replace(sampling, constraint=constraint)
             prompt = tokenizer.encode(f"Pick a color and a number ({i}):")
             task = GenerateTask(f"{name}-{i}", prompt, sampling, "", time.time())

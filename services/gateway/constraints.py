@@ -39,10 +39,11 @@ class Grammars:
         self._compiler: GrammarCompiler | None = None
 
     def check(self, constraint: Constraint) -> None:
-        if self._compiler is None:  # which tokens end an output matters to a worker's masks,
-            ends = [self._tokenizer.eos_token_id]  # not to whether a constraint compiles
-            self._compiler = GrammarCompiler(self._tokenizer, [t for t in ends if t is not None])
         try:
+            if self._compiler is None:  # which tokens end an output matters to a worker's masks,
+                ends = [self._tokenizer.eos_token_id]  # not to whether a constraint compiles
+                ends = [t for t in ends if t is not None]
+                self._compiler = GrammarCompiler(self._tokenizer, ends)
             self._compiler.check(constraint)
         except BadConstraint as err:
             raise InvalidRequest(str(err)) from None

@@ -43,7 +43,11 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, eos_ids):
         self.eos_ids = sorted(eos_ids)
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=self.eos_ids)
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=self.eos_ids)
+        except Exception as err:  # a tokenizer llguidance cannot read (not byte-level BPE, ...)
+            why = f"this model's tokenizer cannot be used for structured outputs: {err}"
+            raise BadConstraint(why) from None
         self.limits = LLParserLimits()
         self._compiled: OrderedDict[tuple[str, str], LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the gateway validates on a thread pool

@@ -48,7 +48,7 @@ class WorkerRuntime:
     model_label: str = ""  # "name · architecture · dtype"
     metrics: WorkerMetrics = None  # its Prometheus metrics (served with --metrics-port)
     group: TPGroup | None = None  # the other ranks of a tensor-parallel worker
-    grammars: GrammarCompiler | None = None  # made at the first constrained request, if not here
+    grammars: GrammarCompiler | None = None  # made at the first constrained request (~0.5 s)
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -152,7 +152,6 @@ def load_runtime(settings: WorkerSettings, role: Role) -> WorkerRuntime:
         runner.kernel_report().line()[:MAX_LABEL],  # the heartbeat carries it
         model_label(runner),
         group=group,
-        grammars=GrammarCompiler(tokenizer, eos_ids),  # its ~0.5 s now, not at a request
     )
     _log_ready(runtime, settings, device)
     return runtime

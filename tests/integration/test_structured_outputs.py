@@ -7,21 +7,10 @@ import json
 
 import openai
 import pytest
-from pydantic import BaseModel, Field
+
+from harness.structured import ASK, City
 
 pytestmark = pytest.mark.slow
-ASK = "Describe a city you like: its name, three famous places and how big it is."
-
-
-class Place(BaseModel):
-    name: str = Field(max_length=24)
-    kind: str = Field(max_length=12)
-
-
-class City(BaseModel):
-    name: str = Field(max_length=24)
-    places: list[Place] = Field(max_length=3)
-    size: int = Field(ge=0, le=100_000_000)
 
 
 def client(stack) -> openai.OpenAI:

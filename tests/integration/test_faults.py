@@ -1,6 +1,9 @@
 """Workers killed (SIGKILL) under real requests: the request moves, the client's stream goes on.
 
-One auto-mode stack, 2 prefill and 2 decode workers, killed one after another:
+One auto-mode stack, 2 prefill and 3 decode workers, killed one after another:
+  0. the decode worker streaming an answer under a JSON schema (its first token masked and drawn on
+     a prefill worker): the grammar is rebuilt on the next decode worker from the tokens already
+     sent, and the answer goes on token-identical to an undisturbed run, and validates;
   1. a prefill worker, while it computes a long prompt: the decode worker frees the blocks it
      reserved and the request is prefilled again on the other prefill worker;
      then that one, the same way: with no prefill worker left, the request is prefilled locally
@@ -13,6 +16,7 @@ min_tokens), and the text is the text of the tokens.
 """
 
 import concurrent.futures
+import json
 import os
 import signal
 import time
@@ -20,6 +24,7 @@ import time
 import grpc
 import pytest
 
+from harness.structured import ASK, City
 from tests.integration.helpers import (
     assert_logprobs_match,
     chat_request,
@@ -46,9 +51,16 @@ def _worker(stack, role: str, busy: bool = True, killed: frozenset[str] = frozen
     raise AssertionError(f"no busy {role} worker: {stack.status()}")
 
 
-def _stream_and_kill(stack, request, role: str, after_tokens: int, timeout: float = 300):
-    """Streams `request`; once `after_tokens` tokens have come, SIGKILLs the busy `role` worker.
-    Returns (responses, the killed worker's id)."""
+def _stream_and_kill(
+    stack,
+    request,
+    role: str,
+    after_tokens: int,
+    timeout: float = 300,
+    killed: frozenset[str] = frozenset(),
+):
+    """Streams `request`; once `after_tokens` tokens have come, SIGKILLs the busy `role` worker
+    (not one in `killed`). Returns (responses, the killed worker)."""
     responses, victim, ids, killed_at, gap = [], None, 0, 0.0, 0.0
     stream = stack.stub().Generate(request, timeout=timeout)
     for response in stream:
@@ -58,7 +70,7 @@ def _stream_and_kill(stack, request, role: str, after_tokens: int, timeout: floa
         responses.append(response)
         ids += len(response.token_ids)
         if victim is None and ids >= after_tokens:
-            victim = _worker(stack, role)
+            victim = _worker(stack, role, killed=killed)
             os.kill(victim.pid, signal.SIGKILL)
             killed_at = time.monotonic()
     return responses, victim
@@ -77,6 +89,26 @@ def _kill_mid_prefill(stack, request, killed: frozenset[str]):
     return responses, prefill
 
 
+def _kill_under_a_schema(stack):
+    """Greedy under City's JSON schema, undisturbed and then with its decode worker SIGKILLed after
+    12 tokens: the same tokens, a valid City, one move. Returns the killed worker."""
+    # a prompt past the local-prefill threshold (64 tokens): its first token is drawn, masked, on
+    # a prefill worker
+    city = chat_request(f"{long_document(60)}\n\n{ASK} Answer in JSON.", 256)
+    city.sampling.structured_output.json_schema = json.dumps(City.model_json_schema())
+    undisturbed = list(stack.stub().Generate(city, timeout=300))
+    expected = [t for r in undisturbed for t in r.token_ids]
+    assert undisturbed[-1].timing.path == "disaggregated", undisturbed[-1].timing
+    responses, victim = _stream_and_kill(stack, city, "decode", after_tokens=12)
+    ids = [t for r in responses for t in r.token_ids]
+    assert ids == expected
+    City.model_validate_json("".join(r.text for r in responses))
+    timing = responses[-1].timing
+    assert timing.migrations == 1 and timing.decode_worker != victim.id, timing
+    assert responses[-1].finish_reason == undisturbed[-1].finish_reason
+    return victim
+
+
 def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
     stack = start_stack(
         processes,
@@ -84,11 +116,14 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
         "it-faults",
         "auto",
         prefill=2,
-        decode=2,
+        decode=3,
         # part 3 finds no worker left: a second of asking again (--move-wait-s), not ten
         extra_env={"TANDEM_LOCAL_PREFILL_TOKENS": "64", "TANDEM_MOVE_WAIT_S": "1"},
     )
     try:
+        # 0. A stream under a JSON schema loses its decode worker mid-answer.
+        schema_victim = _kill_under_a_schema(stack)
+
         # 1. A prefill worker dies while it computes a long prompt, then the other one.
         killed_ids: set[str] = set()
         for question, path in (("river", "disaggregated"), ("forest", "local")):
@@ -119,7 +154,9 @@ def test_killed_workers_lose_no_request(processes, nats, hf_model, tokenizer):
         )
         story.sampling.logit_bias[tokenizer.encode(" boat", add_special_tokens=False)[0]] = -100
         story.sampling.logprobs, story.sampling.top_logprobs, story.sampling.n = True, 3, 2
-        responses, victim = _stream_and_kill(stack, story, "decode", after_tokens=10)
+        responses, victim = _stream_and_kill(
+            stack, story, "decode", after_tokens=10, killed=frozenset({schema_victim.id})
+        )
         expected = hf_penalised_greedy(hf_model, tokenizer, story)
         reference = hf_logprobs(hf_model, prompt_ids(tokenizer, story), expected)
         for index in (0, 1):

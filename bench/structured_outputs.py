@@ -147,7 +147,7 @@ def mask_cost(args, tokenizer, model_dir: Path) -> dict:
     """Part 3: the mask's cost per decode step, plain and constrained arms alternating."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     bench = eb.EngineBench(model, "structured")
-    compiler = GrammarCompiler(tokenizer, [tokenizer.eos_token_id])
+    compiler = GrammarCompiler(tokenizer, [tokenizer.eos_token_id], torch.get_num_threads())
     constraint = Constraint(ConstraintKind.JSON_OBJECT)
     postprocess = _timed_postprocess()
     out = {}

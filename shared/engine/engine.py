@@ -2,7 +2,7 @@
 postprocess.
 
 The Scheduler decides which sequences run in a step (and preempts); the ModelRunner computes the
-batch; the Engine shapes the rows' logits (`shaped`: penalties, bias, min_tokens) and samples each
+batch; the Engine shapes the rows' logits (shaping.py: penalties, bias, min_tokens, masks) and samples each
 row's next token, forks the choices of a request of n > 1 at its
 first token (fork), and lands prompts computed on another worker once their KV is in their blocks.
 
@@ -15,23 +15,20 @@ Only prompt-pass blocks (here or on a prefill worker) enter the prefix cache: a 
 differ slightly from a prompt row's; a hit on decode-filled blocks would differ from a cold run.
 """
 
-import contextlib
 import threading
 import time
-
-import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.fork import fork
 from shared.engine.forward_batch import SeqSpan
-from shared.engine.penalties import shape
-from shared.engine.sampler import greedy_tokens, logprob_of, plain_greedy, sample
+from shared.engine.sampler import logprob_of, plain_greedy, sample
 from shared.engine.scheduler import Scheduler, Work
 from shared.engine.seq_status import SeqStatus
 from shared.engine.sequence import Sequence, StepOutput
+from shared.engine.shaping import shaped
 from shared.engine.step_runner import StepRunner
 from shared.engine.step_stats import StepStats
-from shared.engine.token_mask import TokenMask
+from shared.engine.token_mask import RowMasks
 from shared.values.sampling import SamplingParams, choice_sampling
 
 Outputs = list[tuple[Sequence, StepOutput]]
@@ -54,6 +51,7 @@ class Engine:
         self.inbox: list[Sequence] = []  # added since the last step: its scheduler queues them
         self.stats = StepStats(runner.chunk)
         self.forked: list[Sequence] = []  # choices forked since the owner last took them
+        self.masks = RowMasks(runner.kernels)  # constrained rows, with the runner's kernels
 
     # -- from the event loop -------------------------------------------------------------------
 
@@ -196,10 +194,10 @@ class Engine:
         plain = [False] * len(work)
         for row in rows:
             plain[row] = plain_greedy(work[row].seq.sampling)
-        with shaped(logits, [(row, work[row].seq) for row in rows]):
-            greedy = greedy_tokens(logits, plain)
+        with shaped(logits, [(row, work[row].seq) for row in rows], self.masks) as drawn:
+            greedy = drawn.greedy(plain)
             return {
-                row: [greedy[row]] if plain[row] else _sampled(work[row].seq, logits[row])
+                row: [greedy[row]] if plain[row] else _sampled(work[row].seq, drawn[row])
                 for row in rows
             }
 
@@ -235,45 +233,6 @@ class Engine:
         out = seq.append(token, logprob)
         self.scheduler.sampled(seq)
         return out
-
-
-@contextlib.contextmanager
-def shaped(logits, rows: list[tuple[int, Sequence]]):
-    """The one place logits are shaped before tokens are drawn from them: each listed row
-    [vocab] by its sequence's penalties, logit bias and min_tokens (penalties.py), then its constraint's mask
-    (structured outputs), in place for the draw and put back after it (logprobs report the raw
-    rows, and a runner may keep its buffer: the mock's lives from step to step)."""
-    staged = [
-        (
-            row,
-            seq.penalties.stages(
-                logits[row], seq.prompt_token_ids, seq.resume_tokens, seq.output_ids
-            ),
-        )
-        for row, seq in rows
-        if seq.penalties is not None
-    ]
-    put_back = shape(logits, staged) if staged else None
-    masked = [(row, seq.mask) for row, seq in rows if seq.mask is not None]
-    restore = _mask(logits, masked) if masked else None
-    try:
-        yield logits
-    finally:
-        if restore is not None:
-            restore()
-        if put_back is not None:
-            put_back()
-
-
-@torch.inference_mode()
-def _mask(logits, masked: list[tuple[int, TokenMask]]):
-    """Each masked row's disallowed tokens at -inf (their constraints', structured outputs), in
-    one op over those rows; returns what puts them back."""
-    index = torch.tensor([row for row, _ in masked], device=logits.device)
-    saved = logits.index_select(0, index)
-    allowed = torch.stack([mask.allowed(logits.shape[-1]) for _, mask in masked])
-    logits.index_copy_(0, index, saved.masked_fill(~allowed.to(logits.device), float("-inf")))
-    return torch.inference_mode()(lambda: logits.index_copy_(0, index, saved))
 
 
 def _choices(params: SamplingParams) -> list[SamplingParams]:

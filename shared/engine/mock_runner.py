@@ -75,6 +75,7 @@ class MockRunner:
         self.timing = timing
         self.speedup = speedup
         self.rotary = _NoRotary()
+        self.kernels = None  # its rows are masked with torch's ops
         self.device, self.dtype, self.model = "cpu", torch.uint8, None
         self._logits = torch.zeros(0, vocab.stop)
         self._picked: torch.Tensor | None = None  # where _logits holds PICKED (flat offsets)

@@ -78,7 +78,7 @@ class ModelRunner:
         self.rotary = Rotary(inner.rotary_emb, model.config)
         self.parts = parts_of(model)
         self.num_heads, self.head_dim = model.config.num_attention_heads, self.layout.head_dim
-        kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
+        self.kernels = kernels = cpu_kernels.load() if use_kernels and device == "cpu" else None
         self._fuse_projections(model, release_weights, kernels)
         self.batch_invariant = batch_invariant and device == "cpu"
         # the row kernel in every projection: each row computed alone, at any row count

@@ -19,6 +19,7 @@ class RunnerLost(RuntimeError):
 class StepRunner(Protocol):
     chunk: int  # the most prompt tokens of one sequence in one pass
     rotary: Rotary  # when a sequence's rope must be recomputed, which prefixes may be cached
+    kernels: object | None  # Tandem's CPU kernels where it computes with them (None: torch's)
 
     def forward(
         self, spans: list[SeqSpan], abandon: Callable[[], bool] | None = None

@@ -18,7 +18,7 @@ import llguidance
 import llguidance.hf
 from llguidance import LLMatcher, LLParserLimits
 
-from shared.grammar.state import GrammarState
+from shared.grammar.state import GrammarMasker, GrammarState
 from shared.values.constraint import Constraint, ConstraintKind
 
 CACHE = 256  # compiled grammars kept, least recently used out first
@@ -39,9 +39,10 @@ class BadConstraint(ValueError):
 class GrammarCompiler:
     """Compiles constraints for one tokenizer: `hf_tokenizer` (Hugging Face's), `eos_ids` (the
     tokens that end an output: the mask allows them once the output is complete). The mask covers
-    the tokenizer's ids; logits rows past them (a model's padded vocabulary) are never allowed."""
+    the tokenizer's ids; logits rows past them (a model's padded vocabulary) are never allowed.
+    `threads`: how many threads compute a step's masks (a worker's torch threads)."""
 
-    def __init__(self, hf_tokenizer, eos_ids):
+    def __init__(self, hf_tokenizer, eos_ids, threads: int = 1):
         self.eos_ids = sorted(eos_ids)
         try:
             self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=self.eos_ids)
@@ -49,6 +50,7 @@ class GrammarCompiler:
             why = f"this model's tokenizer cannot be used for structured outputs: {err}"
             raise BadConstraint(why) from None
         self.limits = LLParserLimits()
+        self.masker = GrammarMasker(self.tokenizer.vocab_size, self.eos_ids, threads)
         self._compiled: OrderedDict[tuple[str, str], LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the gateway validates on a thread pool
 
@@ -60,7 +62,7 @@ class GrammarCompiler:
         """A sequence's state under `constraint`, after `output` (the tokens it has produced so
         far: a moved stream's, or the first token sampled on another worker)."""
         matcher = self._template(constraint).deep_copy()
-        state = GrammarState(matcher, self.eos_ids)
+        state = GrammarState(matcher, self.masker)
         for token in output:
             state.accept(token)
         return state

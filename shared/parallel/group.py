@@ -64,7 +64,7 @@ class GroupRunner(StepRunner):
         on_failure: Callable[[str], None] = lambda why: None,
     ):
         self.runner, self.commands = runner, commands
-        self.chunk, self.rotary = runner.chunk, runner.rotary
+        self.chunk, self.rotary, self.kernels = runner.chunk, runner.rotary, runner.kernels
         self.on_failure = on_failure  # told why, before GroupFailed is raised
 
     def _failed(self, why: str) -> GroupFailed:

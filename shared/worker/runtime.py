@@ -77,7 +77,9 @@ class WorkerRuntime:
         if constraint is None:
             return None
         if self.grammars is None:
-            self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
+            # a step's masks on as many threads as its forward pass (the worker's torch threads)
+            threads = torch.get_num_threads()
+            self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids, threads)
         ids = task.prompt_token_ids
         return self.grammars.state(constraint, ids[len(ids) - task.resume_tokens :])
 

@@ -4,15 +4,31 @@ first included, on the prefill-only path too; each choice of n > 1 with a mask o
 import dataclasses
 import time
 
+import pytest
 import torch
 
 from shared.control.messages import GenerateTask, SamplingParams
+from shared.engine import kernels as cpu_kernels
 from shared.engine.sequence import Sequence
+from shared.engine.token_mask import RowMasks
 from shared.values.constraint import Constraint, ConstraintKind
 from tests.unit.test_engine import make_engine, run_to_end
 
 ALLOWED = [7, 11]
 LENGTH = 3
+
+
+class OnlySomeMasker:
+    """Each mask's bitmask: ALLOWED's bits, in two words (the tiny model's tokens past 64 never)."""
+
+    def bitmask(self, masks) -> torch.Tensor:
+        bits = torch.zeros(len(masks), 2, dtype=torch.int32)
+        for token in ALLOWED:
+            bits[:, token // 32] |= 1 << (token % 32)
+        return bits
+
+
+MASKER = OnlySomeMasker()
 
 
 class OnlySome:
@@ -25,10 +41,9 @@ class OnlySome:
     def finished(self) -> bool:
         return len(self.taken) >= LENGTH
 
-    def allowed(self, width: int) -> torch.Tensor:
-        allowed = torch.zeros(width, dtype=torch.bool)
-        allowed[ALLOWED] = True
-        return allowed
+    @property
+    def masker(self) -> OnlySomeMasker:
+        return MASKER
 
     def accept(self, token: int) -> None:
         self.taken.append(token)
@@ -67,3 +82,54 @@ def test_the_first_token_sampled_where_the_prompt_is_computed_obeys_the_mask(
     run_to_end(engine)
     assert len(seq.output_ids) == 1 and seq.output_ids[0] in ALLOWED
     assert mask.taken == seq.output_ids
+
+
+class FixedMasker:
+    """Hands back the bitmask it was made with, a row per mask."""
+
+    def __init__(self, bits: torch.Tensor):
+        self.bits = bits
+
+    def bitmask(self, masks) -> torch.Tensor:
+        return self.bits[: len(masks)]
+
+
+class Fixed:
+    def __init__(self, masker):
+        self.masker = masker
+
+
+def _expected(logits, rows, bits) -> torch.Tensor:
+    """Row by row, bit by bit: the definition a bitmask has."""
+    out = logits[rows].clone()
+    for i in range(len(rows)):
+        for token in range(logits.shape[1]):
+            word = token // 32
+            allowed = word < bits.shape[1] and (int(bits[i, word]) >> (token % 32)) & 1
+            if not allowed:
+                out[i, token] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [96, 100, 200])  # whole words, a partial word, past the mask
+def test_rows_are_masked_alike_by_the_kernel_and_by_torch(dtype, width):
+    """The C++ kernel's masked copies equal torch's, and both the bitmask's definition; the
+    runner's logits are left as they came."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C++ compiler here: torch's path only")
+    generator = torch.Generator().manual_seed(width)
+    logits = torch.randn(6, width, generator=generator).to(dtype)
+    raw = logits.clone()
+    words = 4  # 128 tokens: width 200 reaches past them
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=generator, dtype=torch.int32)
+    bits[1, 0], bits[1, 1], bits[2, 2] = 0, -1, 0  # a word all clear, one all set
+    masker = FixedMasker(bits)
+    rows = [4, 0, 2]
+    masked = [(row, Fixed(masker)) for row in rows]
+    expected = _expected(logits, rows, bits)
+    for masks in (RowMasks(kernels), RowMasks()):
+        [(listed, copies)] = masks.masked(logits, masked)
+        assert listed == rows and torch.equal(copies, expected)
+    assert torch.equal(logits, raw)

@@ -9,11 +9,11 @@ import torch
 
 from shared.control.choices import choice_id
 from shared.control.messages import GenerateTask, SamplingParams
-from shared.engine.engine import shaped
 from shared.engine.penalties import Penalties, shape
 from shared.engine.sampler import plain_greedy
 from shared.engine.seq_status import SeqStatus
 from shared.engine.sequence import Sequence
+from shared.engine.shaping import shaped
 from tests.unit.test_engine import capture_logits, land, make_engine, run_to_end
 
 END = 2  # the end token of these tests' sequences
@@ -131,7 +131,7 @@ def test_the_row_is_put_back_after_the_draw_and_a_request_without_any_pays_nothi
     raw = logits.clone()
     seq, plain = make_seq([5, 6, 7], **PENALISED), make_seq([5, 6, 7], temperature=0.0)
     with shaped(logits, [(0, plain), (1, seq)]) as rows:
-        assert rows is logits and torch.equal(logits[0], raw[0])
+        assert rows.logits is logits and torch.equal(logits[0], raw[0])
         assert not torch.equal(logits[1], raw[1])  # in place, for the draw
     assert torch.equal(logits, raw) and plain.penalties is None
     with pytest.raises(TypeError, match="float32"):

@@ -18,6 +18,7 @@ at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> weights, std:
 at::Tensor row_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias, bool float_out);
 int64_t row_linear_panel();
 bool row_linear_pairs();
+at::Tensor masked_rows(at::Tensor logits, at::Tensor index, at::Tensor bits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV pool");
@@ -30,4 +31,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_linear_panel", &row_linear_panel, "the outputs per panel row_linear's weights are packed in");
   m.def("row_linear_pairs", &row_linear_pairs, "whether bf16 panels are packed in k-pairs here");
   m.def("decode_stack", &decode_stack, "the decoder stack for a step of single-token rows");
+  m.def("masked_rows", &masked_rows, "copies of the indexed rows, the tokens their bitmasks clear at -inf");
 }

@@ -77,8 +77,10 @@ class WorkerRuntime:
         if constraint is None:
             return None
         if self.grammars is None:
-            # a step's masks on as many threads as its forward pass (the worker's torch threads)
-            threads = torch.get_num_threads()
+            # a step's masks on one thread where the forward pass computes on the CPU (a second
+            # one contends with the pass's threads: slower, bench/results/structured-outputs.md),
+            # on the idle torch threads where it computes on a GPU
+            threads = 1 if self.runner.device == "cpu" else torch.get_num_threads()
             self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids, threads)
         ids = task.prompt_token_ids
         return self.grammars.state(constraint, ids[len(ids) - task.resume_tokens :])

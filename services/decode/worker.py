@@ -13,12 +13,7 @@ from shared.control.bus import MessageBus
 from shared.control.choices import choice_task
 from shared.control.failure import Code, Failure, failed, worker_failed, worker_full
 from shared.control.liveness import Liveness
-from shared.control.messages import (
-    CancelRequest,
-    DecodeAssignment,
-    TaskAck,
-    WorkerHeartbeat,
-)
+from shared.control.messages import CancelRequest, DecodeAssignment, TaskAck, WorkerHeartbeat
 from shared.control.recent import RecentIds
 from shared.control.subjects import Subjects
 from shared.dataplane.plane import DataPlane
@@ -167,7 +162,8 @@ class DecodeWorker:
         task = assignment.task
         refusal, mask = self._refusal(assignment), None
         if refusal is None:
-            mask, refusal = constrained(self.rt, task)
+            mask, refusal = await constrained(self.rt, task)
+            refusal = refusal or self._refusal(assignment)  # cancelled, stopping... meanwhile
         if refusal is None:
             engine, rt, ids = self.rt.engine, self.rt, task.prompt_token_ids
             detokenizer = Detokenizer(rt.tokenizer, task.sampling.stop, task.sampling.min_tokens)

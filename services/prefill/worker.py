@@ -125,7 +125,8 @@ class PrefillWorker:
     async def on_task(self, task: PrefillTask, respond) -> None:
         refusal, mask = self._refusal(task), None
         if refusal is None:
-            mask, refusal = constrained(self.rt, task.task)
+            mask, refusal = await constrained(self.rt, task.task)
+            refusal = refusal or self._refusal(task)  # stopping, a duplicate... meanwhile
         if refusal is None:
             try:
                 sender = self.ship.sender(task)

@@ -1,8 +1,10 @@
 """Start-up of a model worker: the model, tokenizer, KV block budget and identity, loaded once."""
 
+import asyncio
 import logging
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +51,7 @@ class WorkerRuntime:
     metrics: WorkerMetrics = None  # its Prometheus metrics (served with --metrics-port)
     group: TPGroup | None = None  # the other ranks of a tensor-parallel worker
     grammars: GrammarCompiler | None = None  # made at the first constrained request (~0.5 s)
+    _grammars_made: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -76,14 +79,18 @@ class WorkerRuntime:
         constraint = task.sampling.constraint
         if constraint is None:
             return None
-        if self.grammars is None:
-            # a step's masks on one thread where the forward pass computes on the CPU (a second
-            # one contends with the pass's threads: slower, bench/results/structured-outputs.md),
-            # on the idle torch threads where it computes on a GPU
-            threads = 1 if self.runner.device == "cpu" else torch.get_num_threads()
-            self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids, threads)
+        with self._grammars_made:  # compiled on threads (constrained): one compiler
+            if self.grammars is None:
+                self.grammars = self._grammar_compiler()
         ids = task.prompt_token_ids
         return self.grammars.state(constraint, ids[len(ids) - task.resume_tokens :])
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        # a step's masks on one thread where the forward pass computes on the CPU (a second one
+        # contends with the pass's threads: slower, bench/results/structured-outputs.md), on the
+        # idle torch threads where it computes on a GPU
+        threads = 1 if self.runner.device == "cpu" else torch.get_num_threads()
+        return GrammarCompiler(self.tokenizer, self.eos_token_ids, threads)
 
     def close(self) -> None:
         """The other ranks leave (a tensor-parallel worker's)."""
@@ -266,10 +273,14 @@ def _log_ready(runtime: WorkerRuntime, settings: WorkerSettings, device: str) ->
     )
 
 
-def constrained(runtime: WorkerRuntime, task) -> tuple[GrammarState | None, Failure | None]:
+async def constrained(runtime: WorkerRuntime, task) -> tuple[GrammarState | None, Failure | None]:
     """The task's constraint state (runtime.mask_of), or the INVALID_ARGUMENT failure that
-    refuses a task whose constraint cannot compile."""
+    refuses a task whose constraint cannot compile. Made on a thread: a schema not compiled here
+    before (and the first one's tokenizer, ~0.5 s) would hold up the worker's event loop, its
+    heartbeats and every stream; a caller checks what may have changed meanwhile."""
+    if task.sampling.constraint is None:
+        return None, None
     try:
-        return runtime.mask_of(task), None
+        return await asyncio.to_thread(runtime.mask_of, task), None
     except BadConstraint as err:
         return None, failed(Code.INVALID_ARGUMENT, str(err), runtime.worker_id)

@@ -2,15 +2,20 @@
 a sequence's state that masks every token, rebuilt from the output so far, forked per choice;
 bad and hostile constraints refused quickly."""
 
+import asyncio
 import json
+import threading
 import time
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 import torch
 
+from shared.control.failure import Code
 from shared.grammar.compiler import BadConstraint, GrammarCompiler
 from shared.values.constraint import Constraint, ConstraintKind
+from shared.worker.runtime import constrained
 
 SCHEMA = {
     "type": "object",
@@ -198,3 +203,45 @@ def test_a_constrained_stream_moved_mid_answer_goes_on_token_identical(model_dir
     cut = len(whole) // 2
     assert cut > 3 and run(prompt + whole[:cut], cut) == whole[cut:]
     jsonschema.validate(json.loads(tokenizer.decode(whole, skip_special_tokens=True)), SCHEMA)
+
+
+class SlowCompiles:
+    """A worker runtime whose constraints take 0.3 s to compile; "bad" ones cannot."""
+
+    worker_id = "w"
+
+    def __init__(self):
+        self.threads: list[int] = []
+
+    def mask_of(self, task):
+        self.threads.append(threading.get_ident())
+        time.sleep(0.3)
+        if task.sampling.constraint.spec == "bad":
+            raise BadConstraint("the regex cannot be used: bad")
+        return "a state"
+
+
+def _task(spec: str | None):
+    constraint = None if spec is None else Constraint(ConstraintKind.REGEX, spec)
+    return SimpleNamespace(sampling=SimpleNamespace(constraint=constraint))
+
+
+async def test_a_worker_compiles_a_constraint_off_its_event_loop():
+    """The loop goes on (heartbeats, streams) while a schema compiles; a bad one is refused."""
+    runtime, ticks = SlowCompiles(), []
+
+    async def tick():
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.02)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        assert await constrained(runtime, _task("a+")) == ("a state", None)
+        state, refusal = await constrained(runtime, _task("bad"))
+    finally:
+        ticker.cancel()
+    assert state is None and refusal.code is Code.INVALID_ARGUMENT and "bad" in refusal.message
+    assert threading.get_ident() not in runtime.threads and len(runtime.threads) == 2
+    assert len(ticks) >= 10 and max(b - a for a, b in zip(ticks, ticks[1:])) < 0.2
+    assert await constrained(runtime, _task(None)) == (None, None) and len(runtime.threads) == 2

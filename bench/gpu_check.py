@@ -16,7 +16,9 @@ Steps (each recorded with its figures, or its error; one failing does not stop t
     batch (bf16), and TTFT at 4k and 32k prompt tokens;
  5. tp: a TP=2 group (bench/gpu_tp.py; NCCL on two GPUs, else gloo with both ranks' CUDA
     tensors on the one GPU, and an NCCL group of one) decodes HF's greedy tokens in fp32, and
-    its prompts' KV moved TP=2 -> TP=1 between the ranks equals the whole model's.
+    its prompts' KV moved TP=2 -> TP=1 between the ranks equals the whole model's;
+ 6. masks: structured outputs' masks applied to logits rows on the device equal the CPU's, bit
+    for bit, and their cost at 32 and 128 rows (bench/gpu_masks.py).
 Writes OUT/gpu-check.json and OUT/gpu-check.md.
 """
 
@@ -37,9 +39,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_masks import masks  # noqa: E402
 from bench.gpu_parts import decode_rates, engine_greedy, hf_greedy, ttft  # noqa: E402
 from bench.gpu_report import markdown  # noqa: E402
 from bench.gpu_tp import tp  # noqa: E402
+from harness.families import VOCAB  # noqa: E402
 from shared import model_store  # noqa: E402
 
 
@@ -67,7 +71,7 @@ def word_tokenizer(folder: Path, vocab: int) -> Path:
 
 
 def checkpoint(args, report: dict) -> Path:
-    from harness.families import VOCAB, build
+    from harness.families import build
 
     tokenizer = word_tokenizer(Path(args.work) / "tokenizer", VOCAB)
     overrides = {"num_hidden_layers": args.layers}
@@ -250,7 +254,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--work", default=tempfile.mkdtemp(prefix="tandem-gpu-check-"))
-    parser.add_argument("--steps", default="parity,kv,speed,tp")
+    parser.add_argument("--steps", default="parity,kv,speed,tp,masks")
     args = parser.parse_args()
     if args.dry_run:
         args.layers = min(args.layers, 2)
@@ -265,6 +269,7 @@ def main() -> int:
         "kv": lambda: kv(args, report),
         "speed": lambda: speed(path, args, report),
         "tp": lambda: tp(path, args.dry_run, Path(args.work), report),
+        "masks": lambda: masks(device_of(args.dry_run), VOCAB, report),
     }
     for name in args.steps.split(","):
         started = time.perf_counter()

@@ -12,7 +12,7 @@ def markdown(report: dict) -> str:
         f"Python {env.get('python')}. Checkpoint: {report.get('checkpoint', {})}."
     )
     lines.append("")
-    for section in (_parity, _decode, _ttft, _kv, _tp):
+    for section in (_parity, _decode, _ttft, _kv, _tp, _masks):
         lines += section(report)
     for name, error in report.get("errors", {}).items():
         lines += [f"**{name} failed:**", "```", error.strip()[-1500:], "```", ""]
@@ -118,3 +118,12 @@ def _nccl_one(one: dict) -> str:
     if one.get("skipped") or one.get("ok"):
         return one.get("skipped") or f"ok, NCCL {one.get('nccl')}"
     return "failed: " + " ".join(str(one.get("error")).split())[-300:].replace("|", "/")
+
+
+def _masks(report: dict) -> list[str]:
+    masks = report.get("masks")
+    if not masks:
+        return []
+    rows = [[n, row["identical"], f"{row['ms']:.3f}"] for n, row in masks.get("rows", {}).items()]
+    title = f"Grammar masks applied on the device, {masks.get('vocab')}-token rows:"
+    return [title, ""] + _table(["rows", "= the CPU's", "ms a step"], rows)

@@ -36,5 +36,8 @@ def test_the_dry_run_runs_every_step_and_reports(tmp_path):
     assert tp["kv"]["ok"], tp["kv"]  # within 1e-5 of the whole model's (relative past 1)
     assert tp["kv"]["bytes_per_rank"] == [tp["kv"]["whole_bytes"] // 2] * 2
     assert tp["kv_heads_per_rank"] == [1, 1] and tp["nccl_one"] == {"skipped": "no GPU"}
+    masks = report["masks"]["rows"]  # torch's masks on the device = the CPU kernel's
+    assert set(masks) == {"32", "128"} and all(row["identical"] for row in masks.values())
     markdown = (tmp_path / "gpu-check.md").read_text()
     assert markdown.startswith("# GPU check") and "Tensor parallel" in markdown
+    assert "Grammar masks" in markdown

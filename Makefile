@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 # index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install, where pip has no other.
 CONSTRAINTS := deploy/constraints-cpu.txt
 
-.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-ab bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane bench-front-door bench-aiperf bench-lm-eval clean
+.PHONY: install kernels lint format up test test-fast proto bench-engine bench-prefill bench-decode gpu-check bench-models bench-bf16 bench-blackbox bench-kv bench-kv-ab bench-kv-helper bench-ucx-crash bench bench-tax bench-scale bench-overload bench-flood bench-http compose-up bench-compose-kv bench-timing bench-control-plane bench-cp-profile bench-front-door bench-aiperf bench-lm-eval clean
 
 install: $(STAMP)
 
@@ -200,17 +200,26 @@ bench-timing: kernels
 DYNAMO_DEPS = 'aiohttp<4.0,>=3.14.3' 'certifi>=2026.10.19' 'kubernetes<33.0.0,>=32.0.1' \
   'msgspec>=0.19.0' 'prometheus-client<1.0,>=0.23.1' 'pyzmq>=26.0.0' 'redis<9.0.0,>=6.2.0' \
   'tqdm>=4.0.0' 'transformers>=4.56.0' 'typing-extensions>=4.10.0' 'zstandard<1.0,>=0.23.0' httpx
-bench-control-plane: install
-	test -x .venv-dynamo/bin/python || ($(PYTHON) -m venv .venv-dynamo \
-	  && .venv-dynamo/bin/pip install --quiet ai-dynamo-runtime==1.6.1 \
-	  && .venv-dynamo/bin/pip install --quiet --no-deps ai-dynamo==1.6.1 \
-	  && .venv-dynamo/bin/pip install --quiet $(DYNAMO_DEPS))
+bench-control-plane: install .venv-dynamo/bin/python
 	$(PY) bench/control_plane.py
 	$(PY) bench/cp_report.py
 	$(PY) bench/cp_floor.py
+
+.venv-dynamo/bin/python:
+	$(PYTHON) -m venv .venv-dynamo
+	.venv-dynamo/bin/pip install --quiet ai-dynamo-runtime==1.6.1
+	.venv-dynamo/bin/pip install --quiet --no-deps ai-dynamo==1.6.1
+	.venv-dynamo/bin/pip install --quiet $(DYNAMO_DEPS)
+
+# Where a streamed token's CPU goes, process by process, Tandem's sampled by py-spy (in a venv of
+# its own) and Dynamo's beside them: bench/results/control-plane-profile.*
+bench-cp-profile: install .venv-dynamo/bin/python
+	test -x .venv-profile/bin/py-spy || ($(PYTHON) -m venv .venv-profile \
+	  && .venv-profile/bin/pip install --quiet py-spy==0.4.3)
+	$(PY) bench/cp_profile.py
 
 proto: install
 	$(PY) proto/codegen.py
 
 clean:
-	rm -rf $(VENV) .venv-bench .venv-dynamo .venv-aiperf .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-bench .venv-dynamo .venv-profile .venv-aiperf .pytest_cache *.egg-info

@@ -161,7 +161,7 @@ class DecodeWorker:
     async def _admit(self, assignment: DecodeAssignment, respond) -> None:
         task = assignment.task
         refusal, mask = self._refusal(assignment), None
-        if refusal is None:
+        if refusal is None and task.sampling.constraint is not None:
             mask, refusal = await constrained(self.rt, task)
             refusal = refusal or self._refusal(assignment)  # cancelled, stopping... meanwhile
         if refusal is None:

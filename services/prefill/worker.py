@@ -124,7 +124,7 @@ class PrefillWorker:
 
     async def on_task(self, task: PrefillTask, respond) -> None:
         refusal, mask = self._refusal(task), None
-        if refusal is None:
+        if refusal is None and task.task.sampling.constraint is not None:
             mask, refusal = await constrained(self.rt, task.task)
             refusal = refusal or self._refusal(task)  # stopping, a duplicate... meanwhile
         if refusal is None:

@@ -37,8 +37,8 @@ import engine as eb  # noqa: E402  (bench/engine.py)
 
 from shared import model_store  # noqa: E402
 from shared.control.messages import GenerateTask, SamplingParams  # noqa: E402
-from shared.engine import engine as engine_module  # noqa: E402
 from shared.engine import penalties  # noqa: E402
+from shared.engine import shaping as shaping_module  # noqa: E402
 from shared.engine.sequence import Sequence  # noqa: E402
 from shared.worker.end_tokens import eos_token_ids  # noqa: E402
 
@@ -85,7 +85,7 @@ def run_arm(bench, prompts: list[list[int]], new_tokens: int, ends: set[int], as
         engine.add(seq)
     post, shape = [], []
     engine._postprocess = timed(engine._postprocess, post)
-    engine_module.shape = timed(penalties.shape, shape)
+    shaping_module.shape = timed(penalties.shape, shape)
     steps = []
     try:
         while engine.has_work():
@@ -96,7 +96,7 @@ def run_arm(bench, prompts: list[list[int]], new_tokens: int, ends: set[int], as
                 steps.append((time.perf_counter() - started, post[-1], sum(shape[done_shaping:])))
     finally:
         del engine._postprocess
-        engine_module.shape = penalties.shape
+        shaping_module.shape = penalties.shape
     for seq in seqs:
         assert len(seq.output_ids) == new_tokens, "a stream ended early"
         engine.release(seq)

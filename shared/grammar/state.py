@@ -23,7 +23,8 @@ class GrammarMasker:
     def __init__(self, vocab: int, eos_ids: list[int], threads: int):
         self.words = (vocab + WORD - 1) // WORD
         self._eos = [t for t in eos_ids if t < self.words * WORD]
-        self._executor = LLExecutor(max(1, threads))
+        self._threads = max(1, threads)
+        self._executor: LLExecutor | None = None  # made at the first mask (none at a gateway)
         self._buffer = torch.zeros(0, self.words, dtype=torch.int32)
 
     def bitmask(self, states: list["GrammarState"]) -> torch.Tensor:
@@ -39,6 +40,7 @@ class GrammarMasker:
         if len(live) < n:
             bits.zero_()
         if live:
+            self._executor = self._executor or LLExecutor(self._threads)
             self._executor.unsafe_compute_mask_ptr(live, bits.data_ptr(), self.words * 4, n)
         empty = (~bits.any(dim=1)).nonzero().flatten().tolist()
         if empty:
@@ -61,13 +63,6 @@ class GrammarState:
     @property
     def masker(self) -> GrammarMasker:
         return self._masker
-
-    def allowed(self, width: int) -> torch.Tensor:
-        """Which of a logits row's `width` tokens may come next (bool [width]): this state's row
-        of its masker's bitmask, unpacked; rows past the tokenizer's tokens never."""
-        bits = self._masker.bitmask([self]).numpy().view(np.uint8)
-        allowed = np.unpackbits(bits[0], bitorder="little")[:width].astype(bool)
-        return torch.from_numpy(np.pad(allowed, (0, width - len(allowed))))
 
     def accept(self, token: int) -> None:
         """The sequence took `token`. A token the grammar does not allow (sampled where the

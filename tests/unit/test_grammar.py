@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from shared.control.failure import Code
+from shared.engine import kernels as cpu_kernels
+from shared.engine.token_mask import RowMasks
 from shared.grammar.compiler import BadConstraint, GrammarCompiler
 from shared.values.constraint import Constraint, ConstraintKind
 from shared.worker.runtime import constrained
@@ -36,8 +38,10 @@ def compiler(tokenizer):
 
 
 def masked(state, logits: torch.Tensor) -> torch.Tensor:
-    """The row as the engine masks it."""
-    return logits.masked_fill(~state.allowed(logits.shape[-1]), float("-inf"))
+    """The row as the engine masks it (its masker's bitmask through RowMasks, with the CPU
+    kernels where they are built)."""
+    [(_, rows)] = RowMasks(cpu_kernels.load()).masked(logits[None], [(0, state)])
+    return rows[0]
 
 
 def walk(state, tokenizer, seed: int, steps: int = 200) -> list[int]:

@@ -10,7 +10,8 @@ import time
 import torch
 
 from shared.engine import kernels as cpu_kernels
-from shared.engine.token_mask import WORD, RowMasks
+from shared.engine.token_mask import RowMasks
+from shared.values.constraint import MASK_WORD as WORD
 
 ROWS = (32, 128)
 

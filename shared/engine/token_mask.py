@@ -10,8 +10,6 @@ from typing import Protocol
 
 import torch
 
-WORD = 32
-
 
 class Masker(Protocol):
     def bitmask(self, masks: list["TokenMask"]) -> torch.Tensor:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
 
-WORD = 32  # tokens per word of a bitmask
+from shared.values.constraint import MASK_WORD as WORD
 
 
 class GrammarMasker:

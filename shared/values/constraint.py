@@ -11,6 +11,10 @@ it from the constraint and the output tokens so far.
 from dataclasses import dataclass
 from enum import StrEnum
 
+# A next-token mask, as a grammar engine fills it and the engine applies it, is int32 words: bit k
+# of word w set where token MASK_WORD * w + k may come next.
+MASK_WORD = 32
+
 
 class ConstraintKind(StrEnum):
     JSON_SCHEMA = "json_schema"  # spec: a JSON schema, as JSON text (response_format json_schema)

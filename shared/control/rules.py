@@ -201,10 +201,13 @@ def _checks(cls: type) -> tuple[tuple[str, Callable[[Any], str | None]], ...]:
     return tuple((name, check) for name, check in found if check is not None)
 
 
-def problem(message: Any) -> str | None:
+def problem(message: Any, received: dict | None = None) -> str | None:
     """What is out of range in `message` (its nested messages are checked as they are built).
-    Its fields' types are right already: wire.decode checks them first."""
+    Its fields' types are right already: wire.decode checks them first. `received`: the fields
+    the payload carried; only those are checked (the others are their defaults, in range)."""
     for name, check in _checks(type(message)):
+        if received is not None and name not in received:
+            continue
         found = check(getattr(message, name))
         if found:
             return found

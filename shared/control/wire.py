@@ -81,13 +81,31 @@ def _plain_type(hint: Any) -> bool:
     return hint in _SCALARS
 
 
+_SENT = object()  # a field with no default that may be left out: always sent
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """What a field may be left out at (the receiver's dataclass gives it back): a scalar or None
+    default, or an empty list's factory; _SENT for any other."""
+    if f.default is not dataclasses.MISSING and type(f.default) in _SCALARS:
+        return f.default
+    if f.default_factory is list:
+        return []
+    return _SENT
+
+
 @functools.cache
-def _layout(cls: type) -> tuple[tuple[str, str], ...]:
-    """Each field of a message type and how it is encoded: "plain" (as it is), "packed",
-    "deadline", or "nested" (messages, enums: converted in turn). Made once per type."""
+def _layout(cls: type) -> tuple[tuple[str, str, Any], ...]:
+    """Each field of a message type, how it is encoded: "plain" (as it is), "packed",
+    "deadline", or "nested" (messages, enums: converted in turn), and the default it is left out
+    at. Made once per type."""
     hints = typing.get_type_hints(cls)
     return tuple(
-        (f.name, _travels(f.name) or ("plain" if _plain_type(hints[f.name]) else "nested"))
+        (
+            f.name,
+            _travels(f.name) or ("plain" if _plain_type(hints[f.name]) else "nested"),
+            _default(f),
+        )
         for f in dataclasses.fields(cls)
     )
 
@@ -103,8 +121,10 @@ def _to_plain(value: Any) -> Any:
     if not dataclasses.is_dataclass(value):
         return value
     body = {}
-    for name, how in _layout(kind):
+    for name, how, default in _layout(kind):
         field_value = getattr(value, name)
+        if field_value == default and type(field_value) is type(default):
+            continue  # left out: the receiver's default is the same (most of a chunk's fields)
         if how == "plain":
             body[name] = field_value
         elif how == "nested":
@@ -208,41 +228,52 @@ def _converter(kind: Any) -> Convert:
 
 
 @functools.cache
-def _plan(cls: type) -> tuple[tuple[str, Convert, bool, str, type | None], ...]:
-    """Each field of a message type: its name, converter, whether it is required, how it travels
-    ("packed", "deadline" or ""), and its type when a value of exactly that type is taken as it is
-    (int, str, bool, bytes, float; else None). Made once per type: resolving costs more than
-    decoding."""
+def _plan(cls: type) -> tuple[dict[str, tuple[Convert, str, type | None]], tuple[str, ...]]:
+    """Each field of a message type by name: its converter, how it travels ("packed",
+    "deadline" or ""), and its type when a value of exactly that type is taken as it is (int,
+    str, bool, bytes, float; else None); and the required fields, in order. Made once per type:
+    resolving costs more than decoding."""
     hints = typing.get_type_hints(cls)
-    return tuple(
-        (
-            f.name,
+    fields = dataclasses.fields(cls)
+    plan = {
+        f.name: (
             _converter(hints[f.name]),
-            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
             _travels(f.name),
             hints[f.name] if hints[f.name] in (int, str, bool, bytes, float) else None,
         )
-        for f in dataclasses.fields(cls)
+        for f in fields
+    }
+    required = tuple(
+        f.name
+        for f in fields
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     )
+    return plan, required
 
 
 def _build(cls: type, body: dict, where: str) -> Any:
+    """The message of type `cls` from the fields `body` carries (others are left at their
+    defaults: the sender leaves those out; a name the type lacks is ignored)."""
+    plan, required = _plan(cls)
     values = {}
-    for name, convert, required, travels, exact in _plan(cls):
-        if name in body:
-            value = body[name]
-            if type(value) is exact and not travels:
-                values[name] = value  # what the converter would return, unchanged
-                continue
-            if travels == "packed" and isinstance(value, bytes):
-                value = _unpack(value, f"{where}.{name}")
-            elif travels == "deadline" and isinstance(value, float) and value:
-                value = _now() + value  # the time left, as an instant of this host's clock
-            values[name] = convert(value, f"{where}.{name}")
-        elif required:
+    for name, value in body.items():
+        known = plan.get(name)
+        if known is None:
+            continue
+        convert, travels, exact = known
+        if type(value) is exact and not travels:
+            values[name] = value  # what the converter would return, unchanged
+            continue
+        if travels == "packed" and isinstance(value, bytes):
+            value = _unpack(value, f"{where}.{name}")
+        elif travels == "deadline" and isinstance(value, float) and value:
+            value = _now() + value  # the time left, as an instant of this host's clock
+        values[name] = convert(value, f"{where}.{name}")
+    for name in required:
+        if name not in values:
             raise MessageError(f"{where}: missing field {name!r}")
     message = cls(**values)
-    found = message_rules.problem(message)
+    found = message_rules.problem(message, values)
     if found:
         raise MessageError(f"{where}: {found}")
     return message

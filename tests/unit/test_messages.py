@@ -5,7 +5,9 @@ import dataclasses
 import msgpack
 import pytest
 
+from shared.control import rules
 from shared.control.failure import Code, Retry, failed, worker_failed, worker_full
+from shared.control.finish import FinishReason
 from shared.control.holdings import ClientHolding, GatewayHoldings
 from shared.control.messages import (
     MESSAGE_TYPES,
@@ -401,3 +403,36 @@ def test_a_message_that_carries_the_request_is_about_its_attempt():
     assert DecodeAssignment(task=task).attempt_id == "a.1"
     layout, destination = KVLayout("m", "float32", 1, 1, 4), KVDestination(b"u", 1, [0])
     assert PrefillTask(task, layout, destination, "d1").attempt_id == "a.1"
+
+
+def test_fields_at_their_defaults_are_left_out_and_come_back():
+    """A token's chunk carries its id, index, tokens and text, not the eight fields it leaves at
+    their defaults (the receiver's dataclass gives them back); a field set to anything else,
+    an empty string where the default is not, or 0 where it is 0.0, travels."""
+    chunk = TokenChunk("r-1", 3, token_ids=[5], text=" a")
+    body = msgpack.unpackb(encode(chunk), raw=False)
+    assert set(body) == {"type", "attempt_id", "index", "token_ids", "text"}
+    assert decode(encode(chunk), TokenChunk) == chunk
+    assert set(msgpack.unpackb(encode(TokenChunk("r-1", 0)), raw=False)) == {
+        "type",
+        "attempt_id",
+        "index",
+    }
+    ended = TokenChunk("r-1", 4, finish_reason=FinishReason.STOP, completion_tokens=9)
+    body = msgpack.unpackb(encode(ended), raw=False)
+    assert body["finish_reason"] == "stop" and body["completion_tokens"] == 9
+    assert decode(encode(ended), TokenChunk) == ended
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_only_the_fields_a_payload_carries_are_range_checked_and_defaults_pass(message):
+    """The range checks skip a field the payload left out: so every default must be in range."""
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(message)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
+    at_defaults = dataclasses.replace(message, **defaults)
+    for name, check in rules._checks(type(message)):  # each field's own range (not the whole's)
+        if name in defaults:
+            assert check(getattr(at_defaults, name)) is None, name

@@ -1,7 +1,14 @@
-"""EngineExecutor: the thread the model runs on, beside the event loop."""
+"""EngineExecutor: the thread the model runs on, beside the event loop.
+
+One thread takes jobs in order from a queue and settles each job's asyncio future on its loop
+(call_soon_threadsafe): a step costs one queue put and one wakeup of the loop. (A
+ThreadPoolExecutor, as run_in_executor uses, adds a concurrent Future with its Condition and the
+chaining of the two futures: ~30 us a step on the 2-core VM, per bench/cp_profile.py.)
+"""
 
 import asyncio
-import concurrent.futures
+import queue
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -9,15 +16,75 @@ R = TypeVar("R")
 
 
 class EngineExecutor:
-    """One thread for the model, so the event loop keeps serving NATS and UCX while it computes."""
+    """One thread for the model, so the event loop keeps serving NATS and UCX while it computes.
+    Jobs run one at a time, in the order given: a job given while a step runs runs after it
+    (between steps)."""
 
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="engine"
-        )
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the thread is started once, by the first job
+        self._closed = False
 
     async def run(self, fn: Callable[..., R], *args) -> R:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.submit(loop, future, fn, *args)
+        return await future
+
+    def submit(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn, *args) -> None:
+        """Runs fn(*args) in the engine thread; its result or exception settles `future`."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine executor is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
+                self._thread.start()
+            self._jobs.put((loop, future, fn, args))
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, future, fn, args = job
+            try:
+                result, error = fn(*args), None
+            except BaseException as err:  # noqa: BLE001 (handed to the awaiting coroutine)
+                result, error = None, err
+            _settle_from_thread(loop, future, result, error)
+            del job, future, result, error  # nothing of a finished job is kept alive here
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Waits for the job running to end; jobs not started are cancelled."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        pending = []
+        while True:
+            try:
+                pending.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in pending:
+            if job is not None:
+                loop, future, _, _ = job
+                _settle_from_thread(loop, future, None, asyncio.CancelledError())
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join()
+
+
+def _settle_from_thread(loop, future: asyncio.Future, result, error) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, future, result, error)
+    except RuntimeError:  # the loop is closed: nobody awaits the future any more
+        pass
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.cancelled():
+        return
+    if isinstance(error, asyncio.CancelledError):
+        future.cancel()
+    elif error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

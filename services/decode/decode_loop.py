@@ -3,9 +3,15 @@
 The Engine does the batching; this loop feeds it from the event loop, runs its step in the
 engine thread, publishes what each step produced, and ends requests that finished, failed,
 were cancelled or ran past their deadline. Message handlers only record events and wake the loop.
+
+Steps are pipelined: once step N is back, the requests it did not touch are reaped (their blocks
+freed: no step runs then), step N+1 starts in the engine thread, and step N's tokens are
+published while it runs. Every stream of a step goes out together, one hand-off per step.
+A request that finished in step N is reaped at the next turn, after its last chunk went out.
 """
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -45,6 +51,7 @@ class DecodeLoop:
         self.adopt = adopt  # a choice the engine forked becomes a request of its own
         self.requests: dict[str, DecodeRequest] = {}  # every request this worker holds, by id
         self.wakeup = asyncio.Event()
+        self.running: asyncio.Future | None = None  # the step in the engine thread, if any
 
     def add(self, req: DecodeRequest, local_prefill: bool) -> None:
         self.requests[req.attempt_id] = req
@@ -65,17 +72,49 @@ class DecodeLoop:
 
     async def abort_all(self, failure: Failure) -> None:
         """Ends every request still held (shutdown): each gets the failure, each frees its blocks."""
+        await self._settle()
         for req in self.requests.values():
             req.fail(failure)  # (no effect on one that finished)
         await self._reap()
 
+    async def _settle(self) -> None:
+        """No step runs after this: the one started last (if any) is over, its tokens sent, and
+        the engine thread idle (a cancelled wait for a step leaves the step running there)."""
+        if self.running is not None:
+            outputs = None
+            with contextlib.suppress(RunnerLost):  # the worker goes anyway
+                outputs = await self._stepped()
+            produced = self._produced(outputs) if outputs else []
+            if produced:
+                await self.publish(produced)
+        await self.executor.run(_nothing)
+
     async def _iterate(self) -> bool:
-        """One step; False when nothing could run (then wait for news)."""
-        await self._reap()
-        if not self.engine.has_work():
-            return False
+        """Takes the step started last turn (if any), reaps, starts the next one and publishes
+        this one's tokens while it runs; False when nothing could run (then wait for news)."""
+        stepped = self.running is not None
+        outputs = await self._stepped() if stepped else None
+        produced = self._produced(outputs) if outputs else []
+        # a request whose last chunk is in `produced` is reaped next turn, once it went out
+        await self._reap(keep={id(req) for req, _ in produced})
+        if (outputs is not None or not stepped) and self.engine.has_work():
+            self.running = self._start_step()
+        if produced:
+            await self.publish(produced)
+        return outputs is not None or self.running is not None
+
+    def _start_step(self) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.executor.submit(loop, future, self.engine.step)
+        return future
+
+    async def _stepped(self):
+        """The output of the step that was running; None when nothing could be scheduled; none
+        ([]) when it failed (its requests fail: the gateway moves them)."""
+        running, self.running = self.running, None
         try:
-            outputs = await self.executor.run(self.engine.step)
+            return await running
         except RunnerLost:
             raise  # the worker goes; its requests are placed elsewhere (shared.worker.serve)
         except Exception as err:
@@ -83,11 +122,12 @@ class DecodeLoop:
             for req in self.requests.values():
                 if req.seq.status in STEPPED:
                     req.fail(failed(Code.INTERNAL, f"model step failed: {type(err).__name__}"))
-            return True
-        if outputs is None:
-            return False
-        # each group's other choices first (they go as the group went), then its own sequence,
-        # choice 0 now (re-keyed; a cancel of that choice alone applies to it alone)
+            return []
+
+    def _produced(self, outputs) -> list[tuple[DecodeRequest, StepOutput]]:
+        """Each output with its request: each group's other choices first (they go as the group
+        went), then its own sequence, choice 0 now (re-keyed; a cancel of that choice alone
+        applies to it alone)."""
         for seq in sorted(self.engine.take_forked(), key=lambda s: s.forked_from is None):
             self.requests[seq.attempt_id] = self.adopt(seq)
         produced = []
@@ -95,13 +135,13 @@ class DecodeLoop:
             req = self.requests.get(seq.attempt_id)
             if req is not None and not req.aborted:
                 produced.append((req, out))
-        if produced:
-            await self.publish(produced)
-        return True
+        return produced
 
-    async def _reap(self) -> None:
+    async def _reap(self, keep: frozenset | set = frozenset()) -> None:
+        """Ends the requests that ended (frees their blocks, tells the gateway), but those in
+        `keep` (id()s: their last chunk has yet to go out). Only while no step runs."""
         for req in list(self.requests.values()):
-            if not req.may_free:
+            if not req.may_free or id(req) in keep:
                 continue  # its transfer ends itself first (see KVFetcher.fetch)
             seq = req.seq
             if not seq.status.finished and seq.expired:
@@ -110,3 +150,7 @@ class DecodeLoop:
                 del self.requests[req.attempt_id]
                 self.engine.release(seq)
                 await self.finish(req)
+
+
+def _nothing() -> None:
+    """A job for the engine thread that only shows it is idle (it runs after any step)."""

@@ -68,3 +68,46 @@ async def test_a_cancel_while_the_loop_ends_another_request_is_reaped(tiny_model
         assert engine.blocks.used == 0
     finally:
         executor.close()
+
+
+async def test_the_next_step_runs_while_a_step_is_published_and_a_stream_ends_after_its_chunks(
+    tiny_model,
+):
+    """Step N+1 runs in the engine thread while step N's tokens are published; each request's
+    chunks are published in order, its last before the loop ends it (finish), and its blocks
+    are freed."""
+    engine = make_engine(tiny_model)
+    executor = EngineExecutor()
+    steps_begun, overlapped, events = [0], [], []
+    step = engine.step
+
+    def counted():
+        steps_begun[0] += 1
+        return step()
+
+    engine.step = counted
+
+    async def publish(produced):
+        at_start = steps_begun[0]
+        for req, out in produced:
+            events.append(("chunk", req.attempt_id, tuple(out.token_ids), out.finished))
+        await asyncio.sleep(0.02)  # NATS is slow: the engine does not wait for it
+        overlapped.append(steps_begun[0] > at_start)
+
+    async def finish(req):
+        events.append(("end", req.attempt_id))
+
+    loop = DecodeLoop(engine, executor, publish, finish, DecodeRequest)
+    try:
+        for name, prompt, tokens in (("a", range(3, 20), 5), ("b", range(4, 30), 8)):
+            seq = make_seq(list(prompt), tokens, attempt_id=name)
+            loop.add(DecodeRequest(seq, task_of(seq), engine), local_prefill=True)
+        await asyncio.wait_for(loop.drain(timeout_s=30), timeout=20)
+        assert not loop.requests and engine.blocks.used == 0
+    finally:
+        executor.close()
+    assert overlapped and all(overlapped[:4])  # while there was work, the next step ran
+    for name, tokens in (("a", 5), ("b", 8)):
+        mine = [e for e in events if e[1] == name]
+        assert [e[0] for e in mine] == ["chunk"] * tokens + ["end"]
+        assert mine[-2][3] is not None  # the last chunk says it finished, then it ends

@@ -144,3 +144,26 @@ async def test_the_gateway_times_a_tokens_stay_from_its_arrival_to_its_answer():
             "tandem_gateway_token_wait_seconds_count", {"role": "gateway", "worker": "g1"}
         )
         assert count == 1
+
+
+async def test_a_wait_for_a_chunk_times_out_without_a_timer_of_its_own_and_a_chunk_ends_it():
+    """next() raises asyncio.TimeoutError once its time passed (within the router's watch
+    tick), and returns a chunk that comes before then; the stream is usable after a timeout."""
+    bus = InMemoryBus()
+    async with StreamRouter(bus, SUBJECT) as router:
+        router.open("a")
+        started = time.monotonic()
+        try:
+            await router.next("a", 0.2)
+            raise AssertionError("no chunk came, yet next() returned")
+        except asyncio.TimeoutError:
+            waited = time.monotonic() - started
+        assert 0.2 <= waited < 0.6
+        later = asyncio.get_running_loop().call_later(0.1, _send, bus, chunk(0, [1]))
+        got = await router.next("a", 5)
+        assert got.index == 0 and time.monotonic() - started < 2
+        later.cancel()
+
+
+def _send(bus, message) -> None:
+    asyncio.ensure_future(bus.publish(SUBJECT, message))

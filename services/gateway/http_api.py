@@ -14,7 +14,6 @@ the handler, and the request path frees what the workers hold (as a gRPC cancel 
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import uuid
@@ -44,6 +43,7 @@ from services.gateway.openai_format import ChoiceLog, Formatter, TokenText
 from services.gateway.openai_request import BadRequest, OpenAIRequest, parse
 from services.gateway.prompts_answered import answers
 from services.gateway.sampling_defaults import OPENAI, SamplingDefaults
+from services.gateway.sse_events import SseEvents, event, json_bytes
 from services.gateway.tool_request import plan_of
 
 log = logging.getLogger("gateway.http")
@@ -54,14 +54,10 @@ FORWARDED_FOR = "X-Forwarded-For"
 INTERNAL = http_error(grpc.StatusCode.INTERNAL, "the gateway failed to serve the request")
 
 
-def _dumps(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 def _error_response(error: HttpError) -> web.Response:
     return web.Response(
         status=error.status,
-        body=_dumps(error.body),
+        body=json_bytes(error.body),
         headers=error.headers,
         content_type="application/json",
     )
@@ -225,7 +221,7 @@ class OpenAIApi:
         except Exception:  # a bug: an OpenAI error body all the same, and the log has it
             log.exception("request %s failed", formatter.id)
             return _error_response(INTERNAL)
-        body = _dumps(formatter.response(choices, lasts))
+        body = json_bytes(formatter.response(choices, lasts))
         return web.Response(body=body, content_type="application/json")
 
     async def _stream(
@@ -240,22 +236,22 @@ class OpenAIApi:
             return _error_response(INTERNAL)
         stream = EventStream(headers=SSE_HEADERS | {"X-Request-Id": formatter.id})
         await stream.prepare(request)
-        response, lasts = first, []
+        response, lasts, events = first, [], SseEvents(formatter)
         try:
             while response is not None:
-                await _event(stream, formatter.chunk(response))
+                await stream.write(events.of(response))
                 lasts += [response] if response.finish_reason else []
                 response = await _next(responses, context)
             if req.include_usage and lasts:
-                await _event(stream, formatter.usage_chunk(lasts))
+                await stream.write(event(formatter.usage_chunk(lasts)))
             await stream.write(b"data: [DONE]\n\n")
         except CallAborted as err:
-            await _event(stream, http_error(err.code, err.details, err.retry_after_ms).body)
+            await stream.write(event(http_error(err.code, err.details, err.retry_after_ms).body))
         except (ConnectionError, asyncio.CancelledError):
             raise  # the client went away: nothing more to say
         except Exception:
             log.exception("request %s failed mid-stream", formatter.id)
-            await _event(stream, INTERNAL.body)
+            await stream.write(event(INTERNAL.body))
         await stream.write_eof()
         return stream
 
@@ -265,10 +261,6 @@ class EventStream(web.StreamResponse):
     StreamResponse sends them on prepare(), a write of their own: a syscall per request)."""
 
     _send_headers_immediately = False
-
-
-async def _event(stream: web.StreamResponse, obj: dict) -> None:
-    await stream.write(b"data: " + _dumps(obj) + b"\n\n")
 
 
 async def _next(responses, context: HttpCallContext):

@@ -123,8 +123,17 @@ class Formatter:
     def choice_log(self) -> ChoiceLog:
         return ChoiceLog(generated=self.echo is None or not self.echo.only)
 
-    def _head(self, kind: str) -> dict:
+    def head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.req.model}
+
+    def started(self, index: int) -> bool:
+        """Choice `index` has had its first streamed chunk."""
+        return index in self._offsets
+
+    def advanced(self, index: int, length: int) -> None:
+        """A streamed chunk of choice `index` carried `length` characters of text, not
+        formatted here (sse_events)."""
+        self._offsets[index] += length
 
     def _logprobs(self, logprobs, offsets: list[int]) -> dict | None:
         if not self.req.logprobs:
@@ -161,7 +170,7 @@ class Formatter:
                     index, choice.text, logprobs, choice.first
                 )
             bodies.append(body | {"finish_reason": finish})
-        return self._head(self.object) | {
+        return self.head(self.object) | {
             "choices": bodies,
             "usage": self._usage(lasts),
             "system_fingerprint": None,
@@ -234,7 +243,7 @@ class Formatter:
         body["logprobs"] = logprobs
         body["finish_reason"] = finish
         kind = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
-        chunk = self._head(kind) | {"choices": [body]}
+        chunk = self.head(kind) | {"choices": [body]}
         if self.req.include_usage:
             chunk["usage"] = None
         if finish:
@@ -244,7 +253,7 @@ class Formatter:
     def usage_chunk(self, lasts: list[pb.GenerateResponse]) -> dict:
         """stream_options.include_usage: the stream's last chunk, with no choices."""
         kind = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
-        return self._head(kind) | {"choices": [], "usage": self._usage(lasts)}
+        return self.head(kind) | {"choices": [], "usage": self._usage(lasts)}
 
     def _usage(self, lasts: list[pb.GenerateResponse]) -> dict:
         return usage(lasts, self.n, self.echo is None or not self.echo.only)

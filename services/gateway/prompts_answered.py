@@ -16,14 +16,17 @@ from shared.api import tandem_pb2 as pb
 MAX_ID = 120  # of the request id the prompts after the first extend with "-<i>" (at most 128)
 
 
-async def answers(servicer, req: OpenAIRequest, request_id: str, context, seat):
-    """The responses to every prompt of `req`; the first prompt's in `seat`."""
+def answers(servicer, req: OpenAIRequest, request_id: str, context, seat):
+    """The responses to every prompt of `req` (an async generator); the first prompt's in
+    `seat`. One prompt's are its Generate's own (no generator between them and the caller)."""
     first, *more = req.requests
     first.request_id = request_id
     if not more:  # a chat's tool calls stream from openai_format, not the last response
-        async for response in servicer.Generate(first, context, context.api, seat, False):
-            yield response
-        return
+        return servicer.Generate(first, context, context.api, seat, False)
+    return _several(servicer, first, more, request_id, context, seat)
+
+
+async def _several(servicer, first, more, request_id: str, context, seat):
     n = max(1, first.sampling.n)
     streams = [servicer.Generate(first, context, context.api, seat)]
     for i, each in enumerate(more, 1):

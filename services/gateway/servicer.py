@@ -56,13 +56,6 @@ async def _group(stream, relay: RequestRelay, placed):
             await relay.cancel(placed.id)
 
 
-async def _only(stream):
-    """One stream, as choice 0 of `merged`'s."""
-    async with contextlib.aclosing(stream):
-        async for item in stream:
-            yield 0, item
-
-
 def client_address(peer: str) -> str:
     """The client's address without its port: "ipv4:10.0.0.7:5123" -> "ipv4:10.0.0.7"."""
     return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
@@ -136,10 +129,10 @@ class TandemServicer(pb_grpc.TandemServicer):
             async with contextlib.AsyncExitStack() as stack:
                 if seat is None:
                     seat = await stack.enter_async_context(self.seated(context))
-                observed = self._observed(request, context, root, seat, observer, tool_calls)
-                async for response in await stack.enter_async_context(
-                    contextlib.aclosing(observed)
-                ):
+                calling = self._generate_call(request, context, root, seat, tool_calls)
+                responses = await stack.enter_async_context(contextlib.aclosing(calling))
+                async for response in responses:
+                    observer.on_response(response)
                     yield response
             finished = True
         except Exception:
@@ -152,13 +145,6 @@ class TandemServicer(pb_grpc.TandemServicer):
             observer.end(code, finished)
             span.set_attribute("status", code.name if code else "OK" if finished else "CANCELLED")
             span.end()
-
-    async def _observed(self, request, context, root, seat: Seat, observer, tool_calls: bool):
-        calling = self._generate_call(request, context, root, seat, tool_calls)
-        async with contextlib.aclosing(calling) as responses:
-            async for response in responses:
-                observer.on_response(response)
-                yield response
 
     @contextlib.asynccontextmanager
     async def seated(self, context):
@@ -223,8 +209,10 @@ class TandemServicer(pb_grpc.TandemServicer):
         task = self._first_task(valid, priority, client, context, arrival)
         streaming = time.time()
         try:
+            n = task.sampling.n
             async with contextlib.aclosing(await self._choices(task, context, root)) as chunks:
-                async for index, (attempt, chunk) in chunks:
+                async for item in chunks:
+                    index, (attempt, chunk) = (0, item) if n == 1 else item
                     if index not in first_at and chunk.token_ids:
                         first_at[index] = time.time()
                     self.metrics.waited(self.streams.arrived(attempt.id))
@@ -241,8 +229,9 @@ class TandemServicer(pb_grpc.TandemServicer):
             tracing.record("gateway.stream", root, streaming, time.time())
 
     async def _choices(self, task: GenerateTask, context, root):
-        """(choice index, (attempt, chunk)) of the request's streams: one, or with n > 1 one per
-        choice, the request placed as one first (its prompt prefilled once, then forked)."""
+        """The request's (attempt, chunk)s: its one stream's, or with n > 1 (choice index,
+        (attempt, chunk)) of one stream per choice, the request placed as one first (its prompt
+        prefilled once, then forked)."""
 
         def relay() -> RequestRelay:
             return RequestRelay(
@@ -250,7 +239,7 @@ class TandemServicer(pb_grpc.TandemServicer):
             )
 
         if task.sampling.n == 1:
-            return _only(relay().follow(task))
+            return relay().follow(task)
         placing = relay()
         placed = await placing.place(task)
         n = task.sampling.n

@@ -390,3 +390,50 @@ def test_no_prefix_cache_past_cacheable_tokens():
     longer = FakeSeq(list(range(30)))
     bm.allocate(longer)
     assert longer.num_cached_tokens == 0
+
+
+def _first_fit(bm: BlockManager, count: int) -> int | None:
+    """The lowest run of `count` free blocks caching no prefix, by a plain scan (the reference)."""
+    run = 0
+    for block in range(bm.num_blocks):
+        free = block in bm.free_blocks and bm.block_hash[block] is None
+        run = run + 1 if free else 0
+        if run == count:
+            return block - count + 1
+    return None
+
+
+def test_runs_are_found_where_a_plain_scan_finds_them_through_random_traffic():
+    """Allocations, growth, commits (cached blocks), frees and evictions in random order: the
+    usable map always says which blocks are free and cache nothing, and a run is found at the
+    lowest place a scan of the pool finds one."""
+    import random
+
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=64, block_size=4)
+    live: list[FakeSeq] = []
+    for step in range(3000):
+        roll = rng.random()
+        if roll < 0.45:
+            tokens = toks(rng.choice([0, 100, 200, 300 + step]), rng.randint(1, 24))
+            seq = FakeSeq(tokens)
+            if bm.can_allocate(seq):
+                bm.allocate(seq)
+                if rng.random() < 0.5:
+                    bm.commit(seq, seq.num_tokens)
+                live.append(seq)
+        elif roll < 0.65 and live:
+            seq = rng.choice(live)
+            seq.token_ids.append(7)
+            if bm.can_append(seq):
+                bm.may_append(seq)
+            else:
+                seq.token_ids.pop()
+        elif live:
+            bm.deallocate(live.pop(rng.randrange(len(live))))
+        for block in range(bm.num_blocks):
+            free = block in bm.free_blocks and bm.block_hash[block] is None
+            assert bm.usable[block] == free, (step, block)
+        for count in (1, 2, 3, 5):
+            assert bm._find_run(count, None) == _first_fit(bm, count), (step, count)
+    assert bm.leaked([s.block_table for s in live]) == 0

@@ -2,12 +2,15 @@
 
     python bench/control_plane.py [--sections ttft,messages,fleet]   (make bench-control-plane)
 
-ttft      TTFT and ITL with a zero-time mock engine (--mock-speedup 0, no KV bytes), colocated
-          and disaggregated, at concurrency 1, 8 and 32: Tandem through its OpenAI-compatible
-          HTTP front (a fresh connection per request, and keep-alive) and through gRPC; Dynamo
-          1.6.1's frontend + mocker (speedup 1e6, --kv-transfer-bandwidth 0) through the same
-          HTTP client, in the same run, one after the other, --rounds times (which goes first
-          alternates; the report takes each cell's median over the rounds and shows the spread).
+ttft      TTFT, ITL, tokens/s and each process's CPU per streamed token with a zero-time mock
+          engine (--mock-speedup 0, no KV bytes), colocated and disaggregated, at concurrency 1,
+          8, 32 and 128: Tandem through its OpenAI-compatible HTTP front (a fresh connection per
+          request, and keep-alive) and through gRPC; Dynamo 1.6.1's frontend + mocker (speedup
+          1e6, --kv-transfer-bandwidth 0) through the same HTTP client, in the same run, one
+          after the other, --rounds times (which goes first alternates; the report takes each
+          cell's median over the rounds and shows the spread). Tokens are those the responses'
+          usage reports; CPU is each server process's user + system time over the level's run
+          (/proc), and the client's (this process, getrusage).
 messages  NATS messages per generated token at 64 concurrent streams on one worker (the
           mock at the real engine's pace, --mock-speedup 1): nats-server's in_msgs over the run
           (every message: submits, assignments, acks, heartbeats, token batches).
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -31,14 +35,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from cp_scale import grpc_run, section_fleet, section_gateway  # noqa: E402
-from dynamo_peer import DynamoStack, available, dynamo_version  # noqa: E402
+from dynamo_peer import DynamoStack, available, cpu_seconds, dynamo_version  # noqa: E402
 from stack import LOAD_GENERATOR, BenchStack, Worker  # noqa: E402
 from stream_clients import GrpcClient, HttpClient, run  # noqa: E402
 
 from shared import model_store  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
-LEVELS = (1, 8, 32)
+LEVELS = (1, 8, 32, 128)
 ZERO_TIME = {
     "TANDEM_ENGINE": "mock",
     "TANDEM_MOCK_SPEEDUP": "0",
@@ -56,31 +60,52 @@ def tandem_stack(name: str, mode: str, mock: dict, workers: list[Worker] | None 
     )
 
 
-async def tandem_levels(stack: BenchStack, model: str, n: int, max_tokens: int) -> list[dict]:
+async def tandem_levels(
+    stack: BenchStack, model: str, n: int, max_tokens: int, pids: dict[str, int]
+) -> list[dict]:
     rows = []
     fronts = [("http-fresh", True), ("http-keepalive", False), ("grpc", None)]
     for front, fresh in fronts:
         for level in LEVELS:
             if fresh is None:
-                async with GrpcClient(stack.address) as client:
-                    row = await run(client, n, level, max_tokens)
+                client = GrpcClient(stack.address)
             else:
-                async with HttpClient(
-                    f"http://127.0.0.1:{stack.http_port}", model, fresh
-                ) as client:
-                    row = await run(client, n, level, max_tokens)
+                client = HttpClient(f"http://127.0.0.1:{stack.http_port}", model, fresh)
+            async with client:
+                row = await cpu_counted(run(client, n, level, max_tokens), pids)
             rows.append({"system": "tandem", "front": front, **row})
     return rows
 
 
-async def dynamo_levels(base_url: str, model: str, n: int, max_tokens: int) -> list[dict]:
+async def dynamo_levels(
+    base_url: str, model: str, n: int, max_tokens: int, pids: dict[str, int]
+) -> list[dict]:
     rows = []
     for front, fresh in (("http-fresh", True), ("http-keepalive", False)):
         for level in LEVELS:
             async with HttpClient(base_url, model, fresh) as client:
-                row = await run(client, n, level, max_tokens)
+                row = await cpu_counted(run(client, n, level, max_tokens), pids)
             rows.append({"system": f"dynamo {dynamo_version()}", "front": front, **row})
     return rows
+
+
+async def cpu_counted(running, pids: dict[str, int]) -> dict:
+    """The run's row with `cpu_us_per_token`: each process's CPU microseconds per token the
+    responses' usage reported (the client: this process)."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    client_before = _own_cpu_s()
+    row = await running
+    client_s = _own_cpu_s() - client_before
+    tokens = max(row["tokens_per_request"] * row["n"], 1)
+    used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    row["cpu_us_per_token"] = {name: s / tokens * 1e6 for name, s in used.items()}
+    row["cpu_us_per_token"]["client"] = client_s / tokens * 1e6
+    return row
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def section_ttft(args, model_dir: Path) -> list[dict]:
@@ -104,14 +129,18 @@ def section_ttft(args, model_dir: Path) -> list[dict]:
 def _tandem_rows(mode: str, args, model_dir: Path) -> list[dict]:
     with tandem_stack(f"cp-{mode}", mode, ZERO_TIME) as stack:
         model = _served_model(stack.http_port)
-        return asyncio.run(tandem_levels(stack, model, args.n, args.max_tokens))
+        pids = {name: p.pid for name, p in stack.group.children}
+        return asyncio.run(tandem_levels(stack, model, args.n, args.max_tokens, pids))
 
 
 def _dynamo_rows(mode: str, args, model_dir: Path) -> list[dict]:
     if not available():
         return []
     with DynamoStack(model_dir, mode != "colocated") as dynamo:
-        return asyncio.run(dynamo_levels(dynamo.base_url, dynamo.model, args.n, args.max_tokens))
+        levels = dynamo_levels(
+            dynamo.base_url, dynamo.model, args.n, args.max_tokens, dynamo.pids()
+        )
+        return asyncio.run(levels)
 
 
 def section_messages(args) -> dict:

@@ -13,6 +13,11 @@ OUT = Path(__file__).resolve().parent / "results"
 
 
 CELL = ("path", "system", "front", "concurrency")
+TTFT_LEVELS = (1, 8, 32)  # issue 49's TTFT bar: Tandem / Dynamo TTFT p50 at most
+TTFT_BAR = {"aggregated": 1.0, "disaggregated": 1.3}
+THROUGHPUT_LEVELS = (32, 128)  # issue 49: tokens/s at least Dynamo's
+ENGINE_TOKENS_PER_S = 47_000  # the engine alone on an H200 (bench/results/gpu-check.md)
+CPU_GOAL_US = 60.0  # issue 49's goal: CPU per token across Tandem's processes, client excluded
 FIGURES = (
     "ttft_ms_p50",
     "ttft_ms_p99",
@@ -37,8 +42,26 @@ def by_cell(rows: list[dict]) -> list[dict]:
             values = [x[name] for x in found if not math.isnan(x.get(name, math.nan))]
             row[name] = statistics.median(values) if values else math.nan
         row["rounds"] = {x.get("round", 0): x["ttft_ms_p50"] for x in found}
+        row["cpu"] = _cpu(found)
         merged.append(row)
     return merged
+
+
+def _cpu(found: list[dict]) -> dict[str, float]:
+    """Each process's CPU microseconds per token, the median over the rounds that counted it."""
+    names = {n for x in found for n in x.get("cpu_us_per_token", {})}
+    return {
+        n: statistics.median(
+            x["cpu_us_per_token"][n] for x in found if n in x.get("cpu_us_per_token", {})
+        )
+        for n in sorted(names)
+    }
+
+
+def servers_cpu(row: dict) -> float:
+    """CPU microseconds per token of every process but the client (nan: not measured)."""
+    cpu = row.get("cpu") or {}
+    return sum(v for n, v in cpu.items() if n != "client") if cpu else math.nan
 
 
 def _spread(values, digits: int = 1) -> str:
@@ -49,8 +72,8 @@ def _spread(values, digits: int = 1) -> str:
 def ttft_table(rows: list[dict]) -> list[str]:
     lines = [
         "| path | system | front | conc | TTFT p50 (rounds' range) | TTFT p99 | gateway's TTFT p50 | "
-        "ITL p50 | ITL p99 | req/s | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "ITL p50 | ITL p99 | req/s | tokens/s | server CPU µs/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         inside = r.get("gateway_ttft_ms_p50", float("nan"))
@@ -58,7 +81,28 @@ def ttft_table(rows: list[dict]) -> list[str]:
             f"| {r['path']} | {r['system']} | {r['front']} | {r['concurrency']} | "
             f"{r['ttft_ms_p50']:.2f}{_spread(r['rounds'].values())} | {r['ttft_ms_p99']:.2f} | "
             f"{'' if inside != inside else f'{inside:.2f}'} | {r['itl_ms_p50']:.3f} | "
-            f"{r['itl_ms_p99']:.2f} | {r['req_per_s']:.0f} | {r.get('tokens_per_s', 0):.0f} |"
+            f"{r['itl_ms_p99']:.2f} | {r['req_per_s']:.0f} | {r.get('tokens_per_s', 0):.0f} | "
+            f"{_num(servers_cpu(r))} |"
+        )
+    return lines
+
+
+def _num(value: float, digits: int = 0) -> str:
+    return "" if value != value else f"{value:.{digits}f}"
+
+
+def cpu_table(rows: list[dict]) -> list[str]:
+    """CPU per token by process, at 32 and 128 clients over keep-alive HTTP."""
+    lines = [
+        "| path | system | conc | process: CPU µs per token | all but the client |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["front"] != "http-keepalive" or r["concurrency"] < 32 or not r.get("cpu"):
+            continue
+        each = ", ".join(f"{n} {v:.0f}" for n, v in r["cpu"].items())
+        lines.append(
+            f"| {r['path']} | {r['system']} | {r['concurrency']} | {each} | {servers_cpu(r):.0f} |"
         )
     return lines
 
@@ -109,13 +153,39 @@ def ratios(rows: list[dict]) -> list[str]:
             continue
         ratio = r["ttft_ms_p50"] / peer["ttft_ms_p50"]
         each = [r["rounds"][k] / peer["rounds"][k] for k in r["rounds"] if k in peer["rounds"]]
-        bar = 0.5 if r["concurrency"] == 1 else 1.0
+        if r["concurrency"] not in TTFT_LEVELS:
+            continue
+        bar = TTFT_BAR[r["path"]]
         verdict = "met" if ratio <= bar else "NOT met"
         if _stalled(rows, peer):
             verdict = "not counted: Dynamo's keep-alive stalls (~40 ms a request)"
         lines.append(
             f"| {r['path']} | {r['concurrency']} | {r['front']} | {peer['front']} | "
             f"{ratio:.2f}{_spread(each, 2)} | <= {bar} {verdict} |"
+        )
+    return lines
+
+
+def throughput(rows: list[dict]) -> list[str]:
+    """Issue 49's throughput bar: Tandem's tokens/s at 32 and 128 clients at least Dynamo's,
+    front for front; and its CPU goal: 60 µs a token across its processes."""
+    lines = [
+        "| path | conc | front | Tandem tokens/s | Dynamo tokens/s | Tandem / Dynamo (bar >= 1) "
+        "| Tandem server CPU µs/token (goal <= 60) | Dynamo's |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["system"] != "tandem" or r["concurrency"] not in THROUGHPUT_LEVELS:
+            continue
+        peer = _peer(rows, r)
+        if peer is None or peer["front"] != r["front"]:
+            continue
+        ratio = r["tokens_per_s"] / peer["tokens_per_s"]
+        cpu, theirs = servers_cpu(r), servers_cpu(peer)
+        lines.append(
+            f"| {r['path']} | {r['concurrency']} | {r['front']} | {r['tokens_per_s']:.0f} | "
+            f"{peer['tokens_per_s']:.0f} | {ratio:.2f} {'met' if ratio >= 1 else 'NOT met'} | "
+            f"{_num(cpu)} {'met' if cpu <= CPU_GOAL_US else 'NOT met'} | {_num(theirs)} |"
         )
     return lines
 
@@ -133,7 +203,24 @@ def render(results: dict) -> list[str]:
             "",
             *ttft_table(cells),
         ]
-        lines += ["", *ratios(cells), ""]
+        lines += [
+            "",
+            "Time to first token (issue 49: at or below Dynamo's aggregated, at most 1.3x "
+            "disaggregated, at 1, 8 and 32 clients):",
+            "",
+            *ratios(cells),
+            "",
+            "Throughput and CPU (issue 49: tokens/s at least Dynamo's at 32 and 128 clients; "
+            "the goal, at most 60 µs of CPU per token across Tandem's processes, the client "
+            "excluded):",
+            "",
+            *throughput(cells),
+            "",
+            "CPU per token by process (keep-alive HTTP):",
+            "",
+            *cpu_table(cells),
+            "",
+        ]
     if "messages" in results:
         m = results["messages"]
         lines += [
@@ -165,18 +252,24 @@ def render(results: dict) -> list[str]:
             "",
         ]
     if "gateway" in results:
+        step_ms = 1000 * results["gateway"][0].get("step_s", 0.02) if results["gateway"] else 0
         lines += [
-            "## One gateway's streams (mock steps of 20 ms each)",
+            f"## One gateway's streams (mock steps of {step_ms:g} ms each)",
             "",
-            "| streams | tokens/s | ITL p50 | ITL p99 | added ITL p99 (client) | gateway's own p50 / p99 (token wait) | gateway cores | tokens/s per gateway core |",
-            "|---|---|---|---|---|---|---|---|",
+            "Gateway processes an engine of 47,000 tokens/s (the H200's, bench/results/gpu-check.md) "
+            "would need at this cost: 47,000 x its CPU per token.",
+            "",
+            "| streams | tokens/s | ITL p50 | ITL p99 | added ITL p99 (client) | gateway's own p50 / p99 (token wait) | gateway cores | tokens/s per gateway core | gateway CPU µs/token | gateways for 47,000 tokens/s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in results["gateway"]:
+            per_token = 1e6 / r["tokens_per_gateway_core"]
             lines.append(
                 f"| {r['streams']} | {r['tokens_per_s']:.0f} | {r['itl_ms_p50']:.1f} | "
                 f"{r['itl_ms_p99']:.1f} | {r['added_itl_ms_p99']:.1f} | {_wait(r)} | "
                 f"{r['gateway_cores']:.2f} | "
-                f"{r['tokens_per_gateway_core']:.0f} |"
+                f"{r['tokens_per_gateway_core']:.0f} | {per_token:.0f} | "
+                f"{ENGINE_TOKENS_PER_S * per_token / 1e6:.1f} |"
             )
         lines.append("")
     return lines

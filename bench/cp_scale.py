@@ -127,6 +127,8 @@ def _gateway_levels(args, stack: BenchStack, port: int) -> list[dict]:
             row["gateway_wait"] = _quantiles(_buckets(port, wait), before)
             row["gateway_cores"] = (cpu_seconds(gateway) - used) / wall
             row["tokens_per_gateway_core"] = row["tokens_per_s"] / max(row["gateway_cores"], 1e-9)
+            row["gateway_cpu_us_per_token"] = 1e6 / row["tokens_per_gateway_core"]
+            row["step_s"] = STEP_S
             rows.append(row)
             print(json.dumps(row), flush=True)
             if row["gateway_wait"]["p99_at_most_ms"] > 5:
@@ -134,7 +136,7 @@ def _gateway_levels(args, stack: BenchStack, port: int) -> list[dict]:
     return rows
 
 
-STEP_S = 0.02
+STEP_S = 0.01  # issue 49: one gateway at 64 streams paced at 10 ms a step
 
 
 async def _streams(address: str, streams: int, max_tokens: int) -> dict:

@@ -282,7 +282,8 @@ def _wait(row: dict) -> str:
 
 def main(paths: list[str]) -> int:
     found = sorted(OUT.glob("control-plane*.json"))
-    files = [Path(p) for p in paths] or [p for p in found if p.name != "control-plane-floor.json"]
+    others = ("control-plane-floor.json", "control-plane-profile.json")  # reports of their own
+    files = [Path(p) for p in paths] or [p for p in found if p.name not in others]
     lines = ["# The control plane on mock engines, against NVIDIA Dynamo", ""]
     for path in files:
         results = json.loads(path.read_text())

@@ -8,7 +8,9 @@ Dynamo 1.6.1's frontend and mocker through the same client where .venv-dynamo ex
 
 1. CPU per streamed token: each process's user + system time over the run (/proc/PID/stat,
    every thread), divided by the tokens the responses' usage reports; the client is this
-   process (getrusage). Measured without a profiler attached.
+   process (getrusage). Measured without a profiler attached. Then the same with requests of
+   8 and of 256 tokens (as many tokens in all): each process's CPU split into a cost per
+   request and a cost per token.
 2. Where it goes: a run twice as long with py-spy sampling each Tandem process (`--rate` Hz,
    `--nonblocking`: the process is never stopped), its samples folded by function: the most
    frequent leaf frames (self time) and the Tandem functions most often on the stack (inclusive).
@@ -41,6 +43,7 @@ from shared import model_store  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 TOP = 15
+SPLIT_TOKENS = (8, 256)  # the request lengths each process's CPU is split by
 
 
 def own_cpu_s() -> float:
@@ -48,13 +51,17 @@ def own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def measured(base_url: str, model: str, pids: dict[str, int], args) -> dict:
+async def measured(
+    base_url: str, model: str, pids: dict[str, int], args, max_tokens: int | None = None
+) -> dict:
     """One run of -n requests at --clients; each process's CPU microseconds per token."""
+    max_tokens = max_tokens or args.max_tokens
+    n = args.n * args.max_tokens // max_tokens  # as many tokens in all, whatever their length
     async with HttpClient(base_url, model, fresh=False) as client:
-        await run(client, 3, 1, args.max_tokens, warmup=0)  # warm: connections, caches
+        await run(client, 3, 1, max_tokens, warmup=0)  # warm: connections, caches
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         client_before = own_cpu_s()
-        row = await run(client, args.n, args.clients, args.max_tokens, warmup=0)
+        row = await run(client, n, args.clients, max_tokens, warmup=0)
         client_s = own_cpu_s() - client_before
         after = {name: cpu_seconds(pid) for name, pid in pids.items()}
     tokens = row["tokens_per_request"] * row["n"]
@@ -135,8 +142,23 @@ def tandem(mode: str, args, spy: str | None) -> dict:
         pids = {name: p.pid for name, p in stack.group.children}
         base = f"http://127.0.0.1:{stack.http_port}"
         out = asyncio.run(measured(base, model, pids, args))
+        short, long = (asyncio.run(measured(base, model, pids, args, t)) for t in SPLIT_TOKENS)
+        out["split"] = split(short, long)
         if spy:
             out["profile"] = asyncio.run(profiled(base, model, pids, args, spy))
+    return out
+
+
+def split(short: dict, long: dict) -> dict:
+    """Each process's CPU as a cost per request plus a cost per token, from runs of requests
+    of SPLIT_TOKENS[0] and SPLIT_TOKENS[1] tokens: us/token = per_token + per_request / length,
+    solved from the two."""
+    a, b = SPLIT_TOKENS
+    out = {}
+    for name in short["us_per_token"]:
+        x, y = short["us_per_token"][name], long["us_per_token"][name]
+        per_request = (x - y) / (1 / a - 1 / b)
+        out[name] = {"per_request_us": per_request, "per_token_us": y - per_request / b}
     return out
 
 
@@ -168,6 +190,26 @@ def report(results: dict) -> str:
             for i, (name, us) in enumerate(cells):
                 head = [mode, system, f"{row['tokens_per_s']:.0f}"] if i == 0 else ["", "", ""]
                 lines.append("| " + " | ".join(head + [name, f"{us:.0f}"]) + " |")
+    lines += [
+        "",
+        f"## Per request and per token (Tandem; runs of {SPLIT_TOKENS[0]}- and "
+        f"{SPLIT_TOKENS[1]}-token requests, as many tokens in all)",
+        "",
+        "CPU µs per token = per token + per request / the request's length, solved from the "
+        "two runs.",
+        "",
+        "| path | process | µs per request | µs per token | at "
+        f"{results['max_tokens']} tokens a request: share per request |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for mode, systems in results["modes"].items():
+        for name, cost in sorted(((systems.get("tandem") or {}).get("split") or {}).items()):
+            fixed = cost["per_request_us"] / results["max_tokens"]
+            share = fixed / max(fixed + cost["per_token_us"], 1e-9)
+            lines.append(
+                f"| {mode} | {name} | {cost['per_request_us']:.0f} | "
+                f"{cost['per_token_us']:.0f} | {share:.0%} |"
+            )
     for mode, systems in results["modes"].items():
         profile = (systems.get("tandem") or {}).get("profile") or {}
         for name, folded in profile.items():

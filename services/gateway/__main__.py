@@ -170,7 +170,9 @@ def http_server(settings: GatewaySettings, servicer: TandemServicer, probe) -> H
     )
     watch = ConnectionWatch(servicer.metrics.registry, servicer.metrics.ids)
     address = (settings.http_host, settings.http_port)
-    return HttpServer(api.app(), *address, tls, settings.drain_timeout_s, bounds, watch)
+    return HttpServer(
+        api.app(), *address, tls, settings.drain_timeout_s, bounds, watch, settings.reuse_port
+    )
 
 
 def raise_fd_limit(settings: GatewaySettings) -> None:

@@ -39,6 +39,8 @@ def server_options(settings: GatewaySettings) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", ms(settings.grpc_keepalive_s)),
         # keep pinging while a call waits long for its first token (core stops after 2 by default)
         ("grpc.http2.max_pings_without_data", 0),
+        # gRPC core shares a port by default on Linux: only when asked for (--reuse-port)
+        ("grpc.so_reuseport", int(settings.reuse_port)),
     ]
     if settings.grpc_max_connection_age_s:
         options += [

@@ -36,8 +36,9 @@ class HttpServer:
         drain_s: float,
         bounds: ConnectionBounds,
         watch: ConnectionWatch,
+        reuse_port: bool = False,
     ):
-        self.host, self.port, self.tls = host, port, tls
+        self.host, self.port, self.tls, self.reuse_port = host, port, tls, reuse_port
         self.bounds, self.watch = bounds, watch
         self.runner = web.AppRunner(
             app, handler_cancellation=True, shutdown_timeout=drain_s, access_log=None
@@ -48,7 +49,12 @@ class HttpServer:
         await self.runner.setup()
         handshake = {"ssl_handshake_timeout": self.bounds.read_timeout_s} if self.tls else {}
         self.listener = await asyncio.get_running_loop().create_server(
-            self._connection, self.host, self.port, ssl=self.tls, **handshake
+            self._connection,
+            self.host,
+            self.port,
+            ssl=self.tls,
+            reuse_port=self.reuse_port,
+            **handshake,
         )
         self.port = self.listener.sockets[0].getsockname()[1]
         return self

@@ -96,6 +96,12 @@ class GatewaySettings(CommonSettings):
         default=8000,
         metadata={"help": "OpenAI-compatible HTTP API port; 0 = any free port, -1 = no HTTP API"},
     )
+    reuse_port: bool = field(
+        default=False,
+        metadata={
+            "help": "listen with SO_REUSEPORT: several gateway processes on one host share the gRPC and HTTP ports, the kernel spreading connections across them (each a gateway of its own: its own id, its own --metrics-port); off, a second gateway on a port in use fails to start"
+        },
+    )
     served_model_name: str = field(
         default="",
         metadata={"help": "the model's name in the HTTP API (/v1/models); empty = its file name"},

@@ -42,7 +42,7 @@ DEMO_PROMPT = "In one sentence, why does separating prefill from decode help LLM
 READY_TIMEOUT_S = 300.0  # `tandem up`'s default --ready-timeout
 POLL_S = 0.3  # how often the launcher looks: at its children, its socket
 NATS_START_TIMEOUT_S = 15.0
-SERVICES = ("nats", "scheduler", "gateway")  # one of each, restarted in place when it crashes
+SERVICES = ("nats", "scheduler", "gateway")  # restarted in place when one crashes
 
 
 def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> WorkerPools:
@@ -78,12 +78,25 @@ def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> W
     ports = {"TANDEM_GRPC_PORT": str(args.grpc_port), "TANDEM_HTTP_PORT": str(args.http_port)}
     if args.api_keys_file:  # absolute: the gateway, restarted, reads it again from anywhere
         ports["TANDEM_API_KEYS_FILE"] = str(Path(args.api_keys_file).resolve())
-    group.spawn(
-        "gateway",
-        python + ["services.gateway"],
-        child_env({**common, **ports, **role_env["gateway"]}),
-    )
+    if args.gateways > 1:  # one port, the kernel spreading connections across them
+        ports["TANDEM_REUSE_PORT"] = "1"
+    for name in gateway_names(args.gateways):
+        group.spawn(
+            name,
+            python + ["services.gateway"],
+            child_env({**common, **ports, **role_env["gateway"]}),
+        )
     return pools
+
+
+def gateway_names(count: int) -> list[str]:
+    """The gateway processes' names: "gateway", then "gateway-1", "gateway-2"..."""
+    return ["gateway"] + [f"gateway-{i}" for i in range(1, count)]
+
+
+def restarted_in_place(name: str) -> bool:
+    """A service restarted where it crashed: NATS, the scheduler, each gateway process."""
+    return name in SERVICES or name.startswith("gateway-")
 
 
 def _start_nats(group: ProcessGroup, config: list[str]) -> str:
@@ -120,6 +133,8 @@ def _refusal(args) -> str:
     """Why these arguments cannot start a stack ("" when they can)."""
     if args.prefill < 1 or args.decode < 1:
         return "--prefill and --decode must be at least 1"
+    if args.gateways < 1:
+        return "--gateways must be at least 1"
     if args.prefill_tp < 1 or args.decode_tp < 1:
         return "--prefill-tp and --decode-tp must be at least 1"
     if args.mode == Mode.COLOCATED and args.prefill_tp > 1:
@@ -266,10 +281,10 @@ def _run_until_stopped(
             print(f"error: {err}; stopping the stack", file=sys.stderr)
             return False
         for name, code in dead.items():
-            if name not in SERVICES or not restarts.allow(name):
+            if not restarted_in_place(name) or not restarts.allow(name):
                 print(
                     f"error: {name} exited with code {code}"
-                    + (", again" if name in SERVICES else "")
+                    + (", again" if restarted_in_place(name) else "")
                     + f"; stopping the stack:\n{group.log_tail(name)}",
                     file=sys.stderr,
                 )

@@ -62,6 +62,13 @@ def _up_command(sub) -> None:
         default=8000,
         help="the gateway's OpenAI-compatible HTTP port (default 8000; -1: none)",
     )
+    up.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT; default 1): "
+        "more where one core cannot carry the streams",
+    )
     up.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
     up.add_argument(
         "--model",

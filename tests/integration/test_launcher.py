@@ -205,3 +205,54 @@ def test_tandem_up_with_api_keys_refuses_a_request_without_a_key(tmp_path):
         os.killpg(launcher.pid, signal.SIGINT)
         rest, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == 0, rest
+
+
+def _listeners(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on."""
+    conns = psutil.Process(pid).net_connections(kind="tcp")
+    return {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+
+
+def _gateways(launcher_pid: int) -> list[int]:
+    found = [(pid, " ".join(psutil.Process(pid).cmdline())) for pid in _children(launcher_pid)]
+    return [pid for pid, argv in found if "services.gateway" in argv]
+
+
+def test_tandem_up_runs_several_gateways_on_one_port(tmp_path):
+    """`--gateways 2`: two gateway processes listen on the same gRPC and HTTP ports
+    (SO_REUSEPORT); connections are spread over both, every request is answered; one killed,
+    the other serves alone meanwhile and the killed one starts again on the same ports."""
+    port, http_port = free_port(), free_port()
+    flags = ("--mode", "colocated", "--no-demo", "--gateways", "2")
+    launcher = _launch(tmp_path, port, *flags, http_port=http_port)
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        _read_until(launcher, lambda ls: any("ready" in line for line in ls), 300)
+        gateways = _gateways(launcher.pid)
+        assert len(gateways) == 2
+        assert all({port, http_port} <= _listeners(pid) for pid in gateways)
+        assert [chat_status(url) for _ in range(24)] == [200] * 24  # a connection each
+        served = [
+            sum("placed:" in line for line in (tmp_path / f"{name}.log").read_text().splitlines())
+            for name in ("gateway", "gateway-1")
+        ]
+        assert sum(served) == 24 and min(served) > 0, served  # both took connections
+
+        os.kill(gateways[0], signal.SIGKILL)
+        # gone, reaped: its listener closed once its last thread ended (a zombie's may still
+        # take a connection, and reset it as it closes)
+        while os.path.exists(f"/proc/{gateways[0]}"):
+            time.sleep(0.05)
+        assert [chat_status(url) for _ in range(8)] == [200] * 8  # the other one, meanwhile
+        deadline = time.monotonic() + 120
+        while len(again := _gateways(launcher.pid)) < 2 or not all(
+            {port, http_port} <= _listeners(pid) for pid in again
+        ):
+            assert time.monotonic() < deadline, "the killed gateway did not start again"
+            time.sleep(0.5)
+        assert gateways[0] not in again and gateways[1] in again
+        assert [chat_status(url) for _ in range(8)] == [200] * 8
+    finally:
+        os.killpg(launcher.pid, signal.SIGINT)
+        rest, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, rest

@@ -112,6 +112,47 @@ def test_the_server_options_follow_the_settings():
     assert options["grpc.max_connection_age_ms"] == 3_600_000
     no_age = dict(server_options(GatewaySettings(grpc_max_connection_age_s=0)))
     assert "grpc.max_connection_age_ms" not in no_age
+    # a port is shared only when asked for (gRPC core shares by default on Linux)
+    assert options["grpc.so_reuseport"] == 0
+    assert dict(server_options(GatewaySettings(reuse_port=True)))["grpc.so_reuseport"] == 1
+
+
+async def test_a_second_gateway_on_a_port_in_use_fails_unless_both_reuse_it():
+    """Two gRPC servers (and two HTTP listeners) on one port: refused, unless both were made
+    with --reuse-port."""
+    from aiohttp import web
+
+    from services.gateway.http_server import HttpServer
+    from shared.cli.processes import free_port
+
+    for reuse in (False, True):
+        port, settings = free_port(), GatewaySettings(reuse_port=reuse)
+        first = grpc.aio.server(options=server_options(settings))
+        second = grpc.aio.server(options=server_options(settings))
+        assert first.add_insecure_port(f"127.0.0.1:{port}") == port
+        if reuse:
+            assert second.add_insecure_port(f"127.0.0.1:{port}") == port
+        else:
+            with pytest.raises(RuntimeError):
+                second.add_insecure_port(f"127.0.0.1:{port}")
+        await first.stop(None)
+        await second.stop(None)
+        http_port = free_port()
+        servers = [
+            HttpServer(web.Application(), "127.0.0.1", http_port, None, 1, None, None, reuse)
+            for _ in range(2)
+        ]
+        await servers[0].start()
+        try:
+            if reuse:
+                await servers[1].start()
+                assert servers[1].port == http_port
+                await servers[1].stop()
+            else:
+                with pytest.raises(OSError):
+                    await servers[1].start()
+        finally:
+            await servers[0].stop()
 
 
 def test_connection_bounds_out_of_range_are_refused():

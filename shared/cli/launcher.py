@@ -80,18 +80,13 @@ def start_stack(args, group: ProcessGroup, secrets_dir: Path | None = None) -> W
         ports["TANDEM_API_KEYS_FILE"] = str(Path(args.api_keys_file).resolve())
     if args.gateways > 1:  # one port, the kernel spreading connections across them
         ports["TANDEM_REUSE_PORT"] = "1"
-    for name in gateway_names(args.gateways):
+    for name in (f"gateway-{i}" if i else "gateway" for i in range(args.gateways)):
         group.spawn(
             name,
             python + ["services.gateway"],
             child_env({**common, **ports, **role_env["gateway"]}),
         )
     return pools
-
-
-def gateway_names(count: int) -> list[str]:
-    """The gateway processes' names: "gateway", then "gateway-1", "gateway-2"..."""
-    return ["gateway"] + [f"gateway-{i}" for i in range(1, count)]
 
 
 def restarted_in_place(name: str) -> bool:

@@ -55,20 +55,7 @@ def _up_command(sub) -> None:
     up.add_argument(
         "--decode", type=int, default=1, help="decode (or colocated) workers (default 1)"
     )
-    up.add_argument("--grpc-port", type=int, default=50051, help="gateway port (default 50051)")
-    up.add_argument(
-        "--http-port",
-        type=int,
-        default=8000,
-        help="the gateway's OpenAI-compatible HTTP port (default 8000; -1: none)",
-    )
-    up.add_argument(
-        "--gateways",
-        type=int,
-        default=1,
-        help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT; default 1): "
-        "more where one core cannot carry the streams",
-    )
+    _up_gateway_arguments(up)
     up.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
     up.add_argument(
         "--model",
@@ -94,6 +81,24 @@ def _up_command(sub) -> None:
     _up_placement_arguments(up)
     _up_access_arguments(up)
     up.set_defaults(run=launcher.up_command)
+
+
+def _up_gateway_arguments(up) -> None:
+    """The gateway's ports, and how many processes serve them."""
+    up.add_argument("--grpc-port", type=int, default=50051, help="gateway port (default 50051)")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the gateway's OpenAI-compatible HTTP port (default 8000; -1: none)",
+    )
+    up.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT; default 1): "
+        "more where one core cannot carry the streams",
+    )
 
 
 def _up_start_arguments(up) -> None:

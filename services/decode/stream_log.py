@@ -46,7 +46,10 @@ class StreamLog:
 
     def record(self, subject: str, chunk: TokenChunk) -> None:
         """Keeps a chunk of a live stream (the chunks of one stream come in index order)."""
-        self._live.setdefault(chunk.attempt_id, _Stream(subject)).chunks.append(chunk)
+        stream = self._live.get(chunk.attempt_id)
+        if stream is None:  # not setdefault: its default would be made for every chunk
+            stream = self._live[chunk.attempt_id] = _Stream(subject)
+        stream.chunks.append(chunk)
 
     def end(self, attempt_id: str) -> None:
         """The worker let go of the request: its chunks are kept `retain_s` more."""

@@ -18,8 +18,8 @@ from shared.control.recent import RecentIds
 from shared.control.subjects import Subjects
 from shared.dataplane.plane import DataPlane
 from shared.engine.detokenizer import Detokenizer
-from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import Sequence, StepOutput
+from shared.job_thread import JobThread
 from shared.kvtransfer.connector import connector
 from shared.kvtransfer.fetch import KVFetcher
 from shared.kvtransfer.inbound import TransferState
@@ -49,7 +49,7 @@ class DecodeWorker:
         self.plane = plane
         self.liveness = liveness
         self.subjects = Subjects(settings.cluster)
-        self.executor = EngineExecutor()
+        self.executor = JobThread()
         self.out = TokenStreams(
             bus,
             runtime.worker_id,

@@ -29,7 +29,13 @@ from shared.control.bus import BusTiming, NatsBus
 from shared.control.liveness import Liveness
 from shared.control.subjects import Subjects
 from shared.lifecycle import stop_on_signals
-from shared.settings import load_settings, nats_options, setup_interpreter, setup_logging
+from shared.settings import (
+    load_settings,
+    nats_options,
+    setup_interpreter,
+    setup_logging,
+    started,
+)
 from shared.telemetry.metrics import MetricsServer
 from shared.telemetry.tracing import start_tracing
 
@@ -219,6 +225,7 @@ async def run(settings: GatewaySettings) -> None:
                 if settings.http_port >= 0:
                     http = await http_server(settings, servicer, probe).start()
                     log.info("OpenAI-compatible HTTP API on %s:%d", settings.http_host, http.port)
+                started()
                 await stop.wait()
                 log.info(
                     "stopping: no new requests; streams in flight get up to %.0fs",

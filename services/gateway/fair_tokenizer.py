@@ -10,17 +10,17 @@ characters), and every stream, health check and NATS callback waits while the lo
 """
 
 import asyncio
-import concurrent.futures
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
+from shared.job_thread import JobThread
 from shared.telemetry.request_log import detached
 
 
 class FairTokenizer:
     def __init__(self) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._thread = JobThread("tokenize")
         self._waiting: OrderedDict[str, deque] = OrderedDict()  # client -> its jobs, in turn
         self._worker: asyncio.Task | None = None
 
@@ -44,7 +44,9 @@ class FairTokenizer:
             if done.done():  # its caller went away
                 continue
             try:
-                result = await loop.run_in_executor(self._executor, fn, *args)
+                ran = loop.create_future()
+                self._thread.submit(loop, ran, fn, *args)
+                result = await ran
             except Exception as err:
                 if not done.done():
                     done.set_exception(err)
@@ -53,4 +55,4 @@ class FairTokenizer:
                     done.set_result(result)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._thread.close()

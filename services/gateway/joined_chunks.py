@@ -6,8 +6,6 @@ several tokens, in order, as a worker's chunk may. Nothing waits to be joined: a
 soon as the client can take it, with those that came meanwhile.
 """
 
-import copy
-
 from shared.control.messages import TokenChunk
 
 MAX_JOINED_TOKENS = 256  # tokens of one answer at most
@@ -35,7 +33,8 @@ def _logprobs_aligned(chunk: TokenChunk) -> bool | None:
 
 def joined(first: TokenChunk, later: TokenChunk) -> TokenChunk:
     """One chunk with both chunks' tokens, text and logprobs, and what `later` ends with."""
-    both = copy.copy(later)
+    both = object.__new__(TokenChunk)  # as copy.copy(later), without copy's protocol (~1 us of 4)
+    both.__dict__.update(later.__dict__)
     both.token_ids = first.token_ids + later.token_ids
     both.text = first.text + later.text
     both.logprobs = first.logprobs + later.logprobs

@@ -23,9 +23,9 @@ from shared.control.messages import (
 from shared.control.subjects import Subjects
 from shared.control.worker_roles import Role
 from shared.dataplane.plane import DataPlane
-from shared.engine.executor import EngineExecutor
 from shared.engine.sequence import Sequence
 from shared.engine.step_runner import RunnerLost
+from shared.job_thread import JobThread
 from shared.kvtransfer.plan import PlanError
 from shared.kvtransfer.ship import KVShipper
 from shared.worker import steps
@@ -48,7 +48,7 @@ class PrefillWorker:
         self.bus = bus
         self.plane = plane
         self.subjects = Subjects(settings.cluster)
-        self.executor = EngineExecutor()
+        self.executor = JobThread()
         self.wakeup = asyncio.Event()
         self.stopping = False
         self.announcer = Announcer(

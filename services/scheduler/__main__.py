@@ -7,7 +7,13 @@ from services.scheduler.service import SchedulerService
 from services.scheduler.settings import SchedulerSettings
 from shared.control.bus import BusTiming, NatsBus
 from shared.lifecycle import stop_on_signals
-from shared.settings import load_settings, nats_options, setup_interpreter, setup_logging
+from shared.settings import (
+    load_settings,
+    nats_options,
+    setup_interpreter,
+    setup_logging,
+    started,
+)
 from shared.telemetry.metrics import MetricsServer
 from shared.telemetry.tracing import start_tracing
 
@@ -34,6 +40,7 @@ async def run(settings: SchedulerSettings) -> None:
             service = SchedulerService(settings, bus)
             registry = service.metrics.registry
             with MetricsServer(registry, settings.metrics_host, settings.metrics_port):
+                started()
                 await service.serve(stop)
     finally:
         tracing.shutdown()

@@ -19,9 +19,9 @@ from shared.control.failure import Failure
 from shared.control.messages import PrefillResult, PrefillTask, TransferAbort
 from shared.control.subjects import Subjects
 from shared.dataplane.plane import DataPlane, KVTransferError
-from shared.engine.executor import EngineExecutor
 from shared.engine.kv_cache import KVPool
 from shared.engine.sequence import Sequence, StepOutput
+from shared.job_thread import JobThread
 from shared.kvtransfer.connector import connector
 from shared.kvtransfer.outbound import OutboundState, OutboundTransfer, send_failure
 from shared.kvtransfer.plan import PlanError
@@ -38,7 +38,7 @@ class KVShipper:
         pools: list[KVPool],
         bus: MessageBus,
         subjects: Subjects,
-        executor: EngineExecutor,
+        executor: JobThread,
         free_blocks: Callable[[Sequence], None],
         on_freed: Callable[[], None],
     ):

@@ -14,7 +14,7 @@ from shared.engine.architecture import UnsupportedModel
 from shared.engine.step_runner import RunnerLost
 from shared.lifecycle import stop_on_signals
 from shared.model_store import ModelNotFound
-from shared.settings import load_settings, setup_interpreter, setup_logging
+from shared.settings import load_settings, setup_interpreter, setup_logging, started
 from shared.telemetry.metrics import MetricsServer
 from shared.worker.fleet import run_fleet
 from shared.worker.links import BuildWorker, Worker, data_plane, open_links
@@ -49,6 +49,7 @@ async def run_worker(
             )
             worker = build(settings, runtime, bus, plane, liveness)
             stack.enter_context(metrics_server(settings, runtime, plane, worker))
+            started()
             await worker.serve(stop)
         if runtime.group is not None and runtime.group.failed.is_set():
             raise GroupFailed(runtime.group.failure)

@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from shared.control.bus import MessageBus
-from shared.engine.executor import EngineExecutor
 from shared.engine.step_runner import RunnerLost
+from shared.job_thread import JobThread
 from shared.worker.announcer import Announcer
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ async def _nothing() -> None:
 class WorkerLifecycle:
     bus: MessageBus
     announcer: Announcer
-    executor: EngineExecutor
+    executor: JobThread
     drain_timeout_s: float
     subscriptions: list[tuple[str, Handler]]  # subject -> handler
     run: Callable[[asyncio.Event], Awaitable[None]]  # steps until the event is set

@@ -5,13 +5,13 @@ import time
 
 from services.decode.decode_loop import DecodeLoop
 from services.decode.request import DecodeRequest
-from shared.engine.executor import EngineExecutor
+from shared.job_thread import JobThread
 from tests.unit.test_engine import make_engine, make_seq, task_of
 
 
 async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
     engine = make_engine(tiny_model)
-    executor = EngineExecutor()
+    executor = JobThread()
     published, finished = [], []
 
     async def publish(produced):
@@ -37,7 +37,7 @@ async def test_a_cancel_while_the_loop_ends_another_request_is_reaped(tiny_model
     """b is cancelled while the loop awaits a's end: b leaves the engine at once, so the engine
     has no work, yet b's request is still to reap; the next step reaps it and frees its blocks."""
     engine = make_engine(tiny_model)
-    executor = EngineExecutor()
+    executor = JobThread()
     a_seq = make_seq(list(range(3, 20)), 1, attempt_id="a")
     b_seq = make_seq(list(range(5, 40)), 400, attempt_id="b")
     finished = []
@@ -77,7 +77,7 @@ async def test_the_next_step_runs_while_a_step_is_published_and_a_stream_ends_af
     chunks are published in order, its last before the loop ends it (finish), and its blocks
     are freed."""
     engine = make_engine(tiny_model)
-    executor = EngineExecutor()
+    executor = JobThread()
     steps_begun, overlapped, events = [0], [], []
     step = engine.step
 

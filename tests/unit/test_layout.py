@@ -15,6 +15,7 @@ COMMON = {
     "shared.settings",
     "shared.lifecycle",
     "shared.model_store",
+    "shared.job_thread",
     "shared.telemetry",
     "shared.values",
 }  # leaves
@@ -38,11 +39,13 @@ ALLOWED = {
     "shared.settings": {"shared.telemetry"},
     "shared.lifecycle": set(),
     "shared.model_store": set(),
+    "shared.job_thread": set(),
     "shared.telemetry": set(),
     "shared.engine": {"shared.values"},  # no wire message
     "shared.grammar": {"shared.values"},  # structured outputs' grammars (llguidance)
     "shared.dataplane": {"shared.engine"},  # transports only: no control message
     "shared.kvtransfer": {
+        "shared.job_thread",
         "shared.control",
         "shared.engine",
         "shared.dataplane",

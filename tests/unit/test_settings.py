@@ -1,10 +1,14 @@
 """load_settings: flag > TANDEM_* variable > default; bad input exits 2 like any argparse error."""
 
+import gc
+import weakref
+
 import pytest
 
 from services.decode.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings
 from services.scheduler.settings import SchedulerSettings
+from shared import settings
 from shared.control.worker_roles import Mode, Role
 from shared.settings import load_settings
 
@@ -268,3 +272,25 @@ def test_a_nats_timing_must_be_a_positive_number_of_seconds(value):
     with pytest.raises(SystemExit) as exc:
         load_settings(SchedulerSettings, ["--nats-reconnect-wait-s", value], env={})
     assert exc.value.code == 2
+
+
+def test_started_moves_what_startup_made_out_of_the_collector_and_drops_its_garbage():
+    """A full collection walks only what serving makes after started(); the startup's cycles of
+    garbage are collected first, not frozen for the process's life."""
+
+    class Node:
+        pass
+
+    kept, cycle = Node(), Node()
+    cycle.me = cycle  # garbage once dropped: only the collector can free it
+    tracked = weakref.ref(cycle)
+    del cycle
+    try:
+        settings.started()
+        assert tracked() is None
+        assert gc.get_freeze_count() > 0
+        assert not any(o is kept for o in gc.get_objects())
+        later = Node()
+        assert any(o is later for o in gc.get_objects())
+    finally:
+        gc.unfreeze()

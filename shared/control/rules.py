@@ -195,20 +195,21 @@ def _field_check(kind: str, name: str, hint: Any) -> Callable[[Any], str | None]
 
 
 @functools.cache
-def _checks(cls: type) -> tuple[tuple[str, Callable[[Any], str | None]], ...]:
+def _checks(cls: type) -> dict[str, Callable[[Any], str | None]]:
     kind, hints = cls.__name__, typing.get_type_hints(cls)
     found = ((f.name, _field_check(kind, f.name, hints[f.name])) for f in dataclasses.fields(cls))
-    return tuple((name, check) for name, check in found if check is not None)
+    return {name: check for name, check in found if check is not None}
 
 
 def problem(message: Any, received: dict | None = None) -> str | None:
-    """What is out of range in `message` (its nested messages are checked as they are built).
-    Its fields' types are right already: wire.decode checks them first. `received`: the fields
-    the payload carried; only those are checked (the others are their defaults, in range)."""
-    for name, check in _checks(type(message)):
-        if received is not None and name not in received:
-            continue
-        found = check(getattr(message, name))
+    """What is out of range in `message` (not in the messages it holds: each is checked on its
+    own). Its fields' types are right already: wire.decode checks them first. `received`: the
+    fields the payload carried; only those are checked (the others are their defaults, in
+    range)."""
+    checks = _checks(type(message))
+    for name in checks if received is None else received:
+        check = checks.get(name)
+        found = check(getattr(message, name)) if check is not None else None
         if found:
             return found
     extra = EXTRA.get(type(message).__name__)

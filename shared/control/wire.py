@@ -12,10 +12,10 @@ import sys
 import time
 import types
 import typing
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgpack
+import msgspec
 
 from shared.control import rules as message_rules
 from shared.control.messages import MESSAGE_TYPES
@@ -149,150 +149,84 @@ def encode(message: Any) -> bytes:
     return data
 
 
-Convert = Callable[[Any, str], Any]  # a field's value as received -> as typed, or MessageError
-
-
-def _int(value: Any, where: str) -> int:
-    if type(value) is int:
-        return value
-    if isinstance(value, bool):
-        raise MessageError(f"{where}: expected int, got bool")
-    if isinstance(value, int):
-        return value
-    raise MessageError(f"{where}: expected int, got {type(value).__name__}")
-
-
-def _float(value: Any, where: str) -> float:
-    if type(value) is float:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, float):
-        return value
-    raise MessageError(f"{where}: expected float, got {type(value).__name__}")
-
-
-def _plain(kind: type, value: Any, where: str) -> Any:
-    if not isinstance(value, kind):
-        raise MessageError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _enum(kind: type, value: Any, where: str) -> Any:
-    try:
-        return kind(value)
-    except ValueError:
-        raise MessageError(f"{where}: not a {kind.__name__}: {str(value)[:40]!r}") from None
-
-
-def _message(cls: type, value: Any, where: str) -> Any:
-    if not isinstance(value, dict):
-        raise MessageError(f"{where}: expected a map")
-    return _build(cls, value, where)
-
-
-def _optional(convert: Convert, value: Any, where: str) -> Any:
-    return None if value is None else convert(value, where)
-
-
-def _list(convert: Convert, exact: type | None, value: Any, where: str) -> list:
-    if not isinstance(value, list):
-        raise MessageError(f"{where}: expected a list")
-    if exact is None:
-        return [convert(v, f"{where}[]") for v in value]
-    for v in value:  # msgpack gives exactly int/str/bytes: only an odd item is looked at closer
-        if type(v) is not exact:
-            convert(v, f"{where}[]")
-    return value
+@functools.cache
+def _inner(hint: Any) -> type | None:
+    """The message type a field of type `hint` holds (itself, in a list or optional); None for a
+    scalar, a list of scalars or an enum."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType, list):
+        kinds = [_inner(a) for a in typing.get_args(hint) if a is not type(None)]
+        return kinds[0] if kinds else None
+    return hint if dataclasses.is_dataclass(hint) else None
 
 
 @functools.cache
-def _converter(kind: Any) -> Convert:
-    """The check and conversion of a value of type `kind`, made once per type."""
-    origin = typing.get_origin(kind)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(kind)
-        inner = _converter([a for a in args if a is not type(None)][0])
-        return functools.partial(_optional, inner) if type(None) in args else inner
-    if origin is list:
-        (item,) = typing.get_args(kind)
-        exact = item if item in (int, str, bytes) else None
-        return functools.partial(_list, _converter(item), exact)
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return functools.partial(_enum, kind)
-    if dataclasses.is_dataclass(kind):
-        return functools.partial(_message, kind)
-    if kind is int or kind is float:
-        return _int if kind is int else _float
-    return functools.partial(_plain, kind)
-
-
-@functools.cache
-def _plan(cls: type) -> tuple[dict[str, tuple[Convert, str, type | None]], tuple[str, ...]]:
-    """Each field of a message type by name: its converter, how it travels ("packed",
-    "deadline" or ""), and its type when a value of exactly that type is taken as it is (int,
-    str, bool, bytes, float; else None); and the required fields, in order. Made once per type:
-    resolving costs more than decoding."""
+def _fixups(cls: type) -> tuple[tuple[str, str, type | None], ...]:
+    """The fields of a message type whose travelling form is not their own, each with how
+    ("packed", "deadline"), and those holding messages that have such fields ("nested", with
+    the type): what _receive must turn back before the typed conversion. Made once per type."""
     hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
-    plan = {
-        f.name: (
-            _converter(hints[f.name]),
-            _travels(f.name),
-            hints[f.name] if hints[f.name] in (int, str, bool, bytes, float) else None,
-        )
-        for f in fields
-    }
-    required = tuple(
-        f.name
-        for f in fields
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    found = []
+    for f in dataclasses.fields(cls):
+        inner = _inner(hints[f.name])
+        if _travels(f.name):
+            found.append((f.name, _travels(f.name), None))
+        elif inner is not None and _fixups(inner):
+            found.append((f.name, "nested", inner))
+    return tuple(found)
+
+
+def _receive(cls: type, body: dict, where: str) -> None:
+    """Turns `body`'s packed token ids and deadlines (the time left) back into their own form,
+    in place, in it and in the messages it holds."""
+    for name, how, inner in _fixups(cls):
+        value = body.get(name)
+        if how == "packed" and isinstance(value, bytes):
+            body[name] = _unpack(value, f"{where}.{name}")
+        elif how == "deadline" and isinstance(value, float) and value:
+            body[name] = _now() + value  # the time left, as an instant of this host's clock
+        elif how == "nested" and inner is not None:
+            for item in value if isinstance(value, list) else (value,):
+                if isinstance(item, dict):
+                    _receive(inner, item, f"{where}.{name}")
+
+
+@functools.cache
+def _held(cls: type) -> tuple[tuple[str, bool], ...]:
+    """The fields of a message type that hold messages, and whether as a list."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, typing.get_origin(hints[f.name]) is list)
+        for f in dataclasses.fields(cls)
+        if _inner(hints[f.name]) is not None
     )
-    return plan, required
 
 
-def _build(cls: type, body: dict, where: str) -> Any:
-    """The message of type `cls` from the fields `body` carries (others are left at their
-    defaults: the sender leaves those out; a name the type lacks is ignored)."""
-    plan, required = _plan(cls)
-    values = {}
-    for name, value in body.items():
-        known = plan.get(name)
-        if known is None:
+def _out_of_range(message: Any, body: dict, where: str) -> str | None:
+    """What is out of range in `message` or a message it holds (shared.control.rules), where;
+    `body`: what the payload carried of it (a field left out is its default, in range)."""
+    for name, many in _held(type(message)):
+        if name not in body:
             continue
-        convert, travels, exact = known
-        if type(value) is exact and not travels:
-            values[name] = value  # what the converter would return, unchanged
-            continue
-        if travels == "packed" and isinstance(value, bytes):
-            value = _unpack(value, f"{where}.{name}")
-        elif travels == "deadline" and isinstance(value, float) and value:
-            value = _now() + value  # the time left, as an instant of this host's clock
-        values[name] = convert(value, f"{where}.{name}")
-    for name in required:
-        if name not in values:
-            raise MessageError(f"{where}: missing field {name!r}")
-    message = cls(**values)
-    found = message_rules.problem(message, values)
-    if found:
-        raise MessageError(f"{where}: {found}")
-    return message
+        value, carried = getattr(message, name), body[name]
+        for item, its in zip(value, carried) if many else ((value, carried),):
+            found = None if item is None else _out_of_range(item, its, f"{where}.{name}")
+            if found:
+                return found
+    found = message_rules.problem(message, body)
+    return f"{where}: {found}" if found else None
+
+
+_DECODER = msgspec.msgpack.Decoder()  # untyped: the type is read first, then converted to
 
 
 def decode(data: bytes, expected: type[M] | None = None) -> M:
-    """The only way bytes become a message; `expected` narrows which type is acceptable."""
+    """The only way bytes become a message; `expected` narrows which type is acceptable. Types
+    are checked by msgspec (in C: a bool is no int, an int is a float), then the ranges."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"payload of {len(data)} bytes is over the limit")
     try:
-        body = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_map_len=256,
-            max_array_len=message_rules.MAX_LIST,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises several unrelated types
+        body = _DECODER.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise MessageError(f"not msgpack: {exc}") from None
     if not isinstance(body, dict) or not isinstance(body.get("type"), str):
         raise MessageError("not a typed message")
@@ -301,4 +235,12 @@ def decode(data: bytes, expected: type[M] | None = None) -> M:
         raise MessageError("unknown message type")
     if expected is not None and cls is not expected:
         raise MessageError(f"expected {expected.__name__}, got {cls.__name__}")
-    return _build(cls, body, cls.__name__)
+    _receive(cls, body, cls.__name__)
+    try:
+        message = msgspec.convert(body, cls, strict=True, builtin_types=(bytes, bytearray))
+    except msgspec.ValidationError as exc:  # a missing or mistyped field, an unknown enum value
+        raise MessageError(f"{cls.__name__}: {exc}") from None
+    found = _out_of_range(message, body, cls.__name__)
+    if found:
+        raise MessageError(found)
+    return message

@@ -1,9 +1,11 @@
 """Failure: one vocabulary for refusals and failures, and how the codec carries its enums."""
 
+import msgpack
 import pytest
 
 from shared.control import wire
 from shared.control.failure import Code, Failure, Retry, failed, worker_failed, worker_full
+from shared.control.messages import TaskAck
 from shared.control.wire import MessageError
 
 
@@ -43,8 +45,11 @@ def test_failures_are_values():
 
 
 def test_the_codec_reads_enums_by_value_and_refuses_unknown_ones():
-    assert wire._converter(Code)("UNAVAILABLE", "x") is Code.UNAVAILABLE
-    assert wire._to_plain(Retry.HERE) == "here"
+    ack = TaskAck(Failure(Code.UNAVAILABLE, "gone", Retry.HERE, "d"))
+    body = msgpack.unpackb(wire.encode(ack), raw=False)
+    assert body["failure"]["code"] == "UNAVAILABLE" and body["failure"]["retry"] == "here"
+    assert wire.decode(wire.encode(ack), TaskAck) == ack
     for bad in ("unavailable", 5, None):
+        body["failure"]["code"] = bad
         with pytest.raises(MessageError):
-            wire._converter(Code)(bad, "x")
+            wire.decode(msgpack.packb(body), TaskAck)

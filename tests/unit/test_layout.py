@@ -228,7 +228,6 @@ ONE_IDEA = {
     "shared/worker/settings.py": "a model worker's settings: WorkerSettings, one dataclass",
     "shared/engine/model_runner.py": "one forward pass of a batch's rows over the paged pool",
     "services/gateway/relay.py": "one request's stream followed across its attempts: RequestRelay",
-    "shared/control/wire.py": "the one encoding of control messages: encode, decode, their checks",
 }
 
 

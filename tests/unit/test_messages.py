@@ -433,6 +433,8 @@ def test_only_the_fields_a_payload_carries_are_range_checked_and_defaults_pass(m
         if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
     }
     at_defaults = dataclasses.replace(message, **defaults)
-    for name, check in rules._checks(type(message)):  # each field's own range (not the whole's)
+    for name, check in rules._checks(
+        type(message)
+    ).items():  # each field's own range (not the whole's)
         if name in defaults:
             assert check(getattr(at_defaults, name)) is None, name

@@ -1,6 +1,7 @@
 """Role and Mode: string enums that travel, print and label exactly as the plain strings did."""
 
 import json
+import re
 
 import msgpack
 import pytest
@@ -108,15 +109,15 @@ def test_a_heartbeat_carries_its_role_as_a_member(role):
 @pytest.mark.parametrize(
     "mode, role, where",
     [
-        ("auto", "both", "StatusReply.workers[].role: not a Role: 'both'"),
-        ("auto", "Prefill", "not a Role: 'Prefill'"),
-        ("auto", "", "not a Role: ''"),
-        ("auto", 1, "not a Role: '1'"),
-        ("local", "decode", "StatusReply.mode: not a Mode: 'local'"),
-        ("AUTO", "decode", "not a Mode: 'AUTO'"),
-        (None, "decode", "not a Mode: 'None'"),
+        ("auto", "both", "StatusReply: Invalid enum value 'both' - at `$.workers[0].role`"),
+        ("auto", "Prefill", "Invalid enum value 'Prefill' - at `$.workers[0].role`"),
+        ("auto", "", "Invalid enum value '' - at `$.workers[0].role`"),
+        ("auto", 1, "Expected `str`, got `int` - at `$.workers[0].role`"),
+        ("local", "decode", "StatusReply: Invalid enum value 'local' - at `$.mode`"),
+        ("AUTO", "decode", "Invalid enum value 'AUTO' - at `$.mode`"),
+        (None, "decode", "Expected `str`, got `null` - at `$.mode`"),
     ],
 )
 def test_an_unknown_role_or_mode_on_the_wire_is_refused(mode, role, where):
-    with pytest.raises(MessageError, match=where.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(MessageError, match=re.escape(where)):
         decode(_old_reply(mode, role), StatusReply)

@@ -182,6 +182,8 @@ class DecodeWorker:
                 refusal = worker_full(
                     self.rt.worker_id, f"decode worker {self.rt.worker_id} has no KV blocks free"
                 )
+        if refusal is None:  # the schedulers hear of it soon (a gateway may have placed it)
+            self.announcer.nudge()
         if refusal is None and task.resume_tokens:
             self.rt.metrics.migrated("in")
         if respond is not None:

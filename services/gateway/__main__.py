@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from services.gateway.clients import ClientKeys, TrustedProxies
+from services.gateway.direct_rooms import DirectRooms
 from services.gateway.grpc_bounds import CallBounds, server_options
 from services.gateway.health import ReadinessProbe
 from services.gateway.holdings_exchange import HoldingsExchange
@@ -129,8 +130,9 @@ async def servicer_of(settings: GatewaySettings, tokenizer, stack: AsyncExitStac
         StreamRouter(bus, subjects.gateway_tokens(settings.gateway_id))
     )
     liveness = await stack.enter_async_context(Liveness(bus, subjects, settings.worker_timeout_s))
+    rooms = DirectRooms(settings.direct_placement, settings.room_fresh_s)
     schedulers = await stack.enter_async_context(
-        SchedulerPool(bus, subjects, settings.worker_timeout_s)
+        SchedulerPool(bus, subjects, settings.worker_timeout_s, rooms)
     )
     proxies = TrustedProxies.parse(settings.trusted_proxies)
     keys = ClientKeys.load(settings.api_keys_file, default_policy(settings), proxies)

@@ -12,7 +12,8 @@ Every transition returns a new Attempt and leaves the old one as it was; the Gen
 an attempt is never changed after it is made:
 
     Attempt(task)            unplaced: to be submitted
-    placed(worker)           unplaced -> serving: a scheduler put it on that decode worker
+    placed(worker)           unplaced -> serving: a scheduler (or this gateway, in a room a
+                             scheduler named: direct_rooms.py) put it on that decode worker
     received(chunk)          serving -> serving: the chunk it expected came
     resubmitted()            unplaced -> unplaced, under a new id: no scheduler placed it (once)
     moved(failure)           any -> unplaced, under a new id: its worker was lost (full or failed)

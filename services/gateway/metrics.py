@@ -6,7 +6,9 @@ import time
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
+from services.gateway.direct_rooms import DirectRooms
 from shared.api import tandem_pb2 as pb
 from shared.telemetry.metrics import ID_LABELS, LATENCY_BUCKETS
 
@@ -55,6 +57,11 @@ class GatewayMetrics:
         }
 
         self.token_wait = _token_wait(registry).labels(*self.ids)
+
+    def count_rooms(self, rooms: DirectRooms) -> None:
+        """Requests this gateway placed on a worker itself, and those the worker turned away
+        (read from `rooms` at each scrape)."""
+        self.registry.register(_RoomCounts(rooms, self.ids))
 
     def waited(self, arrived: float | None) -> None:
         """An answer goes out now whose first chunk arrived at `arrived` (None: not known)."""
@@ -145,3 +152,27 @@ class RecordingContext:
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         self.code = code
         await self._context.abort(code, details)
+
+
+class _RoomCounts:
+    """DirectRooms' counts as Prometheus counters."""
+
+    def __init__(self, rooms: DirectRooms, ids: tuple[str, str]):
+        self.rooms, self.ids = rooms, ids
+
+    def collect(self):
+        for name, doc, value in (
+            (
+                "tandem_gateway_direct_placed",
+                "Requests this gateway placed on a worker a scheduler named as having room",
+                self.rooms.placed,
+            ),
+            (
+                "tandem_gateway_direct_turned_away",
+                "Of those, requests the worker did not take (then placed by a scheduler)",
+                self.rooms.refused,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=ID_LABELS)
+            family.add_metric(list(self.ids), value)
+            yield family

@@ -33,8 +33,10 @@ from shared.control.failure import Code, Failure, Retry
 from shared.control.liveness import Liveness
 from shared.control.messages import (
     CancelRequest,
+    DecodeAssignment,
     GenerateTask,
     SubmitReply,
+    TaskAck,
     TokenChunk,
 )
 from shared.control.subjects import Subjects
@@ -81,6 +83,7 @@ class RequestRelay:
         self.schedulers = schedulers  # None: submit to the queue group only
         self._lost_schedulers: set[str] = set()  # replicas lost while they held this request
         self._unplaced_since: float | None = None  # a move found no place first then (_waited)
+        self._in_room: Attempt | None = None  # the attempt placed directly, until it ends
 
     async def place(self, task: GenerateTask) -> Attempt:
         """A request of n > 1 choices placed as one (its prompt is prefilled once, then forked),
@@ -122,6 +125,7 @@ class RequestRelay:
                 yield attempt, chunk
         finally:
             self.streams.close(attempt.id)
+            self._leave_room()
             if not ended:  # client gone, deadline passed or a failure: free what the workers hold
                 await self.cancel(attempt.id)
 
@@ -137,6 +141,7 @@ class RequestRelay:
 
     async def _replace(self, ended: Attempt, following: Attempt) -> Attempt:
         """Ends an attempt (what the workers hold of it is freed) and opens the one after it."""
+        self._leave_room()
         await self.cancel_all(ended.task)
         self._close(ended)
         return self._open(following)
@@ -156,7 +161,14 @@ class RequestRelay:
     async def _submit(self, attempt: Attempt) -> Attempt:
         """The attempt placed on a decode worker; or, when no scheduler placed it, the attempt to
         submit once more, this one ended: it goes to the schedulers' queue group again (another
-        replica takes it). Raises WorkerLost when the worker chosen failed to take it."""
+        replica takes it). Raises WorkerLost when the worker chosen failed to take it. A short
+        first attempt may go straight to a worker a scheduler named as having room (DirectRooms)."""
+        direct = self.schedulers is not None and not attempt.resubmission
+        worker = self.schedulers.rooms.take(attempt.task) if direct else ""
+        if worker:
+            placed = await self._place_directly(attempt, worker)
+            if placed is not None:
+                return placed
         with tracing.within(self.trace), tracing.tracer().start_as_current_span("gateway.submit"):
             try:
                 reply = await self._ask_scheduler(attempt)
@@ -170,14 +182,49 @@ class RequestRelay:
                 return attempt  # asked again
             await self._refused(attempt, reply)
         self._unplaced_since = None
+        self._log_placed(attempt, reply.prefill_worker or "(local)", reply.decode_worker)
+        return attempt.placed(reply.decode_worker)
+
+    async def _place_directly(self, attempt: Attempt, worker: str) -> Attempt | None:
+        """The attempt placed on `worker` by this gateway; None when the worker did not take it
+        (full, draining, gone: a scheduler places it). One that did not answer in time may have
+        taken it: that attempt ends (cancelled under every id) and the next is submitted."""
+        assignment = DecodeAssignment(task=attempt.task)
+        with tracing.within(self.trace), tracing.tracer().start_as_current_span("gateway.place"):
+            try:
+                ack = await self.bus.request(
+                    self.subjects.decode_tasks(worker),
+                    assignment,
+                    self.settings.dispatch_timeout_s,
+                    TaskAck,
+                )
+            except (NoResponders, MessageError):  # gone; too large (the scheduler says so)
+                ack = None
+            except (RequestTimeout, BadReply):
+                self.schedulers.rooms.turned_away(worker)
+                log.warning("%s: decode worker %s did not confirm it in time", attempt.id, worker)
+                return await self._replace(attempt, attempt.resubmitted())
+        if ack is None or ack.failure is not None:
+            self.schedulers.rooms.turned_away(worker)
+            return None
+        self._log_placed(attempt, "(local, placed by this gateway)", worker)
+        self._in_room = attempt.placed(worker)
+        return self._in_room
+
+    def _leave_room(self) -> None:
+        """The attempt placed directly ended: its room has the seat back."""
+        if self._in_room is not None:
+            self.schedulers.rooms.returned(self._in_room.worker, self._in_room.task)
+            self._in_room = None
+
+    def _log_placed(self, attempt: Attempt, prefill: str, decode: str) -> None:
         with request_scope(attempt.id), tracing.within(self.trace):  # the line names both
             log.info(
                 "placed: %d prompt tokens -> prefill %s, decode %s",
                 len(attempt.task.prompt_token_ids),
-                reply.prefill_worker or "(local)",
-                reply.decode_worker,
+                prefill,
+                decode,
             )
-        return attempt.placed(reply.decode_worker)
 
     async def _ask_scheduler(self, attempt: Attempt) -> SubmitReply | None:
         """The scheduler's reply; None when none came in time to a first submission, or the

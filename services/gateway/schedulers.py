@@ -5,12 +5,14 @@ waits for a place: to one that accepts submissions, while any does (one that hea
 could serve stands aside: services/scheduler/intake.py); when that replica is lost (its heartbeats stop and NATS says nobody listens on
 its ping subject: a killed process, in about a second) the request is submitted again to another.
 Before any replica was heard from (a gateway just started, or one whose NATS was away) a request
-goes to the schedulers' queue group instead, as it always could.
+goes to the schedulers' queue group instead, as it always could. The rooms their heartbeats name
+go to `rooms` (DirectRooms): where a request may skip them.
 """
 
 import time
 from collections.abc import Callable
 
+from services.gateway.direct_rooms import DirectRooms
 from shared.control.bus import MessageBus
 from shared.control.liveness import Liveness
 from shared.control.messages import SchedulerHeartbeat
@@ -25,8 +27,10 @@ class SchedulerPool:
         bus: MessageBus,
         subjects: Subjects,
         timeout_s: float,
+        rooms: DirectRooms | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        self.rooms = rooms or DirectRooms(False, timeout_s, clock)  # what requests skip them for
         self._bus = bus
         self._subjects = subjects
         self._timeout = timeout_s
@@ -52,6 +56,7 @@ class SchedulerPool:
             del self._beats[gone], self._seen[gone]
         self._beats[beat.scheduler_id] = beat
         self._seen[beat.scheduler_id] = now
+        self.rooms.heard(beat)
 
     def pick(self, avoid: set[str]) -> str:
         """A live replica that is not stopping and not in `avoid`, in turn: one that accepts

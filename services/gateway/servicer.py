@@ -106,6 +106,8 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.seats = Seats(settings.max_streams, settings.max_queued)  # what clients hold here
         self._tokenize = FairTokenizer()
         self.metrics = GatewayMetrics(settings.gateway_id)
+        if schedulers is not None:
+            self.metrics.count_rooms(schedulers.rooms)
 
     async def Generate(
         self,

@@ -162,6 +162,20 @@ class GatewaySettings(CommonSettings):
     submit_timeout_s: float = field(
         default=20.0, metadata={"help": "how long the scheduler may take to place a request"}
     )
+    direct_placement: bool = field(
+        default=True,
+        metadata={
+            "help": "place a short first attempt straight on a worker a scheduler's heartbeat names as having room, while no scheduler has a request waiting (the scheduler's --direct-prompt-tokens says how short); off: every request through a scheduler"
+        },
+    )
+    room_fresh_s: float = field(
+        default=1.0,
+        metadata={"help": "rooms and queue lengths a scheduler named longer ago are not used"},
+    )
+    dispatch_timeout_s: float = field(
+        default=5.0,
+        metadata={"help": "how long a worker may take to accept a request placed on it directly"},
+    )
     stream_idle_timeout_s: float = field(
         default=300.0, metadata={"help": "a stream silent this long fails with UNAVAILABLE"}
     )
@@ -322,7 +336,7 @@ class GatewaySettings(CommonSettings):
         )
         if min(per_client) < 0:
             raise ValueError("the per-client caps must be >= 0 (0: none)")
-        self.require_seconds("holdings_interval_s")
+        self.require_seconds("holdings_interval_s", "room_fresh_s", "dispatch_timeout_s")
         TrustedProxies.parse(self.trusted_proxies)  # ValueError when one is not an address
 
     def _check_published(self) -> None:

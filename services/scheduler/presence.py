@@ -1,7 +1,8 @@
 """Presence: a scheduler replica's side of staying known and keeping its view honest.
 
 It beats (SchedulerHeartbeat, every `beat_s`: half a second) so gateways submit to it by name
-and notice within about a second when it is gone; it takes submissions or stands aside (Intake)
+and notice within about a second when it is gone, naming the workers they may place on
+themselves meanwhile (services/scheduler/rooms.py); it takes submissions or stands aside (Intake)
 and beats at once when that changes; it answers pings; it touches the alive file for container
 health checks; and it watches its own hearing: while its NATS connection is down or the server is
 stalled, the workers' silence is excused (WorkerRegistry.excuse), after a reconnect it asks every
@@ -19,7 +20,7 @@ from services.scheduler.intake import Intake
 from services.scheduler.registry import WorkerRegistry
 from shared.control.bus import MessageBus
 from shared.control.liveness import PROBE_TIMEOUT_S, QUICK_S
-from shared.control.messages import Discover, Ping, SchedulerHeartbeat, TaskAck
+from shared.control.messages import Discover, Ping, Room, SchedulerHeartbeat, TaskAck
 from shared.control.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Presence:
         queued: Callable[[], int],
         intake: Intake,
         beat_s: float = BEAT_S,
+        rooms: Callable[[], tuple[list[Room], int]] = lambda: ([], 0),
     ):
         self.bus = bus
         self.beat_s = beat_s
@@ -46,6 +48,7 @@ class Presence:
         self.scheduler_id = scheduler_id
         self.registry = registry
         self.queued = queued
+        self.rooms = rooms  # the workers gateways may place on themselves, and their prompts' limit
         self.intake = intake
         self._reconnects = bus.reconnects
         self._reach_checked = 0.0
@@ -80,11 +83,15 @@ class Presence:
 
     async def beat(self, stopping: bool = False) -> None:
         self._beaten = time.monotonic()
+        accepting = self.intake.accepting and not stopping
+        rooms, direct_prompt_tokens = self.rooms() if accepting else ([], 0)
         beat = SchedulerHeartbeat(
             self.scheduler_id,
             self.queued(),
             stopping,
-            accepting=self.intake.accepting and not stopping,
+            accepting=accepting,
+            rooms=rooms,
+            direct_prompt_tokens=direct_prompt_tokens,
         )
         try:
             await self.bus.publish(self.subjects.scheduler_heartbeat, beat)

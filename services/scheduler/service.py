@@ -14,7 +14,7 @@ import logging
 import time
 from functools import partial
 
-from services.scheduler import roles
+from services.scheduler import roles, rooms
 from services.scheduler.admission import AdmissionQueue, Pending
 from services.scheduler.answers import SHUTTING_DOWN, Answers, elsewhere, final
 from services.scheduler.intake import Intake, Member
@@ -31,6 +31,7 @@ from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
     GenerateTask,
+    Room,
     StatusRequest,
     SubmitReply,
     TaskAck,
@@ -71,6 +72,7 @@ class SchedulerService:
             lambda: len(self.queue),
             self.intake,
             settings.heartbeat_interval_s,
+            self._rooms,
         )
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -120,6 +122,13 @@ class SchedulerService:
                 self.pump()
             except Exception:  # a bug: log it, keep expiring and placing
                 log.exception("scheduler tick failed")
+
+    def _rooms(self) -> tuple[list[Room], int]:
+        """The workers gateways may place on without asking, and the longest prompt they may."""
+        if self._closing:
+            return [], 0
+        limit = self.settings.direct_prompt_tokens
+        return rooms.offer(self.registry, self.router.policy, limit, len(self.queue))
 
     def ready(self) -> bool:
         return roles.ready(self.registry, self.settings.mode)

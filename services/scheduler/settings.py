@@ -56,6 +56,12 @@ class SchedulerSettings(CommonSettings):
             "help": "disaggregated mode, when no prefill worker is live (the last one lost mid-prompt, say): local (prefill on the decode worker), wait (in the scheduler's queue, up to queue_timeout_s and the request's deadline) or fail (UNAVAILABLE)"
         },
     )
+    direct_prompt_tokens: int = field(
+        default=256,
+        metadata={
+            "help": "while nothing waits in this scheduler's queue, its heartbeat names the workers with room, and a gateway places a request of at most this many prompt tokens on one itself (one hop and this scheduler's turn fewer); auto mode: at most local_prefill_tokens; none when disaggregated or with max_itl_ms; 0 = every request through the scheduler"
+        },
+    )
     max_pending: int = field(
         default=256,
         metadata={
@@ -105,6 +111,8 @@ class SchedulerSettings(CommonSettings):
                 raise ValueError(f"{name} must be a positive number")
         if not (self.max_itl_ms >= 0 and math.isfinite(self.max_itl_ms)):
             raise ValueError("max_itl_ms must be >= 0 (0 = off)")
+        if self.direct_prompt_tokens < 0:
+            raise ValueError("direct_prompt_tokens must be >= 0 (0 = off)")
         if self.local_prefill_tokens < 0 or self.max_pending < 1 or not 0 <= self.decode_slack <= 1:
             raise ValueError(
                 "local_prefill_tokens must be >= 0, max_pending >= 1, decode_slack in [0, 1]"

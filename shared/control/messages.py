@@ -226,13 +226,26 @@ class WorkerHeartbeat(WorkerStatus):
 
 
 @dataclass
+class Room:
+    """A worker a gateway may place requests on without asking its scheduler, and how many."""
+
+    worker_id: str
+    seats: int  # requests it may start now
+    kv_tokens: int  # tokens its free KV blocks hold: each request's prompt and max new tokens
+
+
+@dataclass
 class SchedulerHeartbeat:
-    """A scheduler replica is up (every half second), or leaving: gateways submit to live ones."""
+    """A scheduler replica is up (every half second), or leaving: gateways submit to live ones.
+    While nothing waits in its queue it names the workers with room (`rooms`): a gateway may
+    place a request of at most `direct_prompt_tokens` prompt tokens on one of them itself."""
 
     scheduler_id: str
     queued: int = 0  # requests waiting in its queue for room
     stopping: bool = False
     accepting: bool = True  # False: it stood aside, hearing no worker (an old beat lacks it: True)
+    rooms: list[Room] = field(default_factory=list)
+    direct_prompt_tokens: int = 0  # 0: every request through the scheduler
 
 
 @dataclass

@@ -41,6 +41,7 @@ def permissions(role: str, cluster: str) -> dict:
 def _gateway(s: Subjects) -> tuple[list[str], list[str]]:
     publish = [s.submit, s.status, s.cancel, s.ping("*"), s.stream_replay("*")]
     publish += [s.submit_to("*"), s.scheduler_ping("*"), s.gateway_holdings]
+    publish.append(s.decode_tasks("*"))  # a request placed in a room a scheduler named
     subscribe = [s.gateway_tokens("*"), s.heartbeat, s.scheduler_heartbeat, s.gateway_holdings]
     return publish, subscribe + [inbox("gateway")]
 

@@ -149,7 +149,11 @@ def test_prometheus_scrapes_what_was_sent(stack, prometheus):
     paths = q('sum by (path) (tandem_requests_total{status="ok"})')
     assert paths['{"path": "disaggregated"}'] == 2
     _until(prometheus, 'sum(tandem_scheduler_placements_total{path="disaggregated"})', 2)
-    _until(prometheus, "sum(tandem_scheduler_placements_total)", sent["grpc_ok"] + 3)
+    placed = (  # by the schedulers, and by the gateway in the rooms they named
+        "sum(tandem_scheduler_placements_total) + sum(tandem_gateway_direct_placed_total)"
+        " - sum(tandem_gateway_direct_turned_away_total)"
+    )
+    _until(prometheus, placed, sent["grpc_ok"] + 3)
     _until(prometheus, "count(up == 1)", 4)  # every target scraped, each a success
     ups = q("up")
     assert len(ups) == 4 and set(ups.values()) == {1.0}, ups

@@ -228,6 +228,7 @@ ONE_IDEA = {
     "shared/worker/settings.py": "a model worker's settings: WorkerSettings, one dataclass",
     "shared/engine/model_runner.py": "one forward pass of a batch's rows over the paged pool",
     "services/gateway/relay.py": "one request's stream followed across its attempts: RequestRelay",
+    "services/scheduler/service.py": "a scheduler replica's loop: admit, place, answer, beat",
 }
 
 

@@ -28,6 +28,7 @@ from shared.engine.sequence import Sequence, StepOutput
 from shared.engine.shaping import shaped
 from shared.engine.step_runner import StepRunner
 from shared.engine.step_stats import StepStats
+from shared.engine.token_ids import span_ids
 from shared.engine.token_mask import RowMasks
 from shared.values.sampling import SamplingParams, choice_sampling
 
@@ -137,7 +138,7 @@ class Engine:
         spans = [
             SeqSpan(
                 w.seq.block_table,
-                w.seq.token_ids,
+                span_ids(w.seq.prompt_token_ids, w.seq.output_ids),
                 w.start,
                 w.end,
                 w.seq.computing_prompt,
@@ -179,7 +180,7 @@ class Engine:
                 seq.queue_ms = (
                     seq.queue_ms or max(0.0, seq.prefill_started - seq.arrival_time) * 1000
                 )
-            outputs += self._first_of_each(seq, _scored(seq, logits[row], drawn[row]))
+            outputs += self._first_of_each(seq, _scored(seq, logits, row, drawn[row]))
         return outputs
 
     def _draw(self, work: list[Work], logits) -> dict[int, list[int]]:
@@ -244,10 +245,13 @@ def _sampled(seq: Sequence, scores) -> list[int]:
     return [sample(scores, choice, seq.position) for choice in _choices(seq.sampling)]
 
 
-def _scored(seq: Sequence, logits, tokens: list[int]) -> list[tuple]:
-    """Each choice's token with its logprob under the raw logits [vocab] (None: not asked)."""
+def _scored(seq: Sequence, logits, row: int, tokens: list[int]) -> list[tuple]:
+    """Each choice's token with its logprob under the raw logits of its row (None: not asked).
+    The row is taken only where a logprob is (a tensor view per sequence and step otherwise)."""
+    if seq.sampling.n == 1 and not seq.sampling.logprobs:
+        return [(tokens[0], None)]
     return [
-        (token, logprob_of(logits, token, choice.top_logprobs) if choice.logprobs else None)
+        (token, logprob_of(logits[row], token, choice.top_logprobs) if choice.logprobs else None)
         for token, choice in zip(tokens, _choices(seq.sampling))
     ]
 

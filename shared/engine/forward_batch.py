@@ -9,6 +9,7 @@ are not cut into ranges at all); and the row whose logits each span wants (every
 whose prompt logprobs are asked for is scored as well).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ class SeqSpan:
     """Positions [start, end) of one sequence computed in this pass (its span of the batch)."""
 
     block_table: list[int]
-    token_ids: list[int]
+    token_ids: Sequence[int]  # the sequence's, prompt and output (a list or a TokenIds view)
     start: int
     end: int
     prompt: bool = False  # prompt rows: the prefill kernel even for a single row (see `arrange`)

@@ -38,8 +38,9 @@ class DirectRooms:
         now = self._clock()
         if beat.accepting and not beat.stopping:
             self._queues[beat.scheduler_id] = (beat.queued, now)
-        else:  # standing aside or leaving: it holds no waiting request and names no room
-            self._queues.pop(beat.scheduler_id, None)
+        else:  # standing aside or leaving: it holds no waiting request, and what was named goes
+            self._queues.pop(beat.scheduler_id, None)  # (an accepting replica names it again)
+            self._rooms, self._limit = {}, 0
             return
         self._rooms = {r.worker_id: [r.seats, r.kv_tokens] for r in beat.rooms}
         self._limit, self._heard = beat.direct_prompt_tokens, now

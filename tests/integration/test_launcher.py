@@ -68,10 +68,21 @@ def _read_until(proc: subprocess.Popen, done, timeout: float) -> list[str]:
     return lines
 
 
-def _child(launcher_pid: int, marker: str) -> int:
-    return next(
-        pid for pid in _children(launcher_pid) if marker in " ".join(psutil.Process(pid).cmdline())
-    )
+def _child(launcher_pid: int, marker: str, other_than: int = 0, timeout: float = 60) -> int:
+    """The launcher's live child running `marker` (not `other_than`: one killed, perhaps still a
+    zombie until the launcher reaps it and starts another)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for pid in _children(launcher_pid):
+            try:
+                proc = psutil.Process(pid)
+                running = proc.status() != psutil.STATUS_ZOMBIE
+                if running and pid != other_than and marker in " ".join(proc.cmdline()):
+                    return pid
+            except psutil.Error:  # gone meanwhile
+                continue
+        assert time.monotonic() < deadline, f"no {marker} process under the launcher"
+        time.sleep(0.1)
 
 
 def _seconds_until_serving(stack: Stack, timeout: float = 120) -> float:
@@ -144,7 +155,7 @@ def test_tandem_up_secure_by_default_serves_and_stops_cleanly(tmp_path):
             children.append(victim)
             os.kill(victim, signal.SIGKILL)
             print(f"{service} killed: serving again {_seconds_until_serving(stack):.1f}s later")
-            assert _child(launcher.pid, marker) != victim
+            _child(launcher.pid, marker, other_than=victim)  # started again
         children += _children(launcher.pid)
     finally:
         os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in the terminal does

@@ -140,6 +140,34 @@ def test_a_waiting_request_a_stale_beat_or_a_turned_away_worker_sends_it_to_the_
 # -- the relay's direct path --------------------------------------------------------------------
 
 
+def answer_soon(bus: InMemoryBus, t) -> None:
+    """The task's whole answer, two tokens, a moment from now (as a worker streams it)."""
+    chunk = TokenChunk(t.attempt_id, 0, [7, 8], finish_reason="length", completion_tokens=2)
+    asyncio.get_running_loop().call_later(
+        0.02, lambda: asyncio.ensure_future(bus.publish(t.reply_subject, chunk))
+    )
+
+
+async def through_a_gateway(bus, tokenizer, settings, direct: DirectRooms, count: int) -> list:
+    """`count` Generates, one after another, through a gateway whose rooms name d1: for each,
+    (its status code, its token ids)."""
+    async with (
+        StreamRouter(bus, "gw.replies") as streams,
+        Liveness(bus, SUBJECTS, settings.worker_timeout_s) as liveness,
+        SchedulerPool(bus, SUBJECTS, settings.worker_timeout_s, direct) as pool,
+    ):
+        await pool.on_heartbeat(
+            SchedulerHeartbeat("s1", rooms=[Room("d1", 4, 10_000)], direct_prompt_tokens=64), None
+        )
+        servicer = TandemServicer(settings, bus, streams, tokenizer, LIMITS, liveness, pool)
+        outcomes = []
+        for i in range(count):
+            request, context = pb.GenerateRequest(request_id=f"r{i}", prompt="Hi"), FakeContext()
+            responses = [r async for r in servicer.Generate(request, context)]
+            outcomes.append((context.code, [t for r in responses for t in r.token_ids]))
+        return outcomes
+
+
 async def test_a_request_goes_straight_to_the_named_worker_and_a_full_one_hands_it_over(
     tokenizer,
 ):
@@ -155,37 +183,17 @@ async def test_a_request_goes_straight_to_the_named_worker_and_a_full_one_hands_
             await respond(TaskAck(worker_full("d1", "decode worker d1 is full")))
             return
         await respond(TaskAck())
-        await answer(assignment.task)
-
-    async def answer(t) -> None:
-        chunk = TokenChunk(t.attempt_id, 0, [7, 8], finish_reason="length", completion_tokens=2)
-        asyncio.get_running_loop().call_later(
-            0.02, lambda: asyncio.ensure_future(bus.publish(t.reply_subject, chunk))
-        )
+        answer_soon(bus, assignment.task)
 
     async def scheduler(t, respond) -> None:
         submitted.append(t)
         await respond(SubmitReply(decode_worker="d2"))
-        await answer(t)
+        answer_soon(bus, t)
 
     await bus.subscribe(SUBJECTS.decode_tasks("d1"), worker)
     await bus.subscribe(SUBJECTS.submit, scheduler)
     direct = DirectRooms(True, 5.0)
-    async with (
-        StreamRouter(bus, "gw.replies") as streams,
-        Liveness(bus, SUBJECTS, settings.worker_timeout_s) as liveness,
-        SchedulerPool(bus, SUBJECTS, settings.worker_timeout_s, direct) as pool,
-    ):
-        await pool.on_heartbeat(
-            SchedulerHeartbeat("s1", rooms=[Room("d1", 4, 10_000)], direct_prompt_tokens=64), None
-        )
-        servicer = TandemServicer(settings, bus, streams, tokenizer, LIMITS, liveness, pool)
-        outcomes = []
-        for i in range(2):
-            request = pb.GenerateRequest(request_id=f"r{i}", prompt="Hi")
-            context = FakeContext()
-            responses = [r async for r in servicer.Generate(request, context)]
-            outcomes.append((context.code, [t for r in responses for t in r.token_ids]))
+    outcomes = await through_a_gateway(bus, tokenizer, settings, direct, 2)
     assert outcomes == [(None, [7, 8]), (None, [7, 8])]
     assert not direct.take(task())  # the room the worker turned away is named no more
     assert len(got) == 2 and len(submitted) == 1  # the first placed directly, the second not
@@ -208,10 +216,7 @@ async def test_a_worker_that_never_confirms_has_the_attempt_cancelled_and_a_new_
     async def scheduler(t, respond) -> None:
         submitted.append(t)
         await respond(SubmitReply(decode_worker="d2"))
-        chunk = TokenChunk(t.attempt_id, 0, [7, 8], finish_reason="length", completion_tokens=2)
-        asyncio.get_running_loop().call_later(
-            0.02, lambda: asyncio.ensure_future(bus.publish(t.reply_subject, chunk))
-        )
+        answer_soon(bus, t)
 
     async def on_cancel(message, respond) -> None:
         cancelled.append(message.attempt_id)
@@ -220,19 +225,8 @@ async def test_a_worker_that_never_confirms_has_the_attempt_cancelled_and_a_new_
     await bus.subscribe(SUBJECTS.submit, scheduler)
     await bus.subscribe(SUBJECTS.cancel, on_cancel)
     direct = DirectRooms(True, 5.0)
-    async with (
-        StreamRouter(bus, "gw.replies") as streams,
-        Liveness(bus, SUBJECTS, settings.worker_timeout_s) as liveness,
-        SchedulerPool(bus, SUBJECTS, settings.worker_timeout_s, direct) as pool,
-    ):
-        await pool.on_heartbeat(
-            SchedulerHeartbeat("s1", rooms=[Room("d1", 4, 10_000)], direct_prompt_tokens=64), None
-        )
-        servicer = TandemServicer(settings, bus, streams, tokenizer, LIMITS, liveness, pool)
-        context = FakeContext()
-        request = pb.GenerateRequest(request_id="r", prompt="Hi")
-        responses = [r async for r in servicer.Generate(request, context)]
-    assert context.code is None and [t for r in responses for t in r.token_ids] == [7, 8]
+    outcomes = await through_a_gateway(bus, tokenizer, settings, direct, 1)
+    assert outcomes == [(None, [7, 8])]
     assert len(got) == 1 and len(submitted) == 1
     assert got[0].attempt_id != submitted[0].attempt_id  # a new attempt
     assert got[0].attempt_id in cancelled  # the one the worker may hold is freed

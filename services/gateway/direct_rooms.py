@@ -27,6 +27,7 @@ class DirectRooms:
         self._fresh_s = fresh_s
         self._clock = clock
         self._rooms: dict[str, list[int]] = {}  # worker id -> [seats, KV tokens] left
+        self._named_by = ""  # the replica whose beat named them
         self._limit = 0  # the longest prompt the last beat allows
         self._heard = float("-inf")  # when the rooms were named
         self._queues: dict[str, tuple[int, float]] = {}  # accepting replica -> (queued, heard)
@@ -38,12 +39,13 @@ class DirectRooms:
         now = self._clock()
         if beat.accepting and not beat.stopping:
             self._queues[beat.scheduler_id] = (beat.queued, now)
-        else:  # standing aside or leaving: it holds no waiting request, and what was named goes
+        else:  # standing aside or leaving: it holds no waiting request, and what it named goes
             self._queues.pop(beat.scheduler_id, None)  # (an accepting replica names it again)
-            self._rooms, self._limit = {}, 0
+            if beat.scheduler_id == self._named_by:
+                self._rooms, self._limit = {}, 0
             return
         self._rooms = {r.worker_id: [r.seats, r.kv_tokens] for r in beat.rooms}
-        self._limit, self._heard = beat.direct_prompt_tokens, now
+        self._limit, self._heard, self._named_by = beat.direct_prompt_tokens, now, beat.scheduler_id
 
     def take(self, task: GenerateTask) -> str:
         """The worker to place `task` on directly, its room spent; "" when it goes through a

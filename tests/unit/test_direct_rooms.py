@@ -129,7 +129,9 @@ def test_a_waiting_request_a_stale_beat_or_a_turned_away_worker_sends_it_to_the_
     direct.turned_away("d1")
     assert direct.take(task()) == "" and direct.refused == 1
     heard(direct, Room("d1", 8, 10_000))
-    heard(direct, scheduler="s3", stopping=True)  # a replica leaving: no room until one names it
+    heard(direct, scheduler="s3", stopping=True)  # another replica leaving: s1's rooms stand
+    assert direct.take(task()) == "d1"
+    heard(direct, scheduler="s1", stopping=True)  # the one that named them: none until one does
     assert direct.take(task()) == ""
     heard(direct, Room("d1", 8, 10_000))
     clock.now += 1.5  # the rooms are stale

@@ -20,17 +20,58 @@ an attempt is never changed after it is made:
 """
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 
 from services.gateway.migration import client_id, new_attempt_id, resumed
 from shared.control.failure import Failure, Retry
 from shared.control.messages import GenerateTask, TokenChunk
 
 
+class Sent:
+    """The token ids a client has received, as a value: `plus` gives a new Sent and leaves this
+    one as it was, in the time of the ids added (a tuple's `+` copies all of them: a stream's
+    chunks cost their square). The newest Sent of a line extends the list it shares with the
+    ones before it, each of which reads only its own length of it; extending one that is not the
+    newest copies its ids first."""
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self, ids: Iterable[int] = ()) -> None:
+        self._ids = list(ids)
+        self._n = len(self._ids)
+
+    def plus(self, ids: Iterable[int]) -> "Sent":
+        shared = self._ids if len(self._ids) == self._n else self._ids[: self._n]
+        shared.extend(ids)
+        after = object.__new__(Sent)
+        after._ids, after._n = shared, len(shared)
+        return after
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids[: self._n])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Sent | tuple | list):
+            return len(other) == self._n and list(self) == list(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Sent({list(self)!r})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Attempt:
     task: GenerateTask  # what is submitted; task.attempt_id is this attempt's id
     worker: str = ""  # the decode worker serving it; "" until placed
-    sent: tuple[int, ...] = ()  # the output the client has received, over every attempt
+    sent: Sent = dataclasses.field(
+        default_factory=Sent
+    )  # the output the client has received, over every attempt
     expected: int = 0  # the index of the next chunk of this attempt's stream
     full_moves: int = 0  # times the request moved off a full worker, Retry.HERE (limit: FULL_MOVES)
     failed_moves: int = 0  # times it moved off a failed one, Retry.ELSEWHERE (--max-migrations)
@@ -66,7 +107,7 @@ class Attempt:
         after = object.__new__(Attempt)
         state = after.__dict__
         state.update(self.__dict__)
-        state["sent"] = self.sent + tuple(chunk.token_ids)
+        state["sent"] = self.sent.plus(chunk.token_ids)
         state["expected"] = self.expected + 1
         return after
 

@@ -169,8 +169,8 @@ class _RoomCounts:
             ),
             (
                 "tandem_gateway_direct_turned_away",
-                "Of those, requests the worker did not take (then placed by a scheduler)",
-                self.rooms.refused,
+                "Of those, requests a worker did not take (the decode worker, or its prefill worker: then placed by a scheduler)",
+                self.rooms.turned,
             ),
         ):
             family = CounterMetricFamily(name, doc, labels=ID_LABELS)

@@ -22,6 +22,7 @@ from opentelemetry.context import Context
 
 from services.gateway.attempt import Attempt
 from services.gateway.chunk_waiter import ChunkWaiter
+from services.gateway.direct_rooms import Placement
 from services.gateway.joined_chunks import joinable, joined
 from services.gateway.migration import FULL_MOVES, WorkerLost
 from services.gateway.schedulers import SchedulerPool
@@ -83,7 +84,8 @@ class RequestRelay:
         self.schedulers = schedulers  # None: submit to the queue group only
         self._lost_schedulers: set[str] = set()  # replicas lost while they held this request
         self._unplaced_since: float | None = None  # a move found no place first then (_waited)
-        self._in_room: Attempt | None = None  # the attempt placed directly, until it ends
+        # where this gateway placed the request itself, and its task, until that attempt ends
+        self._in_room: tuple[Placement, GenerateTask] | None = None
 
     async def place(self, task: GenerateTask) -> Attempt:
         """A request of n > 1 choices placed as one (its prompt is prefilled once, then forked),
@@ -164,9 +166,9 @@ class RequestRelay:
         replica takes it). Raises WorkerLost when the worker chosen failed to take it. A short
         first attempt may go straight to a worker a scheduler named as having room (DirectRooms)."""
         direct = self.schedulers is not None and not attempt.resubmission
-        worker = self.schedulers.rooms.take(attempt.task) if direct else ""
-        if worker:
-            placed = await self._place_directly(attempt, worker)
+        placement = self.schedulers.rooms.take(attempt.task) if direct else None
+        if placement is not None:
+            placed = await self._place_directly(attempt, placement)
             if placed is not None:
                 return placed
         with tracing.within(self.trace), tracing.tracer().start_as_current_span("gateway.submit"):
@@ -185,11 +187,14 @@ class RequestRelay:
         self._log_placed(attempt, reply.prefill_worker or "(local)", reply.decode_worker)
         return attempt.placed(reply.decode_worker)
 
-    async def _place_directly(self, attempt: Attempt, worker: str) -> Attempt | None:
-        """The attempt placed on `worker` by this gateway; None when the worker did not take it
+    async def _place_directly(self, attempt: Attempt, placement: Placement) -> Attempt | None:
+        """The attempt placed by this gateway; None when the decode worker did not take it
         (full, draining, gone: a scheduler places it). One that did not answer in time may have
         taken it: that attempt ends (cancelled under every id) and the next is submitted."""
-        assignment = DecodeAssignment(task=attempt.task)
+        worker = placement.decode
+        assignment = DecodeAssignment(
+            task=attempt.task, prefill_worker=placement.prefill, prefill_tp=placement.prefill_tp
+        )
         with tracing.within(self.trace), tracing.tracer().start_as_current_span("gateway.place"):
             try:
                 ack = await self.bus.request(
@@ -207,14 +212,20 @@ class RequestRelay:
         if ack is None or ack.failure is not None:
             self.schedulers.rooms.turned_away(worker)
             return None
-        self._log_placed(attempt, "(local, placed by this gateway)", worker)
-        self._in_room = attempt.placed(worker)
-        return self._in_room
+        prefill = placement.prefill or "(local)"
+        self._log_placed(attempt, f"{prefill}, placed by this gateway", worker)
+        self._in_room = placement, attempt.task
+        return attempt.placed(worker)
 
-    def _leave_room(self) -> None:
-        """The attempt placed directly ended: its room has the seat back."""
+    def _leave_room(self, failure: Failure | None = None) -> None:
+        """The attempt placed directly ended: its rooms have the seats back. A prefill worker
+        that failed it (it turned the prompt away as full, say) is offered no more until a beat
+        names it again."""
         if self._in_room is not None:
-            self.schedulers.rooms.returned(self._in_room.worker, self._in_room.task)
+            placement, task = self._in_room
+            self.schedulers.rooms.returned(placement, task)
+            if failure is not None and placement.prefill and failure.blame == placement.prefill:
+                self.schedulers.rooms.turned_away(failure.blame)
             self._in_room = None
 
     def _log_placed(self, attempt: Attempt, prefill: str, decode: str) -> None:
@@ -330,6 +341,7 @@ class RequestRelay:
         log.warning(
             "%s: %s; moving it after %d token(s)", attempt.id, failure.message, len(attempt.sent)
         )
+        self._leave_room(failure)
         return await self._replace(attempt, moved)
 
     async def _next_chunk(self, attempt: Attempt) -> TokenChunk:

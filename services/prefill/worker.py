@@ -141,6 +141,7 @@ class PrefillWorker:
             self.ship.hold(task, seq, sender)
             self.engine.add(seq)
             self.wakeup.set()
+            self.announcer.nudge()  # the schedulers hear of it soon (a gateway may have placed it)
         elif refusal.code is Code.RESOURCE_EXHAUSTED:
             self.announcer.nudge()  # the scheduler hears now that this worker is full
         if respond is not None:

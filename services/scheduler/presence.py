@@ -18,9 +18,10 @@ from pathlib import Path
 
 from services.scheduler.intake import Intake
 from services.scheduler.registry import WorkerRegistry
+from services.scheduler.rooms import Offer
 from shared.control.bus import MessageBus
 from shared.control.liveness import PROBE_TIMEOUT_S, QUICK_S
-from shared.control.messages import Discover, Ping, Room, SchedulerHeartbeat, TaskAck
+from shared.control.messages import Discover, Ping, SchedulerHeartbeat, TaskAck
 from shared.control.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class Presence:
         queued: Callable[[], int],
         intake: Intake,
         beat_s: float = BEAT_S,
-        rooms: Callable[[], tuple[list[Room], int]] = lambda: ([], 0),
+        rooms: Callable[[], Offer] = Offer,
     ):
         self.bus = bus
         self.beat_s = beat_s
@@ -84,14 +85,15 @@ class Presence:
     async def beat(self, stopping: bool = False) -> None:
         self._beaten = time.monotonic()
         accepting = self.intake.accepting and not stopping
-        rooms, direct_prompt_tokens = self.rooms() if accepting else ([], 0)
+        offer = self.rooms() if accepting else Offer()
         beat = SchedulerHeartbeat(
             self.scheduler_id,
             self.queued(),
             stopping,
             accepting=accepting,
-            rooms=rooms,
-            direct_prompt_tokens=direct_prompt_tokens,
+            rooms=offer.rooms,
+            prefill_rooms=offer.prefill_rooms,
+            direct_prompt_tokens=offer.prompt_tokens,
         )
         try:
             await self.bus.publish(self.subjects.scheduler_heartbeat, beat)

@@ -31,7 +31,6 @@ from shared.control.messages import (
     CancelRequest,
     DecodeAssignment,
     GenerateTask,
-    Room,
     StatusRequest,
     SubmitReply,
     TaskAck,
@@ -123,10 +122,10 @@ class SchedulerService:
             except Exception:  # a bug: log it, keep expiring and placing
                 log.exception("scheduler tick failed")
 
-    def _rooms(self) -> tuple[list[Room], int]:
+    def _rooms(self) -> rooms.Offer:
         """The workers gateways may place on without asking, and the longest prompt they may."""
         if self._closing:
-            return [], 0
+            return rooms.Offer()
         limit = self.settings.direct_prompt_tokens
         return rooms.offer(self.registry, self.router.policy, limit, len(self.queue))
 

@@ -59,7 +59,7 @@ class SchedulerSettings(CommonSettings):
     direct_prompt_tokens: int = field(
         default=256,
         metadata={
-            "help": "while nothing waits in this scheduler's queue, its heartbeat names the workers with room, and a gateway places a request of at most this many prompt tokens on one itself (one hop and this scheduler's turn fewer); auto mode: at most local_prefill_tokens; none when disaggregated or with max_itl_ms; 0 = every request through the scheduler"
+            "help": "while nothing waits in this scheduler's queue, its heartbeat names the workers with room, and a gateway places a request of at most this many prompt tokens on one itself (one hop and this scheduler's turn fewer); auto mode: at most local_prefill_tokens; disaggregated: with a prefill worker the room names; none with max_itl_ms; 0 = every request through the scheduler"
         },
     )
     max_pending: int = field(

@@ -227,24 +227,32 @@ class WorkerHeartbeat(WorkerStatus):
 
 @dataclass
 class Room:
-    """A worker a gateway may place requests on without asking its scheduler, and how many."""
+    """A worker a gateway may place requests on without asking its scheduler, and how many. A
+    decode (or colocated) worker's room is spent by a request's prompt and max new tokens; a
+    prefill worker's (SchedulerHeartbeat.prefill_rooms) by a seat in its queue."""
 
     worker_id: str
-    seats: int  # requests it may start now
-    kv_tokens: int  # tokens its free KV blocks hold: each request's prompt and max new tokens
+    seats: int  # requests it may start now (a prefill worker: places left in its queue)
+    kv_tokens: int  # tokens its free KV blocks hold (a prefill worker: the longest prompt it holds)
+    # disaggregated: the prefill workers a request placed here takes its prompt from, the
+    # cheapest pair first (by the scheduler's cost model); none: it prefills the prompt itself
+    prefill_workers: list[str] = field(default_factory=list)
+    tp: int = 1  # its tensor-parallel degree (a prefill worker's: the routes its KV takes)
 
 
 @dataclass
 class SchedulerHeartbeat:
     """A scheduler replica is up (every half second), or leaving: gateways submit to live ones.
-    While nothing waits in its queue it names the workers with room (`rooms`): a gateway may
-    place a request of at most `direct_prompt_tokens` prompt tokens on one of them itself."""
+    While nothing waits in its queue it names the workers with room (`rooms`, and in
+    disaggregated mode the prefill workers they pair with): a gateway may place a request of at
+    most `direct_prompt_tokens` prompt tokens on one of them itself."""
 
     scheduler_id: str
     queued: int = 0  # requests waiting in its queue for room
     stopping: bool = False
     accepting: bool = True  # False: it stood aside, hearing no worker (an old beat lacks it: True)
     rooms: list[Room] = field(default_factory=list)
+    prefill_rooms: list[Room] = field(default_factory=list)  # the rooms' prefill_workers
     direct_prompt_tokens: int = 0  # 0: every request through the scheduler
 
 

@@ -32,6 +32,7 @@ MAX_MESSAGES = 4096  # chat messages of one request (gateway: counted before any
 MAX_CONTENT_PARTS = 4096  # text parts of one request's messages, all messages together
 MAX_LABEL = 256  # characters of a worker's descriptive strings (its kernel report)
 MAX_TP = 1024  # tensor-parallel ranks of one worker
+MAX_PARTNERS = 64  # prefill workers one decode worker's room names
 
 # int fields that may be negative, and how far
 SIGNED = {
@@ -150,6 +151,11 @@ EXTRA: dict[str, Callable[[Any], str | None]] = {
     "KVLayout": _layout,
     "KVDestination": _destination,
     "WorkerHeartbeat": _heartbeat,
+    "Room": lambda m: (
+        None
+        if 1 <= m.tp <= MAX_TP and len(m.prefill_workers) <= MAX_PARTNERS
+        else "a room's tp or prefill_workers out of range"
+    ),
     "DecodeAssignment": lambda m: (
         None if 1 <= m.prefill_tp <= MAX_TP else "prefill_tp out of range"
     ),

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from services.gateway.attempt import Attempt
+from services.gateway.attempt import Attempt, Sent
 from services.gateway.migration import client_id
 from shared.control.failure import Code, Retry, failed, worker_failed, worker_full
 from shared.control.messages import GenerateTask, SamplingParams, TokenChunk
@@ -37,7 +37,7 @@ def test_an_attempt_placed_counts_the_chunks_and_tokens_it_receives():
     serving = placed.received(chunk(0, [20])).received(chunk(1, [21, 22]))
     assert (serving.worker, serving.sent, serving.expected) == ("d1", (20, 21, 22), 2)
     assert (placed.sent, placed.expected) == ((), 0)  # a new attempt each time, as replace's
-    assert serving == dataclasses.replace(placed, sent=(20, 21, 22), expected=2)
+    assert serving == dataclasses.replace(placed, sent=Sent([20, 21, 22]), expected=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         serving.expected = 5
     assert (unplaced.worker, unplaced.sent, unplaced.expected) == ("", (), 0)
@@ -91,3 +91,13 @@ def test_no_transition_changes_the_task_it_started_from():
     assert start.task == before
     with pytest.raises(dataclasses.FrozenInstanceError):
         start.worker = "d1"
+
+
+def test_tokens_sent_are_a_value_each_attempt_reading_its_own():
+    serving = first_attempt().placed("d1").received(chunk(0, [20]))
+    line = serving.received(chunk(1, [21]))
+    branch = serving.received(chunk(1, [30, 31]))  # not the newest of its line: copies first
+    assert (serving.sent, line.sent, branch.sent) == ((20,), (20, 21), (20, 30, 31))
+    assert line.received(chunk(2, [22])).sent == (20, 21, 22) and branch.sent == (20, 30, 31)
+    assert hash(line.sent) == hash((20, 21)) and list(Sent()) == [] and len(line.sent) == 2
+    assert first_attempt().sent == () and first_attempt().sent is not first_attempt().sent

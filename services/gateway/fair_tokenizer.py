@@ -4,9 +4,11 @@ not safe to call from several at once), taken from each client in turn.
 A client that sends 64 large prompts at once waits behind its own jobs, not in front of everyone
 else's: another client's job runs after at most the one in progress. Each job is bounded anyway
 (validation refuses a prompt too long for the context by its size, and one of too many messages by
-their count, before rendering or tokenizing it). No job runs on the event loop, however small it
-looks: what it costs is only known once it ran (a request of 36,000 empty messages is a few
-characters), and every stream, health check and NATS callback waits while the loop is busy.
+their count, before rendering or tokenizing it). What a job costs is only known once it ran (a
+request of 36,000 empty messages is a few characters), and every stream, health check and NATS
+callback waits while the loop is busy: only a request whose cost is bounded small by its shape
+(validation.light: a few messages, a few hundred characters, no tools or grammar; at most ~0.5 ms)
+is validated on the loop instead, where it costs less than the hand-off to this thread and back.
 """
 
 import asyncio

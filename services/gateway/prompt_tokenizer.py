@@ -24,6 +24,13 @@ class PromptTokenizer:
         self.tool_format = ToolFormat.of(template, tool_parser)
 
     @property
+    def reentrant(self) -> bool:
+        """Whether a call keeps no state between calls (the Rust tokenizer called directly, the
+        template rendered): safe on the event loop while the tokenizer thread makes another.
+        Hugging Face's own path sets truncation and padding on the tokenizer at each call."""
+        return self._backend is not None
+
+    @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 

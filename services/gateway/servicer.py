@@ -34,7 +34,7 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.status_asks import ask_wait, status_pages
 from services.gateway.streams import StreamRouter
 from services.gateway.tool_results import with_tool_calls
-from services.gateway.validation import InvalidRequest, Limits, ValidRequest, validate
+from services.gateway.validation import InvalidRequest, Limits, ValidRequest, light, validate
 from shared.api import tandem_pb2 as pb
 from shared.api import tandem_pb2_grpc as pb_grpc
 from shared.control.bus import BusError, MessageBus, NoResponders
@@ -251,10 +251,11 @@ class TandemServicer(pb_grpc.TandemServicer):
     async def _validated(
         self, request: pb.GenerateRequest, context, client: Client
     ) -> ValidRequest:
+        args = (request, self.prompts, self.limits, self.grammars)
         try:
-            return await self._tokenize.run(
-                client.name, validate, request, self.prompts, self.limits, self.grammars
-            )
+            if light(request, self.prompts):  # cheaper here than a turn on the tokenizer thread
+                return validate(*args)
+            return await self._tokenize.run(client.name, validate, *args)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 

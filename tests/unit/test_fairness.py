@@ -193,7 +193,8 @@ async def test_the_gateway_authenticates_caps_priority_and_refuses_past_a_limit(
 
 async def test_no_job_runs_on_the_event_loop_however_short():
     """A request's cost is known only once it ran (36,000 empty messages are a few characters):
-    every job runs on the tokenizer thread, none on the loop."""
+    every job given runs on the tokenizer thread, none on the loop (what the servicer validates
+    on the loop itself is bounded by its shape: test_validation's light requests)."""
     fair = FairTokenizer()
 
     def where(_: str) -> str:

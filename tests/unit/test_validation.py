@@ -5,7 +5,15 @@ import math
 import pytest
 
 from services.gateway.prompt_tokenizer import PromptTokenizer
-from services.gateway.validation import InvalidRequest, Limits, bounded, message_tokens, validate
+from services.gateway.validation import (
+    LIGHT_CHARS,
+    InvalidRequest,
+    Limits,
+    bounded,
+    light,
+    message_tokens,
+    validate,
+)
 from shared.api import tandem_pb2 as pb
 
 
@@ -320,3 +328,23 @@ def test_the_message_floor_is_the_cheapest_roles_frame():
     bounded(request(prompt="", messages=[("assistant", "")] * 49), limits)  # 98 tokens: fits
     with pytest.raises(InvalidRequest):
         bounded(request(prompt="", messages=[("assistant", "")] * 51), limits)
+
+
+def test_only_a_request_bounded_small_by_its_shape_is_light(tokenizer, prompts):
+    """Light: validated on the event loop (cheaper there than a turn on the tokenizer thread);
+    anything whose cost its shape does not bound goes to the thread."""
+    chat = [("system", "Be brief."), ("user", "Tell me a short story about a robot.")]
+    assert light(request(prompt="", messages=chat), prompts)
+    assert light(request(prompt="x" * LIGHT_CHARS), prompts)
+    assert not light(request(prompt="x" * (LIGHT_CHARS + 1)), prompts)
+    assert not light(request(prompt="", messages=[("user", "")] * 36_000), prompts)
+    assert not light(request(prompt="", messages=[("user", "hi")] * 5), prompts)
+    tools = request(prompt="", messages=chat)
+    tools.tools.add(name="f", parameters="{}")
+    assert not light(tools, prompts)
+    structured = request(prompt="hi")
+    structured.sampling.structured_output.json_schema = '{"type": "object"}'
+    assert not light(structured, prompts)
+    hugging_faces_path = PromptTokenizer(tokenizer)
+    hugging_faces_path._backend = None  # a slow tokenizer, or one set to truncate or pad
+    assert not light(request(prompt="hi"), hugging_faces_path)

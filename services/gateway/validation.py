@@ -251,8 +251,8 @@ def light(request: pb.GenerateRequest, tokens: PromptTokenizer) -> bool:
         and len(request.messages) <= LIGHT_MESSAGES
         and len(request.prompt) + sum(len(m.content) for m in request.messages) <= LIGHT_CHARS
         and len(request.prompt_token_ids) <= LIGHT_CHARS
-        and not request.tools
-        and not request.HasField("tool_choice")
+        and not request.tools  # (tool_choice alone does nothing: none and auto need no tools)
+        and not tool_chars(request)  # no calls in the messages either
         and not request.sampling.HasField("structured_output")
     )
 

@@ -339,9 +339,14 @@ def test_only_a_request_bounded_small_by_its_shape_is_light(tokenizer, prompts):
     assert not light(request(prompt="x" * (LIGHT_CHARS + 1)), prompts)
     assert not light(request(prompt="", messages=[("user", "")] * 36_000), prompts)
     assert not light(request(prompt="", messages=[("user", "hi")] * 5), prompts)
-    tools = request(prompt="", messages=chat)
-    tools.tools.add(name="f", parameters="{}")
-    assert not light(tools, prompts)
+    auto = request(prompt="", messages=chat)
+    auto.tool_choice.mode = pb.TOOL_CHOICE_AUTO  # as every chat over HTTP says: no tools, light
+    assert light(auto, prompts)
+    auto.tools.add(name="f", parameters="{}")
+    assert not light(auto, prompts)
+    called = request(prompt="", messages=chat)
+    called.messages[0].tool_calls.add(name="f", arguments="{}")
+    assert not light(called, prompts)
     structured = request(prompt="hi")
     structured.sampling.structured_output.json_schema = '{"type": "object"}'
     assert not light(structured, prompts)

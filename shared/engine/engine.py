@@ -195,7 +195,8 @@ class Engine:
         plain = [False] * len(work)
         for row in rows:
             plain[row] = plain_greedy(work[row].seq.sampling)
-        with shaped(logits, [(row, work[row].seq) for row in rows], self.masks) as drawn:
+        pairs = [(row, work[row].seq) for row in rows]
+        with shaped(logits, pairs, self.masks, self.runner.argmax) as drawn:
             greedy = drawn.greedy(plain)
             return {
                 row: [greedy[row]] if plain[row] else _sampled(work[row].seq, drawn[row])

@@ -38,6 +38,7 @@ from shared.engine.prefill_attention import PrefillAttention
 from shared.engine.projection import SMALL, Projection, invariant_row_counts
 from shared.engine.rotary import Rotary
 from shared.engine.row_timing import cached_fastest_row_count
+from shared.engine.sampler import argmax_rows
 from shared.engine.shared_region import SharedRegion
 from shared.values.kv_layout import KVLayout
 
@@ -187,6 +188,9 @@ class ModelRunner:
         any batch (the smallest >= rows, and for a tiny batch the fastest, see fastest_row_count);
         `rows` itself where the row kernel computes every projection."""
         return next((count for count in self.row_counts if count >= max(rows, self.min_rows)), rows)
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        return argmax_rows(logits)
 
     def copy_block(self, source: int, target: int) -> None:
         self.pool.copy_block(source, target)

@@ -22,12 +22,13 @@ class SeqStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED_VALUES  # (a str's hash is kept; an Enum's is Python's)
 
 
 _FINISHED = frozenset(
     {SeqStatus.FINISHED_STOPPED, SeqStatus.FINISHED_LENGTH, SeqStatus.FINISHED_ABORTED}
 )
+_FINISHED_VALUES = frozenset(status.value for status in _FINISHED)
 S = SeqStatus
 MOVES: dict[SeqStatus, frozenset[SeqStatus]] = {
     # a sequence that samples a token (from WAITING, KV_READY, RUNNING) may finish there

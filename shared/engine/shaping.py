@@ -4,6 +4,7 @@ constrained row's mask (token_mask.py) on a copy. Logprobs then read the raw row
 may keep its buffer (the mock's lives from step to step)."""
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -17,10 +18,16 @@ class Shaped:
     """A step's logits as its tokens are drawn: `shaped[row]` is the row to draw from (a
     constrained row's masked copy, else the logits' row, penalised in place)."""
 
-    def __init__(self, logits: torch.Tensor, masked: list[tuple[list[int], torch.Tensor]]):
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        masked: list[tuple[list[int], torch.Tensor]],
+        argmax: Callable[[torch.Tensor], list[int]] | None = None,
+    ):
         self.logits = logits
         self.masked = masked
         self._copies = {row: copies[i] for rows, copies in masked for i, row in enumerate(rows)}
+        self._argmax = argmax  # of the logits as the runner gave them (None: penalised in place)
 
     def __getitem__(self, row: int) -> torch.Tensor:
         found = self._copies.get(row)
@@ -29,7 +36,11 @@ class Shaped:
     def greedy(self, wanted: list[bool]) -> list[int]:
         """Each wanted row's argmax (greedy_tokens), the masked ones' from their copies."""
         plain = [w and r not in self._copies for r, w in enumerate(wanted)]
-        tokens = greedy_tokens(self.logits, plain)
+        if self._argmax is not None and any(plain):  # the runner's (it may know them unread)
+            picked = self._argmax(self.logits[: len(wanted)])
+            tokens = [token if want else -1 for token, want in zip(picked, plain)]
+        else:
+            tokens = greedy_tokens(self.logits, plain)
         for rows, copies in self.masked:
             if any(wanted[r] for r in rows):
                 for row, token in zip(rows, argmax_rows(copies)):
@@ -38,10 +49,16 @@ class Shaped:
 
 
 @contextlib.contextmanager
-def shaped(logits, rows: list[tuple[int, Sequence]], masks: RowMasks | None = None):
+def shaped(
+    logits,
+    rows: list[tuple[int, Sequence]],
+    masks: RowMasks | None = None,
+    argmax: Callable[[torch.Tensor], list[int]] = argmax_rows,
+):
     """Each listed row shaped by its sequence for the draw (see above): penalties in place, put
     back on leaving; masks on copies, through `masks` (the engine's, with its runner's kernels).
-    Yields the Shaped rows."""
+    `argmax`: the runner's (StepRunner.argmax), used for the rows left as they were when no row
+    was penalised in place. Yields the Shaped rows."""
     staged = [
         (
             row,
@@ -55,7 +72,8 @@ def shaped(logits, rows: list[tuple[int, Sequence]], masks: RowMasks | None = No
     put_back = shape(logits, staged) if staged else None
     try:
         masked = [(row, seq.mask) for row, seq in rows if seq.mask is not None]
-        yield Shaped(logits, (masks or RowMasks()).masked(logits, masked) if masked else [])
+        copies = (masks or RowMasks()).masked(logits, masked) if masked else []
+        yield Shaped(logits, copies, None if staged else argmax)
     finally:
         if put_back is not None:
             put_back()

@@ -26,5 +26,11 @@ class StepRunner(Protocol):
     ) -> torch.Tensor | None:
         """One row of logits per span (None when `abandon()` said so before the pass ended)."""
 
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """The first index of each row's largest value in logits its `forward` returned, as they
+        are (sampler.argmax_rows): a runner that knows them without reading the rows says so
+        (the mock, which put them there; a vocabulary-wide scan per row is the model's work,
+        done on a GPU's side)."""
+
     def copy_block(self, source: int, target: int) -> None:
         """Block `target` of the KV pool gets block `source`'s keys and values (a fork's)."""

@@ -86,6 +86,9 @@ class GroupRunner(StepRunner):
         except RuntimeError as err:  # gloo: a peer's connection closed, or the timeout ran out
             raise self._failed(f"a collective of the group failed: {err}") from None
 
+    def argmax(self, logits):
+        return self.runner.argmax(logits)
+
     def copy_block(self, source: int, target: int) -> None:
         self._send(Op.COPY_BLOCK, [source, target])
         self.runner.copy_block(source, target)

@@ -121,3 +121,23 @@ def test_a_fleet_needs_the_mock_engine_and_names_its_workers_in_order():
     assert fleet_ids(settings, "decode") == ["fleet-a-0000", "fleet-a-0001", "fleet-a-0002"]
     many = fleet_ids(WorkerSettings(engine="mock", mock_workers=12_000), "decode")
     assert len(set(many)) == 12_000 and many[-1].endswith("-11999")
+
+
+def test_the_mock_names_its_rows_argmax_without_reading_them():
+    """The argmax of a pass's logits is the tokens it picked (a scan of each row costs the mock's
+    worker what a GPU's does on its side); any other tensor is read."""
+    import torch
+
+    from shared.engine.forward_batch import SeqSpan
+    from shared.engine.sampler import argmax_rows
+
+    mock = runner()
+    spans = [SeqSpan([], [20 + i, 30 + i], 1, 2, False) for i in range(3)]
+    logits = mock.forward(spans)
+    assert (
+        mock.argmax(logits) == argmax_rows(logits) == [mock.next_token(30 + i, 2) for i in range(3)]
+    )
+    assert mock.argmax(logits[:2]) == argmax_rows(logits[:2])
+    other = torch.zeros(2, 500)
+    other[0, 7], other[1, 9] = 1.0, 1.0
+    assert mock.argmax(other) == [7, 9]

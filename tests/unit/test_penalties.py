@@ -326,3 +326,21 @@ def test_a_penalised_neighbour_leaves_the_mock_engine_s_answers_alone():
         engine.add(seq)
     run_to_end(engine)
     assert plain.output_ids == expected(mock, list(range(10, 40)), 12)
+
+
+def test_the_runner_s_argmax_is_taken_only_while_no_row_is_penalised_in_place():
+    """A runner may name its rows' argmax without reading them (StepRunner.argmax): that is of
+    the logits as it gave them, so a step with a penalised row reads the rows instead."""
+    logits = torch.randn(2, 64)
+    seq, plain = make_seq([5, 6, 7], **PENALISED), make_seq([5, 6, 7], temperature=0.0)
+    named = []
+
+    def runner_argmax(rows: torch.Tensor) -> list[int]:
+        named.append(rows.shape[0])
+        return [3, 4][: rows.shape[0]]
+
+    with shaped(logits, [(0, plain)], argmax=runner_argmax) as rows:
+        assert rows.greedy([True]) == [3] and named == [1]
+    with shaped(logits, [(0, plain), (1, seq)], argmax=runner_argmax) as rows:
+        read = [int(torch.argmax(rows[0])), int(torch.argmax(rows[1]))]
+        assert rows.greedy([True, True]) == read and named == [1]

@@ -68,7 +68,7 @@ class DirectRooms:
             if beat.scheduler_id == self._named_by:
                 self._rooms, self._prefill, self._limit = {}, {}, 0
             return
-        self._rooms = {r.worker_id: _Left(r) for r in beat.rooms}
+        self._rooms = {r.worker_id: _Left(r) for r in [*beat.rooms, *beat.paired_rooms]}
         self._prefill = {r.worker_id: _Left(r) for r in beat.prefill_rooms}
         self._limit, self._heard, self._named_by = beat.direct_prompt_tokens, now, beat.scheduler_id
 

@@ -92,6 +92,7 @@ class Presence:
             stopping,
             accepting=accepting,
             rooms=offer.rooms,
+            paired_rooms=offer.paired_rooms,
             prefill_rooms=offer.prefill_rooms,
             direct_prompt_tokens=offer.prompt_tokens,
         )

@@ -35,10 +35,14 @@ UNBOUNDED_SEATS = 1024  # a prefill worker that names no queue limit: places nam
 
 @dataclass
 class Offer:
-    """What a heartbeat names: the rooms, their prefill workers' (disaggregated), and the longest
-    prompt a gateway may place itself (0: none)."""
+    """What a heartbeat names: the rooms whose workers prefill their prompts themselves; in
+    disaggregated mode instead the decode workers' rooms each naming its prefill workers
+    (`paired_rooms`: apart, so that a gateway that does not know of pairs places nothing there),
+    and those prefill workers' rooms; and the longest prompt a gateway may place itself (0:
+    none)."""
 
     rooms: list[Room] = field(default_factory=list)
+    paired_rooms: list[Room] = field(default_factory=list)
     prefill_rooms: list[Room] = field(default_factory=list)
     prompt_tokens: int = 0
 
@@ -50,7 +54,7 @@ def offer(registry: WorkerRegistry, policy: Policy, limit: int, queued: int) -> 
     if not limit or queued:
         return Offer()
     if policy.mode != Mode.DISAGGREGATED:
-        return Offer(_rooms(registry, policy), [], limit)
+        return Offer(_rooms(registry, policy), prompt_tokens=limit)
     prefills = _prefill_rooms(registry, policy, limit)
     rooms = []
     for room, worker in _decode_rooms(registry, policy):
@@ -59,7 +63,7 @@ def offer(registry: WorkerRegistry, policy: Policy, limit: int, queued: int) -> 
             rooms.append(room)
     named = {p for room in rooms for p in room.prefill_workers}
     prefill_rooms = [_prefill_room(p) for p, _ in prefills if p.worker_id in named]
-    return Offer(rooms, prefill_rooms, limit) if rooms else Offer()
+    return Offer([], rooms, prefill_rooms, limit) if rooms else Offer()
 
 
 def _prompt_limit(policy: Policy, limit: int) -> int:

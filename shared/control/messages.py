@@ -251,8 +251,11 @@ class SchedulerHeartbeat:
     queued: int = 0  # requests waiting in its queue for room
     stopping: bool = False
     accepting: bool = True  # False: it stood aside, hearing no worker (an old beat lacks it: True)
-    rooms: list[Room] = field(default_factory=list)
-    prefill_rooms: list[Room] = field(default_factory=list)  # the rooms' prefill_workers
+    rooms: list[Room] = field(default_factory=list)  # each prefills its prompts itself
+    # disaggregated: decode workers' rooms, each naming its prefill workers (apart from `rooms`:
+    # a gateway that knows nothing of pairs places nothing on them), and those prefill workers'
+    paired_rooms: list[Room] = field(default_factory=list)
+    prefill_rooms: list[Room] = field(default_factory=list)
     direct_prompt_tokens: int = 0  # 0: every request through the scheduler
 
 

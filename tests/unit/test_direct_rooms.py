@@ -79,12 +79,13 @@ def test_disaggregated_rooms_name_the_nearest_prefill_workers_with_places_left()
     )
     policy = Policy(mode=Mode.DISAGGREGATED, max_prefill_wait_s=60)
     offered = rooms.offer(registry, policy, 256, 0)
-    assert offered.rooms == [Room("d1", 8, 100 * 16, prefill_workers=["p1", "p2"])]
+    assert offered.paired_rooms == [Room("d1", 8, 100 * 16, prefill_workers=["p1", "p2"])]
+    assert offered.rooms == []  # a gateway that knows nothing of pairs sees none
     assert offered.prefill_rooms == [Room("p1", 5, 100 * 16, tp=2), Room("p2", 10, 100 * 16)]
     assert offered.prompt_tokens == 256
     farther = registry_with(beat("d1", "decode", max_num_seqs=8), elsewhere(beat("p3", "prefill")))
     named = rooms.offer(farther, policy, 256, 0)  # the nearest there is, when none is near
-    assert named.rooms[0].prefill_workers == ["p3"] and named.prefill_rooms[0].seats == 1024
+    assert named.paired_rooms[0].prefill_workers == ["p3"] and named.prefill_rooms[0].seats == 1024
     alone = registry_with(beat("d1", "decode", max_num_seqs=8))  # no prefill worker: the
     assert rooms.offer(alone, policy, 256, 0) == rooms.Offer()  # scheduler's fallback decides
 
@@ -178,12 +179,11 @@ def test_a_waiting_request_a_stale_beat_or_a_turned_away_worker_sends_it_to_the_
 def test_a_disaggregated_room_is_taken_with_the_prefill_worker_with_most_places_left():
     direct = DirectRooms(True, 1.0, Clock())
     prefill_rooms = [Room("p1", 1, 1000, tp=2), Room("p2", 1, 1000), Room("p3", 5, 40)]
-    heard(
-        direct,
+    pairs = [
         Room("d1", 8, 10_000, prefill_workers=["p1", "p2"]),
         Room("d2", 2, 10_000, prefill_workers=["p3"]),
-        prefill_rooms=prefill_rooms,
-    )
+    ]
+    heard(direct, paired_rooms=pairs, prefill_rooms=prefill_rooms)
     assert direct.take(task()) == Placement("d1", "p1", 2)  # the cheapest pair on a tie
     assert direct.take(task()) == Placement("d1", "p2", 1)  # p1's place is spent
     assert direct.take(task()) == Placement("d2", "p3", 1)  # d1's prefill workers are full
@@ -321,7 +321,7 @@ async def test_a_disaggregated_request_placed_directly_names_its_prefill_worker(
     await bus.subscribe(SUBJECTS.submit, scheduler)
     named = SchedulerHeartbeat(
         "s1",
-        rooms=[Room("d1", 4, 10_000, prefill_workers=["p1"])],
+        paired_rooms=[Room("d1", 4, 10_000, prefill_workers=["p1"])],
         prefill_rooms=[Room("p1", 4, 1000, tp=2)],
         direct_prompt_tokens=64,
     )

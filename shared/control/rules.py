@@ -2,17 +2,22 @@
 
 Types are checked while a message is built; these are the values: a count is never negative, a
 time or a rate is a finite number (a difference of two hosts' clocks may be negative), a string
-or a list has a bounded size, and a few fields have ranges of their own (a sampling temperature,
-a resume point within its prompt). A message outside them is a MessageError like any malformed
-payload: logged, counted, dropped.
+or a list has a bounded size (all of these as msgspec constraints on a mirror of each message,
+`ranged`: checked in C as a payload converts), and a few fields have rules of their own (EXTRA:
+a sampling temperature, a resume point within its prompt), checked in Python after it. A message
+outside them is a MessageError like any malformed payload: logged, counted, dropped.
 """
 
 import dataclasses
 import functools
 import math
+import sys
+import types
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 MAX_STR = 64 * 1024  # characters of one string field (the largest: a chunk's text)
 MAX_LIST = 1 << 20  # items of one list field (the largest: a prompt's token ids)
@@ -162,61 +167,98 @@ EXTRA: dict[str, Callable[[Any], str | None]] = {
 }
 
 
-def _int_check(name: str, low: int, high: int, value: int) -> str | None:
-    return None if low <= value <= high else f"{name} out of range"
+# a finite float: NaN fails both bounds, an infinity one
+_FINITE = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+_INT64_MAX = (1 << 63) - 1  # msgspec bounds an int within int64; msgpack's ints end at uint64
 
 
-def _float_check(name: str, value: float) -> str | None:
-    # times may differ in sign across hosts' clocks: finite is the rule
-    return None if math.isfinite(value) else f"{name} is not a finite number"
+def _int(low: int, high: int) -> Any:
+    bounds = {"ge": low} if high > _INT64_MAX else {"ge": low, "le": high}
+    return Annotated[int, msgspec.Meta(**bounds)]
 
 
-def _size_check(name: str, value: str | bytes) -> str | None:
-    return None if len(value) <= MAX_STR else f"{name} is too long"
-
-
-def _list_check(name: str, items: type, value: list) -> str | None:
-    if len(value) > MAX_LIST:
-        return f"{name} has too many items"
-    if items is int and value:
-        high = TOKEN_ID_LIMIT - 1 if name in TOKEN_LISTS else MAX_UINT
-        if min(value) < 0 or max(value) > high:
-            return f"{name} has an item out of range"
-    if items is str and any(len(v) > MAX_STR for v in value):
-        return f"{name} has an item too long"
-    return None
-
-
-def _field_check(kind: str, name: str, hint: Any) -> Callable[[Any], str | None] | None:
-    """The range check of a field of type `hint` (types are checked already); None: none."""
+def _field_range(kind: str, name: str, hint: Any) -> Any:
+    """`hint` with its range as msgspec constraints (checked in C while a payload is converted):
+    a count within 0..MAX_UINT (SIGNED: its own range), a time or a rate finite, a string or
+    bytes at most MAX_STR long, a list at most MAX_LIST items (a token id below
+    TOKEN_ID_LIMIT, any other int not negative, a string at most MAX_STR), a message's fields
+    within theirs; a bool or an enum as it is."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is int:
-        return functools.partial(_int_check, name, *SIGNED.get((kind, name), (0, MAX_UINT)))
+        return _int(*SIGNED.get((kind, name), (0, MAX_UINT)))
     if hint is float:
-        return functools.partial(_float_check, name)
+        return _FINITE
     if hint in (str, bytes):
-        return functools.partial(_size_check, name)
-    if typing.get_origin(hint) is list:
-        return functools.partial(_list_check, name, typing.get_args(hint)[0])
-    return None  # bool, a nested message (checked as it is built), an enum
+        return Annotated[hint, msgspec.Meta(max_length=MAX_STR)]
+    if origin is list:
+        item = args[0]
+        if item is int:
+            item = _int(0, TOKEN_ID_LIMIT - 1 if name in TOKEN_LISTS else MAX_UINT)
+        elif item is str:
+            item = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
+        elif dataclasses.is_dataclass(item):
+            item = ranged(item)
+        return Annotated[list[item], msgspec.Meta(max_length=MAX_LIST)]
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[tuple(_field_range(kind, name, a) for a in args)]  # noqa: UP007
+    if dataclasses.is_dataclass(hint):
+        return ranged(hint)
+    return hint  # bool, an enum, None
 
 
 @functools.cache
-def _checks(cls: type) -> dict[str, Callable[[Any], str | None]]:
+def ranged(cls: type) -> type:
+    """A msgspec Struct with `cls`'s fields, each within its range (_field_range): a payload
+    converted to it is checked, types and ranges, without a line of Python per field. Its
+    fields' defaults are never read (a field left out is the message's default, in range)."""
     kind, hints = cls.__name__, typing.get_type_hints(cls)
-    found = ((f.name, _field_check(kind, f.name, hints[f.name])) for f in dataclasses.fields(cls))
-    return {name: check for name, check in found if check is not None}
+    fields = []
+    for f in dataclasses.fields(cls):
+        ranged_type = _field_range(kind, f.name, hints[f.name])
+        optional = (
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        )
+        fields.append((f.name, ranged_type, None) if optional else (f.name, ranged_type))
+    return msgspec.defstruct(f"{kind}InRange", fields, kw_only=True)
 
 
-def problem(message: Any, received: dict | None = None) -> str | None:
-    """What is out of range in `message` (not in the messages it holds: each is checked on its
-    own). Its fields' types are right already: wire.decode checks them first. `received`: the
-    fields the payload carried; only those are checked (the others are their defaults, in
-    range)."""
-    checks = _checks(type(message))
-    for name in checks if received is None else received:
-        check = checks.get(name)
-        found = check(getattr(message, name)) if check is not None else None
-        if found:
-            return found
-    extra = EXTRA.get(type(message).__name__)
-    return extra(message) if extra else None
+@functools.cache
+def _carries_extra(cls: type) -> bool:
+    """Whether `cls` or a message it may hold has a rule of its own (EXTRA)."""
+    if cls.__name__ in EXTRA:
+        return True
+    return any(_carries_extra(inner) for _, inner, _ in held(cls))
+
+
+@functools.cache
+def held(cls: type) -> tuple[tuple[str, type, bool], ...]:
+    """The fields of `cls` that hold messages: (name, the message type, as a list)."""
+    hints, found = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        many = typing.get_origin(hint) is list
+        kinds = typing.get_args(hint) if typing.get_origin(hint) else (hint,)
+        for kind in kinds:
+            if dataclasses.is_dataclass(kind):
+                found.append((f.name, kind, many))
+    return tuple(found)
+
+
+def problem(message: Any, received: dict, where: str) -> str | None:
+    """What breaks a rule of its own (EXTRA) in `message` or a message it holds, where; its
+    fields' types and ranges are right already (wire.decode converts the payload to `ranged`
+    first). `received`: what the payload carried of it (a field left out is its default)."""
+    cls = type(message)
+    if not _carries_extra(cls):
+        return None
+    for name, inner, many in held(cls):
+        if name not in received or not _carries_extra(inner):
+            continue
+        value, carried = getattr(message, name), received[name]
+        for item, its in zip(value, carried) if many else ((value, carried),):
+            found = None if item is None else problem(item, its, f"{where}.{name}")
+            if found:
+                return found
+    extra = EXTRA.get(cls.__name__)
+    found = extra(message) if extra else None
+    return f"{where}: {found}" if found else None

@@ -190,38 +190,14 @@ def _receive(cls: type, body: dict, where: str) -> None:
                     _receive(inner, item, f"{where}.{name}")
 
 
-@functools.cache
-def _held(cls: type) -> tuple[tuple[str, bool], ...]:
-    """The fields of a message type that hold messages, and whether as a list."""
-    hints = typing.get_type_hints(cls)
-    return tuple(
-        (f.name, typing.get_origin(hints[f.name]) is list)
-        for f in dataclasses.fields(cls)
-        if _inner(hints[f.name]) is not None
-    )
-
-
-def _out_of_range(message: Any, body: dict, where: str) -> str | None:
-    """What is out of range in `message` or a message it holds (shared.control.rules), where;
-    `body`: what the payload carried of it (a field left out is its default, in range)."""
-    for name, many in _held(type(message)):
-        if name not in body:
-            continue
-        value, carried = getattr(message, name), body[name]
-        for item, its in zip(value, carried) if many else ((value, carried),):
-            found = None if item is None else _out_of_range(item, its, f"{where}.{name}")
-            if found:
-                return found
-    found = message_rules.problem(message, body)
-    return f"{where}: {found}" if found else None
-
-
 _DECODER = msgspec.msgpack.Decoder()  # untyped: the type is read first, then converted to
+_BYTES = (bytes, bytearray)  # kept as they are by msgspec.convert
 
 
 def decode(data: bytes, expected: type[M] | None = None) -> M:
     """The only way bytes become a message; `expected` narrows which type is acceptable. Types
-    are checked by msgspec (in C: a bool is no int, an int is a float), then the ranges."""
+    and ranges are checked by msgspec (in C: a bool is no int, an int is a float; rules.ranged),
+    then the rules of a few messages' own (rules.EXTRA)."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"payload of {len(data)} bytes is over the limit")
     try:
@@ -236,11 +212,12 @@ def decode(data: bytes, expected: type[M] | None = None) -> M:
     if expected is not None and cls is not expected:
         raise MessageError(f"expected {expected.__name__}, got {cls.__name__}")
     _receive(cls, body, cls.__name__)
-    try:
-        message = msgspec.convert(body, cls, strict=True, builtin_types=(bytes, bytearray))
-    except msgspec.ValidationError as exc:  # a missing or mistyped field, an unknown enum value
-        raise MessageError(f"{cls.__name__}: {exc}") from None
-    found = _out_of_range(message, body, cls.__name__)
+    try:  # types and ranges first (a mirror with msgspec's constraints), then the message itself
+        msgspec.convert(body, message_rules.ranged(cls), strict=True, builtin_types=_BYTES)
+        message = msgspec.convert(body, cls, strict=True, builtin_types=_BYTES)
+    except msgspec.ValidationError as exc:  # a missing, mistyped or out-of-range field, an
+        raise MessageError(f"{cls.__name__}: {exc}") from None  # unknown enum value
+    found = message_rules.problem(message, body, cls.__name__)
     if found:
         raise MessageError(found)
     return message

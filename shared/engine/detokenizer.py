@@ -9,6 +9,7 @@ import copy
 from collections.abc import Callable
 
 REPLACEMENT = "\ufffd"
+TRIM_CHARS = 1024  # text shown (out of any stop string's reach) is dropped once this much gathered
 _HF_BASE = "transformers.tokenization_utils_base"
 _HF_FAST = "transformers.tokenization_utils_tokenizers"
 
@@ -47,8 +48,9 @@ class Detokenizer:
         # tokens [_prefix, _read) were decoded last time and give the context for the new ones.
         self._prefix = 0
         self._read = 0
-        self._text = ""  # the text of tokens [0, _read)
-        self._emitted = 0  # characters of _text already shown
+        self._text = ""  # the text of tokens [0, _read), from character _base on (see _trim)
+        self._base = 0  # the characters before _text: shown, and out of a stop string's reach
+        self._emitted = 0  # characters of the text already shown
         self.stopped = False  # a stop string appeared; nothing more will be shown
         self._quiet = min_tokens  # tokens still to add before stop strings are looked for
         self._floor = 0  # a stop string must end past this many characters of _text
@@ -80,15 +82,15 @@ class Detokenizer:
         self._text += new
         self._prefix, self._read = self._read, len(self._ids)
         if quiet:
-            self._floor = len(self._text)
+            self._floor = self._end()
         elif self._stop:
             start = max(0, self._emitted - self._hold)
-            found = (self._text.find(s, max(start, self._floor - len(s) + 1)) for s in self._stop)
+            found = (self._find(s, max(start, self._floor - len(s) + 1)) for s in self._stop)
             hits = [i for i in found if i >= 0]
             if hits:
                 self.stopped = True
                 return self._take(min(hits))
-        return self._take(len(self._text) - self._hold)
+        return self._take(self._end() - self._hold)
 
     def flush(self) -> str:
         """The held-back text at the end of the stream (nothing after a stop string)."""
@@ -96,11 +98,29 @@ class Detokenizer:
             return ""
         self._text += self._pending().rstrip(REPLACEMENT)
         self._read = len(self._ids)
-        return self._take(len(self._text))
+        return self._take(self._end())
+
+    def _end(self) -> int:
+        """The text's length, shown or not."""
+        return self._base + len(self._text)
+
+    def _find(self, stop: str, at: int) -> int:
+        found = self._text.find(stop, max(0, at - self._base))
+        return found + self._base if found >= 0 else -1
 
     def _take(self, end: int) -> str:
         if end <= self._emitted:
             return ""
-        piece = self._text[self._emitted : end]
+        piece = self._text[self._emitted - self._base : end - self._base]
         self._emitted = end
+        self._trim()
         return piece
+
+    def _trim(self) -> None:
+        """Drops the text no search or piece will read again (shown, and before the last
+        `_hold` characters a stop string may start in): adding a token's text then copies a
+        bounded tail, not the whole output (a 4,096-token answer's ~20,000 characters)."""
+        cut = self._emitted - self._hold - self._base
+        if cut >= TRIM_CHARS:
+            self._text = self._text[cut:]
+            self._base += cut

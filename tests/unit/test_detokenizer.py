@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from shared.engine.detokenizer import REPLACEMENT, Detokenizer, text_decoder
+from shared.engine.detokenizer import REPLACEMENT, TRIM_CHARS, Detokenizer, text_decoder
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -209,3 +209,18 @@ def test_a_moved_request_s_primed_output_is_not_searched_again(tokenizer):
     second = Detokenizer(tokenizer, ["o"], 1)
     second.prime(ids[:2])
     assert before + shown(second, ids[2:]) == "Hello, world! H" and second.stopped
+
+
+@pytest.mark.parametrize("stop", [[], ["STOP HERE"]])
+def test_a_long_answer_keeps_a_bounded_tail_and_still_finds_its_stop(tokenizer, stop):
+    """Text shown, and out of a stop string's reach, is dropped: each token's text is added to
+    a bounded tail (not to the whole answer), the pieces are the same, a late stop is found."""
+    text = " ".join(TEXTS) * 100 + " and then STOP HERE, nothing after"
+    ids = ids_of(tokenizer, text)
+    d, pieces, longest = Detokenizer(tokenizer, stop), [], 0
+    for i in ids:
+        pieces.append(d.add(i))
+        longest = max(longest, len(d._text))
+    shown = "".join(pieces) + d.flush()
+    assert len(text) > 5 * TRIM_CHARS and longest < 2 * TRIM_CHARS
+    assert shown == (text[: text.index("STOP HERE")] if stop else text) and d.stopped == bool(stop)

@@ -27,12 +27,14 @@ def generate_response(
     timing too. `first_at`: when its first token came (None: none yet); `migrations`: times it
     moved; `prompt`: the prompt's ids (its logprobs name them)."""
     response = pb.GenerateResponse(
-        request_id=request_id,
-        index=index,
-        text=chunk.text,
-        token_ids=chunk.token_ids,
-        logprobs=[token_logprob(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)],
+        request_id=request_id, index=index, text=chunk.text, token_ids=chunk.token_ids
     )
+    if not (chunk.logprobs or chunk.finish_reason or chunk.prompt_logprobs is not None):
+        return response  # most of a stream's (a field set empty costs as much as the others)
+    if chunk.logprobs:
+        response.logprobs.extend(
+            token_logprob(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)
+        )
     scores = chunk.prompt_logprobs
     if scores is not None and prompt is not None:
         response.prompt_token_ids.extend(prompt)

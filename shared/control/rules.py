@@ -244,21 +244,27 @@ def held(cls: type) -> tuple[tuple[str, type, bool], ...]:
     return tuple(found)
 
 
+@functools.cache
+def _extra_plan(cls: type) -> tuple[tuple[tuple[str, bool], ...], Callable | None]:
+    """Of `cls`: the fields holding messages that may carry a rule of their own (as a list or
+    not), and its own rule (EXTRA; None: none)."""
+    fields = tuple((name, many) for name, inner, many in held(cls) if _carries_extra(inner))
+    return fields, EXTRA.get(cls.__name__)
+
+
 def problem(message: Any, received: dict, where: str) -> str | None:
     """What breaks a rule of its own (EXTRA) in `message` or a message it holds, where; its
     fields' types and ranges are right already (wire.decode converts the payload to `ranged`
     first). `received`: what the payload carried of it (a field left out is its default)."""
-    cls = type(message)
-    if not _carries_extra(cls):
-        return None
-    for name, inner, many in held(cls):
-        if name not in received or not _carries_extra(inner):
+    fields, extra = _extra_plan(type(message))
+    for name, many in fields:
+        carried = received.get(name)
+        if carried is None:
             continue
-        value, carried = getattr(message, name), received[name]
+        value = getattr(message, name)
         for item, its in zip(value, carried) if many else ((value, carried),):
             found = None if item is None else problem(item, its, f"{where}.{name}")
             if found:
                 return found
-    extra = EXTRA.get(cls.__name__)
     found = extra(message) if extra else None
     return f"{where}: {found}" if found else None

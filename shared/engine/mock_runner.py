@@ -85,6 +85,10 @@ class MockRunner:
     def kernel_report(self) -> "MockReport":
         return MockReport(self.timing.source, self.speedup)
 
+    def copy_block(self, source: int, target: int) -> None:
+        """A fork's copy of a part-full block (its pool holds bytes as a real one would)."""
+        self.pool.copy_block(source, target)
+
     def next_token(self, previous: int, position: int) -> int:
         """The token a sequence gets at `position` after `previous`."""
         mixed = (previous * 1_000_003 + position * 7_919) % len(self.vocab)

@@ -141,3 +141,18 @@ def test_the_mock_names_its_rows_argmax_without_reading_them():
     other = torch.zeros(2, 500)
     other[0, 7], other[1, 9] = 1.0, 1.0
     assert mock.argmax(other) == [7, 9]
+
+
+def test_a_request_of_several_choices_forks_on_a_mock_worker_too():
+    """The choices share the prompt's KV; its last block, part full, is copied (copy_block)."""
+    from shared.control.messages import GenerateTask, SamplingParams
+    from shared.engine.sequence import Sequence
+
+    mock, prompt = runner(), [5] * (BLOCK + 4)
+    engine = engine_of(mock)
+    sampling = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2)
+    task = GenerateTask("g", prompt, sampling, "reply", time.time())
+    engine.add(Sequence.from_task(task, None, set(), 512))
+    run_to_end(engine)
+    choices = engine.take_forked()
+    assert [s.output_ids for s in choices] == [expected(mock, prompt, 6)] * 2

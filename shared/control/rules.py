@@ -230,18 +230,24 @@ def _carries_extra(cls: type) -> bool:
     return any(_carries_extra(inner) for _, inner, _ in held(cls))
 
 
+def _message_in(hint: Any) -> tuple[type | None, bool]:
+    """The message type a field of type `hint` holds (itself, in a list, optional: None for
+    none) and whether in a list."""
+    origin = typing.get_origin(hint)
+    if origin is list:
+        return _message_in(typing.get_args(hint)[0])[0], True
+    if origin in (typing.Union, types.UnionType):
+        found = [_message_in(a) for a in typing.get_args(hint)]
+        return next(((kind, many) for kind, many in found if kind is not None), (None, False))
+    return (hint, False) if dataclasses.is_dataclass(hint) else (None, False)
+
+
 @functools.cache
 def held(cls: type) -> tuple[tuple[str, type, bool], ...]:
     """The fields of `cls` that hold messages: (name, the message type, as a list)."""
-    hints, found = typing.get_type_hints(cls), []
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        many = typing.get_origin(hint) is list
-        kinds = typing.get_args(hint) if typing.get_origin(hint) else (hint,)
-        for kind in kinds:
-            if dataclasses.is_dataclass(kind):
-                found.append((f.name, kind, many))
-    return tuple(found)
+    hints = typing.get_type_hints(cls)
+    found = ((f.name, *_message_in(hints[f.name])) for f in dataclasses.fields(cls))
+    return tuple((name, kind, many) for name, kind, many in found if kind is not None)
 
 
 @functools.cache
@@ -262,6 +268,8 @@ def problem(message: Any, received: dict, where: str) -> str | None:
         if carried is None:
             continue
         value = getattr(message, name)
+        if value is None:
+            continue
         for item, its in zip(value, carried) if many else ((value, carried),):
             found = None if item is None else problem(item, its, f"{where}.{name}")
             if found:

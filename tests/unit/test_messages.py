@@ -21,6 +21,7 @@ from shared.control.messages import (
     Ping,
     PrefillResult,
     PrefillTask,
+    Room,
     SamplingParams,
     SchedulerHeartbeat,
     StatusReply,
@@ -438,3 +439,22 @@ def test_only_the_fields_a_payload_carries_are_range_checked_and_defaults_pass(m
     # each field's own range (not the whole's rules, EXTRA: a default max_tokens may be below
     # a sample's min_tokens)
     msgspec.convert(every_field, rules.ranged(type(message)), strict=True, builtin_types=(bytes,))
+
+
+def test_a_room_out_of_range_is_refused_in_any_list_of_a_beat():
+    """A room's own rule (its tp, how many prefill workers it names) is checked in each of the
+    heartbeat's lists of rooms, as the field ranges are."""
+    room = Room("d1", 1, 16, prefill_workers=["p1"])
+    beat = SchedulerHeartbeat("s1", paired_rooms=[room], prefill_rooms=[Room("p1", 1, 16, tp=2)])
+    assert decode(encode(beat)) == beat
+    for field_name, key, value in [
+        ("paired_rooms", "tp", 0),
+        ("prefill_rooms", "tp", 10**6),
+        ("paired_rooms", "prefill_workers", ["p"] * 65),
+        ("prefill_rooms", "seats", -1),
+        ("paired_rooms", "worker_id", "x" * 70_000),
+    ]:
+        body = msgpack.unpackb(encode(beat), raw=False)
+        body[field_name][0][key] = value
+        with pytest.raises(MessageError):
+            decode(msgpack.packb(body, use_bin_type=True))

@@ -69,9 +69,8 @@ class Sent:
 class Attempt:
     task: GenerateTask  # what is submitted; task.attempt_id is this attempt's id
     worker: str = ""  # the decode worker serving it; "" until placed
-    sent: Sent = dataclasses.field(
-        default_factory=Sent
-    )  # the output the client has received, over every attempt
+    # the output the client has received, over every attempt
+    sent: Sent = dataclasses.field(default_factory=Sent)
     expected: int = 0  # the index of the next chunk of this attempt's stream
     full_moves: int = 0  # times the request moved off a full worker, Retry.HERE (limit: FULL_MOVES)
     failed_moves: int = 0  # times it moved off a failed one, Retry.ELSEWHERE (--max-migrations)

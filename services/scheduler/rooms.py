@@ -54,7 +54,8 @@ def offer(registry: WorkerRegistry, policy: Policy, limit: int, queued: int) -> 
     if not limit or queued:
         return Offer()
     if policy.mode != Mode.DISAGGREGATED:
-        return Offer(_rooms(registry, policy), prompt_tokens=limit)
+        rooms = [room for room, _ in _decode_rooms(registry, policy)]
+        return Offer(rooms, prompt_tokens=limit)
     prefills = _prefill_rooms(registry, policy, limit)
     rooms = []
     for room, worker in _decode_rooms(registry, policy):
@@ -72,10 +73,6 @@ def _prompt_limit(policy: Policy, limit: int) -> int:
     if policy.mode == Mode.AUTO:  # longer prompts may be prefilled on a prefill worker
         return min(limit, policy.local_prefill_tokens)
     return limit
-
-
-def _rooms(registry: WorkerRegistry, policy: Policy) -> list[Room]:
-    return [room for room, _ in _decode_rooms(registry, policy)]
 
 
 def _decode_rooms(registry: WorkerRegistry, policy: Policy) -> list[tuple[Room, WorkerHeartbeat]]:

@@ -237,22 +237,32 @@ class OpenAIApi:
         stream = EventStream(headers=SSE_HEADERS | {"X-Request-Id": formatter.id})
         await stream.prepare(request)
         response, lasts, events = first, [], SseEvents(formatter)
+        # One answer's last event goes out with the stream's end, in one write: the request
+        # path ends without waiting once its last response is out (seat, metrics, no message).
+        single, end = len(req.requests) == 1 and req.request.sampling.n <= 1, b""
         try:
             while response is not None:
-                await stream.write(events.of(response))
+                if end:  # something came after it after all
+                    await stream.write(end)
+                    end = b""
+                data = events.of(response)
                 lasts += [response] if response.finish_reason else []
+                if single and response.finish_reason:
+                    end = data
+                else:
+                    await stream.write(data)
                 response = await _next(responses, context)
             if req.include_usage and lasts:
-                await stream.write(event(formatter.usage_chunk(lasts)))
-            await stream.write(b"data: [DONE]\n\n")
+                end += event(formatter.usage_chunk(lasts))
+            end += b"data: [DONE]\n\n"
         except CallAborted as err:
-            await stream.write(event(http_error(err.code, err.details, err.retry_after_ms).body))
+            end += event(http_error(err.code, err.details, err.retry_after_ms).body)
         except (ConnectionError, asyncio.CancelledError):
             raise  # the client went away: nothing more to say
         except Exception:
             log.exception("request %s failed mid-stream", formatter.id)
-            await stream.write(event(INTERNAL.body))
-        await stream.write_eof()
+            end += event(INTERNAL.body)
+        await stream.write_eof(end)
         return stream
 
 

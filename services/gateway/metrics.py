@@ -57,6 +57,15 @@ class GatewayMetrics:
         }
 
         self.token_wait = _token_wait(registry).labels(*self.ids)
+        self._series: dict[str, _Series] = {}  # by API: its children, looked up once
+
+    def series(self, api: str) -> "_Series":
+        """The API's series (a child's lookup in prometheus_client takes a lock and builds its
+        key: ~4 us each, nine a request)."""
+        found = self._series.get(api)
+        if found is None:
+            found = self._series[api] = _Series(self, (*self.ids, api))
+        return found
 
     def count_rooms(self, rooms: DirectRooms) -> None:
         """Requests this gateway placed on a worker itself, and those the worker turned away
@@ -83,30 +92,49 @@ def _token_wait(registry: CollectorRegistry) -> Histogram:
     )
 
 
+class _Series:
+    """One API's children of the gateway's metrics."""
+
+    def __init__(self, m: GatewayMetrics, labels: tuple[str, ...]):
+        self.m, self.labels = m, labels
+        self.in_flight = m.in_flight.labels(*labels)
+        latency = {name: h.labels(*labels) for name, h in m.latency.items()}
+        self.ttft, self.itl = latency["time_to_first_token"], latency["inter_token_latency"]
+        self.duration, self.queue = latency["request_duration"], latency["request_queue"]
+        tokens = {kind: c.labels(*labels) for kind, c in m.tokens.items()}
+        self.generation, self.prompt = tokens["generation"], tokens["prompt"]
+        self.cached_prompt = tokens["cached_prompt"]
+        self._ended: dict[tuple[str, str], object] = {}  # (status, path): a handful of each
+
+    def ended(self, status: str, path: str):
+        """The requests counter's child for `status` and `path`."""
+        found = self._ended.get((status, path))
+        if found is None:
+            found = self._ended[status, path] = self.m.requests.labels(*self.labels, status, path)
+        return found
+
+
 class RequestObserver:
     """One request's figures as its responses go out; `end` counts it once."""
 
     def __init__(self, metrics: GatewayMetrics, api: str):
-        self.m, self.labels = metrics, (*metrics.ids, api)
+        self.s = metrics.series(api)
         self.arrival = time.monotonic()
         self.last_token_at: dict[int, float] = {}  # of each choice
         self.last: pb.GenerateResponse | None = None  # the first choice's last response
         self.path = "none"
-        self._itl = self._generated = None  # this request's series, looked up once
-        metrics.in_flight.labels(*self.labels).inc()
+        self.s.in_flight.inc()
 
     def on_response(self, response: pb.GenerateResponse) -> None:
-        now, m, labels = time.monotonic(), self.m, self.labels
+        now, s = time.monotonic(), self.s
         if response.token_ids:
             last = self.last_token_at.get(response.index)
             if not self.last_token_at:
-                m.latency["time_to_first_token"].labels(*labels).observe(now - self.arrival)
+                s.ttft.observe(now - self.arrival)
             elif last is not None:
-                self._itl = self._itl or m.latency["inter_token_latency"].labels(*labels)
-                self._itl.observe(now - last)
+                s.itl.observe(now - last)
             self.last_token_at[response.index] = now
-            self._generated = self._generated or m.tokens["generation"].labels(*labels)
-            self._generated.inc(len(response.token_ids))
+            s.generation.inc(len(response.token_ids))
         if response.finish_reason:  # of one choice: the request's figures count once, at the end
             migrated = response.timing.migrations or self.path == "migrated"
             self.path = "migrated" if migrated else (response.timing.path or "none")
@@ -116,14 +144,14 @@ class RequestObserver:
         """`code`: the status the call was ended with (None: none); `finished`: the last
         response went out (else the client went away)."""
         status = code.name.lower() if code is not None else ("ok" if finished else "cancelled")
-        m, labels, last = self.m, self.labels, self.last
+        s, last = self.s, self.last
         if finished and last is not None:
-            m.latency["request_duration"].labels(*labels).observe(time.monotonic() - self.arrival)
-            m.latency["request_queue"].labels(*labels).observe(last.timing.queue_ms / 1000)
-            m.tokens["prompt"].labels(*labels).inc(last.usage.prompt_tokens)
-            m.tokens["cached_prompt"].labels(*labels).inc(last.timing.cached_tokens)
-        self.m.requests.labels(*self.labels, status, self.path).inc()
-        self.m.in_flight.labels(*self.labels).dec()
+            s.duration.observe(time.monotonic() - self.arrival)
+            s.queue.observe(last.timing.queue_ms / 1000)
+            s.prompt.inc(last.usage.prompt_tokens)
+            s.cached_prompt.inc(last.timing.cached_tokens)
+        s.ended(status, self.path).inc()
+        s.in_flight.dec()
 
 
 class RecordingContext:

@@ -171,7 +171,7 @@ class RequestRelay:
             placed = await self._place_directly(attempt, placement)
             if placed is not None:
                 return placed
-        with tracing.within(self.trace), tracing.tracer().start_as_current_span("gateway.submit"):
+        with tracing.child(self.trace, "gateway.submit"):
             try:
                 reply = await self._ask_scheduler(attempt)
             except NoResponders:  # no replica listens (each stood aside, or none runs)
@@ -195,7 +195,7 @@ class RequestRelay:
         assignment = DecodeAssignment(
             task=attempt.task, prefill_worker=placement.prefill, prefill_tp=placement.prefill_tp
         )
-        with tracing.within(self.trace), tracing.tracer().start_as_current_span("gateway.place"):
+        with tracing.child(self.trace, "gateway.place"):
             try:
                 ack = await self.bus.request(
                     self.subjects.decode_tasks(worker),
@@ -229,6 +229,8 @@ class RequestRelay:
             self._in_room = None
 
     def _log_placed(self, attempt: Attempt, prefill: str, decode: str) -> None:
+        if not log.isEnabledFor(logging.INFO):  # the scopes cost more than the line's check
+            return
         with request_scope(attempt.id), tracing.within(self.trace):  # the line names both
             log.info(
                 "placed: %d prompt tokens -> prefill %s, decode %s",

@@ -126,7 +126,8 @@ class TandemServicer(pb_grpc.TandemServicer):
         observer, span = self.metrics.request(api), tracing.tracer().start_span("gateway.request")
         span.set_attribute("api", api)
         context, finished = RecordingContext(context), False
-        root = trace.set_span_in_context(span)
+        traced = span.get_span_context().is_valid  # else tracing is off: nothing to pass down
+        root = trace.set_span_in_context(span) if traced else None
         try:
             async with contextlib.AsyncExitStack() as stack:
                 if seat is None:
@@ -172,7 +173,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.error}"
             )
         client = seat.client
-        with tracing.within(root), tracing.tracer().start_as_current_span("gateway.validate"):
+        with tracing.child(root, "gateway.validate"):
             valid = await self._validated(request, context, client)
             tracing.record("gateway.tokenize", tracing.current(), *valid.tokenized)
         trace.get_current_span(root).set_attribute("request_id", valid.request_id)

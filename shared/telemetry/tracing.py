@@ -53,8 +53,14 @@ def start_tracing(service: str, endpoint: str = "") -> Tracing:
     return Tracing(provider)
 
 
+_TRACER = trace.get_tracer("tandem")  # a proxy: the provider start_tracing sets, once set
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer("tandem")
+    """The services' tracer. OpenTelemetry's proxy tracer follows the provider set later (its
+    documented module-level use); asking `get_tracer` each time read the environment and made a
+    proxy per call (~5 us, five times a request on the gateway)."""
+    return _TRACER
 
 
 def current() -> Context:
@@ -75,14 +81,27 @@ def within(ctx: Context | None):
         otel_context.detach(token)
 
 
+@contextlib.contextmanager
+def child(ctx: Context | None, name: str):
+    """A span `name` under `ctx`, current within the block; none when `ctx` is None (the request
+    is not traced: tracing was off when it came)."""
+    if ctx is None:
+        yield
+        return
+    with within(ctx), _TRACER.start_as_current_span(name):
+        yield
+
+
 def record(
     name: str, parent: Context | None, start_s: float, end_s: float, **attributes
-) -> Context:
+) -> Context | None:
     """A span of work already done, [start_s, end_s] in unix seconds, under `parent`; the
     context of that span (for its own children)."""
-    span = tracer().start_span(
+    span = _TRACER.start_span(
         name, context=parent, start_time=int(start_s * 1e9), attributes=attributes or None
     )
+    if not span.is_recording():  # tracing off: nothing to end, nothing to parent
+        return parent
     span.end(end_time=int(max(end_s, start_s) * 1e9))
     return trace.set_span_in_context(span, parent)
 

@@ -38,12 +38,20 @@ def test_a_recorded_span_is_a_child_of_its_parent(monkeypatch):
     provider = TracerProvider()
     root = provider.get_tracer("t").start_span("root")
     parent = trace.set_span_in_context(root)
-    monkeypatch.setattr(trace, "get_tracer", provider.get_tracer)  # not the process's provider
+    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("t"))  # not the process's provider
     ctx = tracing.record("child", parent, 10.0, 11.5, worker="w")
     child = trace.get_current_span(ctx)
     assert child.get_span_context().trace_id == root.get_span_context().trace_id
     assert child.parent.span_id == root.get_span_context().span_id
     assert (child.start_time, child.end_time) == (10_000_000_000, 11_500_000_000)
+
+
+def test_tracing_off_records_nothing_and_keeps_the_parent():
+    """The process's tracer with no provider set: no span is made, a child hangs on the
+    parent it was given (and `child` runs its block without a span)."""
+    assert tracing.record("child", None, 10.0, 11.5) is None
+    with tracing.child(None, "nothing"):
+        assert not trace.get_current_span().get_span_context().is_valid
 
 
 def test_log_lines_of_a_request_name_it(caplog):

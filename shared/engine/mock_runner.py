@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 
 from shared.engine.forward_batch import SeqSpan
@@ -78,8 +79,9 @@ class MockRunner:
         self.rotary = _NoRotary()
         self.kernels = None  # its rows are masked with torch's ops
         self.device, self.dtype, self.model = "cpu", torch.uint8, None
-        self._logits = torch.zeros(0, vocab.stop)
-        self._picked: torch.Tensor | None = None  # where _logits holds PICKED (flat offsets)
+        self._rows = np.zeros((0, vocab.stop), dtype=np.float32)  # the logits' memory (numpy)
+        self._logits = torch.from_numpy(self._rows)  # the same memory, as the engine reads it
+        self._picked: np.ndarray | None = None  # where _logits holds PICKED (flat offsets)
         self._tokens: list[int] = []  # the token each row of the last pass picked
 
     def kernel_report(self) -> "MockReport":
@@ -124,14 +126,18 @@ class MockRunner:
 
     def _pick(self, tokens: list[int]) -> torch.Tensor:
         """Logits [len(tokens), vocab] with each row's token at PICKED, others 0 (one buffer,
-        its previous picks cleared: the engine has read them before it steps again)."""
-        if self._logits.shape[0] < len(tokens):
-            self._logits = torch.zeros(max(len(tokens), 2 * self._logits.shape[0]), self.vocab.stop)
+        its previous picks cleared: the engine has read them before it steps again). Written
+        through numpy: two of torch's indexed writes cost ~90 us a step here, numpy's ~10."""
+        rows = len(tokens)
+        if self._rows.shape[0] < rows:
+            grown = max(rows, 2 * self._rows.shape[0])
+            self._rows = np.zeros((grown, self.vocab.stop), dtype=np.float32)
+            self._logits = torch.from_numpy(self._rows)
             self._picked = None
-        flat, width = self._logits.view(-1), self._logits.shape[1]
+        flat, width = self._rows.reshape(-1), self._rows.shape[1]
         if self._picked is not None:
             flat[self._picked] = 0.0
-        self._picked = torch.tensor([row * width + t for row, t in enumerate(tokens)])
+        self._picked = np.arange(rows) * width + np.asarray(tokens, dtype=np.int64)
         flat[self._picked] = PICKED
         self._tokens = tokens
         return self._logits[: len(tokens)]

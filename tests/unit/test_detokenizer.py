@@ -3,6 +3,7 @@
 import random
 
 import pytest
+from tokenizers.decoders import DecodeStream
 
 from shared.engine.detokenizer import REPLACEMENT, TRIM_CHARS, Detokenizer, text_decoder
 
@@ -224,3 +225,80 @@ def test_a_long_answer_keeps_a_bounded_tail_and_still_finds_its_stop(tokenizer, 
     shown = "".join(pieces) + d.flush()
     assert len(text) > 5 * TRIM_CHARS and longest < 2 * TRIM_CHARS
     assert shown == (text[: text.index("STOP HERE")] if stop else text) and d.stopped == bool(stop)
+
+
+class Windowed:
+    """The tokenizer behind a stand-in: the Detokenizer decodes windows of tokens (its path
+    for tokenizers the Rust decoder cannot stand for)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids, **kw):
+        return self.tokenizer.decode(ids, **kw)
+
+
+def pieces_of(detokenizer: Detokenizer, ids: list[int]) -> list[str]:
+    pieces = []
+    for i in ids:
+        pieces.append(detokenizer.add(i))
+        if detokenizer.stopped:
+            return pieces
+    return pieces + [detokenizer.flush()]
+
+
+@pytest.mark.parametrize("stop, min_tokens", [([], 0), (["o", "本語"], 0), (["you", "🙂"], 3)])
+def test_the_rust_decoder_shows_what_the_window_shows_piece_for_piece(tokenizer, stop, min_tokens):
+    """The incremental Rust decoder (one call a token) and the window of tokens decoded twice
+    show the same pieces on the same tokens: texts, cut characters, special and random ids."""
+    rng = random.Random(11)
+    special = list(tokenizer.all_special_ids)
+    cases = [ids_of(tokenizer, text) for text in TEXTS]
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        ids += rng.sample(special, k=min(len(special), rng.randrange(0, 3)))
+        rng.shuffle(ids)
+        cases.append(ids)
+    for ids in cases:
+        direct = Detokenizer(tokenizer, stop, min_tokens)
+        assert direct._stream is not None  # the Rust decoder's path is the one tested
+        windowed = Detokenizer(Windowed(tokenizer), stop, min_tokens)
+        assert windowed._stream is None
+        assert pieces_of(direct, ids) == pieces_of(windowed, ids)
+
+
+def test_a_fork_mid_character_goes_on_as_its_twin(tokenizer):
+    """A choice forked while a character is half-decoded shows what its twin shows, and the
+    whole text."""
+    text = "héllo 日本語 🙂 more text"
+    ids = ids_of(tokenizer, text)
+    cut = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith(REPLACEMENT))
+    first = Detokenizer(tokenizer, [])
+    shown_first = "".join(first.add(i) for i in ids[:cut])
+    twin = first.fork()
+    rest = pieces_of(first, ids[cut:])
+    assert pieces_of(twin, ids[cut:]) == rest
+    assert shown_first + "".join(rest) == text
+
+
+def test_a_rust_decoder_that_gives_up_hands_over_to_the_window(tokenizer):
+    """DecodeStream raises when a text does not extend its prefix: the rest of the answer comes
+    from the window, the text whole."""
+    text = "héllo 日本語 🙂 and then some more words"
+    ids = ids_of(tokenizer, text)
+
+    class GivesUp:
+        def __init__(self, after: int):
+            self.inner, self.left = DecodeStream(skip_special_tokens=True), after
+
+        def step(self, backend, token_id):
+            self.left -= 1
+            if self.left < 0:
+                raise Exception("Invalid prefix encountered")
+            return self.inner.step(backend, token_id)
+
+    for after in range(len(ids)):
+        detokenizer = Detokenizer(tokenizer, [])
+        detokenizer._stream = GivesUp(after)
+        assert "".join(pieces_of(detokenizer, ids)) == text
+        assert detokenizer._stream is None or after >= len(ids)

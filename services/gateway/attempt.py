@@ -98,16 +98,21 @@ class Attempt:
             raise ValueError(f"{self.id} is already placed on {self.worker}")
         return dataclasses.replace(self, worker=worker)
 
-    def received(self, chunk: TokenChunk) -> "Attempt":
-        if not self.worker or chunk.index != self.expected:
-            raise ValueError(f"{self.id} expects chunk {self.expected} from {self.worker or '?'}")
-        # as dataclasses.replace, without its __init__ or copy's protocol (once per chunk: ~1 us
-        # instead of ~4)
+    def received(self, *chunks: TokenChunk) -> "Attempt":
+        """The attempt after the client got `chunks` (the next ones of its stream, in order)."""
+        expected, ids = self.expected, []
+        for chunk in chunks:
+            if not self.worker or chunk.index != expected:
+                raise ValueError(f"{self.id} expects chunk {expected} from {self.worker or '?'}")
+            expected += 1
+            ids += chunk.token_ids
+        # as dataclasses.replace, without its __init__ or copy's protocol (once per answer:
+        # ~1 us instead of ~4)
         after = object.__new__(Attempt)
         state = after.__dict__
         state.update(self.__dict__)
-        state["sent"] = self.sent.plus(chunk.token_ids)
-        state["expected"] = self.expected + 1
+        state["sent"] = self.sent.plus(ids)
+        state["expected"] = expected
         return after
 
     def resubmitted(self) -> "Attempt":

@@ -67,19 +67,27 @@ class ChunkWaiter:
                 await self._ask_again(attempt)
         return chunk
 
-    def ready(self, attempt: Attempt, takes: Callable[[TokenChunk], bool]) -> TokenChunk | None:
-        """The chunk expected, taken if it is here already and `takes` wants it; else None (it
-        is left for next)."""
-        chunk = self.early.get(attempt.expected)
-        if chunk is not None:
-            return self.early.pop(attempt.expected) if takes(chunk) else None
-        while (chunk := self.streams.peek(attempt.id)) is not None:
-            if chunk.index >= attempt.expected:
-                break
-            self.streams.take(attempt.id)  # had already
-        if chunk is None or chunk.index != attempt.expected or not takes(chunk):
-            return None
-        return self.streams.take(attempt.id)
+    def ready(self, attempt: Attempt, takes: Callable[[TokenChunk], bool]) -> list[TokenChunk]:
+        """The chunks from the one expected on that are here already, in order, each taken
+        while `takes` wants it (the rest is left for next)."""
+        run, expected, attempt_id = [], attempt.expected, attempt.id
+        while True:
+            chunk = self.early.get(expected)
+            if chunk is not None:
+                if not takes(chunk):
+                    break
+                del self.early[expected]
+            else:
+                while (chunk := self.streams.peek(attempt_id)) is not None:
+                    if chunk.index >= expected:
+                        break
+                    self.streams.take(attempt_id)  # had already
+                if chunk is None or chunk.index != expected or not takes(chunk):
+                    break
+                self.streams.take(attempt_id)
+            run.append(chunk)
+            expected += 1
+        return run
 
     async def _check_silence(self, attempt: Attempt, idle_since: float, reconnects: int) -> None:
         """Raises WorkerLost, or ends the call, when a silent stream is not worth waiting for; asks

@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 
 import grpc
 from opentelemetry.context import Context
@@ -23,7 +22,7 @@ from opentelemetry.context import Context
 from services.gateway.attempt import Attempt
 from services.gateway.chunk_waiter import ChunkWaiter
 from services.gateway.direct_rooms import Placement
-from services.gateway.joined_chunks import joinable, joined
+from services.gateway.joined_chunks import Run, joined
 from services.gateway.migration import FULL_MOVES, WorkerLost
 from services.gateway.schedulers import SchedulerPool
 from services.gateway.settings import GatewaySettings
@@ -121,9 +120,10 @@ class RequestRelay:
                     attempt = await self._move(attempt, lost.failure)
                     continue
                 attempt, ended = attempt.received(chunk), bool(chunk.finish_reason)
-                while not ended and (more := self.waiter.ready(attempt, partial(joinable, chunk))):
-                    attempt, ended = attempt.received(more), bool(more.finish_reason)
-                    chunk = joined(chunk, more)  # those already here go as one answer
+                more = [] if ended else self.waiter.ready(attempt, Run(chunk).takes)
+                if more:  # those already here go as one answer
+                    attempt, ended = attempt.received(*more), bool(more[-1].finish_reason)
+                    chunk = joined(chunk, *more)
                 yield attempt, chunk
         finally:
             self.streams.close(attempt.id)

@@ -8,7 +8,7 @@ import time
 
 from services.gateway.attempt import Attempt
 from services.gateway.chunk_waiter import ChunkWaiter
-from services.gateway.joined_chunks import MAX_JOINED_TOKENS, joinable, joined
+from services.gateway.joined_chunks import MAX_JOINED_TOKENS, Run, joinable, joined
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.relay import RequestRelay
 from services.gateway.settings import GatewaySettings
@@ -53,23 +53,62 @@ async def _waiter(bus, router) -> ChunkWaiter:
     return ChunkWaiter(settings, bus, router, liveness, context=None)
 
 
-async def test_ready_takes_the_expected_chunk_only_when_it_is_already_here():
+async def test_ready_takes_the_chunks_from_the_expected_one_only_when_they_are_already_here():
     bus = InMemoryBus()
     async with StreamRouter(bus, SUBJECT) as router:
         router.open("a")
         waiter = await _waiter(bus, router)
         attempt = Attempt(_task(), worker="d1", expected=1)
         takes_all = lambda _: True  # noqa: E731
-        assert waiter.ready(attempt, takes_all) is None  # nothing here: nothing waited for
+        assert waiter.ready(attempt, takes_all) == []  # nothing here: nothing waited for
         for c in (chunk(0, [9]), chunk(1, [1]), chunk(3, [3])):  # a duplicate, the one, a gap
             await bus.publish(SUBJECT, c)
-        assert waiter.ready(attempt, takes_all).token_ids == [1]
+        assert [c.token_ids for c in waiter.ready(attempt, takes_all)] == [[1]]
         attempt = Attempt(_task(), worker="d1", expected=2)
-        assert waiter.ready(attempt, takes_all) is None  # chunk 2 is missing: 3 is left
+        assert waiter.ready(attempt, takes_all) == []  # chunk 2 is missing: 3 is left
         assert (await router.next("a", 1)).index == 3
         await bus.publish(SUBJECT, chunk(2, [2]))
-        assert waiter.ready(attempt, lambda _: False) is None  # not wanted: left for next()
+        assert waiter.ready(attempt, lambda _: False) == []  # not wanted: left for next()
         assert (await router.next("a", 1)).index == 2
+
+
+async def test_ready_takes_a_run_in_order_and_stops_where_the_run_does():
+    """Chunks that came out of order (held early) and in order join one run; the run stops at
+    a gap, at a chunk it may not take (then left for next), and after the stream's end."""
+    bus = InMemoryBus()
+    async with StreamRouter(bus, SUBJECT) as router:
+        router.open("a")
+        waiter = await _waiter(bus, router)
+        waiter.early[2] = chunk(2, [2])  # came before 1 (asked for again meanwhile)
+        for c in (chunk(1, [1]), chunk(3, [3])):
+            await bus.publish(SUBJECT, c)
+        attempt = Attempt(_task(), worker="d1", expected=1)
+        first = chunk(0, [0])
+        run = waiter.ready(attempt, Run(first).takes)
+        assert [c.index for c in run] == [1, 2, 3]
+        both = joined(first, *run)
+        assert both.token_ids == [0, 1, 2, 3] and both.text == "<0><1><2><3>" and both.index == 3
+        attempt = attempt.received(*run)
+        assert attempt.expected == 4 and list(attempt.sent) == [1, 2, 3]
+        await bus.publish(SUBJECT, chunk(4, [4], logprobs=[LP]))  # logprobs: not with the run
+        assert waiter.ready(attempt, Run(first).takes) == []
+        assert (await router.next("a", 1)).index == 4
+        attempt = Attempt(_task(), worker="d1", expected=5)
+        for c in (chunk(5, [5]), chunk(6, [6]), chunk(8, [8])):
+            await bus.publish(SUBJECT, c)
+        ended = waiter.ready(attempt, Run(chunk(4, [4], finish_reason="stop")).takes)
+        assert ended == []  # nothing joins a stream that ended
+        taken = waiter.ready(attempt, Run(chunk(4, [4])).takes)
+        assert [c.index for c in taken] == [5, 6]  # 7 is missing: 8 waits for it
+
+
+def test_a_run_counts_its_tokens_and_ends_with_the_stream():
+    run = Run(chunk(0, [1] * (MAX_JOINED_TOKENS - 2)))
+    assert run.takes(chunk(1, [2])) and run.takes(chunk(2, [3]))
+    assert not run.takes(chunk(3, [4]))  # one more passes the cap
+    run = Run(chunk(0, [1]))
+    assert run.takes(chunk(1, [2], finish_reason="length"))
+    assert not run.takes(chunk(2, [3]))  # nothing after the end
 
 
 @contextlib.asynccontextmanager

@@ -115,25 +115,58 @@ def _to_plain(value: Any) -> Any:
     if kind in _SCALARS:
         return value
     if kind is list:  # a message's lists hold one type: scalars go as they are
-        return value if not value or type(value[0]) in _SCALARS else [_to_plain(v) for v in value]
-    if isinstance(value, enum.Enum):
-        return value.value
-    if not dataclasses.is_dataclass(value):
-        return value
-    body = {}
-    for name, how, default in _layout(kind):
-        field_value = getattr(value, name)
-        if field_value == default and type(field_value) is type(default):
-            continue  # left out: the receiver's default is the same (most of a chunk's fields)
-        if how == "plain":
-            body[name] = field_value
-        elif how == "nested":
-            body[name] = _to_plain(field_value)
-        elif how == "packed":
-            body[name] = _pack(field_value)
-        else:  # a deadline: the time left (0: none)
-            body[name] = _time_left(field_value) if field_value else field_value
-    return body
+        if not value or type(value[0]) in _SCALARS:
+            return value
+        first, convert = type(value[0]), _converter(type(value[0]))
+        return [convert(v) if type(v) is first else _to_plain(v) for v in value]
+    return _converter(kind)(value)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _enum_value(value: enum.Enum) -> Any:
+    return value.value
+
+
+@functools.cache
+def _converter(kind: type) -> typing.Callable[[Any], Any]:
+    """How a value of a type that is neither a scalar nor a list travels (looked up once)."""
+    if issubclass(kind, enum.Enum):
+        return _enum_value
+    if dataclasses.is_dataclass(kind):
+        return _body_of(kind)
+    return _same
+
+
+_TRAVELLING = {  # how a field's value travels, as an expression of it (v)
+    "plain": "v",
+    "nested": "_to_plain(v)",
+    "packed": "_pack(v)",
+    "deadline": "_time_left(v) if v else v",  # the time left (0: none)
+}
+
+
+@functools.cache
+def _body_of(cls: type) -> typing.Callable[[Any], dict]:
+    """The function that makes a message of `cls` a plain map: each field as _TRAVELLING says,
+    left out where it equals its default (the receiver's dataclass gives it back: most of a
+    chunk's fields). Written once per type from its layout, as dataclasses writes __init__ (a
+    loop over the layout cost ~1.35 us a token chunk, this ~0.45)."""
+    lines, env = ["def body_of(value):", "    body = {}"], {}
+    env.update(_to_plain=_to_plain, _pack=_pack, _time_left=_time_left)
+    for i, (name, how, default) in enumerate(_layout(cls)):
+        if not name.isidentifier():
+            raise TypeError(f"{cls.__name__}.{name} is not a field name")
+        env[f"d{i}"], env[f"t{i}"] = default, type(default)
+        lines += [
+            f"    v = value.{name}",
+            f"    if not (v == d{i} and type(v) is t{i}):",
+            f"        body[{name!r}] = {_TRAVELLING[how]}",
+        ]
+    exec("\n".join(lines + ["    return body"]), env)  # noqa: S102 (our own fields' names)
+    return env["body_of"]
 
 
 def encode(message: Any) -> bytes:

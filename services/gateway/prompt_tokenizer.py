@@ -8,6 +8,7 @@ template writes is Hugging Face's. Anything else (a slow tokenizer, an overridde
 backend set to truncate, pad or split special tokens) takes Hugging Face's own path.
 """
 
+from services.gateway.piece_encoder import PieceEncoder
 from services.gateway.tool_format import ToolFormat
 
 _HF_FAST = "transformers.tokenization_utils_tokenizers"
@@ -20,6 +21,8 @@ class PromptTokenizer:
     def __init__(self, tokenizer, tool_parser: str = "auto"):
         self.tokenizer = tokenizer
         self._backend = _plain_backend(tokenizer)
+        # a text without special tokens added: piece by piece, the pieces remembered
+        self._pieces = PieceEncoder.of(self._backend) if self._backend is not None else None
         template = getattr(tokenizer, "chat_template", None)  # None: the tokenizer has none
         self.tool_format = ToolFormat.of(template, tool_parser)
 
@@ -36,6 +39,8 @@ class PromptTokenizer:
 
     def text_ids(self, text: str, special_tokens: bool) -> list[int]:
         """tokenizer(text, add_special_tokens=special_tokens)["input_ids"]."""
+        if self._pieces is not None and not special_tokens:
+            return self._pieces.encode(text)
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=special_tokens).ids
         return list(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
@@ -48,6 +53,8 @@ class PromptTokenizer:
             ids = render(chat, tools=tools, add_generation_prompt=True)
             return list(ids if isinstance(ids, list) else ids["input_ids"])  # or a BatchEncoding
         text = render(chat, tools=tools, add_generation_prompt=True, tokenize=False)
+        if self._pieces is not None:
+            return self._pieces.encode(text)
         return self._backend.encode(text, add_special_tokens=False).ids
 
 

@@ -17,7 +17,14 @@ from shared.api import tandem_pb2 as pb
 
 
 def json_bytes(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact JSON in UTF-8. By orjson (~1 us for a chunk's dict; json.dumps ~5): the same
+    JSON, floats written shortest (1e-5 where json writes 1e-05); what orjson does not take (an
+    int past 64 bits, a key not a string) by json. The floats here are finite: the wire refuses
+    others, and the API's own are checked."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def event(obj) -> bytes:

@@ -172,6 +172,10 @@ class Scheduler:
     def _decodable(self) -> list[Sequence]:
         """Running sequences with a block for their next token; preempts the newest when the
         pool is dry."""
+        if self._all_decodable():
+            for seq in self.running:
+                self.blocks.may_append(seq)
+            return list(self.running)
         ready = []
         for seq in list(self.running):
             if seq in self.running and self.recomputes_at(seq.num_tokens):
@@ -186,6 +190,18 @@ class Scheduler:
             self.blocks.may_append(seq)
             ready.append(seq)
         return ready
+
+    def _all_decodable(self) -> bool:
+        """The common step, told in one pass: no running sequence reaches a length it is
+        computed again at, and the pool has a block for each that needs a new one. Then every
+        one runs, in order, as the loop below would find one by one (~1 us a sequence less)."""
+        blocks, needed = self.blocks, 0
+        for seq in self.running:
+            tokens = seq.num_tokens
+            if self.recomputes_at(tokens):
+                return False
+            needed += blocks.blocks_for(tokens) - len(seq.block_table)
+        return needed <= blocks.free
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -182,10 +182,13 @@ class TokenStreams:
 def _size(chunk: TokenChunk) -> int:
     """An upper bound of a chunk's encoded size: its field names and Timing (512), text in UTF-8,
     each logprob's map with its top-k (ids and float64s), its prompt's logprobs' columns."""
+    plain = 512 + 4 * len(chunk.text) + 9 * len(chunk.token_ids)
+    if not chunk.logprobs and chunk.prompt_logprobs is None:
+        return plain  # most chunks: no generator made to sum nothing
     per_logprob = sum(64 + 14 * len(lp.top_ids) for lp in chunk.logprobs)
     prompt = chunk.prompt_logprobs
     of_prompt = 64 + 9 * len(prompt) + 14 * len(prompt.top_ids) if prompt else 0
-    return 512 + 4 * len(chunk.text) + 9 * len(chunk.token_ids) + per_logprob + of_prompt
+    return plain + per_logprob + of_prompt
 
 
 def _parts(pairs: list) -> list[list]:

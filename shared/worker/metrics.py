@@ -4,10 +4,11 @@ blocks and its data plane's counters."""
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import Metric
 
 from shared.control.messages import WorkerHeartbeat
+from shared.telemetry.histogram import Histogram  # observed every step: the cheap one
 from shared.telemetry.metrics import (
     BATCH_BUCKETS,
     ID_LABELS,
@@ -62,13 +63,16 @@ class WorkerMetrics:
 
         for direction in ("in", "out"):  # series that read 0, not absent, before the first
             self.migrations.labels(role, worker_id, direction)
-        for kind in ("prefill", "decode", "mixed"):
-            self.step_seconds.labels(role, worker_id, kind)
+        self._steps = {  # each kind's series, looked up once (read 0 before the first)
+            kind: self.step_seconds.labels(role, worker_id, kind)
+            for kind in ("prefill", "decode", "mixed")
+        }
+        self._batch = self.batch_sequences.labels(role, worker_id)
 
     def on_step(self, kind: str, seconds: float, sequences: int) -> None:
-        role, worker = self.ids.values()
-        self.step_seconds.labels(role, worker, kind).observe(seconds)
-        self.batch_sequences.labels(role, worker).observe(sequences)
+        """A step's figures (from the engine thread, the one thread that steps)."""
+        self._steps[kind].observe(seconds)
+        self._batch.observe(sequences)
 
     def on_transfer(self, transfer_ms: float, exposed_ms: float) -> None:
         role, worker = self.ids.values()

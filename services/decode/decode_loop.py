@@ -13,6 +13,7 @@ A request that finished in step N is reaped at the next turn, after its last chu
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from services.decode.request import DecodeRequest
@@ -140,11 +141,14 @@ class DecodeLoop:
     async def _reap(self, keep: frozenset | set = frozenset()) -> None:
         """Ends the requests that ended (frees their blocks, tells the gateway), but those in
         `keep` (id()s: their last chunk has yet to go out). Only while no step runs."""
+        now = time.time()  # one clock read a turn, not one a request
         for req in list(self.requests.values()):
+            seq = req.seq
+            if not seq.status.finished and not seq.expired_at(now):
+                continue  # most of them, every turn: running on
             if not req.may_free or id(req) in keep:
                 continue  # its transfer ends itself first (see KVFetcher.fetch)
-            seq = req.seq
-            if not seq.status.finished and seq.expired:
+            if not seq.status.finished:
                 req.fail(failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed"))
             if req.ended:
                 del self.requests[req.attempt_id]

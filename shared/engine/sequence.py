@@ -188,7 +188,11 @@ class Sequence:
 
     @property
     def expired(self) -> bool:
-        return bool(self.deadline) and time.time() > self.deadline
+        return self.expired_at(time.time())
+
+    def expired_at(self, now: float) -> bool:
+        """Past its deadline at `now` (unix time); never without one."""
+        return bool(self.deadline) and now > self.deadline
 
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> StepOutput:
         """Records a sampled token; finishes the sequence when it is done."""

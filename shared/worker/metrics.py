@@ -19,6 +19,10 @@ from shared.telemetry.metrics import (
 )
 
 
+def _latency(registry: CollectorRegistry, name: str, doc: str, labels: list[str]) -> Histogram:
+    return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=registry)
+
+
 class WorkerMetrics:
     """Kept whether or not they are served (a few counters: no cost worth a switch)."""
 
@@ -26,12 +30,11 @@ class WorkerMetrics:
         self.registry = registry = CollectorRegistry()
         self.ids = {"role": role, "worker": worker_id}
         ids = list(ID_LABELS)
-        self.step_seconds = Histogram(
+        self.step_seconds = _latency(
+            registry,
             "tandem_engine_step_seconds",
             "Wall time of one engine step, by what it ran: prefill, decode or mixed rows",
             ids + ["kind"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
         )
         self.batch_sequences = Histogram(
             "tandem_engine_batch_sequences",
@@ -40,19 +43,17 @@ class WorkerMetrics:
             buckets=BATCH_BUCKETS,
             registry=registry,
         )
-        self.kv_transfer_seconds = Histogram(
+        self.kv_transfer_seconds = _latency(
+            registry,
             "tandem_kv_transfer_seconds",
             "A prompt's KV transfer, first piece landed to last (decode side)",
             ids,
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.kv_exposed_seconds = Histogram(
+        self.kv_exposed_seconds = _latency(
+            registry,
             "tandem_kv_transfer_exposed_seconds",
             "The part of a KV transfer after its prefill finished: what it adds to TTFT",
             ids,
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
         )
         self.migrations = Counter(
             "tandem_migrations",

@@ -36,11 +36,6 @@ class Run:
         return True
 
 
-def joinable(first: TokenChunk, later: TokenChunk) -> bool:
-    """`later` may join `first` (a run of two)."""
-    return Run(first).takes(later)
-
-
 def _logprobs_aligned(chunk: TokenChunk) -> bool | None:
     """True: a logprob per token; False: none; None: neither (not joined)."""
     if not chunk.logprobs:

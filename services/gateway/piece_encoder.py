@@ -33,13 +33,13 @@ class PieceEncoder:
     @classmethod
     def of(cls, backend) -> "PieceEncoder | None":
         """One for the Rust tokenizer `backend` where its pieces are encoded on their own."""
-        tokens = backend.get_added_tokens_decoder().values()
+        tokens = backend.get_added_tokens_decoder()  # id -> AddedToken
         alone = backend.normalizer is None and not any(
-            t.lstrip or t.rstrip or t.single_word for t in tokens
+            t.lstrip or t.rstrip or t.single_word for t in tokens.values()
         )
         if not alone or not tokens:
             return None
-        return cls(backend, {t.content: backend.token_to_id(t.content) for t in tokens})
+        return cls(backend, {t.content: token_id for token_id, t in tokens.items()})
 
     def encode(self, text: str) -> list[int]:
         """backend.encode(text, add_special_tokens=False).ids"""

@@ -8,7 +8,7 @@ import time
 
 from services.gateway.attempt import Attempt
 from services.gateway.chunk_waiter import ChunkWaiter
-from services.gateway.joined_chunks import MAX_JOINED_TOKENS, Run, joinable, joined
+from services.gateway.joined_chunks import MAX_JOINED_TOKENS, Run, joined
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.relay import RequestRelay
 from services.gateway.settings import GatewaySettings
@@ -21,6 +21,11 @@ from tests.fakes.bus import InMemoryBus
 
 SUBJECT = "gw.tokens"
 LP = TokenLogprob(-0.5)
+
+
+def joinable(first: TokenChunk, later: TokenChunk) -> bool:
+    """A run of two."""
+    return Run(first).takes(later)
 
 
 def chunk(index: int, tokens: list[int], **fields) -> TokenChunk:

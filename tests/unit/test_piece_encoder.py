@@ -45,10 +45,12 @@ def test_random_texts_of_vocabulary_and_added_tokens(tokenizer):
 
 def test_the_pieces_remembered_are_bounded_and_never_handed_out(tokenizer, monkeypatch):
     monkeypatch.setattr(piece_encoder, "MAX_PIECES", 4)
-    pieces = PieceEncoder.of(tokenizer._tokenizer)
-    first = pieces.encode("a piece<|im_end|>")
+    backend = tokenizer._tokenizer
+    pieces = PieceEncoder.of(backend)
+    whole = backend.encode("a piece", add_special_tokens=False).ids
+    first = pieces.encode("a piece")
     first.append(-1)  # the caller's list: the piece remembered is not changed
-    assert pieces.encode("a piece<|im_end|>")[-2:] != [-1] and -1 not in pieces.encode("a piece")
+    assert pieces.encode("a piece") == whole
     for i in range(10):
         pieces.encode(f"piece {i}")
     assert len(pieces._known) == 4

@@ -1,13 +1,14 @@
 """DecodeLoop: the decode worker's loop — drain inputs -> schedule -> run -> publish.
 
-The Engine does the batching; this loop feeds it from the event loop, runs its step in the
-engine thread, publishes what each step produced, and ends requests that finished, failed,
-were cancelled or ran past their deadline. Message handlers only record events and wake the loop.
+The Engine does the batching; its steps run one after another in the engine thread (Stepper),
+while this loop publishes what each step produced and ends requests that finished, failed, were
+cancelled or ran past their deadline. Message handlers only record events and wake the loop.
 
-Steps are pipelined: once step N is back, the requests it did not touch are reaped (their blocks
-freed: no step runs then), step N+1 starts in the engine thread, and step N's tokens are
-published while it runs. Every stream of a step goes out together, one hand-off per step.
-A request that finished in step N is reaped at the next turn, after its last chunk went out.
+Each turn takes every step that ended since the last (one, or several when the loop fell
+behind: a stream's tokens of those steps go out as one chunk), reaps the requests they did not
+touch (their blocks are freed when the step running ends), starts a run when none runs and
+there is work, and publishes. Every stream of a step goes out together, one hand-off per step.
+A request that finished is reaped at the next turn, after its last chunk went out.
 """
 
 import asyncio
@@ -17,12 +18,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 from services.decode.request import DecodeRequest
+from services.decode.stepper import RunEnd, Stepper
 from shared.control.failure import Code, Failure, failed
-from shared.engine.engine import Engine
 from shared.engine.seq_status import SeqStatus
 from shared.engine.sequence import Sequence, StepOutput
 from shared.engine.step_runner import RunnerLost
-from shared.job_thread import JobThread
 from shared.worker import steps
 
 log = logging.getLogger(__name__)
@@ -37,22 +37,16 @@ QUEUED = (SeqStatus.WAITING_KV, SeqStatus.WAITING, SeqStatus.PREEMPTED)  # and a
 
 
 class DecodeLoop:
-    def __init__(
-        self,
-        engine: Engine,
-        executor: JobThread,
-        publish: Publish,
-        finish: Finish,
-        adopt: Adopt,
-    ):
-        self.engine = engine
-        self.executor = executor
+    def __init__(self, stepper: Stepper, publish: Publish, finish: Finish, adopt: Adopt):
+        self.stepper = stepper  # runs the engine's steps in the engine thread
+        self.engine = stepper.engine
+        self.executor = stepper.executor
         self.publish = publish
         self.finish = finish
         self.adopt = adopt  # a choice the engine forked becomes a request of its own
         self.requests: dict[str, DecodeRequest] = {}  # every request this worker holds, by id
         self.wakeup = asyncio.Event()
-        self.running: asyncio.Future | None = None  # the step in the engine thread, if any
+        stepper.wake = self.wakeup.set
 
     def add(self, req: DecodeRequest, local_prefill: bool) -> None:
         self.requests[req.attempt_id] = req
@@ -79,53 +73,61 @@ class DecodeLoop:
         await self._reap()
 
     async def _settle(self) -> None:
-        """No step runs after this: the one started last (if any) is over, its tokens sent, and
+        """No step runs after this: the run (if any) is over, the tokens of its steps sent, and
         the engine thread idle (a cancelled wait for a step leaves the step running there)."""
-        if self.running is not None:
-            outputs = None
-            with contextlib.suppress(RunnerLost):  # the worker goes anyway
-                outputs = await self._stepped()
-            produced = self._produced(outputs) if outputs else []
-            if produced:
-                await self.publish(produced)
+        await self.stepper.pause()
+        with contextlib.suppress(RunnerLost):  # the worker goes anyway
+            self.stepper.ended()
+        produced = []
+        with contextlib.suppress(RunnerLost):
+            produced = self._produced(self.stepper.take())
+        if produced:
+            await self.publish(produced)
         await self.executor.run(_nothing)
 
     async def _iterate(self) -> bool:
-        """Takes the step started last turn (if any), reaps, starts the next one and publishes
-        this one's tokens while it runs; False when nothing could run (then wait for news)."""
-        stepped = self.running is not None
-        outputs = await self._stepped() if stepped else None
-        produced = self._produced(outputs) if outputs else []
+        """Takes the steps that ended (if any), reaps, starts a run when none runs and publishes
+        the steps' tokens meanwhile; False when nothing came (then wait for news: a step's end
+        wakes it too)."""
+        ended = self.stepper.ended()
+        taken = self.stepper.take()
+        produced = self._produced(taken)
         # a request whose last chunk is in `produced` is reaped next turn, once it went out
-        await self._reap(keep={id(req) for req, _ in produced})
-        if (outputs is not None or not stepped) and self.engine.has_work():
-            self.running = self._start_step()
+        freed = await self._reap(keep={id(req) for req, _ in produced})
+        # a run that found nothing to run starts again only on news (freed blocks are news)
+        news = ended is not RunEnd.STARVED or freed
+        if self.stepper.run is None and news and self.engine.has_work():
+            self.stepper.start()
         if produced:
             await self.publish(produced)
-        return outputs is not None or self.running is not None
+        return bool(taken)
 
-    def _start_step(self) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.executor.submit(loop, future, self.engine.step)
-        return future
+    def _produced(self, taken: list) -> list[tuple[DecodeRequest, StepOutput]]:
+        """Each request's output of the steps taken, one per request (several steps' joined),
+        in the order they first came. A failed step fails the requests it may have held."""
+        produced: dict[int, tuple[DecodeRequest, StepOutput]] = {}
+        for outputs in taken:
+            if isinstance(outputs, BaseException):
+                self._failed(outputs)
+                continue
+            for req, out in self._of_step(outputs):
+                held = produced.get(id(req))
+                produced[id(req)] = (req, out if held is None else _joined(held[1], out))
+        return list(produced.values())
 
-    async def _stepped(self):
-        """The output of the step that was running; None when nothing could be scheduled; none
-        ([]) when it failed (its requests fail: the gateway moves them)."""
-        running, self.running = self.running, None
-        try:
-            return await running
-        except RunnerLost:
-            raise  # the worker goes; its requests are placed elsewhere (shared.worker.serve)
-        except Exception as err:
-            log.exception("engine step failed")
-            for req in self.requests.values():
-                if req.seq.status in STEPPED:
-                    req.fail(failed(Code.INTERNAL, f"model step failed: {type(err).__name__}"))
-            return []
+    def _failed(self, err: BaseException) -> None:
+        """A step raised: RunnerLost goes on (the worker goes; its requests are placed elsewhere,
+        shared.worker.serve); else its requests fail (the gateway moves them)."""
+        if isinstance(err, RunnerLost):
+            raise err
+        log.error("engine step failed", exc_info=err)
+        for req in self.requests.values():
+            if req.seq.status in STEPPED:
+                req.fail(failed(Code.INTERNAL, f"model step failed: {type(err).__name__}"))
+            elif req.seq.status.finished:  # it ended in that step: its last output is lost
+                req.last_taken = True
 
-    def _produced(self, outputs) -> list[tuple[DecodeRequest, StepOutput]]:
+    def _of_step(self, outputs) -> list[tuple[DecodeRequest, StepOutput]]:
         """Each output with its request: each group's other choices first (they go as the group
         went), then its own sequence, choice 0 now (re-keyed; a cancel of that choice alone
         applies to it alone)."""
@@ -136,12 +138,15 @@ class DecodeLoop:
             req = self.requests.get(seq.attempt_id)
             if req is not None and not req.aborted:
                 produced.append((req, out))
+                req.last_taken = out.finished is not None
         return produced
 
-    async def _reap(self, keep: frozenset | set = frozenset()) -> None:
+    async def _reap(self, keep: frozenset | set = frozenset()) -> int:
         """Ends the requests that ended (frees their blocks, tells the gateway), but those in
-        `keep` (id()s: their last chunk has yet to go out). Only while no step runs."""
-        now = time.time()  # one clock read a turn, not one a request
+        `keep` (id()s: their last chunk has yet to go out) and those whose last output is still
+        to come from the engine (DecodeRequest.reapable). A step may run meanwhile: the blocks
+        of a sequence it runs are freed when it ends (Engine.release). How many it ended."""
+        now, reaped = time.time(), 0  # one clock read a turn, not one a request
         for req in list(self.requests.values()):
             seq = req.seq
             if not seq.status.finished and not seq.expired_at(now):
@@ -150,10 +155,23 @@ class DecodeLoop:
                 continue  # its transfer ends itself first (see KVFetcher.fetch)
             if not seq.status.finished:
                 req.fail(failed(Code.DEADLINE_EXCEEDED, "the request's deadline passed"))
-            if req.ended:
+            if req.reapable:
                 del self.requests[req.attempt_id]
                 self.engine.release(seq)
                 await self.finish(req)
+                reaped += 1
+        return reaped
+
+
+def _joined(first: StepOutput, then: StepOutput) -> StepOutput:
+    """One stream's output of two steps in a row, as one."""
+    return StepOutput(
+        first.token_ids + then.token_ids,
+        first.text + then.text,
+        then.finished,
+        first.logprobs + then.logprobs,
+        first.prompt_logprobs or then.prompt_logprobs,
+    )
 
 
 def _nothing() -> None:

@@ -28,6 +28,9 @@ class DecodeRequest:
         self.held = 0  # chunks in a row NATS could not take (see DecodeWorker._send)
         self.trace = tracing.current()  # its decode.admit span's context
         self.first_token_at = 0.0  # unix time its first token went out
+        # the loop took its last output from the engine (a step sets a sequence's end before
+        # the loop has the output that says so: until then it is not reaped)
+        self.last_taken = False
 
     @property
     def attempt_id(self) -> str:
@@ -37,6 +40,12 @@ class DecodeRequest:
     def ended(self) -> bool:
         """Finished or aborted: the loop takes it out and tells the gateway."""
         return self.seq.status.finished
+
+    @property
+    def reapable(self) -> bool:
+        """Ended, and nothing more of it will come from the engine: aborted, or its last output
+        taken."""
+        return self.seq.status.finished and (self.last_taken or self.aborted)
 
     @property
     def aborted(self) -> bool:

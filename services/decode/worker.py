@@ -8,6 +8,7 @@ import logging
 
 from services.decode.decode_loop import QUEUED, RUNS, DecodeLoop
 from services.decode.request import DecodeRequest
+from services.decode.stepper import Stepper
 from services.decode.token_streams import TokenStreams
 from shared.control.bus import MessageBus
 from shared.control.choices import choice_task
@@ -58,9 +59,8 @@ class DecodeWorker:
             lambda: self.loop.wakeup.set(),
             runtime.metrics,
         )
-        self.loop = DecodeLoop(
-            runtime.engine, self.executor, self.out.publish_step, self._finish, self._adopt
-        )
+        stepper = Stepper(runtime.engine, self.executor, settings.steps_ahead)
+        self.loop = DecodeLoop(stepper, self.out.publish_step, self._finish, self._adopt)
         self.kv = self._fetcher()
         self.fetches: dict[str, asyncio.Task] = {}  # attempt id -> its remote-prefill task
         # A cancel can overtake its assignment (the gateway gave up while the scheduler placed it).
@@ -110,7 +110,8 @@ class DecodeWorker:
     def _held_tables(self) -> list[list[int]]:
         held = [r.seq.block_table for r in self.loop.requests.values()]
         forked = [seq.block_table for seq in self.rt.engine.forked]  # not adopted yet
-        return held + forked + [q.blocks for q in self.kv.quarantined]
+        releasing = [seq.block_table for seq in self.rt.engine.releasing]  # freed after a step
+        return held + forked + releasing + [q.blocks for q in self.kv.quarantined]
 
     async def serve(self, stop: asyncio.Event) -> None:
         worker = self.rt.worker_id
@@ -143,6 +144,7 @@ class DecodeWorker:
         await self.loop.abort_all(self._shut_down())  # the gateway moves them elsewhere
 
     def _cancel_tasks(self) -> None:
+        self.loop.stepper.halt()  # no step after the one running: the engine thread is closed
         for task in [*self.fetches.values(), *self.kv.drains]:
             task.cancel()
 

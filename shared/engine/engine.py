@@ -6,9 +6,10 @@ batch; the Engine shapes the rows' logits (shaping.py: penalties, bias, min_toke
 row's next token, forks the choices of a request of n > 1 at its
 first token (fork), and lands prompts computed on another worker once their KV is in their blocks.
 
-`step()` runs in the engine thread; `admit`, `add`, `kv_arrived` and `abort` may come from the
-event loop meanwhile (bookkeeping behind one lock, the forward pass outside it); `release` only
-between steps (a sequence in the running step's batch is being written). New sequences wait in an
+`step()` runs in the engine thread; `admit`, `add`, `kv_arrived`, `abort` and `release` may come
+from the event loop meanwhile (bookkeeping behind one lock, the forward pass outside it). Blocks
+released while a step runs are freed when it ends: the step may still be writing them, and none
+may be handed to another sequence (or to a KV transfer) before then. New sequences wait in an
 inbox until the next step drains it.
 
 Only prompt-pass blocks (here or on a prefill worker) enter the prefix cache: a decoded token's bits
@@ -53,6 +54,8 @@ class Engine:
         self.stats = StepStats(runner.chunk)
         self.forked: list[Sequence] = []  # choices forked since the owner last took them
         self.masks = RowMasks(runner.kernels)  # constrained rows, with the runner's kernels
+        self.stepping = False  # a step runs (set and cleared under the lock)
+        self.releasing: list[Sequence] = []  # released while it runs: freed when it ends
 
     # -- from the event loop -------------------------------------------------------------------
 
@@ -89,10 +92,14 @@ class Engine:
             return True
 
     def release(self, seq: Sequence) -> None:
-        """Takes seq out of the engine (aborted first, unless it finished) and frees its blocks."""
+        """Takes seq out of the engine (aborted first, unless it finished) and frees its blocks,
+        at the end of the step running now if one is."""
         self.abort(seq)
         with self.lock:
-            self.blocks.deallocate(seq)
+            if self.stepping:
+                self.releasing.append(seq)
+            else:
+                self.blocks.deallocate(seq)
 
     def has_work(self) -> bool:
         return bool(self.inbox) or self.scheduler.has_work()
@@ -114,8 +121,19 @@ class Engine:
         with self.lock:
             self._drain()
             batch = self.scheduler.schedule()
-        if not batch.loads and not batch.work:
-            return None
+            if not batch.loads and not batch.work:
+                return None
+            self.stepping = True
+        try:
+            return self._run(batch)
+        finally:
+            with self.lock:
+                self.stepping = False
+                for seq in self.releasing:
+                    self.blocks.deallocate(seq)
+                self.releasing.clear()
+
+    def _run(self, batch) -> Outputs:
         outputs = [pair for seq in batch.loads for pair in self._load(seq)]
         if batch.work:
             rows, started = _rows(batch.work), time.perf_counter()  # counted before postprocess

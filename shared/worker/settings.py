@@ -25,6 +25,23 @@ CHOICES = {  # settings with a fixed set of values
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
+# settings that must be above 0
+POSITIVE = (
+    "kv_cache_mb",
+    "block_size",
+    "max_queue",
+    "steps_ahead",
+    "max_num_seqs",
+    "max_batch_tokens",
+    "prefill_chunk_tokens",
+    "max_held_chunks",
+    "mock_workers",
+    "tp",
+    "tp_collective_timeout_s",
+    "tp_start_timeout_s",
+)
+
+
 @dataclass
 class WorkerSettings(CommonSettings):
     # how long a worker gives its KV data-plane helper process (shared.dataplane.helper_link)
@@ -211,6 +228,12 @@ class WorkerSettings(CommonSettings):
         default=256,
         metadata={"help": "requests held (running and waiting) beyond which new ones are refused"},
     )
+    steps_ahead: int = field(
+        default=4,
+        metadata={
+            "help": "a decode worker's engine steps on while this many steps' tokens wait to be published; the loop then sends a stream's tokens of those steps as one chunk (1: one step ahead, each step's tokens sent alone)"
+        },
+    )
     worker_id: str = field(
         default="", metadata={"help": "unique id; empty = role plus a random suffix"}
     )
@@ -306,19 +329,7 @@ class WorkerSettings(CommonSettings):
         self._check_mock()
         if self.prefix_summary_limit < 0:
             raise ValueError("prefix_summary_limit must not be negative")
-        for name in (
-            "kv_cache_mb",
-            "block_size",
-            "max_queue",
-            "max_num_seqs",
-            "max_batch_tokens",
-            "prefill_chunk_tokens",
-            "max_held_chunks",
-            "mock_workers",
-            "tp",
-            "tp_collective_timeout_s",
-            "tp_start_timeout_s",
-        ):
+        for name in POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.kv_segment_tokens < 0 or self.kv_segment_tokens % self.block_size:

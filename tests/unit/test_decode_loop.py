@@ -5,8 +5,9 @@ import time
 
 from services.decode.decode_loop import DecodeLoop
 from services.decode.request import DecodeRequest
+from services.decode.stepper import Stepper
 from shared.job_thread import JobThread
-from tests.unit.test_engine import make_engine, make_seq, task_of
+from tests.unit.test_engine import make_engine, make_seq, run_to_end, task_of
 
 
 async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
@@ -20,7 +21,7 @@ async def test_drain_returns_when_the_last_sequence_finishes(tiny_model):
     async def finish(req):
         finished.append(req.attempt_id)
 
-    loop = DecodeLoop(engine, executor, publish, finish, DecodeRequest)
+    loop = DecodeLoop(Stepper(engine, executor, 1), publish, finish, DecodeRequest)
     try:
         seq = make_seq(list(range(3, 20)), 6, attempt_id="a")
         loop.add(DecodeRequest(seq, task_of(seq), engine), local_prefill=True)
@@ -52,7 +53,7 @@ async def test_a_cancel_while_the_loop_ends_another_request_is_reaped(tiny_model
             loop.wakeup.set()
             await asyncio.sleep(0)
 
-    loop = DecodeLoop(engine, executor, publish, finish, DecodeRequest)
+    loop = DecodeLoop(Stepper(engine, executor, 1), publish, finish, DecodeRequest)
     stop = asyncio.Event()
     try:
         loop.add(DecodeRequest(b_seq, task_of(b_seq), engine), local_prefill=True)
@@ -97,7 +98,7 @@ async def test_the_next_step_runs_while_a_step_is_published_and_a_stream_ends_af
     async def finish(req):
         events.append(("end", req.attempt_id))
 
-    loop = DecodeLoop(engine, executor, publish, finish, DecodeRequest)
+    loop = DecodeLoop(Stepper(engine, executor, 1), publish, finish, DecodeRequest)
     try:
         for name, prompt, tokens in (("a", range(3, 20), 5), ("b", range(4, 30), 8)):
             seq = make_seq(list(prompt), tokens, attempt_id=name)
@@ -111,3 +112,55 @@ async def test_the_next_step_runs_while_a_step_is_published_and_a_stream_ends_af
         mine = [e for e in events if e[1] == name]
         assert [e[0] for e in mine] == ["chunk"] * tokens + ["end"]
         assert mine[-2][3] is not None  # the last chunk says it finished, then it ends
+
+
+async def test_steps_run_ahead_of_a_slow_publish_and_a_stream_gets_every_token_once(tiny_model):
+    """With four steps allowed ahead, the engine steps on while the loop publishes: the tokens
+    of the steps that waited go out joined, one chunk per stream, in order; each request's
+    tokens are those it gets alone, its last chunk says it finished, and only then is it reaped
+    (a step ends a sequence before the loop has the output that says so)."""
+    alone = {}
+    for name, prompt, tokens in (("a", range(3, 20), 9), ("b", range(4, 30), 12)):
+        engine = make_engine(tiny_model)
+        seq = make_seq(list(prompt), tokens, attempt_id=name)
+        engine.add(seq)
+        run_to_end(engine)
+        alone[name] = seq.output_ids
+
+    engine = make_engine(tiny_model)
+    executor = JobThread()
+    chunks, events = {"a": [], "b": []}, []
+
+    async def publish(produced):
+        for req, out in produced:
+            chunks[req.attempt_id].append(out)
+            events.append(("chunk", req.attempt_id, out.finished))
+        await asyncio.sleep(0.03)  # slower than a step: steps wait to be published
+
+    async def finish(req):
+        events.append(("end", req.attempt_id))
+
+    step = engine.step
+
+    def slow_to_hand_over_an_end():
+        outputs = step()
+        if outputs and any(out.finished for _, out in outputs):
+            time.sleep(0.1)  # the loop turns meanwhile: a sequence ended, its output not here
+        return outputs
+
+    engine.step = slow_to_hand_over_an_end
+    loop = DecodeLoop(Stepper(engine, executor, 4), publish, finish, DecodeRequest)
+    try:
+        for name, prompt, tokens in (("a", range(3, 20), 9), ("b", range(4, 30), 12)):
+            seq = make_seq(list(prompt), tokens, attempt_id=name)
+            loop.add(DecodeRequest(seq, task_of(seq), engine), local_prefill=True)
+        await asyncio.wait_for(loop.drain(timeout_s=30), timeout=20)
+        assert not loop.requests and engine.blocks.used == 0 and not engine.releasing
+    finally:
+        executor.close()
+    for name in ("a", "b"):
+        assert [t for out in chunks[name] for t in out.token_ids] == alone[name]
+        assert any(len(out.token_ids) > 1 for out in chunks[name])  # steps joined
+        mine = [e for e in events if e[1] == name]
+        assert mine[-1] == ("end", name) and mine[-2][2] is not None
+        assert all(e[0] == "chunk" and e[2] is None for e in mine[:-2])

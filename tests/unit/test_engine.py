@@ -172,6 +172,27 @@ def test_release_frees_a_running_sequence(model, rand_tokens):
     assert engine.step() is None
 
 
+def test_release_while_a_step_runs_frees_the_blocks_when_it_ends(tiny_model):
+    """The step may still be writing a released sequence's blocks: they are not free (for a new
+    sequence, a KV transfer) until it ends; the step gives it nothing."""
+    engine = make_engine(tiny_model)
+    seq = make_seq(list(range(3, 40)), 8)
+    engine.add(seq)
+    engine.step()
+    held = engine.blocks.used
+    ask, seen = engine.runner.forward, []
+
+    def forward(segments, abandon=None):
+        engine.release(seq)  # as the loop reaps it, while the engine thread steps
+        seen.append((engine.blocks.used, list(engine.releasing)))
+        return ask(segments, abandon)
+
+    engine.runner.forward = forward
+    assert engine.step() == []  # aborted while it ran: no token for it
+    assert seen == [(held, [seq])]
+    assert engine.blocks.used == 0 and not engine.releasing and not engine.stepping
+
+
 def test_release_of_a_waiting_sequence(model, rand_tokens):
     engine = make_engine(model)
     seq = make_seq(rand_tokens(30), 5)

@@ -47,11 +47,19 @@ class DecodeLoop:
         self.requests: dict[str, DecodeRequest] = {}  # every request this worker holds, by id
         self.wakeup = asyncio.Event()
         stepper.wake = self.wakeup.set
+        self._landed: list[tuple[Sequence, StepOutput]] = []  # see landed
 
     def add(self, req: DecodeRequest, local_prefill: bool) -> None:
         self.requests[req.attempt_id] = req
         if local_prefill:
             self.engine.add(req.seq)
+        self.wakeup.set()
+
+    def landed(self, outputs: list[tuple[Sequence, StepOutput]]) -> None:
+        """The first tokens of a prompt computed elsewhere, its sequence in the batch now
+        (Engine.kv_arrived): they go out at the loop's next turn, before any step's after them,
+        with the tokens the steps that ended meanwhile produced."""
+        self._landed += outputs
         self.wakeup.set()
 
     def count(self, *statuses: SeqStatus) -> int:
@@ -80,7 +88,7 @@ class DecodeLoop:
             self.stepper.ended()
         produced = []
         with contextlib.suppress(RunnerLost):
-            produced = self._produced(self.stepper.take())
+            produced = self._produced(self._take())
         if produced:
             await self.publish(produced)
         await self.executor.run(_nothing)
@@ -90,17 +98,25 @@ class DecodeLoop:
         the steps' tokens meanwhile; False when nothing came (then wait for news: a step's end
         wakes it too)."""
         ended = self.stepper.ended()
-        taken = self.stepper.take()
+        taken = self._take()
         produced = self._produced(taken)
         # a request whose last chunk is in `produced` is reaped next turn, once it went out
-        freed = await self._reap(keep={id(req) for req, _ in produced})
-        # a run that found nothing to run starts again only on news (freed blocks are news)
-        news = ended is not RunEnd.STARVED or freed
+        await self._reap(keep={id(req) for req, _ in produced})
+        # a run that found nothing to run starts again only on news since it looked (news that
+        # woke the loop while it ran may have been taken by a turn that could not start one)
+        news = ended is not RunEnd.STARVED or self.engine.changes != self.engine.scheduled_at
         if self.stepper.run is None and news and self.engine.has_work():
             self.stepper.start()
         if produced:
             await self.publish(produced)
         return bool(taken)
+
+    def _take(self) -> list:
+        """The first tokens landed since the last turn (as a step's outputs), then every step's
+        outputs waiting."""
+        landed, self._landed = self._landed, []
+        taken = self.stepper.take()
+        return [landed, *taken] if landed else taken
 
     def _produced(self, taken: list) -> list[tuple[DecodeRequest, StepOutput]]:
         """Each request's output of the steps taken, one per request (several steps' joined),
@@ -141,12 +157,12 @@ class DecodeLoop:
                 req.last_taken = out.finished is not None
         return produced
 
-    async def _reap(self, keep: frozenset | set = frozenset()) -> int:
+    async def _reap(self, keep: frozenset | set = frozenset()) -> None:
         """Ends the requests that ended (frees their blocks, tells the gateway), but those in
         `keep` (id()s: their last chunk has yet to go out) and those whose last output is still
         to come from the engine (DecodeRequest.reapable). A step may run meanwhile: the blocks
-        of a sequence it runs are freed when it ends (Engine.release). How many it ended."""
-        now, reaped = time.time(), 0  # one clock read a turn, not one a request
+        of a sequence it runs are freed when it ends (Engine.release)."""
+        now = time.time()  # one clock read a turn, not one a request
         for req in list(self.requests.values()):
             seq = req.seq
             if not seq.status.finished and not seq.expired_at(now):
@@ -159,8 +175,6 @@ class DecodeLoop:
                 del self.requests[req.attempt_id]
                 self.engine.release(seq)
                 await self.finish(req)
-                reaped += 1
-        return reaped
 
 
 def _joined(first: StepOutput, then: StepOutput) -> StepOutput:

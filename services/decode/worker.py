@@ -228,15 +228,13 @@ class DecodeWorker:
             self.fetches[req.attempt_id] = asyncio.create_task(self._fetch_kv(req))
 
     async def _fetch_kv(self, req: DecodeRequest) -> None:
-        """The transfer settles; its KV joins the batch (the first tokens go out at once, not a
-        step later), or the request fails with its cause."""
+        """The transfer settles; its KV joins the batch (the first tokens go out at the loop's
+        next turn, not a step later), or the request fails with its cause."""
         t = req.transfer
         try:
             await self.kv.fetch(t, req.seq, req.task)
             if t.state is TransferState.COMPLETE:
-                first = self._land(req)
-                if first and not req.aborted:
-                    await self.out.publish_step([(req, out) for _, out in first])
+                self.loop.landed(self._land(req))
             elif not req.cancel_reason:
                 req.fail(t.cause.failure)
         finally:

@@ -56,6 +56,10 @@ class Engine:
         self.masks = RowMasks(runner.kernels)  # constrained rows, with the runner's kernels
         self.stepping = False  # a step runs (set and cleared under the lock)
         self.releasing: list[Sequence] = []  # released while it runs: freed when it ends
+        # news a step may schedule differently for (a sequence added, landed, ended or freed),
+        # counted; `scheduled_at`: the count the last step scheduled with
+        self.changes = 0
+        self.scheduled_at = 0
 
     # -- from the event loop -------------------------------------------------------------------
 
@@ -68,12 +72,14 @@ class Engine:
         """seq's prompt is computed here: queued at the next step."""
         with self.lock:
             self.inbox.append(seq)
+            self.changes += 1
 
     def kv_arrived(self, seq: Sequence) -> Outputs:
         """seq's KV is in its blocks and seq.first_tokens are set: it joins the batch now when
         there is room and none waits before it (its first token returned, to send at once),
         else at a step. Nothing for a sequence aborted meanwhile."""
         with self.lock:
+            self.changes += 1
             if seq.status.finished or not self.scheduler.kv_ready(seq):
                 return []
         return self._load(seq)
@@ -86,6 +92,7 @@ class Engine:
                 self.inbox.remove(seq)
             if seq.status.finished:
                 return False
+            self.changes += 1
             self.scheduler.remove(seq)
             seq.move(SeqStatus.FINISHED_ABORTED)
             seq.abandoned = True  # a step computing only abandoned sequences stops early
@@ -96,6 +103,7 @@ class Engine:
         at the end of the step running now if one is."""
         self.abort(seq)
         with self.lock:
+            self.changes += 1
             if self.stepping:
                 self.releasing.append(seq)
             else:
@@ -119,6 +127,7 @@ class Engine:
     def step(self) -> Outputs | None:
         """What this step produced; None when nothing could be scheduled (wait for news)."""
         with self.lock:
+            self.scheduled_at = self.changes
             self._drain()
             batch = self.scheduler.schedule()
             if not batch.loads and not batch.work:

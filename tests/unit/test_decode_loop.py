@@ -1,6 +1,7 @@
 """DecodeLoop.drain: it returns as soon as the sequences it holds are done, not at its deadline."""
 
 import asyncio
+import threading
 import time
 
 from services.decode.decode_loop import DecodeLoop
@@ -164,3 +165,50 @@ async def test_steps_run_ahead_of_a_slow_publish_and_a_stream_gets_every_token_o
         mine = [e for e in events if e[1] == name]
         assert mine[-1] == ("end", name) and mine[-2][2] is not None
         assert all(e[0] == "chunk" and e[2] is None for e in mine[:-2])
+
+
+async def test_a_request_added_while_a_run_finds_nothing_to_run_is_stepped(tiny_model):
+    """The run's last step found nothing; before its end reaches the loop, a request comes: the
+    loop's turn for that news cannot start a run (one still runs), so the run's end must."""
+    engine = make_engine(tiny_model)
+    executor = JobThread()
+    idle, go = threading.Event(), threading.Event()
+    step = engine.step
+
+    def step_then_linger():
+        outputs = step()
+        if outputs is None and not go.is_set():
+            idle.set()
+            go.wait(10)  # the run has found nothing; the loop turns meanwhile
+        return outputs
+
+    engine.step = step_then_linger
+    finished = []
+
+    async def publish(produced):
+        pass
+
+    async def finish(req):
+        finished.append(req.attempt_id)
+
+    loop = DecodeLoop(Stepper(engine, executor, 1), publish, finish, DecodeRequest)
+    stop = asyncio.Event()
+    running = asyncio.create_task(loop.run(stop))
+    try:
+        a = make_seq(list(range(3, 20)), 2, attempt_id="a")
+        loop.add(DecodeRequest(a, task_of(a), engine), local_prefill=True)
+        assert await asyncio.to_thread(idle.wait, 10)
+        b = make_seq(list(range(4, 30)), 3, attempt_id="b")
+        loop.add(DecodeRequest(b, task_of(b), engine), local_prefill=True)
+        await asyncio.sleep(0.05)  # the loop took that news while the run still ran
+        go.set()
+        deadline = time.monotonic() + 10
+        while "b" not in finished and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert finished == ["a", "b"] and engine.blocks.used == 0
+    finally:
+        go.set()
+        stop.set()
+        loop.wakeup.set()
+        await asyncio.wait_for(running, 5)
+        executor.close()

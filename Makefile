@@ -201,6 +201,7 @@ DYNAMO_DEPS = 'aiohttp<4.0,>=3.14.3' 'certifi>=2026.10.19' 'kubernetes<33.0.0,>=
   'msgspec>=0.19.0' 'prometheus-client<1.0,>=0.23.1' 'pyzmq>=26.0.0' 'redis<9.0.0,>=6.2.0' \
   'tqdm>=4.0.0' 'transformers>=4.56.0' 'typing-extensions>=4.10.0' 'zstandard<1.0,>=0.23.0' httpx
 bench-control-plane: install .venv-dynamo/bin/python
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[bench]'
 	$(PY) bench/control_plane.py
 	$(PY) bench/cp_report.py
 	$(PY) bench/cp_floor.py

@@ -9,6 +9,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from cp_plot import plot
+
 OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -289,6 +291,9 @@ def main(paths: list[str]) -> int:
         results = json.loads(path.read_text())
         lines += [f"From `{path.name}` (`python bench/control_plane.py {_args(results)}`).", ""]
         lines += render(results)
+        if "ttft" in results:
+            plot(by_cell(results["ttft"]), OUT / "control-plane.png")
+            lines += ["Plotted in `control-plane.png`.", ""]
     (OUT / "control-plane.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -6,8 +6,9 @@ outputs wait for the loop; then it waits for the loop to take them (a Condition:
 sleeps without the GIL). The loop takes every step waiting at once: when it fell behind (a
 burst of new requests, NATS slow), a stream's tokens of several steps go out as one chunk, and
 none waits for a step of its own to be published. A run ends when a step finds nothing to run
-(STARVED: the loop starts the next on news), when a step fails (its error is handed over as its
-outputs are), or when the loop pauses it (PAUSED).
+(STARVED: the loop starts the next once something changed since that step scheduled,
+Engine.changes), when a step fails (its error is handed over as its outputs are), or when the
+loop pauses it (PAUSED).
 
 One hand-off a step: the thread wakes the loop when the first waiting step comes in; the loop
 wakes the thread only when it was waiting for room.

@@ -43,10 +43,6 @@ class Stepper:
         self._paused = False
         self.run: asyncio.Future | None = None  # the run in the engine thread, if any
 
-    @property
-    def running(self) -> bool:
-        return self.run is not None and not self.run.done()
-
     def start(self) -> None:
         """A run starts (the loop's: none runs now)."""
         loop = asyncio.get_running_loop()

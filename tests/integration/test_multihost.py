@@ -28,7 +28,7 @@ import pytest
 from tests.integration.helpers import chat_request, collect
 from tests.integration.multihost import cluster
 from tests.integration.multihost.hosts import Hosts, unavailable
-from tests.integration.multihost.streams import Streams, check, running
+from tests.integration.multihost.streams import HEARTBEAT_S, Streams, check, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 LABELS = ["a", "b", "c"]
@@ -138,7 +138,12 @@ def test_workers_are_labelled_by_their_hosts_and_pair_on_one(stack):
         "decode-3": "host-c",
     }
     # The first request: every worker idle, every prompt speed unmeasured; decode-1 ranks first
-    # and prefill-1 (host b) would win a tie, but the KV would cross hosts.
+    # and prefill-1 (host b) would win a tie, but the KV would cross hosts. The rooms a gateway
+    # places in come from a scheduler replica's beat, made from the workers' latest beats: just
+    # after start-up a replica may name only the workers it heard so far (twice in ten runs the
+    # first request went to another decode worker), so the workers beat twice more first.
+    _settle(stack, workers=5)
+    time.sleep(2 * HEARTBEAT_S)
     timing = collect(gateway.stub(), chat_request(PROMPTS[0] * 3, 4))[0][-1].timing
     assert (timing.decode_worker, timing.prefill_worker) == ("decode-1", "prefill-2"), timing
     # Three streams spread over the decode workers: host c's gets its KV from another host.
